@@ -1,0 +1,403 @@
+"""Cache format version 1: a directory with `manifest.json` and zstd Parquet shards. See FORMAT.md.
+
+Writers use `shard_table`, `write_shard` and `write_manifest` (both atomic: temp file, fsync, rename). Readers use
+`open_cache`, which refuses anything that does not match the manifest with a typed `CacheError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .encoding import EncodingConfig, row_mask_checksum
+from .stamps import combined_mask_checksum, file_sha256
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SKIPPED = "skipped.jsonl"
+LOCK = ".refcache.lock"
+STAMPS = ("model_hash", "tokenizer_hash", "mask_checksum")
+META_PREFIX = "refcache."
+SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.parquet$")
+
+SHARD_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("prompt_input_ids", pa.list_(pa.int32())),
+        ("chosen_input_ids", pa.list_(pa.int32())),
+        ("rejected_input_ids", pa.list_(pa.int32())),
+        ("chosen_logps", pa.list_(pa.float32())),
+        ("rejected_logps", pa.list_(pa.float32())),
+        ("chosen_logp", pa.float64()),
+        ("rejected_logp", pa.float64()),
+        ("mask_checksum", pa.string()),
+    ]
+)
+
+
+class CacheError(Exception):
+    """A cache that must not be used. `kind` is a stable key (tests and audit-ref match on it)."""
+
+    def __init__(self, kind, message, *, remedy, expected=None, found=None, shard=None, row=None):
+        self.kind, self.message, self.remedy = kind, message, remedy
+        self.expected, self.found, self.shard, self.row = expected, found, shard, row
+        super().__init__(str(self))
+
+    def __str__(self):
+        lines = [self.message]
+        if self.expected is not None or self.found is not None:
+            lines += [f"  expected: {self.expected}", f"  found:    {self.found}"]
+        if self.shard is not None:
+            lines.append(f"  where:    shard {self.shard}" + (f", row {self.row}" if self.row is not None else ""))
+        lines.append(f"  remedy:   {self.remedy}")
+        return "\n".join(lines)
+
+
+class StampMismatch(CacheError):
+    """One of the three stamps differs; `kind` names it (model_hash, tokenizer_hash, mask_checksum, encoding)."""
+
+
+RERUN = "re-run precompute-ref with the same --model, --data and encoding options into a fresh --out directory"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _list_array(values: list, value_type) -> pa.ListArray:
+    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate([np.asarray(v) for v in values]) if values else np.zeros(0)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(value_type.to_pandas_dtype())))
+
+
+def shard_table(ids, prompt_ids, chosen_ids, rejected_ids, chosen_logps, rejected_logps) -> pa.Table:
+    """Build a shard table from per-row sequences; sums and per-row checksums are derived here."""
+    chosen_sum = np.array([np.sum(np.asarray(v, dtype=np.float64)) for v in chosen_logps], dtype=np.float64)
+    rejected_sum = np.array([np.sum(np.asarray(v, dtype=np.float64)) for v in rejected_logps], dtype=np.float64)
+    checks = [row_mask_checksum(p, c, r) for p, c, r in zip(prompt_ids, chosen_ids, rejected_ids)]
+    columns = [
+        pa.array(list(ids), pa.string()),
+        _list_array(prompt_ids, pa.int32()),
+        _list_array(chosen_ids, pa.int32()),
+        _list_array(rejected_ids, pa.int32()),
+        _list_array(chosen_logps, pa.float32()),
+        _list_array(rejected_logps, pa.float32()),
+        pa.array(chosen_sum),
+        pa.array(rejected_sum),
+        pa.array(checks, pa.string()),
+    ]
+    return pa.Table.from_arrays(columns, schema=SHARD_SCHEMA)
+
+
+def shard_metadata(model_hash, tokenizer_hash, encoding: EncodingConfig, shard_checksum: str) -> dict[bytes, bytes]:
+    meta = {
+        "format_version": str(FORMAT_VERSION),
+        "model_hash": model_hash,
+        "tokenizer_hash": tokenizer_hash,
+        "mask_checksum": shard_checksum,
+        "encoding": encoding.to_json(),
+    }
+    return {(META_PREFIX + k).encode(): v.encode() for k, v in meta.items()}
+
+
+def write_shard(path: Path, table: pa.Table, *, model_hash, tokenizer_hash, encoding: EncodingConfig) -> dict:
+    """Write one shard atomically and return its manifest entry."""
+    checksum = combined_mask_checksum(table.column("mask_checksum").to_pylist(), encoding.to_json())
+    table = table.replace_schema_metadata(shard_metadata(model_hash, tokenizer_hash, encoding, checksum))
+    _atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd"))
+    return {
+        "file": path.name,
+        "rows": table.num_rows,
+        "bytes": path.stat().st_size,
+        "sha256": file_sha256(path),
+        "mask_checksum": checksum,
+    }
+
+
+def write_manifest(root: Path, manifest: dict) -> None:
+    data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    _atomic_write(Path(root) / MANIFEST, lambda f: f.write(data))
+
+
+def read_shard_metadata(path: Path) -> dict[str, str]:
+    meta = pq.read_schema(path).metadata or {}
+    return {k.decode()[len(META_PREFIX) :]: v.decode() for k, v in meta.items() if k.startswith(META_PREFIX.encode())}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading and verifying
+
+
+def _shard_path(root: Path, name) -> Path:
+    """A manifest's shard name, trusted only if it is a plain file name that stays inside the cache directory."""
+    if not isinstance(name, str) or not SHARD_NAME.match(name):
+        raise CacheError(
+            "shard_path",
+            f"manifest names shard {name!r}, which is not a plain .parquet file name inside the cache",
+            remedy="the manifest was edited or forged; " + RERUN,
+        )
+    path = root / name
+    if path.is_symlink() and path.resolve().parent != root.resolve():
+        raise CacheError(
+            "shard_path",
+            f"shard {name} is a symlink leaving the cache directory (to {os.readlink(path)})",
+            remedy="copy the real file into the cache directory, or " + RERUN,
+            shard=name,
+        )
+    return path
+
+
+@dataclass
+class Cache:
+    root: Path
+    manifest: dict
+
+    @property
+    def stamps(self) -> dict:
+        return self.manifest["stamps"]
+
+    @property
+    def encoding(self) -> EncodingConfig:
+        return EncodingConfig.from_dict(self.manifest["encoding"])
+
+    @property
+    def shard_paths(self) -> list[Path]:
+        return [self.root / s["file"] for s in self.manifest["shards"]]
+
+    def read(self, columns=None) -> pa.Table:
+        return pa.concat_tables([pq.read_table(p, columns=columns) for p in self.shard_paths])
+
+    def check_stamps(self, *, model_hash=None, tokenizer_hash=None, encoding: EncodingConfig | None = None):
+        """Compare the cache's stamps with the caller's; raise StampMismatch naming the first that differs."""
+        remedies = {
+            "model_hash": "pass the reference the cache was computed from (--ref-model / --ref-model-hash), or "
+            "re-run precompute-ref with this model into a new --out",
+            "tokenizer_hash": "use the tokenizer the cache was made with (including its chat template), or re-run "
+            "precompute-ref with this tokenizer into a new --out",
+            "encoding": "drop the conflicting encoding option so the cache's value is used, or re-run precompute-ref "
+            "with the new encoding into a new --out",
+        }
+        wanted = {"model_hash": model_hash, "tokenizer_hash": tokenizer_hash}
+        for stamp, value in wanted.items():
+            if value is not None and value != self.stamps[stamp]:
+                raise StampMismatch(
+                    stamp,
+                    f"{stamp} mismatch: the cache {self.root} was not computed with this "
+                    + ("model" if stamp == "model_hash" else "tokenizer"),
+                    remedy=remedies[stamp],
+                    expected=value,
+                    found=self.stamps[stamp],
+                )
+        if encoding is not None and encoding != self.encoding:
+            raise StampMismatch(
+                "encoding",
+                f"encoding config mismatch with the cache {self.root}",
+                remedy=remedies["encoding"],
+                expected=encoding.to_json(),
+                found=self.encoding.to_json(),
+            )
+
+    def check_rows(self, expected: dict[str, str]) -> None:
+        """Every expected row (id -> mask checksum from the caller's own encoding) must be cached, identically."""
+        table = self.read(["id", "mask_checksum"])
+        cached = dict(zip(table.column("id").to_pylist(), table.column("mask_checksum").to_pylist()))
+        missing = [i for i in expected if i not in cached]
+        if missing:
+            raise CacheError(
+                "rows_missing",
+                f"{len(missing)} of {len(expected)} data rows are not in the cache {self.root}; first ids: "
+                + ", ".join(missing[:5]),
+                remedy="precompute these rows too: re-run precompute-ref over the full data into a new --out",
+            )
+        where = _row_locations(self)
+        for rid, checksum in expected.items():
+            if cached[rid] != checksum:
+                raise StampMismatch(
+                    "mask_checksum",
+                    f"mask checksum mismatch for row {rid!r}: its token ids differ from the cached ones (data edited, "
+                    "or a different tokenizer or encoding)",
+                    remedy=RERUN,
+                    expected=checksum,
+                    found=cached[rid],
+                    shard=where[rid][0],
+                    row=where[rid][1],
+                )
+
+
+def _row_locations(cache: Cache) -> dict[str, tuple[str, int]]:
+    out = {}
+    for path in cache.shard_paths:
+        for i, rid in enumerate(pq.read_table(path, columns=["id"]).column("id").to_pylist()):
+            out[rid] = (path.name, i)
+    return out
+
+
+def read_manifest(root: Path) -> dict:
+    path = root / MANIFEST
+    if not path.is_file():
+        raise CacheError(
+            "incomplete",
+            f"{root} has no {MANIFEST}: the cache is incomplete (precompute-ref is still running or was interrupted)",
+            remedy="wait for precompute-ref to finish, or re-run the same precompute-ref command to resume it",
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CacheError("manifest", f"{path} is not valid JSON ({e})", remedy=RERUN) from None
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CacheError("manifest", f"{path} has no integer format_version", remedy=RERUN)
+    if version != FORMAT_VERSION:
+        raise CacheError(
+            "format_version",
+            f"{path} has format version {version}; this refcache reads version {FORMAT_VERSION}",
+            remedy="upgrade refcache" if version > FORMAT_VERSION else RERUN,
+            expected=FORMAT_VERSION,
+            found=version,
+        )
+    for key, kind in (("stamps", dict), ("encoding", dict), ("shards", list)):
+        if not isinstance(manifest.get(key), kind):
+            raise CacheError("manifest", f"{path}: '{key}' is missing or malformed", remedy=RERUN)
+    if any(not isinstance(manifest["stamps"].get(s), str) for s in STAMPS):
+        raise CacheError("manifest", f"{path}: stamps must hold {', '.join(STAMPS)}", remedy=RERUN)
+    try:
+        EncodingConfig.from_dict(manifest["encoding"])
+    except (TypeError, ValueError) as e:
+        raise CacheError("manifest", f"{path}: bad encoding config ({e})", remedy=RERUN) from None
+    for s in manifest["shards"]:
+        if not isinstance(s, dict) or not {"file", "rows", "bytes", "sha256", "mask_checksum"} <= set(s):
+            raise CacheError("manifest", f"{path}: malformed shard entry {s!r}", remedy=RERUN)
+    return manifest
+
+
+def open_cache(root, *, verify_files: bool = True) -> Cache:
+    """Open a cache and check it against its own manifest: names, presence, sizes, sha256 (unless
+    verify_files=False), each shard's metadata stamps and row count, and the per-row checksums."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CacheError("incomplete", f"{root} is not a directory", remedy="pass the --out directory of precompute-ref")
+    manifest = read_manifest(root)
+    cache = Cache(root, manifest)
+    listed = set()
+    for entry in manifest["shards"]:
+        path = _shard_path(root, entry["file"])
+        listed.add(entry["file"])
+        _check_shard(cache, entry, path, verify_files)
+    unlisted = sorted(p.name for p in root.glob("*.parquet") if p.name not in listed)
+    if unlisted:
+        raise CacheError(
+            "shard_unlisted",
+            f"{root} holds shard files the manifest does not list: {', '.join(unlisted[:5])}",
+            remedy="remove the stray files, or " + RERUN,
+            shard=unlisted[0],
+        )
+    _check_row_checksums(cache)
+    return cache
+
+
+def _check_shard(cache: Cache, entry: dict, path: Path, verify_files: bool) -> None:
+    name = entry["file"]
+    if not path.is_file():
+        raise CacheError("shard_missing", f"shard {name} listed in the manifest is missing", remedy=RERUN, shard=name)
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise CacheError(
+            "shard_size", f"shard {name} has the wrong size", remedy=RERUN, expected=entry["bytes"], found=size, shard=name
+        )
+    if verify_files:
+        digest = file_sha256(path)
+        if digest != entry["sha256"]:
+            raise CacheError(
+                "shard_hash",
+                f"shard {name} content differs from the manifest (file sha256)",
+                remedy=RERUN,
+                expected=entry["sha256"],
+                found=digest,
+                shard=name,
+            )
+    try:
+        meta = read_shard_metadata(path)
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise CacheError("shard_unreadable", f"shard {name} is not a readable Parquet file ({e})", remedy=RERUN, shard=name) from None
+    expected = {**cache.stamps, "format_version": str(FORMAT_VERSION), "encoding": EncodingConfig.from_dict(
+        cache.manifest["encoding"]).to_json(), "mask_checksum": entry["mask_checksum"]}
+    for key, want in expected.items():
+        if meta.get(key) != want:
+            raise StampMismatch(
+                key if key in STAMPS else "shard_metadata",
+                f"shard {name}: metadata '{META_PREFIX}{key}' differs from the manifest",
+                remedy=RERUN,
+                expected=want,
+                found=meta.get(key),
+                shard=name,
+            )
+    if rows != entry["rows"]:
+        raise CacheError("shard_rows", f"shard {name} row count differs", remedy=RERUN, expected=entry["rows"], found=rows, shard=name)
+
+
+def _check_row_checksums(cache: Cache) -> None:
+    """Recompute each shard's and the whole cache's mask checksum from the stored per-row checksums and ids."""
+    enc = cache.encoding.to_json()
+    everything, seen = [], {}
+    for entry, path in zip(cache.manifest["shards"], cache.shard_paths):
+        table = pq.read_table(path, columns=["id", "mask_checksum"])
+        checks = table.column("mask_checksum").to_pylist()
+        try:
+            shard_sum = combined_mask_checksum(checks, enc)
+        except (ValueError, TypeError):
+            shard_sum = None
+        if shard_sum != entry["mask_checksum"]:
+            raise StampMismatch(
+                "mask_checksum",
+                f"shard {entry['file']}: its rows' mask checksums do not add up to the shard's (rows edited, "
+                "reordered or moved)",
+                remedy=RERUN,
+                expected=entry["mask_checksum"],
+                found=shard_sum,
+                shard=entry["file"],
+            )
+        for i, rid in enumerate(table.column("id").to_pylist()):
+            if rid in seen:
+                raise CacheError(
+                    "duplicate_id", f"row id {rid!r} appears twice (also in shard {seen[rid]})", remedy=RERUN,
+                    shard=entry["file"], row=i,
+                )
+            seen[rid] = entry["file"]
+        everything.extend(checks)
+    total = combined_mask_checksum(everything, enc)
+    if total != cache.stamps["mask_checksum"]:
+        raise StampMismatch(
+            "mask_checksum",
+            "the shards' rows do not add up to the manifest's mask checksum (rows moved between shards?)",
+            remedy=RERUN,
+            expected=cache.stamps["mask_checksum"],
+            found=total,
+        )
