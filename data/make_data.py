@@ -32,7 +32,7 @@ SEED = 1337
 OUT = Path(__file__).resolve().parent
 VOCAB_SIZE = 1024
 N_TRAIN_PAIRS, N_EVAL_PAIRS = 400, 100
-N_SFT = 4000                # SFT conversations (includes the train-pair prompts, never the eval prompts)
+N_SFT = 2000                # SFT conversations, one per prompt (incl. the train-pair prompts, never eval prompts)
 SFT_STEPS, BATCH, LR = 1200, 32, 3e-3
 CHOSEN_MARK, REJECTED_MARK = "Sure!", "Hmm."   # the preference: chosen answers open with "Sure!"
 SPECIALS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -176,14 +176,13 @@ prompts = sorted(pool)
 rng.shuffle(prompts)
 eval_prompts = prompts[:N_EVAL_PAIRS]
 train_prompts = prompts[N_EVAL_PAIRS:N_EVAL_PAIRS + N_TRAIN_PAIRS]
-sft_prompts = prompts[N_EVAL_PAIRS:]    # the train-pair prompts plus the rest
+sft_prompts = prompts[N_EVAL_PAIRS:N_EVAL_PAIRS + N_SFT]    # the train-pair prompts plus others
 
-# SFT conversations: each example gets one of the two styles at random, 50/50
-sft = []
-for i in range(N_SFT):
-    p = sft_prompts[i % len(sft_prompts)]
-    mark = CHOSEN_MARK if rng.random() < 0.5 else REJECTED_MARK
-    sft.append([{"role": "user", "content": p}, {"role": "assistant", "content": styled(pool[p], mark)}])
+# SFT conversations: each example gets one of the two styles at random, exactly half each
+marks = [CHOSEN_MARK, REJECTED_MARK] * (N_SFT // 2)
+rng.shuffle(marks)
+sft = [[{"role": "user", "content": p}, {"role": "assistant", "content": styled(pool[p], m)}]
+       for p, m in zip(sft_prompts, marks)]
 rng.shuffle(sft)
 frac_chosen_style = sum(c[1]["content"].startswith(CHOSEN_MARK) for c in sft) / len(sft)
 print(f"corpus: {len(pool)} unique prompts, {len(sft)} SFT conversations, "

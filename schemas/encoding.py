@@ -157,7 +157,7 @@ def parse_row(row: dict):
     chosen, rejected = _field(row, "chosen"), _field(row, "rejected")
     if type(chosen) is not type(rejected):
         raise BadRowError("mixed_format", "'chosen' and 'rejected' mix strings and message lists")
-    if row.get("prompt") is None:
+    if "prompt" not in row:
         prompt, chosen, rejected = _split_implicit_prompt(chosen, rejected)
     else:
         prompt = _field(row, "prompt")

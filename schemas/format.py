@@ -71,7 +71,7 @@ RERUN = "re-run precompute-ref with the same --model, --data and encoding option
 # writing
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -99,8 +99,9 @@ def _list_array(values: list, value_type) -> pa.ListArray:
 
 def shard_table(ids, prompt_ids, chosen_ids, rejected_ids, chosen_logps, rejected_logps) -> pa.Table:
     """Build a shard table from per-row sequences; sums and per-row checksums are derived here."""
-    chosen_sum = np.array([np.sum(np.asarray(v, dtype=np.float64)) for v in chosen_logps], dtype=np.float64)
-    rejected_sum = np.array([np.sum(np.asarray(v, dtype=np.float64)) for v in rejected_logps], dtype=np.float64)
+    # Sum the float32 values that are stored (not a float64 input's unrounded values), accumulating in float64.
+    chosen_sum = np.array([np.sum(np.asarray(v, np.float32).astype(np.float64)) for v in chosen_logps], np.float64)
+    rejected_sum = np.array([np.sum(np.asarray(v, np.float32).astype(np.float64)) for v in rejected_logps], np.float64)
     checks = [row_mask_checksum(p, c, r) for p, c, r in zip(prompt_ids, chosen_ids, rejected_ids)]
     columns = [
         pa.array(list(ids), pa.string()),
@@ -131,19 +132,19 @@ def write_shard(path: Path, table: pa.Table, *, model_hash, tokenizer_hash, enco
     """Write one shard atomically and return its manifest entry."""
     checksum = combined_mask_checksum(table.column("mask_checksum").to_pylist(), encoding.to_json())
     table = table.replace_schema_metadata(shard_metadata(model_hash, tokenizer_hash, encoding, checksum))
-    _atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd"))
-    return {
-        "file": path.name,
-        "rows": table.num_rows,
-        "bytes": path.stat().st_size,
-        "sha256": file_sha256(path),
-        "mask_checksum": checksum,
-    }
+    atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd"))
+    return shard_entry(path, table.num_rows, checksum)
+
+
+def shard_entry(path: Path, rows: int, mask_checksum: str) -> dict:
+    """A shard's line in the manifest."""
+    return {"file": path.name, "rows": rows, "bytes": path.stat().st_size, "sha256": file_sha256(path),
+            "mask_checksum": mask_checksum}
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
     data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    _atomic_write(Path(root) / MANIFEST, lambda f: f.write(data))
+    atomic_write(Path(root) / MANIFEST, lambda f: f.write(data))
 
 
 def read_shard_metadata(path: Path) -> dict[str, str]:

@@ -77,7 +77,9 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     index = root / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [(root / n).resolve() for n in names]
+        # Judge the names as written, without following symlinks: a Hugging Face hub snapshot holds every file as a
+        # symlink into ../../blobs, which is fine; a name such as '../x' or '/abs/x' is not.
+        files = [Path(os.path.normpath(root / n)) for n in names]
         for n, f in zip(names, files):
             if f.parent != root:
                 raise WeightsError(f"{index}: weight file {n!r} is outside the checkpoint folder")

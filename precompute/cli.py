@@ -1,0 +1,127 @@
+"""Command line of precompute-ref."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import click
+
+from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig
+
+EXIT_FAILED, EXIT_REFUSED = 1, 2
+
+
+def run_cli(body, debug: bool) -> None:
+    """Run a command body, turning the errors users can act on into one paragraph and exit code 2."""
+    from schemas.format import CacheError
+    from schemas.stamps import WeightsError
+
+    from .data import DataError
+    from .job import JobError
+
+    try:
+        body()
+    except (DataError, JobError, CacheError, WeightsError, click.UsageError) as e:
+        if debug:
+            traceback.print_exc()
+        if isinstance(e, click.UsageError):
+            raise
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_REFUSED)
+    except KeyboardInterrupt:
+        click.echo("interrupted; re-run the same command to resume", err=True)
+        sys.exit(130)
+    except Exception as e:
+        if debug:
+            traceback.print_exc()
+        else:
+            click.echo(f"error: unexpected {type(e).__name__}: {e} (re-run with --debug for the traceback)", err=True)
+        sys.exit(EXIT_FAILED)
+
+
+def quiet_libraries() -> None:
+    """Our own progress bar and summary replace the libraries' per-file bars and notices."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def encoding_options(f):
+    """Encoding options shared by every command that encodes data (defaults are the schema's)."""
+    d = EncodingConfig()
+    f = click.option("--chat-template", type=click.Choice(CHAT_TEMPLATE_MODES), default=None,
+                     help=f"Apply the tokenizer's chat template: auto (conversational rows only), on, off. [default: {d.chat_template}]")(f)
+    f = click.option("--truncation-mode", type=click.Choice(TRUNCATION_MODES), default=None,
+                     help=f"Over-long pairs: keep_start cuts completion ends, keep_end cuts the prompt start, error "
+                          f"rejects the row. [default: {d.truncation_mode}]")(f)
+    f = click.option("--max-length", type=click.IntRange(min=2), default=None,
+                     help=f"Maximum prompt + completion tokens per sequence. [default: {d.max_length}]")(f)
+    return f
+
+
+def encoding_from(max_length, truncation_mode, chat_template, base: EncodingConfig | None = None) -> EncodingConfig:
+    base = base or EncodingConfig()
+    given = {"max_length": max_length, "truncation_mode": truncation_mode, "chat_template": chat_template}
+    return EncodingConfig(**{**base.to_dict(), **{k: v for k, v in given.items() if v is not None}})
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Reference checkpoint folder (safetensors weights, config.json, tokenizer).")
+@click.option("--data", required=True, type=click.Path(exists=True),
+              help="Preference data: a .jsonl/.json/.parquet/.csv file, a folder of them, or a save_to_disk folder.")
+@click.option("--out", default="ref-cache", type=click.Path(file_okay=False), help="Cache directory to write.")
+@click.option("--split", default="train", help="Split to read from a folder or a DatasetDict.")
+@encoding_options
+@click.option("--token-budget", default=16384, type=click.IntRange(min=1),
+              help="Padded tokens per forward batch (batch size x longest sequence).")
+@click.option("--rows-per-shard", default=2048, type=click.IntRange(min=1), help="Pairs per Parquet shard.")
+@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="Reference precision; auto is bfloat16 on CUDA and float32 on CPU.")
+@click.option("--device", default="auto", help="auto (CUDA device LOCAL_RANK if present, else CPU), cpu, cuda, cuda:N.")
+@click.option("--attn-implementation", default="sdpa", help="Attention kernel: sdpa, eager, flash_attention_2.")
+@click.option("--resume/--overwrite", default=True,
+              help="Resume: keep finished shards of this same job. Overwrite: delete the existing cache first.")
+@click.option("--on-bad-row", default="error", type=click.Choice(["error", "skip"]),
+              help="error: stop at the first bad row (exit 2). skip: leave it out and list it in skipped.jsonl.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow custom model code from the checkpoint folder.")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def main(model, data, out, split, max_length, truncation_mode, chat_template, token_budget, rows_per_shard, dtype,
+         device, attn_implementation, resume, on_bad_row, trust_remote_code, no_progress, debug):
+    """Run the frozen reference model once over preference pairs and write per-token log-probs to a stamped,
+    resumable Parquet cache for train-dpo."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def body():
+        from .job import PrecomputeConfig, run_precompute
+
+        quiet_libraries()
+        cfg = PrecomputeConfig(
+            model=model, data=data, out=out, split=split,
+            encoding=encoding_from(max_length, truncation_mode, chat_template),
+            token_budget=token_budget, rows_per_shard=rows_per_shard, dtype=dtype, device=device,
+            attn_implementation=attn_implementation, overwrite=not resume, on_bad_row=on_bad_row,
+            trust_remote_code=trust_remote_code, progress=not no_progress,
+        )
+        s = run_precompute(cfg, log=lambda m: click.echo(m, err=True))
+        skipped = ", ".join(f"{k}: {v}" for k, v in s["skipped_by_reason"].items()) or "none"
+        click.echo(
+            f"wrote {s['rows']} pairs ({s['rows_scored']} scored now) in {s['shards']} shards to {s['out']}\n"
+            f"  skipped rows: {s['skipped']} ({skipped}); identical chosen/rejected: {s['identical_pairs']}\n"
+            f"  tokens: {s['tokens']:,}  padding: {s['padding_fraction']:.1%}  wall: {s['wall_s']:.1f} s  "
+            f"throughput: {s['tokens_per_s']:,.0f} tokens/s\n"
+            f"  cache size: {s['bytes'] / 2**20:.2f} MiB ({s['bytes_per_completion_token']:.1f} bytes per "
+            f"completion token)"
+        )
+
+    run_cli(body, debug)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""precompute-ref: run the frozen reference once over preference pairs and write a stamped, resumable cache.
+
+The work is planned before any model is loaded: rows are encoded, the stamps computed and the rows cut into
+shards in input order. Each shard is scored in length-sorted batches formed inside that shard, so a resumed run
+scores every shard exactly as an uninterrupted run would (bitwise on CPU float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from schemas import format as fmt
+from schemas.encoding import EncodedPair, EncodingConfig
+from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash, weight_files
+
+from .data import Encoded, encode_rows, load_rows
+from .logprobs import completion_logps, pad_sequences
+
+
+class JobError(RuntimeError):
+    """A refusal the user can act on (exit code 2)."""
+
+
+@dataclass
+class PrecomputeConfig:
+    model: str
+    data: str
+    out: str = "ref-cache"
+    split: str = "train"
+    encoding: EncodingConfig = field(default_factory=EncodingConfig)
+    token_budget: int = 16384  # padded tokens per forward batch
+    rows_per_shard: int = 2048
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere
+    device: str = "auto"
+    attn_implementation: str = "sdpa"
+    overwrite: bool = False
+    on_bad_row: str = "error"
+    trust_remote_code: bool = False
+    progress: bool = True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading
+
+
+def resolve_device(device: str) -> torch.device:
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def check_checkpoint(model_dir: str, trust_remote_code: bool) -> None:
+    """Refuse checkpoints we will not load, before any expensive work."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise JobError(f"{model_dir}: not a Hugging Face checkpoint folder (no config.json)")
+    weight_files(path)  # raises WeightsError for pickle-only or missing weights
+    config = json.loads((path / "config.json").read_text())
+    if config.get("auto_map") and not trust_remote_code:
+        raise JobError(
+            f"{model_dir}: this model needs custom code from its folder (auto_map in config.json); refcache does not "
+            "run it unless you pass --trust-remote-code"
+        )
+
+
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: str, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, attn_implementation=attn
+    )
+    return model.to(device).eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scoring
+
+
+def length_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices sorted by length (longest first, ties by index) and cut so batch * longest <= token_budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + ([current] if current else [])
+
+
+@torch.no_grad()
+def score_pairs(model, pairs: list[EncodedPair], pad_id: int, token_budget: int, on_batch=None):
+    """Reference log-probs per completion token for each pair: (chosen list, rejected list, stats)."""
+    device = next(model.parameters()).device
+    seqs = [(p.prompt_ids, c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+    lengths = [len(a) + len(b) for a, b in seqs]
+    results: list[np.ndarray | None] = [None] * len(seqs)
+    real = padded = 0
+    for batch in length_batches(lengths, token_budget):
+        ids, mask = pad_sequences([seqs[i][0] + seqs[i][1] for i in batch], pad_id, device)
+        plen = torch.tensor([len(seqs[i][0]) for i in batch])
+        clen = torch.tensor([len(seqs[i][1]) for i in batch])
+        flat = completion_logps(model, ids, mask, plen, clen).cpu().numpy()
+        for i, part in zip(batch, np.split(flat, np.cumsum(clen.numpy())[:-1])):
+            results[i] = part
+        real += int(mask.sum())
+        padded += mask.numel()
+        if on_batch:
+            on_batch(len(batch) / 2, int(mask.sum()))
+    return results[0::2], results[1::2], {"tokens": real, "slots": padded}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the cache directory
+
+
+@contextlib.contextmanager
+def exclusive(out: Path):
+    """One writer per cache directory; the OS drops the lock if the process dies."""
+    lock_path = out / fmt.LOCK
+    with open(lock_path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise JobError(
+                f"{out} is being written by another precompute-ref process (pid {f.read().strip() or '?'}); wait for "
+                "it to finish or choose another --out"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+
+
+def clear_cache_dir(out: Path) -> None:
+    (out / fmt.MANIFEST).unlink(missing_ok=True)  # first: from here on the directory reads as incomplete
+    for p in list(out.glob("*.parquet")) + [out / fmt.SKIPPED]:
+        p.unlink(missing_ok=True)
+
+
+def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: EncodingConfig) -> set[str]:
+    """Shards already written by an earlier run of this same job; refuse anything from a different job."""
+    for tmp in out.glob(".*.tmp-*"):
+        tmp.unlink()
+    refuse = f"{out} already holds a different cache; use --overwrite to replace it, or choose another --out"
+    if (out / fmt.MANIFEST).exists():
+        try:
+            manifest = fmt.read_manifest(out)
+        except fmt.CacheError as e:
+            raise JobError(f"{out} holds an unreadable cache ({e.message}); use --overwrite to replace it") from None
+        for key in fmt.STAMPS:
+            if manifest["stamps"][key] != stamps[key]:
+                raise JobError(f"{refuse}\n  {key}: existing {manifest['stamps'][key]}, this job {stamps[key]}")
+        if manifest["encoding"] != encoding.to_dict():
+            raise JobError(f"{refuse}\n  encoding: existing {manifest['encoding']}, this job {encoding.to_dict()}")
+    planned = {s["file"]: s for s in plan}
+    done = set()
+    for path in sorted(out.glob("*.parquet")):
+        want = planned.get(path.name)
+        try:
+            meta = fmt.read_shard_metadata(path)
+        except Exception:
+            meta = None
+        if meta is None or want is None:
+            raise JobError(f"{refuse}\n  {path.name} is not a shard of this job (other data or --rows-per-shard?)")
+        for key, value in (("model_hash", stamps["model_hash"]), ("tokenizer_hash", stamps["tokenizer_hash"]),
+                           ("mask_checksum", want["mask_checksum"]), ("encoding", encoding.to_json())):
+            if meta.get(key) != value:
+                raise JobError(f"{refuse}\n  {path.name}: {key} is {meta.get(key)}, this job has {value}")
+        done.add(path.name)
+    return done
+
+
+def software_versions() -> dict:
+    import datasets
+    import pyarrow
+    import transformers
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("refcache")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return {"refcache": ours, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "datasets": datasets.__version__, "pyarrow": pyarrow.__version__}
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Leave the caller's global RNG state (python, numpy, torch CPU and CUDA) as it was."""
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the job
+
+
+def plan_shards(encoded: Encoded, rows_per_shard: int, encoding: EncodingConfig) -> list[dict]:
+    checks = [p.mask_checksum for p in encoded.pairs]
+    plan = []
+    for n, start in enumerate(range(0, len(checks), rows_per_shard)):
+        stop = min(start + rows_per_shard, len(checks))
+        plan.append({"file": f"shard-{n:05d}.parquet", "start": start, "stop": stop,
+                     "mask_checksum": combined_mask_checksum(checks[start:stop], encoding.to_json())})
+    return plan
+
+
+def run_precompute(cfg: PrecomputeConfig, log=print) -> dict:
+    with preserved_rng():
+        return _run(cfg, log)
+
+
+def _run(cfg: PrecomputeConfig, log) -> dict:
+    t0 = time.perf_counter()
+    out = Path(cfg.out)
+    check_checkpoint(cfg.model, cfg.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    source = load_rows(cfg.data, cfg.split)
+    encoded = encode_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row)
+    if not encoded.pairs:
+        raise JobError(f"{cfg.data}: no usable rows ({len(encoded.skipped)} skipped: {encoded.skipped_by_reason})")
+    if encoded.skipped:
+        log(f"skipped {len(encoded.skipped)} bad rows: {encoded.skipped_by_reason} (listed in {out / fmt.SKIPPED})")
+    if encoded.identical:
+        log(f"warning: {encoded.identical} pairs have identical chosen and rejected completions")
+    stamps = {
+        "model_hash": model_hash(cfg.model),
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "mask_checksum": combined_mask_checksum([p.mask_checksum for p in encoded.pairs], cfg.encoding.to_json()),
+    }
+    plan = plan_shards(encoded, cfg.rows_per_shard, cfg.encoding)
+    out.mkdir(parents=True, exist_ok=True)
+    with exclusive(out):
+        if cfg.overwrite:
+            clear_cache_dir(out)
+        done = finished_shards(out, plan, stamps, cfg.encoding)
+        todo = [s for s in plan if s["file"] not in done]
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        stats = {"tokens": 0, "slots": 0}
+        attn = cfg.attn_implementation
+        if todo:
+            log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
+                f"({len(done)} already done) on {device} in {str(dtype).removeprefix('torch.')}")
+            model = load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code)
+            attn = model.config._attn_implementation
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            stats = _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, tokenizer)
+        entries = [fmt.shard_entry(out / s["file"], s["stop"] - s["start"], s["mask_checksum"]) for s in plan]
+        _write_skipped(out, encoded)
+        wall = time.perf_counter() - t0
+        manifest = {
+            "format_version": fmt.FORMAT_VERSION,
+            "stamps": stamps,
+            "encoding": cfg.encoding.to_dict(),
+            "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)},
+            "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
+            "computation": {
+                "mode": "full_forward",
+                "dtype": str(dtype).removeprefix("torch."),
+                "device_type": device.type,
+                "attn_implementation": attn,
+                "token_budget": cfg.token_budget,
+                "rows_per_shard": cfg.rows_per_shard,
+                "batching": "length-sorted within shard, right padding",
+            },
+            "software": software_versions(),
+            "source": {
+                "data": str(cfg.data),
+                "split": cfg.split,
+                "files": source.files,
+                "fingerprint": source.fingerprint,
+                "rows_in": len(source.rows),
+                "skipped": len(encoded.skipped),
+                "skipped_by_reason": encoded.skipped_by_reason,
+                "identical_pairs": encoded.identical,
+            },
+            "rows": len(encoded.pairs),
+            "shards": entries,
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        fmt.write_manifest(out, manifest)
+    size = sum(e["bytes"] for e in entries)
+    completion_tokens = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs)
+    return {
+        "out": str(out.resolve()),
+        "rows": len(encoded.pairs),
+        "rows_scored": sum(s["stop"] - s["start"] for s in plan if s["file"] not in done),
+        "skipped": len(encoded.skipped),
+        "skipped_by_reason": encoded.skipped_by_reason,
+        "identical_pairs": encoded.identical,
+        "shards": len(entries),
+        "tokens": stats["tokens"],
+        "padding_fraction": 1 - stats["tokens"] / stats["slots"] if stats["slots"] else 0.0,
+        "wall_s": wall,
+        "tokens_per_s": stats["tokens"] / wall if wall else 0.0,
+        "bytes": size,
+        "bytes_per_completion_token": size / completion_tokens,
+    }
+
+
+def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, tokenizer) -> dict:
+    from tqdm.auto import tqdm
+
+    total = {"tokens": 0, "slots": 0}
+    t0 = time.perf_counter()
+    bar = tqdm(total=sum(s["stop"] - s["start"] for s in todo), unit="row", disable=not cfg.progress, file=sys.stderr)
+
+    def tick(rows, tokens):
+        total["live"] = total.get("live", 0) + tokens
+        bar.update(rows)
+        bar.set_postfix_str(f"{total['live'] / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
+
+    for shard in todo:
+        pairs = encoded.pairs[shard["start"] : shard["stop"]]
+        chosen, rejected, stats = score_pairs(model, pairs, pad_id, cfg.token_budget, tick)
+        table = fmt.shard_table(
+            encoded.ids[shard["start"] : shard["stop"]],
+            [p.prompt_ids for p in pairs], [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs],
+            chosen, rejected,
+        )
+        fmt.write_shard(out / shard["file"], table, model_hash=stamps["model_hash"],
+                        tokenizer_hash=stamps["tokenizer_hash"], encoding=cfg.encoding)
+        total["tokens"] += stats["tokens"]
+        total["slots"] += stats["slots"]
+    bar.close()
+    return total
+
+
+def _write_skipped(out: Path, encoded: Encoded) -> None:
+    path = out / fmt.SKIPPED
+    if not encoded.skipped:
+        path.unlink(missing_ok=True)
+        return
+    data = "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in encoded.skipped).encode("utf-8")
+    fmt.atomic_write(path, lambda f: f.write(data))

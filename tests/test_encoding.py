@@ -1,0 +1,404 @@
+"""The pair encoder (schemas/encoding.py): formats, chat template, special tokens, truncation, bad rows, checksums."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import struct
+
+import pytest
+
+from conftest import pref_rows
+from schemas.encoding import (
+    BadRowError,
+    EncodedPair,
+    EncodingConfig,
+    encode_pair,
+    parse_row,
+    row_id,
+    row_mask_checksum,
+)
+
+CFG = EncodingConfig()
+USER = lambda s: {"role": "user", "content": s}  # noqa: E731
+ASSISTANT = lambda s: {"role": "assistant", "content": s}  # noqa: E731
+
+
+@pytest.fixture(scope="session")
+def ids(tokenizer):
+    """Plain tokenization, no special tokens added: the reference every expectation is built from."""
+    return lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture(scope="session")
+def bos_eos(tokenizer):
+    assert tokenizer.bos_token_id is not None and tokenizer.eos_token_id is not None
+    return tokenizer.bos_token_id, tokenizer.eos_token_id
+
+
+@pytest.fixture(scope="session")
+def untemplated(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = None
+    return tok
+
+
+def reason(row, tokenizer, config=CFG) -> str:
+    with pytest.raises(BadRowError) as err:
+        encode_pair(row, tokenizer, config)
+    assert err.value.reason in str(err.value)  # the message leads with its key
+    assert isinstance(err.value, ValueError)
+    return err.value.reason
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the three TRL formats
+
+
+def test_standard_strings(tokenizer, ids, bos_eos):
+    bos, eos = bos_eos
+    row = {"prompt": "what colour is the sky?", "chosen": " blue", "rejected": " green"}
+    enc = encode_pair(row, tokenizer, CFG)
+    assert isinstance(enc, EncodedPair)
+    assert enc.prompt_ids == [bos] + ids("what colour is the sky?")
+    assert enc.chosen_ids == ids(" blue") + [eos]
+    assert enc.rejected_ids == ids(" green") + [eos]
+    assert tokenizer.decode(enc.chosen_ids) == " blue</s>"
+
+
+def test_conversational_messages(tokenizer, ids, bos_eos):
+    bos, eos = bos_eos
+    prompt = [{"role": "system", "content": "be brief"}, USER("what colour is the sky?")]
+    row = {"prompt": prompt, "chosen": [ASSISTANT("blue")], "rejected": [ASSISTANT("green")]}
+    enc = encode_pair(row, tokenizer, CFG)
+    rendered = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<|assistant|>\n")
+    assert enc.prompt_ids == [bos] + ids(rendered)
+    # The template writes "blue</s>\n"; the completion is scored through its final EOS and the "\n" is dropped.
+    assert enc.chosen_ids == ids("blue") + [eos]
+    assert enc.rejected_ids == ids("green") + [eos]
+    assert tokenizer.decode(enc.chosen_ids) == "blue</s>"
+
+
+def test_template_text_after_final_eos_is_not_kept(tokenizer, ids, bos_eos):
+    _, eos = bos_eos
+    newline = ids("\n")
+    row = pref_rows(1, fmt="conversational")[0]
+    for add_eos in (True, False):
+        enc = encode_pair(row, tokenizer, dataclasses.replace(CFG, add_eos=add_eos))
+        for comp in (enc.chosen_ids, enc.rejected_ids):
+            assert comp[-1] == eos and comp.count(eos) == 1
+            assert comp[-1 - len(newline) : -1] != newline or len(comp) <= len(newline)
+        full = ids(tokenizer.apply_chat_template(row["prompt"] + row["chosen"], tokenize=False))
+        assert full[-len(newline) :] == newline  # the template really does write text after the EOS
+        assert full[len(enc.prompt_ids) - 1 :] == enc.chosen_ids + newline  # (-1: BOS is not in the template)
+
+
+def test_implicit_prompt_strings(tokenizer):
+    row = {"id": "x", "chosen": "what colour is the sky? blue it is", "rejected": "what colour is the sky? green"}
+    prompt, chosen, rejected, conversational = parse_row(row)
+    assert (prompt, chosen, rejected, conversational) == ("what colour is the sky?", " blue it is", " green", False)
+    explicit = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    assert encode_pair(row, tokenizer, CFG) == encode_pair(explicit, tokenizer, CFG)
+
+
+def test_implicit_prompt_backs_up_to_a_word_boundary(tokenizer):
+    # The common prefix "the sky is b" ends inside a word; the prompt is cut back to the last whitespace.
+    prompt, chosen, rejected, _ = parse_row({"chosen": "the sky is blue", "rejected": "the sky is black"})
+    assert (prompt, chosen, rejected) == ("the sky is", " blue", " black")
+
+
+def test_implicit_prompt_message_lists(tokenizer):
+    q, a1 = USER("one plus two?"), ASSISTANT("three")
+    row = {"chosen": [q, a1, USER("and plus one?"), ASSISTANT("four")],
+           "rejected": [q, a1, USER("and plus one?"), ASSISTANT("five")]}
+    prompt, chosen, rejected, conversational = parse_row(row)
+    assert conversational and prompt == row["chosen"][:3]
+    assert chosen == [ASSISTANT("four")] and rejected == [ASSISTANT("five")]
+    explicit = {"prompt": row["chosen"][:3], "chosen": [ASSISTANT("four")], "rejected": [ASSISTANT("five")]}
+    assert encode_pair(row, tokenizer, CFG) == encode_pair(explicit, tokenizer, CFG)
+
+
+def test_fixture_formats_agree(tokenizer):
+    """Standard and implicit-prompt rows with the same content encode alike (implicit completions keep the space)."""
+    for std, imp in zip(pref_rows(8, fmt="standard"), pref_rows(8, fmt="implicit")):
+        a = encode_pair(std, tokenizer, CFG)
+        b = encode_pair(imp, tokenizer, CFG)
+        assert a.prompt_ids == b.prompt_ids
+        assert b.chosen_ids == encode_pair({**std, "chosen": " " + std["chosen"]}, tokenizer, CFG).chosen_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chat template modes, BOS and EOS
+
+
+def test_chat_template_auto_on_off(tokenizer, ids, bos_eos, untemplated):
+    bos, eos = bos_eos
+    user_id = tokenizer.convert_tokens_to_ids("<|user|>")
+    std = {"prompt": "why is the sky blue?", "chosen": "sun", "rejected": "moon"}
+    conv = {"prompt": [USER(std["prompt"])], "chosen": [ASSISTANT("sun")], "rejected": [ASSISTANT("moon")]}
+    auto, on, off = (dataclasses.replace(CFG, chat_template=m) for m in ("auto", "on", "off"))
+
+    # auto: strings stay plain, message lists are templated
+    assert encode_pair(std, tokenizer, auto).prompt_ids == [bos] + ids(std["prompt"])
+    templated = encode_pair(conv, tokenizer, auto)
+    assert user_id in templated.prompt_ids
+    # on: plain strings are wrapped as one user turn and one assistant turn
+    assert encode_pair(std, tokenizer, on) == templated
+    assert encode_pair(conv, tokenizer, on) == templated
+    # off: strings plain; message lists cannot be encoded
+    assert encode_pair(std, tokenizer, off) == encode_pair(std, tokenizer, auto)
+    assert reason(conv, tokenizer, off) == "needs_chat_template"
+    # a tokenizer without a template cannot encode conversational rows, nor strings with chat_template=on
+    assert reason(conv, untemplated, auto) == "needs_chat_template"
+    assert reason(std, untemplated, on) == "needs_chat_template"
+    assert encode_pair(std, untemplated, auto) == encode_pair(std, tokenizer, auto)
+
+
+def test_template_that_is_not_a_prefix_is_refused(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    # Renders the prompt with a marker that disappears once the assistant turn is appended.
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\nsure: {% endif %}"
+    )
+    row = pref_rows(1, fmt="conversational")[0]
+    assert reason(row, tok) == "template_not_prefix"
+
+
+def test_add_bos(tokenizer, ids, bos_eos):
+    bos, _ = bos_eos
+    row = {"prompt": "hmm why?", "chosen": "yes", "rejected": "no"}
+    assert encode_pair(row, tokenizer, CFG).prompt_ids == [bos] + ids("hmm why?")
+    assert encode_pair(row, tokenizer, dataclasses.replace(CFG, add_bos=False)).prompt_ids == ids("hmm why?")
+    # A prompt that already starts with BOS does not get a second one.
+    with_bos = {**row, "prompt": "<s>hmm why?"}
+    assert encode_pair(with_bos, tokenizer, CFG).prompt_ids == [bos] + ids("hmm why?")
+    # The templated prompt gets BOS too (the template does not write one).
+    conv = pref_rows(1, fmt="conversational")[0]
+    assert encode_pair(conv, tokenizer, CFG).prompt_ids[:2] == [bos, tokenizer.convert_tokens_to_ids("<|user|>")]
+
+
+def test_add_eos(tokenizer, ids, bos_eos):
+    _, eos = bos_eos
+    row = {"prompt": "hmm why?", "chosen": " yes", "rejected": " no"}
+    assert encode_pair(row, tokenizer, CFG).chosen_ids == ids(" yes") + [eos]
+    no_eos = encode_pair(row, tokenizer, dataclasses.replace(CFG, add_eos=False))
+    assert (no_eos.chosen_ids, no_eos.rejected_ids) == (ids(" yes"), ids(" no"))
+    # A completion that already ends with EOS does not get a second one.
+    ended = {**row, "chosen": " yes</s>"}
+    assert encode_pair(ended, tokenizer, CFG).chosen_ids == ids(" yes") + [eos]
+    # Text after an EOS inside a completion is not scored.
+    trailing = {**row, "chosen": " yes</s> sure"}
+    assert encode_pair(trailing, tokenizer, CFG).chosen_ids == ids(" yes") + [eos]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# truncation
+
+
+LONG = {"prompt": "one two three four five six seven?", "chosen": " the cat and the dog run and swim and fly",
+        "rejected": " no"}
+
+
+def test_fits_untouched(tokenizer):
+    full = encode_pair(LONG, tokenizer, CFG)
+    exact = len(full.prompt_ids) + len(full.chosen_ids)
+    for mode in ("keep_start", "keep_end", "error"):
+        assert encode_pair(LONG, tokenizer, EncodingConfig(max_length=exact, truncation_mode=mode)) == full
+
+
+def test_keep_start_cuts_the_completion_end(tokenizer):
+    full = encode_pair(LONG, tokenizer, CFG)
+    limit = len(full.prompt_ids) + 4
+    cut = encode_pair(LONG, tokenizer, EncodingConfig(max_length=limit, truncation_mode="keep_start"))
+    assert cut.prompt_ids == full.prompt_ids  # prompt intact
+    assert cut.chosen_ids == full.chosen_ids[:4] and len(full.chosen_ids) > 4
+    assert cut.chosen_ids[-1] != tokenizer.eos_token_id  # the cut completion has lost its EOS
+    assert cut.rejected_ids == full.rejected_ids  # short enough to stay whole
+
+
+def test_keep_end_cuts_the_prompt_start_and_keeps_bos(tokenizer, bos_eos):
+    bos, _ = bos_eos
+    full = encode_pair(LONG, tokenizer, CFG)
+    longest = len(full.chosen_ids)
+    limit = longest + 4
+    cut = encode_pair(LONG, tokenizer, EncodingConfig(max_length=limit, truncation_mode="keep_end"))
+    assert cut.chosen_ids == full.chosen_ids and cut.rejected_ids == full.rejected_ids  # completions whole
+    assert cut.prompt_ids == [bos] + full.prompt_ids[-3:]  # BOS, then the prompt's last tokens
+    assert len(cut.prompt_ids) + longest == limit
+    # Without BOS there is nothing to keep at the front.
+    nobos = EncodingConfig(max_length=limit, truncation_mode="keep_end", add_bos=False)
+    assert encode_pair(LONG, tokenizer, nobos).prompt_ids == full.prompt_ids[-4:]
+
+
+def test_keep_end_refuses_a_completion_that_fills_the_window(tokenizer):
+    full = encode_pair(LONG, tokenizer, CFG)
+    limit = len(full.chosen_ids) + 1  # room only for BOS
+    assert reason(LONG, tokenizer, EncodingConfig(max_length=limit, truncation_mode="keep_end")) == "completion_too_long"
+
+
+def test_error_mode(tokenizer):
+    full = encode_pair(LONG, tokenizer, CFG)
+    limit = len(full.prompt_ids) + len(full.chosen_ids) - 1
+    assert reason(LONG, tokenizer, EncodingConfig(max_length=limit, truncation_mode="error")) == "too_long"
+
+
+@pytest.mark.parametrize("extra", [0, 3])
+def test_prompt_that_alone_does_not_fit_is_a_bad_row(tokenizer, extra):
+    full = encode_pair(LONG, tokenizer, CFG)
+    limit = len(full.prompt_ids) - extra  # the prompt fills or overflows the window
+    with pytest.raises(BadRowError) as err:
+        encode_pair(LONG, tokenizer, EncodingConfig(max_length=limit, truncation_mode="keep_start"))
+    assert err.value.reason == "prompt_too_long"
+    assert str(len(full.prompt_ids)) in err.value.detail and str(limit) in err.value.detail
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the BPE boundary
+
+
+def test_prompt_and_completion_are_tokenized_separately(tokenizer, ids, bos_eos):
+    bos, eos = bos_eos
+    prompt, completion = "the sky is blue. answer: ", "sure"
+    joint, alone = ids(prompt + completion), ids(prompt)
+    # Precondition: tokenized as one string, BPE merges across the boundary (" " + "sure" -> " s", "ure"), so the
+    # joint ids do not start with the prompt's own ids.
+    assert joint[: len(alone)] != alone
+    enc = encode_pair({"prompt": prompt, "chosen": completion, "rejected": "no"}, tokenizer, CFG)
+    assert enc.prompt_ids == [bos] + alone
+    assert enc.chosen_ids == ids(completion) + [eos]
+    assert enc.prompt_ids + enc.chosen_ids != [bos] + joint + [eos]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad rows
+
+
+GOOD = {"prompt": "why?", "chosen": "yes", "rejected": "no"}
+CONV = {"prompt": [USER("why?")], "chosen": [ASSISTANT("yes")], "rejected": [ASSISTANT("no")]}
+BAD_ROWS = {
+    "missing chosen": ({"prompt": "why?", "rejected": "no"}, "missing_field"),
+    "missing rejected": ({"prompt": "why?", "chosen": "yes"}, "missing_field"),
+    "null chosen": ({**GOOD, "chosen": None}, "missing_field"),
+    "int chosen": ({**GOOD, "chosen": 3}, "bad_type"),
+    "int prompt": ({**GOOD, "prompt": 7}, "bad_type"),
+    "dict prompt": ({**GOOD, "prompt": {"text": "why?"}}, "bad_type"),
+    "empty prompt": ({**GOOD, "prompt": ""}, "empty_field"),
+    "blank rejected": ({**GOOD, "rejected": "  \n"}, "empty_field"),
+    "empty message list": ({**CONV, "chosen": []}, "empty_field"),
+    "empty prompt list": ({**CONV, "prompt": []}, "empty_field"),
+    "unknown role": ({**CONV, "prompt": [{"role": "bot", "content": "why?"}]}, "bad_role"),
+    "user turn in completion": ({**CONV, "chosen": [USER("yes")]}, "bad_role"),
+    "message without content": ({**CONV, "prompt": [{"role": "user"}]}, "bad_message"),
+    "message not a dict": ({**CONV, "prompt": ["why?"]}, "bad_message"),
+    "int content": ({**CONV, "chosen": [{"role": "assistant", "content": 1}]}, "bad_type"),
+    "mixed completions": ({**GOOD, "rejected": [ASSISTANT("no")]}, "mixed_format"),
+    "string prompt, message completions": ({**CONV, "prompt": "why?"}, "mixed_format"),
+    "message prompt, string completions": ({**GOOD, "prompt": [USER("why?")]}, "mixed_format"),
+    "implicit, no common prefix": ({"chosen": "yes", "rejected": "no"}, "no_common_prompt"),
+    "implicit, no common message": ({"chosen": [USER("a")], "rejected": [USER("b")]}, "no_common_prompt"),
+    "implicit, identical": ({"chosen": "why? yes", "rejected": "why? yes"}, "empty_completion"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ROWS))
+def test_bad_rows(tokenizer, name):
+    row, expected = BAD_ROWS[name]
+    assert reason(row, tokenizer) == expected
+
+
+@pytest.mark.parametrize("row", [["why?", "yes", "no"], "why? yes", None, 3])
+def test_non_dict_row(tokenizer, row):
+    assert reason(row, tokenizer) == "bad_type"
+
+
+def test_conversational_row_with_template_off(tokenizer):
+    assert reason(CONV, tokenizer, EncodingConfig(chat_template="off")) == "needs_chat_template"
+
+
+def test_good_rows_of_the_bad_row_table_encode(tokenizer):
+    # The table's base rows are valid, so each bad row fails for the one thing changed in it.
+    assert encode_pair(GOOD, tokenizer, CFG).chosen_ids
+    assert encode_pair(CONV, tokenizer, CFG).chosen_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config, row ids and checksums
+
+
+def test_encoding_config_validation_and_json():
+    with pytest.raises(ValueError, match="max_length"):
+        EncodingConfig(max_length=1)
+    with pytest.raises(ValueError, match="truncation_mode"):
+        EncodingConfig(truncation_mode="keep_middle")
+    with pytest.raises(ValueError, match="chat_template"):
+        EncodingConfig(chat_template="yes")
+    with pytest.raises(ValueError, match="unknown"):
+        EncodingConfig.from_dict({**CFG.to_dict(), "padding": "left"})
+    cfg = EncodingConfig(max_length=64, truncation_mode="keep_end", chat_template="on", add_bos=False)
+    assert EncodingConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    assert cfg.to_json() == (
+        '{"add_bos":false,"add_eos":true,"chat_template":"on","max_length":64,"truncation_mode":"keep_end"}'
+    )
+
+
+def test_row_id_uses_id_column():
+    assert row_id({"id": "r0001", **GOOD}) == "r0001"
+    assert row_id({"id": 17, **GOOD}) == "17"
+    assert row_id({"id": 0, **GOOD}) == "0"
+
+
+def test_row_id_without_id_is_a_stable_content_hash():
+    rid = row_id(GOOD)
+    assert rid.startswith("sha256:") and len(rid) == len("sha256:") + 32
+    reordered = {"rejected": "no", "chosen": "yes", "prompt": "why?"}
+    assert row_id(reordered) == rid
+    assert row_id({**GOOD, "id": None, "source": "x"}) == rid  # other columns do not matter
+    blob = json.dumps({"chosen": "yes", "prompt": "why?", "rejected": "no"}, separators=(",", ":"))
+    assert rid == "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:32]
+    assert rid == "sha256:59f15fd8f394d1f855d35c65aa22634b"  # pinned: cached row ids must not drift
+    for key in ("prompt", "chosen", "rejected"):
+        assert row_id({**GOOD, key: GOOD[key] + "!"}) != rid
+    assert row_id(CONV) != rid and row_id(CONV) == row_id(copy.deepcopy(CONV))
+
+
+def test_row_mask_checksum_is_pinned():
+    c = row_mask_checksum([1, 2, 3], [4, 5], [6])
+    assert c == row_mask_checksum((1, 2, 3), [4, 5], [6])  # any sequence type
+    # The layout FORMAT.md documents: a tag, the three lengths as little-endian uint64, then the ids as int32.
+    blob = b"refcache-mask-v1" + struct.pack("<3Q", 3, 2, 1) + struct.pack("<6i", 1, 2, 3, 4, 5, 6)
+    assert c == hashlib.sha256(blob).hexdigest()
+    assert c == "b0b3b27a6e88fd5afeb6bb37da21455696364555398974ac5824fde88272c9fa"
+
+
+def test_checksum_changes_with_any_id_or_boundary():
+    base = ([1, 2, 3], [4, 5], [6])
+    c = row_mask_checksum(*base)
+    variants = [
+        ([1, 2, 9], [4, 5], [6]),  # a prompt id
+        ([1, 2, 3], [4, 9], [6]),  # a chosen id
+        ([1, 2, 3], [4, 5], [9]),  # a rejected id
+        ([1, 2], [3, 4, 5], [6]),  # one token moved from prompt to chosen: same concatenation
+        ([1, 2, 3, 4], [5], [6]),  # one token moved from chosen to prompt
+        ([1, 2, 3], [4], [5, 6]),  # boundary between chosen and rejected
+        ([1, 2, 3], [6], [4, 5]),  # chosen and rejected swapped
+        ([1, 2, 3], [4, 5], [6, 6]),  # one id longer
+        ([1, 2, 3], [4, 5, 6], []),
+    ]
+    found = {row_mask_checksum(*v) for v in variants}
+    assert c not in found and len(found) == len(variants)
+
+
+def test_encoded_checksum_sees_the_prompt_completion_boundary(tokenizer):
+    a = encode_pair({"prompt": "one two", "chosen": " three four", "rejected": " five"}, tokenizer, CFG)
+    b = encode_pair({"prompt": "one two three", "chosen": " four", "rejected": " five"}, tokenizer, CFG)
+    assert a.prompt_ids + a.chosen_ids == b.prompt_ids + b.chosen_ids  # same chosen sequence ...
+    assert a.mask_checksum != b.mask_checksum  # ... but a different scored span
+    assert a.mask_checksum == row_mask_checksum(a.prompt_ids, a.chosen_ids, a.rejected_ids)
+    # Encoding is deterministic: the same row gives the same checksum every time.
+    assert encode_pair(dict(pref_rows(3)[2]), tokenizer, CFG).mask_checksum == encode_pair(
+        pref_rows(3)[2], tokenizer, CFG
+    ).mask_checksum
