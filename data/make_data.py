@@ -197,7 +197,7 @@ trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, min_frequency=2, special_to
                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
 bpe_text = [m["content"] for c in sft for m in c] + [f"{p} {a}" for p, a in sorted(pool.items())]
 bpe.train_from_iterator(bpe_text, trainer=trainer)
-tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=512,
                               additional_special_tokens=SPECIALS[3:])
 tok.chat_template = CHAT_TEMPLATE
 tok.padding_side = "right"

@@ -56,35 +56,66 @@ def _data_files(path: Path, split: str) -> list[Path]:
     return files
 
 
-def _scan_json_lines(path: Path) -> None:
-    """Find the first unparsable line of a JSON Lines file to name it in the error."""
+@dataclass(frozen=True)
+class Unparsable:
+    """A JSON Lines line that is not valid JSON, kept in its place so `on_bad_row` decides what becomes of it."""
+
+    detail: str
+
+
+def _is_json_lines(path: Path) -> bool:
+    """A .json/.jsonl file that is not one JSON array is read as JSON Lines."""
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                return not raw.lstrip().startswith(b"[")
+    return True
+
+
+def _line_numbers(path: Path) -> list[int]:
+    with open(path, "rb") as f:
+        return [n for n, raw in enumerate(f, 1) if raw.strip()]
+
+
+def _read_json_lines(path: Path) -> tuple[list, list[int]]:
+    """Parse a JSON Lines file ourselves (when `datasets` refuses it): unparsable lines become `Unparsable` rows and
+    missing keys are filled with None, as `datasets` does."""
+    rows, numbers = [], []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(path, n, f"invalid UTF-8 ({e.reason} at byte {e.start})") from None
-            if not line.strip():
+            if not raw.strip():
                 continue
             try:
-                value = json.loads(line)
+                rows.append(json.loads(raw.decode("utf-8")))
+            except UnicodeDecodeError as e:
+                rows.append(Unparsable(f"invalid UTF-8 ({e.reason} at byte {e.start})"))
             except ValueError as e:
-                raise DataError(path, n, f"unparsable JSON ({e})") from None
-            if not isinstance(value, dict):
-                raise DataError(path, n, f"expected a JSON object, found {type(value).__name__}")
+                rows.append(Unparsable(f"unparsable JSON ({e})"))
+            numbers.append(n)
+    keys = dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r)
+    return [{k: r.get(k) for k in keys} if isinstance(r, dict) else r for r in rows], numbers
 
 
-def _load_file(path: Path, split_name: str):
+def _load_file(path: Path) -> tuple[list, list[int]]:
+    """A file's rows and their 1-based row numbers (the line number for JSON Lines)."""
     import datasets
 
     kind = SUFFIXES[path.suffix]
+    json_lines = kind == "json" and _is_json_lines(path)
     try:
         ds = datasets.load_dataset(kind, data_files=str(path), split="train")
     except Exception as e:  # datasets wraps parser errors in several types; locate the row ourselves when we can
+        if json_lines:
+            return _read_json_lines(path)
         if kind == "json":
-            _scan_json_lines(path)
+            try:
+                json.loads(path.read_bytes())
+            except ValueError as bad:
+                raise DataError(path, None, f"unparsable JSON ({bad})") from None
         raise DataError(path, None, f"could not be loaded: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
-    return ds
+    rows = ds.to_list()
+    numbers = _line_numbers(path) if json_lines else []
+    return rows, numbers if len(numbers) == len(rows) else list(range(1, len(rows) + 1))
 
 
 def load_rows(path, split: str = "train") -> Source:
@@ -104,10 +135,9 @@ def load_rows(path, split: str = "train") -> Source:
         return Source(rows, [(str(path), i + 1) for i in range(len(rows))], [str(path)])
     rows, locations, files = [], [], []
     for file in _data_files(path, split):
-        ds = _load_file(file, split)
-        part = ds.to_list()
+        part, numbers = _load_file(file)
         rows += part
-        locations += [(str(file), i + 1) for i in range(len(part))]
+        locations += [(str(file), n) for n in numbers]
         files.append(str(file))
     if not rows:
         raise DataError(path, None, "no rows")
@@ -141,6 +171,8 @@ def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: s
         row = _clean(row) if isinstance(row, dict) else row
         rid = row_id(row) if isinstance(row, dict) else None
         try:
+            if isinstance(row, Unparsable):
+                raise BadRowError("bad_json", row.detail)
             if rid in seen:
                 raise BadRowError("duplicate_id", f"id {rid!r} already used at {seen[rid][0]}, row {seen[rid][1]}")
             pair = encode_pair(row, tokenizer, config)

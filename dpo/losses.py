@@ -1,0 +1,131 @@
+"""Preference losses over per-token log-probs, and the metrics logged with them.
+
+Notation (per pair): lp+/lp- policy log-probs of the chosen/rejected completion, r+/r- the reference's,
+s+ = lp+ - r+, s- = lp- - r-, d = s+ - s-, b = beta, e = label smoothing, |y| the completion length.
+
+  sigmoid       -(1-e) log sig(b d) - e log sig(-b d)          DPO; e > 0 is conservative DPO (cDPO)
+  ipo           (d' - 1/(2b))^2, d' from per-token means        IPO
+  hinge         max(0, 1 - b d)                                  SLiC
+  robust        (-(1-e) log sig(b d) + e log sig(-b d)) / (1-2e) robust DPO
+  bco_pair      -log sig(b s+) - log sig(-b s-)                  BCO, paired form
+  sppo_hard     (s+ - 1/(2b))^2 + (s- + 1/(2b))^2                SPPO, hard labels
+  nca_pair      -log sig(b s+) - 0.5 log sig(-b s+) - 0.5 log sig(-b s-)
+  apo_zero      (1 - sig(b s+)) + sig(b s-)                      APO-zero
+  apo_down      sig(b s+) + (1 - sig(b d))                       APO-down
+  sigmoid_norm  -log sig(b (s+/|y+| - s-/|y-|))                  length-normalised DPO
+
+Modifiers: rpo_alpha adds w * mean per-token NLL of the chosen completion (RPO); ld_alpha < 1 (LD-DPO) weights
+the tokens past the shorter completion's length by ld_alpha in both policy and reference sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "bco_pair", "sppo_hard", "nca_pair", "apo_zero", "apo_down",
+              "sigmoid_norm")
+
+
+@dataclass
+class LossConfig:
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    rpo_alpha: float = 0.0
+    ld_alpha: float = 1.0
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.beta <= 0:
+            raise ValueError("beta must be positive")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError("label_smoothing must be in [0, 0.5)")
+        if not 0 <= self.ld_alpha <= 1:
+            raise ValueError("ld_alpha must be in [0, 1]")
+
+
+def pair_loss(s_pos, s_neg, len_pos, len_neg, cfg: LossConfig) -> torch.Tensor:
+    """Per-pair loss from the policy-minus-reference log-ratios s+ and s- (summed over tokens)."""
+    b, e = cfg.beta, cfg.label_smoothing
+    d = s_pos - s_neg
+    logsig = F.logsigmoid
+    t = cfg.loss_type
+    if t == "sigmoid":
+        return -(1 - e) * logsig(b * d) - e * logsig(-b * d)
+    if t == "ipo":
+        return (s_pos / len_pos - s_neg / len_neg - 1 / (2 * b)) ** 2
+    if t == "hinge":
+        return torch.relu(1 - b * d)
+    if t == "robust":
+        return (-(1 - e) * logsig(b * d) + e * logsig(-b * d)) / (1 - 2 * e)
+    if t == "bco_pair":
+        return -logsig(b * s_pos) - logsig(-b * s_neg)
+    if t == "sppo_hard":
+        return (s_pos - 1 / (2 * b)) ** 2 + (s_neg + 1 / (2 * b)) ** 2
+    if t == "nca_pair":
+        return -logsig(b * s_pos) - 0.5 * logsig(-b * s_pos) - 0.5 * logsig(-b * s_neg)
+    if t == "apo_zero":
+        return (1 - torch.sigmoid(b * s_pos)) + torch.sigmoid(b * s_neg)
+    if t == "apo_down":
+        return torch.sigmoid(b * s_pos) + (1 - torch.sigmoid(b * d))
+    if t == "sigmoid_norm":
+        return -logsig(b * (s_pos / len_pos - s_neg / len_neg))
+    raise ValueError(t)
+
+
+def token_weights(lengths: torch.Tensor, n_pairs: int, ld_alpha: float) -> torch.Tensor:
+    """Flat per-token weights: 1 up to the shorter completion of each pair, ld_alpha after it (LD-DPO)."""
+    pos_in_seq = torch.arange(int(lengths.sum()), device=lengths.device) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths
+    )
+    shorter = torch.minimum(lengths[:n_pairs], lengths[n_pairs:]).repeat(2)
+    limit = torch.repeat_interleave(shorter, lengths)
+    return torch.where(pos_in_seq < limit, 1.0, ld_alpha)
+
+
+def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig):
+    """Loss and metrics for a batch laid out as [chosen_0..chosen_{B-1}, rejected_0..rejected_{B-1}].
+
+    policy_logps and ref_logps are flat per-token values (see precompute.logprobs.completion_logps); lengths holds
+    each sequence's completion length. Returns (mean loss, dict of per-pair metric tensors, detached).
+    """
+    n = len(lengths) // 2
+    seq = torch.repeat_interleave(torch.arange(2 * n, device=lengths.device), lengths)
+    w = token_weights(lengths, n, cfg.ld_alpha) if cfg.ld_alpha < 1 else torch.ones_like(policy_logps)
+
+    def sums(values):
+        return torch.zeros(2 * n, dtype=values.dtype, device=values.device).index_add(0, seq, values)
+
+    policy = sums(policy_logps * w)
+    ref = sums(ref_logps.to(policy_logps) * w)
+    s = policy - ref
+    lens = lengths.to(policy.dtype)
+    losses = pair_loss(s[:n], s[n:], lens[:n], lens[n:], cfg)
+    if cfg.rpo_alpha:
+        nll_chosen = -sums(policy_logps)[:n] / lens[:n]
+        losses = losses + cfg.rpo_alpha * nll_chosen
+    with torch.no_grad():
+        ratio = (policy_logps - ref_logps.to(policy_logps)).detach()  # per token, log(pi / ref)
+        k3 = torch.expm1(-ratio) + ratio  # k3 estimate of KL(pi || ref) on the dataset's tokens
+        tok = lambda v: sums(v)[: 2 * n] / lens  # per-sequence token means
+        rewards = cfg.beta * s.detach()
+        metrics = {
+            "rewards/chosen": rewards[:n],
+            "rewards/rejected": rewards[n:],
+            "rewards/accuracies": (rewards[:n] > rewards[n:]).float(),
+            "rewards/margins": rewards[:n] - rewards[n:],
+            "logps/accuracies": (policy.detach()[:n] > policy.detach()[n:]).float(),  # outright preference
+            "logps/chosen": policy.detach()[:n],
+            "logps/rejected": policy.detach()[n:],
+            "logratio/chosen": tok(ratio)[:n],
+            "logratio/rejected": tok(ratio)[n:],
+            "kl_k3/chosen": tok(k3)[:n],
+            "kl_k3/rejected": tok(k3)[n:],
+            "lengths/chosen": lens[:n],
+            "lengths/rejected": lens[n:],
+        }
+    return losses.mean(), metrics

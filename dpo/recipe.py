@@ -1,0 +1,213 @@
+"""train-dpo recipe: verify the cache, build the rows, train with the Trainer, write the checkpoint, metrics, plot and
+run manifest. With a cache the reference model is never constructed in this process."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from precompute.job import JobError, check_checkpoint, load_tokenizer, software_versions
+from schemas.encoding import EncodingConfig
+from schemas.stamps import file_sha256, model_hash
+
+from .losses import LossConfig
+from .verify import encode_only, verify_and_join
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    data: str
+    output_dir: str
+    ref_cache: str | None = None
+    ref_model: str | None = None
+    ref_model_hash: str | None = None
+    split: str = "train"
+    eval_data: str | None = None
+    eval_split: str = "eval"
+    eval_ref_cache: str | None = None
+    # encoding: taken from the cache; a value given here must agree with it
+    max_length: int | None = None
+    truncation_mode: str | None = None
+    chat_template: str | None = None
+    on_bad_row: str = "error"
+    fast_verify: bool = False
+    # loss
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    rpo_alpha: float = 0.0
+    ld_alpha: float = 1.0
+    # transformers.TrainingArguments (same names)
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "linear"
+    warmup_steps: float = 0
+    num_train_epochs: float = 1.0
+    max_steps: int = -1
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    optim: str = "adamw_torch"
+    seed: int = 42
+    bf16: bool = False
+    fp16: bool = False
+    gradient_checkpointing: bool = False
+    logging_steps: float = 10
+    eval_strategy: str = "steps"
+    eval_steps: float | None = None
+    eval_on_start: bool = True
+    save_strategy: str = "steps"
+    save_steps: float = 500
+    save_total_limit: int | None = None
+    report_to: str = "none"
+    resume_from_checkpoint: str | None = None
+    dataloader_num_workers: int = 0
+    use_cpu: bool = False
+    # ours
+    trust_remote_code: bool = False
+    plot: bool = True
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(self.beta, self.loss_type, self.label_smoothing, self.rpo_alpha, self.ld_alpha)
+
+    def encoding_request(self) -> dict:
+        return {"max_length": self.max_length, "truncation_mode": self.truncation_mode,
+                "chat_template": self.chat_template}
+
+    def training_arguments(self):
+        import transformers
+
+        fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+        names = ["learning_rate", "lr_scheduler_type", "warmup_steps", "num_train_epochs", "max_steps",
+                 "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "max_grad_norm", "weight_decay", "optim", "seed", "bf16", "fp16", "logging_steps", "save_strategy",
+                 "save_steps", "save_total_limit", "dataloader_num_workers", "use_cpu", "output_dir"]
+        kwargs = {n: getattr(self, n) for n in names}
+        checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+        has_eval = self.eval_data is not None
+        kwargs.update({
+            checkpointing: self.gradient_checkpointing,
+            "eval_strategy": self.eval_strategy if has_eval else "no",
+            "eval_steps": self.eval_steps,
+            "eval_on_start": self.eval_on_start and has_eval,
+            "report_to": [r for r in self.report_to.split(",") if r] or "none",
+            "remove_unused_columns": False,
+            "logging_first_step": True,
+            "data_seed": self.seed,
+            "dataloader_pin_memory": not self.use_cpu and _has_accelerator(),
+        })
+        return transformers.TrainingArguments(**kwargs)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _rows(cfg: TrainConfig, tokenizer, data, split, cache, log):
+    if cache is not None:
+        return verify_and_join(
+            tokenizer=tokenizer, model_dir=cfg.model, data=data, split=split, cache_dir=cache,
+            ref_model=cfg.ref_model, ref_model_hash=cfg.ref_model_hash, encoding_request=cfg.encoding_request(),
+            on_bad_row=cfg.on_bad_row, verify_files=not cfg.fast_verify, log=log,
+        )
+    request = {k: v for k, v in cfg.encoding_request().items() if v is not None}
+    return encode_only(tokenizer=tokenizer, data=data, split=split, encoding=EncodingConfig(**request),
+                       on_bad_row=cfg.on_bad_row)
+
+
+def run_train(cfg: TrainConfig, log=print) -> dict:
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .trainer import DPOTrainer, MetricsFile, PairCollator, disable_dropout, plot_metrics
+
+    if cfg.ref_cache is None and cfg.ref_model is None:
+        raise JobError("give --ref-cache DIR (cached reference) or --ref-model PATH (live reference)")
+    if cfg.ref_model_hash and cfg.ref_cache is None:
+        raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
+    check_checkpoint(cfg.model, cfg.trust_remote_code)
+    loss_config = cfg.loss_config()
+    args = cfg.training_arguments()
+    out = Path(cfg.output_dir)
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    t0 = time.perf_counter()
+    train = _rows(cfg, tokenizer, cfg.data, cfg.split, cfg.ref_cache, log)
+    evaluation = None
+    if cfg.eval_data:
+        evaluation = _rows(cfg, tokenizer, cfg.eval_data, cfg.eval_split, cfg.eval_ref_cache or cfg.ref_cache, log)
+    verify_s = time.perf_counter() - t0
+    initial_hash = model_hash(cfg.model)
+
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32 if cfg.fp16 else dtype,
+                                                  use_safetensors=True, trust_remote_code=cfg.trust_remote_code)
+    disable_dropout(policy)
+    ref_model = None
+    if cfg.ref_cache is None:
+        check_checkpoint(cfg.ref_model, cfg.trust_remote_code)
+        ref_model = AutoModelForCausalLM.from_pretrained(cfg.ref_model, dtype=dtype, use_safetensors=True,
+                                                         trust_remote_code=cfg.trust_remote_code)
+        ref_model.eval().requires_grad_(False).to(args.device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = DPOTrainer(
+        model=policy,
+        args=args,
+        data_collator=PairCollator(pad_id),
+        train_dataset=datasets.Dataset(train.table),
+        eval_dataset=datasets.Dataset(evaluation.table) if evaluation else None,
+        processing_class=tokenizer,
+        callbacks=[MetricsFile(out / "metrics.jsonl")],
+        loss_config=loss_config,
+        ref_model=ref_model,
+    )
+    if trainer.is_world_process_zero() and not cfg.resume_from_checkpoint:
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+    t_train = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
+    train_s = time.perf_counter() - t_train
+    final_eval = {}
+    if evaluation:  # reuse the eval of the last step when there was one
+        last = [r for r in trainer.state.log_history if "eval_loss" in r]
+        final_eval = last[-1] if last and last[-1].get("step") == result.global_step else trainer.evaluate()
+    trainer.save_model(str(out))
+    summary = {"output_dir": str(out.resolve()), "steps": result.global_step, "train_loss": result.training_loss,
+               "train_s": train_s, "verify_s": verify_s, "eval": final_eval}
+    if trainer.is_world_process_zero():
+        _finish(cfg, out, train, evaluation, initial_hash, summary)
+    return summary
+
+
+def _finish(cfg, out: Path, train, evaluation, initial_hash: str, summary: dict) -> None:
+    from .trainer import plot_metrics
+
+    if cfg.plot and (out / "metrics.jsonl").exists():
+        plot_metrics(out / "metrics.jsonl", out / "metrics.png")
+    cache = None
+    if cfg.ref_cache:
+        cache = {"path": str(cfg.ref_cache), "manifest_sha256": file_sha256(Path(cfg.ref_cache) / "manifest.json"),
+                 "stamps": train.report["stamps"], "verification": train.report}
+    manifest = {
+        "kind": "refcache-train-dpo-run",
+        "initial_model": {"path": cfg.model, "model_hash": initial_hash},
+        "reference": {"cache": cache, "live_model": cfg.ref_model if not cfg.ref_cache else None},
+        "data": {"path": cfg.data, "split": cfg.split, "fingerprint": train.fingerprint, "rows": train.table.num_rows},
+        "eval_data": {"path": cfg.eval_data, "fingerprint": evaluation.fingerprint} if evaluation else None,
+        "config": dataclasses.asdict(cfg),
+        "seed": cfg.seed,
+        "software": software_versions(),
+        "result": {k: summary[k] for k in ("steps", "train_loss", "train_s", "verify_s")} | {"eval": summary["eval"]},
+        "final_model_hash": model_hash(out),
+        "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    (out / "run-manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
+    summary["final_model_hash"] = manifest["final_model_hash"]

@@ -1,0 +1,130 @@
+"""DPO on `transformers.Trainer`: the loop, distribution, precision, checkpointing and trackers are the Trainer's;
+what is ours is the batch layout, the loss on cached (or live) reference log-probs, and the metrics."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from precompute.logprobs import completion_logps, pad_sequences
+
+from .losses import LossConfig, dpo_loss
+
+
+class PairCollator:
+    """Rows -> one right-padded batch of 2B sequences: chosen_0..chosen_{B-1}, rejected_0..rejected_{B-1}.
+
+    Cached reference values travel inside the rows, so they follow them through any sampler or process split.
+    """
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, rows: list[dict]) -> dict:
+        prompts = [r["prompt_ids"] for r in rows]
+        completions = [r["chosen_ids"] for r in rows] + [r["rejected_ids"] for r in rows]
+        ids, mask = pad_sequences([p + c for p, c in zip(prompts + prompts, completions)], self.pad_id)
+        batch = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "prompt_lens": torch.tensor([len(p) for p in prompts + prompts]),
+            "completion_lens": torch.tensor([len(c) for c in completions]),
+        }
+        if "ref_chosen_logps" in rows[0]:
+            values = [r["ref_chosen_logps"] for r in rows] + [r["ref_rejected_logps"] for r in rows]
+            batch["ref_logps"] = torch.cat([torch.as_tensor(v, dtype=torch.float32) for v in values])
+        return batch
+
+
+def disable_dropout(model) -> None:
+    """DPO compares the policy with a frozen reference; dropout would make them differ at step 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+class DPOTrainer(Trainer):
+    def __init__(self, *args, loss_config: LossConfig, ref_model=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_config = loss_config
+        self.ref_model = ref_model  # live-reference mode only; None with a cache
+        self.model_accepts_loss_kwargs = False  # our loss is a per-batch mean; let the Trainer scale for accumulation
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        lengths = inputs["completion_lens"]
+        policy = completion_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["prompt_lens"], lengths)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = completion_logps(self.ref_model, inputs["input_ids"], inputs["attention_mask"],
+                                       inputs["prompt_lens"], lengths)
+        else:
+            ref = inputs["ref_logps"]
+        loss, metrics = dpo_loss(policy, ref, lengths, self.loss_config)
+        split = "train" if model.training else "eval"
+        metrics["loss"] = loss.detach().expand(len(lengths) // 2)
+        # One gather of a [pairs, metrics] table per step: the means are over all pairs of all processes.
+        table = torch.stack([v.float() for v in metrics.values()], dim=1)
+        gather = self.accelerator.gather if split == "train" else self.accelerator.gather_for_metrics
+        for name, value in zip(metrics, gather(table).mean(0).tolist()):
+            self._metrics[split][name].append(value)
+        return (loss, {}) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict, start_time=None):
+        split = "eval" if any(k.startswith("eval_") for k in logs) else "train"
+        prefix = "eval_" if split == "eval" else ""
+        for name, values in self._metrics[split].items():
+            if name != "loss" or split == "eval":
+                logs[prefix + name] = sum(values) / len(values)
+        self._metrics[split].clear()
+        super().log(logs, start_time)
+
+
+class MetricsFile(TrainerCallback):
+    """Append every log record (train and eval) to metrics.jsonl in the output directory."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            record = {"step": state.global_step, "epoch": state.epoch, **logs}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def plot_metrics(metrics_path: Path, out_png: Path) -> None:
+    """Loss, accuracy, margins and per-token log-ratio against step, train and eval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    panels = [("loss", "loss"), ("rewards/accuracies", "preference accuracy"), ("rewards/margins", "reward margin"),
+              ("logratio/chosen", "log-ratio per token (chosen)")]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, title) in zip(axes.flat, panels):
+        for prefix, style in (("", "-"), ("eval_", "o-")):
+            points = [(r["step"], r[prefix + key]) for r in records if prefix + key in r]
+            if points:
+                ax.plot(*zip(*points), style, label="eval" if prefix else "train", markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=90)
+    plt.close(fig)

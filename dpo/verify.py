@@ -1,0 +1,133 @@
+"""Everything train-dpo checks before it uses a single cached value, and the join of cached values to rows.
+
+Order: cache manifest and files, model hash, tokenizer hash, encoding config, then every training row is encoded
+here with the cache's encoding and its mask checksum compared with the cached one. Only then are the cached
+per-token log-probs read and joined to the rows by id.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import polars as pl
+import pyarrow as pa
+
+from precompute.data import Encoded, encode_rows, load_rows
+from schemas.encoding import EncodingConfig
+from schemas.format import CacheError, Cache, StampMismatch, open_cache, RERUN
+from schemas.stamps import model_hash, tokenizer_hash
+
+
+@dataclass
+class Verified:
+    """Rows ready for training: ids and token ids from our own encoding, reference values from the cache."""
+
+    table: pa.Table  # id, prompt_ids, chosen_ids, rejected_ids[, ref_chosen_logps, ref_rejected_logps]
+    fingerprint: str
+    report: dict
+
+
+def reference_hash(model_dir: str, ref_model: str | None, ref_model_hash: str | None) -> str:
+    """The model hash the cache must carry: the declared reference, else the policy's starting checkpoint."""
+    if ref_model_hash:
+        return ref_model_hash
+    return model_hash(ref_model or model_dir)
+
+
+def check_encoding(cache: Cache, requested: dict) -> EncodingConfig:
+    """The cache's encoding config; a conflicting value given on the command line is an error."""
+    recorded = cache.encoding
+    for key, value in requested.items():
+        if value is not None and getattr(recorded, key) != value:
+            raise StampMismatch(
+                "encoding",
+                f"--{key.replace('_', '-')} {value} conflicts with the cache {cache.root}, made with "
+                f"{key}={getattr(recorded, key)}",
+                remedy="drop the option (the cache's value is used), or re-run precompute-ref with it into a new --out",
+                expected=value,
+                found=getattr(recorded, key),
+            )
+    return recorded
+
+
+def _sum64(column: str) -> pl.Expr:
+    return pl.col(column).list.eval(pl.element().cast(pl.Float64)).list.sum()
+
+
+def check_values(cache: Cache, ids: list[str]) -> pa.Table:
+    """Read the cached values of `ids` and check them: one value per completion token, sums equal to the
+    per-token values, every value finite and <= 0."""
+    want = pl.DataFrame({"id": ids, "order": range(len(ids))})
+    frames = []
+    for path in cache.shard_paths:
+        shard = pl.read_parquet(path, columns=["id", "chosen_input_ids", "rejected_input_ids", "chosen_logps",
+                                               "rejected_logps", "chosen_logp", "rejected_logp"])
+        shard = shard.with_row_index("row").with_columns(pl.lit(path.name).alias("shard"))
+        frames.append(shard.join(want, on="id", how="inner"))
+    values = pl.concat(frames).sort("order")
+    bad = values.filter(
+        (pl.col("chosen_logps").list.len() != pl.col("chosen_input_ids").list.len())
+        | (pl.col("rejected_logps").list.len() != pl.col("rejected_input_ids").list.len())
+        | ((_sum64("chosen_logps") - pl.col("chosen_logp")).abs() > 1e-6)
+        | ((_sum64("rejected_logps") - pl.col("rejected_logp")).abs() > 1e-6)
+        | ~pl.col("chosen_logps").list.eval(pl.element().is_finite() & (pl.element() <= 0)).list.all()
+        | ~pl.col("rejected_logps").list.eval(pl.element().is_finite() & (pl.element() <= 0)).list.all()
+    )
+    if bad.height:
+        first = bad.row(0, named=True)
+        raise CacheError(
+            "values",
+            f"cached log-probs of row {first['id']!r} are inconsistent (wrong count, sum differing from the per-token "
+            "values, or a NaN, infinite or positive log-prob): the cache was edited or damaged",
+            remedy=RERUN,
+            shard=first["shard"],
+            row=first["row"],
+        )
+    return values.select(
+        pl.col("chosen_logps").alias("ref_chosen_logps"), pl.col("rejected_logps").alias("ref_rejected_logps")
+    ).to_arrow()
+
+
+def encoded_table(encoded: Encoded) -> pa.Table:
+    return pa.table({
+        "id": encoded.ids,
+        "prompt_ids": [p.prompt_ids for p in encoded.pairs],
+        "chosen_ids": [p.chosen_ids for p in encoded.pairs],
+        "rejected_ids": [p.rejected_ids for p in encoded.pairs],
+    })
+
+
+def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
+                    encoding_request=None, on_bad_row="error", verify_files=True, log=print) -> Verified:
+    t0 = time.perf_counter()
+    cache = open_cache(cache_dir, verify_files=verify_files)
+    t_files = time.perf_counter() - t0
+    expected_model = reference_hash(model_dir, ref_model, ref_model_hash)
+    encoding = check_encoding(cache, encoding_request or {})
+    cache.check_stamps(model_hash=expected_model, tokenizer_hash=tokenizer_hash(tokenizer), encoding=encoding)
+    source = load_rows(data, split)
+    encoded = encode_rows(source, tokenizer, encoding, on_bad_row)
+    cache.check_rows(dict(zip(encoded.ids, (p.mask_checksum for p in encoded.pairs))))
+    table = encoded_table(encoded)
+    for name, column in zip(("ref_chosen_logps", "ref_rejected_logps"), check_values(cache, encoded.ids).columns):
+        table = table.append_column(name, column)
+    report = {
+        "cache": str(cache.root),
+        "rows": len(encoded.ids),
+        "skipped": encoded.skipped_by_reason,
+        "file_hashes": "sha256 checked" if verify_files else "skipped (--fast-verify)",
+        "files_s": round(t_files, 3),
+        "total_s": round(time.perf_counter() - t0, 3),
+        "stamps": cache.stamps,
+    }
+    log(f"verified {cache.root}: {report['rows']} rows, model/tokenizer/mask stamps match "
+        f"({report['total_s']:.2f} s; file hashes {report['files_s']:.2f} s)")
+    return Verified(table, source.fingerprint, report)
+
+
+def encode_only(*, tokenizer, data, split, encoding: EncodingConfig, on_bad_row="error") -> Verified:
+    """Rows for live-reference mode (no cache to verify against)."""
+    source = load_rows(data, split)
+    encoded = encode_rows(source, tokenizer, encoding, on_bad_row)
+    return Verified(encoded_table(encoded), source.fingerprint, {"rows": len(encoded.ids), "mode": "live reference"})

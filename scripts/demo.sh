@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: precompute the reference cache over data/, then train DPO on it.
+# Outputs go to $OUT (default runs/demo). Re-running resumes/reuses the caches and retrains.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-runs/demo}
+for split in train eval; do
+  .venv/bin/precompute-ref --model data/sft-model --data data/prefs --split "$split" --out "$OUT/ref-cache-$split"
+done
+.venv/bin/train-dpo --model data/sft-model --data data/prefs --ref-cache "$OUT/ref-cache-train" \
+  --eval-data data/prefs --eval-split eval --eval-ref-cache "$OUT/ref-cache-eval" \
+  --output-dir "$OUT/policy" --beta 0.1 --learning-rate 2e-4 --warmup-steps 0.1 --num-train-epochs 2 \
+  --per-device-train-batch-size 16 --logging-steps 5 --eval-steps 10 --save-steps 50 --save-total-limit 1 "$@"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command: set up .venv, then run the whole suite. Exits non-zero on any failure and when no test ran.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1
+.venv/bin/python -m pytest -q "$@"
