@@ -31,6 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 SEED = 1337
 OUT = Path(__file__).resolve().parent
 VOCAB_SIZE = 1024
+N_POOL = 4000               # unique prompts drawn from the templates
 N_TRAIN_PAIRS, N_EVAL_PAIRS = 400, 100
 N_SFT = 2000                # SFT conversations, one per prompt (incl. the train-pair prompts, never eval prompts)
 SFT_STEPS, BATCH, LR = 1200, 32, 3e-3
@@ -169,7 +170,7 @@ def styled(answer, mark):
 # unique prompts, split once: eval prompts never appear in SFT or in train pairs
 rng = random.Random(SEED)
 pool = {}
-while len(pool) < 4000:
+while len(pool) < N_POOL:
     p, a = sample_task(rng)
     pool.setdefault(p, a)
 prompts = sorted(pool)
@@ -197,8 +198,8 @@ trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, min_frequency=2, special_to
                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
 bpe_text = [m["content"] for c in sft for m in c] + [f"{p} {a}" for p, a in sorted(pool.items())]
 bpe.train_from_iterator(bpe_text, trainer=trainer)
-tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=512,
-                              additional_special_tokens=SPECIALS[3:])
+tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                              additional_special_tokens=SPECIALS[3:], model_max_length=512)
 tok.chat_template = CHAT_TEMPLATE
 tok.padding_side = "right"
 ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
