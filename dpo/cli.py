@@ -111,6 +111,7 @@ def main(config_file, debug, **given):
         cfg = resolve_config(config_file, given)
         s = run_train(cfg, log=lambda m: click.echo(m, err=True))
         acc = s["eval"].get("eval_rewards/accuracies")
+        start = s.get("eval_start", {}).get("eval_logps/accuracies")
         out = Path(s["output_dir"])
         click.echo(
             f"trained {s['steps']} steps in {s['train_s']:.1f} s (verification {s['verify_s']:.1f} s); "

@@ -113,14 +113,16 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    panels = [("loss", "loss"), ("rewards/accuracies", "preference accuracy"), ("rewards/margins", "reward margin"),
-              ("logratio/chosen", "log-ratio per token (chosen)")]
+    panels = [(("loss",), "loss"), (("rewards/accuracies", "logps/accuracies"), "preference accuracy"),
+              (("rewards/margins",), "reward margin"), (("logratio/chosen", "logratio/rejected"), "log-ratio per token")]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (key, title) in zip(axes.flat, panels):
-        for prefix, style in (("", "-"), ("eval_", "o-")):
-            points = [(r["step"], r[prefix + key]) for r in records if prefix + key in r]
-            if points:
-                ax.plot(*zip(*points), style, label="eval" if prefix else "train", markersize=3)
+    for ax, (keys, title) in zip(axes.flat, panels):
+        for key in keys:
+            for prefix, style in (("", "-"), ("eval_", "o-")):
+                points = [(r["step"], r[prefix + key]) for r in records if prefix + key in r]
+                label = ("eval " if prefix else "train ") + key if len(keys) > 1 else ("eval" if prefix else "train")
+                if points:
+                    ax.plot(*zip(*points), style, label=label, markersize=3)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

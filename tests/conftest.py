@@ -119,3 +119,26 @@ def write_jsonl(path: Path, rows) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train-dpo (tests/test_train*.py): one small conversational data set and its reference cache, shared by the session
+
+DPO_PAIRS = 40
+
+
+@pytest.fixture(scope="session")
+def dpo_data(tmp_path_factory) -> Path:
+    """40 conversational preference pairs (ids r0000..r0039), so the chat template shapes the token ids."""
+    return write_jsonl(tmp_path_factory.mktemp("dpo-data") / "prefs.jsonl", pref_rows(DPO_PAIRS, fmt="conversational"))
+
+
+@pytest.fixture(scope="session")
+def dpo_cache(tmp_path_factory, llama_dir, dpo_data) -> Path:
+    """The reference cache of `dpo_data` under `llama_dir`, in three shards. Tests that damage it copy it first."""
+    from precompute.job import PrecomputeConfig, run_precompute
+
+    out = tmp_path_factory.mktemp("dpo-cache") / "cache"
+    run_precompute(PrecomputeConfig(model=str(llama_dir), data=str(dpo_data), out=str(out), rows_per_shard=16,
+                                    progress=False), log=lambda m: None)
+    return out

@@ -167,6 +167,22 @@ def test_model_hash_ignores_file_layout_and_metadata(ws, base):
 
     assert model_hash(ws.model(edit)) == base["model_hash"]
 
+    def split_backwards(d):
+        # Two shards where the first file holds the names that sort last: the hash follows names, not files.
+        tensors = load_file(d / "model.safetensors")
+        names = sorted(tensors)
+        halves = {"model-00001-of-00002.safetensors": names[len(names) // 2 :],
+                  "model-00002-of-00002.safetensors": names[: len(names) // 2]}
+        for file, part in halves.items():
+            save_file({n: tensors[n] for n in part}, d / file, metadata={"format": "pt"})
+        index = {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+        (d / "model.safetensors").unlink()
+
+    split = ws.model(split_backwards)
+    assert len(weight_files(split)) == 2
+    assert model_hash(split) == base["model_hash"]
+
 
 def test_stamps_equal_in_a_fresh_process(llama_dir, base_tok):
     code = (
@@ -234,7 +250,19 @@ def _nudge_one_element(t):
 
 
 def _rename(t):
-    t["model.final_norm.weight"] = t.pop("model.norm.weight")
+    # "model.norm.gain" still sorts last, so the bytes are hashed in the same order: only the name differs.
+    assert max(t) == "model.norm.weight"
+    t["model.norm.gain"] = t.pop("model.norm.weight")
+    return t
+
+
+def _reshape(t):
+    t["lm_head.weight"] = t["lm_head.weight"].reshape(-1, 16).contiguous()  # same bytes, other shape
+    return t
+
+
+def _relabel_dtype(t):
+    t["model.norm.weight"] = t["model.norm.weight"].view(torch.int32)  # same bytes, other dtype
     return t
 
 
@@ -339,6 +367,14 @@ VARIANTS = {
     ),
     "tensor renamed": (
         lambda ws, tok: {"model_dir": ws.model(_tensor_edit(_rename))},
+        {"model_hash"},
+    ),
+    "tensor reshaped, same bytes": (
+        lambda ws, tok: {"model_dir": ws.model(_tensor_edit(_reshape))},
+        {"model_hash"},
+    ),
+    "tensor dtype relabelled, same bytes": (
+        lambda ws, tok: {"model_dir": ws.model(_tensor_edit(_relabel_dtype))},
         {"model_hash"},
     ),
     "two same-shape tensors swapped": (

@@ -1,0 +1,110 @@
+"""precompute-ref as a real process: kill -9 and resume, a second process on the same cache, exit codes."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from conftest import pref_rows, write_jsonl
+from precompute.cli import main
+from schemas import format as fmt
+
+PRECOMPUTE_REF = str(Path(sys.executable).parent / "precompute-ref")
+PAUSE_HELPER = str(Path(__file__).parent / "precompute_pause.py")
+
+
+def run(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([PRECOMPUTE_REF, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def shard_hashes(out: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("*.parquet"))}
+
+
+def dir_state(out: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir()) if p.is_file()}
+
+
+def in_process(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_run_killed_mid_shard_resumes_to_the_clean_run_bytes(llama_dir, tmp_path):
+    data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(40, seed=29))
+    args = ["--model", llama_dir, "--data", data, "--rows-per-shard", 4, "--no-progress"]
+    out, marker = tmp_path / "killed", tmp_path / "paused"
+    env = {**os.environ, "REFCACHE_PAUSE_AT_SHARD": "3", "REFCACHE_PAUSE_MARKER": str(marker)}
+    proc = subprocess.Popen([sys.executable, PAUSE_HELPER, *map(str, args), "--out", str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run never reached shard 3"
+            time.sleep(0.05)
+        # Mid-run: shards 0-2 finished, shard 3 half-written into its temp file, no manifest.
+        assert sorted(p.name for p in out.glob("shard-*.parquet")) == [f"shard-{i:05d}.parquet" for i in range(3)]
+        assert len(list(out.glob(".shard-00003.parquet.tmp-*"))) == 1
+        assert not (out / fmt.MANIFEST).exists()
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    partial = shard_hashes(out)
+
+    rerun = run(*args, "--out", out)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "wrote 40 pairs (28 scored now) in 10 shards" in rerun.stdout  # only shards 3-9 were scored again
+    assert "(3 already done)" in rerun.stderr
+
+    in_process(*args, "--out", tmp_path / "clean")  # an uninterrupted run
+    clean = shard_hashes(tmp_path / "clean")
+    assert len(clean) == 10
+    assert shard_hashes(out) == clean
+    assert {k: clean[k] for k in partial} == partial  # the shards written before the kill were kept as they were
+    assert sorted(p.name for p in out.iterdir()) == sorted([*clean, fmt.MANIFEST, fmt.LOCK])  # no temp files
+    assert json.loads((out / fmt.MANIFEST).read_text())["shards"] == \
+        json.loads((tmp_path / "clean" / fmt.MANIFEST).read_text())["shards"]
+    fmt.open_cache(out)
+
+
+def test_second_process_on_the_same_cache_is_refused(llama_dir, tmp_path):
+    data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(8, seed=31))
+    out = tmp_path / "cache"
+    args = ["--model", llama_dir, "--data", data, "--out", out, "--no-progress"]
+    in_process(*args)
+    with open(out / fmt.LOCK, "a+") as held:  # what a running precompute-ref holds
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.truncate(0)
+        held.write(str(os.getpid()))
+        held.flush()
+        before = dir_state(out)
+        second = run(*args, "--overwrite")
+        assert dir_state(out) == before  # nothing deleted, rewritten or added
+    assert second.returncode == 2, second.stderr
+    assert f"being written by another precompute-ref process (pid {os.getpid()})" in second.stderr
+    assert second.stdout == ""
+    fmt.open_cache(out)
+
+
+def test_bad_row_exit_code_and_message(llama_dir, tmp_path):
+    rows = pref_rows(6, seed=37)
+    rows[2]["chosen"] = ""
+    data = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    result = run("--model", llama_dir, "--data", data, "--out", tmp_path / "cache", "--no-progress")
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith(f"error: {data}, row 3: empty_field: 'chosen' is an empty string")
+    assert result.stdout == "" and not (tmp_path / "cache" / fmt.MANIFEST).exists()

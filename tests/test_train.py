@@ -1,0 +1,314 @@
+"""train-dpo end to end on a tiny Llama (hidden 32, 2 layers) and 40 pairs: loss at the start, cached vs live
+reference, the number of models built, the output checkpoint and run manifest, config files, resume, gradient
+accumulation and the other loss types."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from conftest import DPO_PAIRS
+from dpo.cli import main
+from dpo.recipe import TrainConfig, run_train
+from schemas.stamps import file_sha256, model_hash, tokenizer_hash
+
+LN2 = math.log(2)
+BASE = dict(use_cpu=True, learning_rate=1e-3, per_device_train_batch_size=4, logging_steps=1, seed=7, plot=False)
+METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected", "logratio/chosen", "kl_k3/chosen", "lengths/chosen", "grad_norm", "learning_rate")
+NOT_COMPARED = ("runtime", "per_second", "epoch")  # wall-clock and epoch bookkeeping
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def step_records(out: Path) -> dict[int, dict]:
+    """Training-step records (the ones with a loss) by step."""
+    return {r["step"]: r for r in records(out) if "loss" in r}
+
+
+def train(model, data, out, **kwargs) -> dict:
+    return run_train(TrainConfig(model=str(model), data=str(data), output_dir=str(out), **{**BASE, **kwargs}),
+                     log=lambda m: None)
+
+
+@contextlib.contextmanager
+def count_models():
+    """Record the class of every transformers model constructed (a CausalLM builds its inner base model too)."""
+    import transformers
+
+    built: list[str] = []
+    original = transformers.PreTrainedModel.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.PreTrainedModel, "__init__", counting)
+        yield built
+
+
+def assert_close(a: float, b: float, what: str, tol: float = 1e-6):
+    # Relative for large values: log-prob sums of ~-100 in float32 carry 7.6e-6 per unit in the last place.
+    assert abs(a - b) <= tol * max(1.0, abs(a)), f"{what}: {a} vs {b}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one cached and one live run of 20 steps, shared by several tests
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, llama_dir, dpo_data, dpo_cache):
+    root = tmp_path_factory.mktemp("train-runs")
+    with count_models() as built_cached:
+        cached = train(llama_dir, dpo_data, root / "cached", ref_cache=str(dpo_cache), max_steps=20, plot=True)
+    with count_models() as built_live:
+        live = train(llama_dir, dpo_data, root / "live", ref_model=str(llama_dir), max_steps=20)
+    return {"cached": (root / "cached", cached, built_cached), "live": (root / "live", live, built_live)}
+
+
+def test_first_step_loss_is_ln2_when_policy_starts_at_reference(runs):
+    for mode in ("cached", "live"):
+        first = step_records(runs[mode][0])[1]
+        assert abs(first["loss"] - LN2) < 1e-6, (mode, first["loss"])
+        assert abs(first["rewards/margins"]) < 1e-6
+        assert abs(first["logratio/chosen"]) < 1e-6
+
+
+def test_cached_and_live_reference_give_the_same_metrics(runs):
+    cached, live = records(runs["cached"][0]), records(runs["live"][0])
+    assert [r["step"] for r in cached] == [r["step"] for r in live]
+    assert sorted(step_records(runs["cached"][0])) == list(range(1, 21))
+    compared = 0
+    for a, b in zip(cached, live):
+        assert set(a) == set(b)
+        for key, value in a.items():
+            if isinstance(value, (int, float)) and not any(word in key for word in NOT_COMPARED):
+                assert_close(value, b[key], f"step {a['step']} {key}")
+                compared += 1
+    assert compared >= 20 * len(METRIC_KEYS)
+    # The runs did train: the loss moved well away from ln 2, so agreement is not agreement of two idle runs.
+    assert step_records(runs["cached"][0])[20]["loss"] < LN2 - 0.05
+    assert runs["cached"][1]["train_loss"] == pytest.approx(runs["live"][1]["train_loss"], abs=1e-6)
+
+
+def test_cached_run_builds_one_model_and_live_run_two(runs):
+    assert sorted(runs["cached"][2]) == ["LlamaForCausalLM", "LlamaModel"]
+    assert sorted(runs["live"][2]) == ["LlamaForCausalLM", "LlamaForCausalLM", "LlamaModel", "LlamaModel"]
+
+
+def test_output_is_a_loadable_checkpoint_with_changed_weights(runs, llama_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = runs["cached"][0]
+    assert (out / "model.safetensors").is_file()
+    assert not list(out.glob("pytorch_model*.bin"))
+    trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    a, b = trained.state_dict(), start.state_dict()
+    assert a.keys() == b.keys()
+    assert all(a[k].shape == b[k].shape for k in a)
+    changed = [k for k in a if not torch.equal(a[k], b[k])]
+    assert len(changed) > len(a) // 2
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tokenizer_hash(tok) == tokenizer_hash(AutoTokenizer.from_pretrained(llama_dir))
+    assert model_hash(out) != model_hash(llama_dir)
+
+
+def test_run_manifest(runs, llama_dir, dpo_data, dpo_cache):
+    from precompute.data import load_rows
+
+    out, summary, _ = runs["cached"]
+    m = json.loads((out / "run-manifest.json").read_text())
+    cache_manifest = json.loads((dpo_cache / "manifest.json").read_text())
+    assert m["initial_model"]["model_hash"] == model_hash(llama_dir) == cache_manifest["stamps"]["model_hash"]
+    assert m["reference"]["cache"]["manifest_sha256"] == file_sha256(dpo_cache / "manifest.json")
+    assert m["reference"]["cache"]["stamps"] == cache_manifest["stamps"]
+    assert m["reference"]["live_model"] is None
+    assert m["data"]["fingerprint"] == load_rows(dpo_data).fingerprint
+    assert m["data"]["rows"] == DPO_PAIRS
+    assert m["config"]["max_steps"] == 20 and m["config"]["beta"] == 0.1 and m["config"]["loss_type"] == "sigmoid"
+    assert m["config"]["ref_cache"] == str(dpo_cache)
+    assert m["seed"] == 7
+    assert {"torch", "transformers", "python"} <= set(m["software"])
+    assert m["final_model_hash"] == model_hash(out) == summary["final_model_hash"]
+    assert m["result"]["steps"] == 20
+
+    live = json.loads((runs["live"][0] / "run-manifest.json").read_text())
+    assert live["reference"] == {"cache": None, "live_model": str(llama_dir)}
+    # Same start, same seed, same data, (nearly) the same updates: the weights agree closely but not bitwise.
+    assert live["initial_model"]["model_hash"] == m["initial_model"]["model_hash"]
+
+
+def test_metrics_file_and_plot(runs):
+    out = runs["cached"][0]
+    steps = step_records(out)
+    for step, record in steps.items():
+        missing = [k for k in METRIC_KEYS if k not in record]
+        assert not missing, (step, missing)
+        assert all(math.isfinite(record[k]) for k in METRIC_KEYS)
+        assert 0 <= record["rewards/accuracies"] <= 1
+        assert record["kl_k3/chosen"] >= 0
+        assert record["logps/chosen"] < 0
+    # the learning rate follows the linear schedule from 1e-3 towards 0
+    assert steps[1]["learning_rate"] == pytest.approx(1e-3)
+    assert steps[20]["learning_rate"] < steps[10]["learning_rate"] < steps[1]["learning_rate"]
+    png = out / "metrics.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (runs["live"][0] / "metrics.png").exists()  # plot=False there
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --config files
+
+
+def _cli(args: list[str]):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_yaml_config_sets_options_and_the_command_line_overrides(tmp_path, llama_dir, dpo_data, dpo_cache):
+    cfg = tmp_path / "run.yaml"
+    # IPO's first-step loss with the policy at the reference is (1/(2 beta))^2, so it shows which beta was used.
+    # 1e-3 is how people write it; YAML 1.1 reads it as a string.
+    cfg.write_text("loss_type: ipo\nbeta: 0.25\nmax_steps: 2\nlearning_rate: 1e-3\nuse_cpu: true\n"
+                   "per_device_train_batch_size: 4\nlogging_steps: 1\nplot: false\nseed: 7\n")
+    out = tmp_path / "out"
+    result = _cli(["--config", cfg, "--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache,
+                   "--output-dir", out, "--max-steps", 3])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "run-manifest.json").read_text())
+    assert manifest["config"]["max_steps"] == 3  # command line beats the file
+    assert manifest["config"]["beta"] == 0.25 and manifest["config"]["loss_type"] == "ipo"
+    assert manifest["config"]["learning_rate"] == 1e-3
+    steps = step_records(out)
+    assert sorted(steps) == [1, 2, 3]
+    assert steps[1]["loss"] == pytest.approx((1 / (2 * 0.25)) ** 2, abs=1e-5)
+    assert steps[1]["learning_rate"] == pytest.approx(1e-3)
+
+
+def test_json_config_with_kebab_keys_and_override(tmp_path, llama_dir, dpo_data, dpo_cache):
+    out = tmp_path / "out"
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({
+        "model": str(llama_dir), "data": str(dpo_data), "ref-cache": str(dpo_cache), "output-dir": str(out),
+        "loss-type": "ipo", "beta": 0.5, "max-steps": 2, "use-cpu": True, "logging-steps": 1, "plot": False,
+        "per-device-train-batch-size": 4,
+    }))
+    result = _cli(["--config", cfg, "--beta", 1.0])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "run-manifest.json").read_text())
+    assert manifest["config"]["beta"] == 1.0 and manifest["config"]["max_steps"] == 2
+    steps = step_records(out)
+    assert sorted(steps) == [1, 2]
+    assert steps[1]["loss"] == pytest.approx((1 / (2 * 1.0)) ** 2, abs=1e-5)
+
+
+@pytest.mark.parametrize("suffix,text", [(".yaml", "max_step: 3\nbeta: 0.2\n"), (".json", '{"betta": 0.2}')])
+def test_unknown_config_key_is_a_usage_error(tmp_path, llama_dir, dpo_data, dpo_cache, suffix, text):
+    cfg = tmp_path / f"run{suffix}"
+    cfg.write_text(text)
+    out = tmp_path / "out"
+    result = _cli(["--config", cfg, "--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache,
+                   "--output-dir", out])
+    assert result.exit_code == 2
+    assert "unknown option(s)" in result.output and ("max_step" in result.output or "betta" in result.output)
+    assert not out.exists()
+
+
+def test_config_value_of_the_wrong_type_is_a_usage_error(tmp_path, llama_dir, dpo_data, dpo_cache):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("max_steps: many\n")
+    result = _cli(["--config", cfg, "--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache,
+                   "--output-dir", tmp_path / "out"])
+    assert result.exit_code == 2
+    assert "max_steps" in result.output and "many" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resume, gradient accumulation, other losses
+
+
+def test_resume_from_checkpoint_reaches_the_same_final_step(tmp_path, llama_dir, dpo_data, dpo_cache):
+    full = tmp_path / "full"
+    summary = train(llama_dir, dpo_data, full, ref_cache=str(dpo_cache), max_steps=6, save_steps=3)
+    assert summary["steps"] == 6
+    assert (full / "checkpoint-3").is_dir() and (full / "checkpoint-6").is_dir()
+
+    resumed = tmp_path / "resumed"
+    result = _cli(["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir", resumed,
+                   "--max-steps", 6, "--save-steps", 3, "--use-cpu", "--learning-rate", 1e-3,
+                   "--per-device-train-batch-size", 4, "--logging-steps", 1, "--seed", 7, "--no-plot",
+                   "--resume-from-checkpoint", full / "checkpoint-3"])
+    assert result.exit_code == 0, result.output
+    assert "trained 6 steps" in result.output
+    manifest = json.loads((resumed / "run-manifest.json").read_text())
+    assert manifest["result"]["steps"] == 6
+    a, b = step_records(full), step_records(resumed)
+    assert sorted(b) == [4, 5, 6]  # only the steps after the checkpoint were run
+    for step in (4, 5, 6):
+        for key in METRIC_KEYS:
+            assert_close(a[step][key], b[step][key], f"step {step} {key}")
+    # Optimizer, scheduler and data order were restored: the final weights are those of the uninterrupted run.
+    assert manifest["final_model_hash"] == model_hash(full)
+
+
+def test_gradient_accumulation_matches_a_larger_batch(tmp_path, llama_dir, dpo_data, dpo_cache):
+    big = tmp_path / "big"
+    acc = tmp_path / "acc"
+    train(llama_dir, dpo_data, big, ref_cache=str(dpo_cache), max_steps=2, per_device_train_batch_size=8,
+          gradient_accumulation_steps=1)
+    train(llama_dir, dpo_data, acc, ref_cache=str(dpo_cache), max_steps=2, per_device_train_batch_size=4,
+          gradient_accumulation_steps=2)
+    a, b = step_records(big), step_records(acc)
+    # Step 1 sees the same 8 pairs (the sampler's order is the same), as one batch or as two micro-batches.
+    for key in METRIC_KEYS:
+        assert_close(a[1][key], b[1][key], f"step 1 {key}")
+    # The accumulated gradient equals the big batch's, so the second step starts from the same weights.
+    for key in METRIC_KEYS:
+        assert_close(a[2][key], b[2][key], f"step 2 {key}", tol=1e-5)
+    assert a[2]["loss"] != pytest.approx(LN2, abs=1e-3)
+
+
+def _expected_rpo_first_step(dpo_cache: Path, alpha: float) -> float:
+    """ln 2 plus alpha times the mean over all pairs of the chosen completion's mean per-token NLL, from the cache
+    (at step 1 the policy equals the reference, so the policy's log-probs are the cached ones)."""
+    nll = []
+    for shard in sorted(dpo_cache.glob("*.parquet")):
+        for values in pq.read_table(shard, columns=["chosen_logps"]).column("chosen_logps").to_pylist():
+            nll.append(-sum(values) / len(values))
+    assert len(nll) == DPO_PAIRS
+    return LN2 + alpha * sum(nll) / len(nll)
+
+
+@pytest.mark.parametrize("options,first", [
+    ({"loss_type": "ipo"}, lambda cache: (1 / (2 * 0.1)) ** 2),
+    ({"loss_type": "hinge"}, lambda cache: 1.0),
+    ({"loss_type": "apo_zero"}, lambda cache: 1.0),
+    ({"loss_type": "sigmoid", "ld_alpha": 0.5}, lambda cache: LN2),
+    ({"loss_type": "sigmoid", "rpo_alpha": 0.5}, lambda cache: _expected_rpo_first_step(cache, 0.5)),
+], ids=["ipo", "hinge", "apo_zero", "ld_alpha", "rpo_alpha"])
+def test_other_losses_train_end_to_end(tmp_path, llama_dir, dpo_data, dpo_cache, options, first):
+    out = tmp_path / "out"
+    # One batch holds every pair, so step 1's loss is a value over the whole data set that we can compute.
+    summary = train(llama_dir, dpo_data, out, ref_cache=str(dpo_cache), max_steps=4,
+                    per_device_train_batch_size=DPO_PAIRS, **options)
+    assert summary["steps"] == 4
+    steps = step_records(out)
+    assert sorted(steps) == [1, 2, 3, 4]
+    losses = [steps[s]["loss"] for s in (1, 2, 3, 4)]
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[0] == pytest.approx(first(dpo_cache), abs=1e-5)
+    assert losses[-1] < losses[0]  # full-batch steps on the same data lower the loss
+    manifest = json.loads((out / "run-manifest.json").read_text())
+    assert all(manifest["config"][k] == v for k, v in options.items())
