@@ -79,10 +79,18 @@ def load_config_file(path: str) -> dict:
     if not isinstance(data, dict):
         raise click.UsageError(f"{path}: expected a mapping of option names to values")
     data = {k.replace("-", "_"): v for k, v in data.items()}
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(data) - known)
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - set(fields))
     if unknown:
         raise click.UsageError(f"{path}: unknown option(s) {', '.join(unknown)}")
+    # Convert and check values as the command line does: YAML 1.1 reads `1e-6` as a string, and a wrong type or an
+    # unknown choice should be a usage error here, not a TypeError deep inside training.
+    for key, value in data.items():
+        if value is not None:
+            try:
+                data[key] = click.types.convert_type(_click_type(fields[key])).convert(value, None, None)
+            except click.BadParameter as e:
+                raise click.UsageError(f"{path}: {key}: {e.message}") from None
     return data
 
 

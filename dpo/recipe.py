@@ -111,13 +111,41 @@ def _has_accelerator() -> bool:
     return torch.cuda.is_available()
 
 
+def _rank() -> tuple[int, int]:
+    import torch.distributed as td
+
+    return (td.get_rank(), td.get_world_size()) if td.is_available() and td.is_initialized() else (0, 1)
+
+
+def _on_every_rank(verify):
+    """Under torchrun every rank verifies (it needs the joined rows anyway) and every rank refuses when any fails."""
+    import torch.distributed as td
+
+    rank, world = _rank()
+    try:
+        result, error = verify(), None
+    except Exception as e:
+        result, error = None, e
+    if world > 1:
+        errors = [None] * world
+        td.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(r, m) for r, m in enumerate(errors) if m is not None]
+        if failed and error is None:
+            raise JobError(f"rank {failed[0][0]} refused the cache: {failed[0][1]}")
+    if error is not None:
+        raise error
+    return result
+
+
 def _rows(cfg: TrainConfig, tokenizer, data, split, cache, log):
     if cache is not None:
-        return verify_and_join(
+        rank, _ = _rank()
+        return _on_every_rank(lambda: verify_and_join(
             tokenizer=tokenizer, model_dir=cfg.model, data=data, split=split, cache_dir=cache,
             ref_model=cfg.ref_model, ref_model_hash=cfg.ref_model_hash, encoding_request=cfg.encoding_request(),
-            on_bad_row=cfg.on_bad_row, verify_files=not cfg.fast_verify, log=log,
-        )
+            on_bad_row=cfg.on_bad_row, verify_files=not cfg.fast_verify and rank == 0,  # files hashed once
+            log=log if rank == 0 else (lambda _m: None),
+        ))
     request = {k: v for k, v in cfg.encoding_request().items() if v is not None}
     return encode_only(tokenizer=tokenizer, data=data, split=split, encoding=EncodingConfig(**request),
                        on_bad_row=cfg.on_bad_row)

@@ -149,8 +149,8 @@ def _row_frame(table: pa.Table, shard: str) -> pl.DataFrame:
     ids = zip(df["prompt_input_ids"].to_list(), df["chosen_input_ids"].to_list(), df["rejected_input_ids"].to_list())
     return df.with_columns(
         pl.Series("recomputed", [row_mask_checksum(p, c, r) for p, c, r in ids], pl.String),
-        ((pl.col("chosen_values") == pl.col("chosen_tokens")) & (pl.col("rejected_values") == pl.col("rejected_tokens")))
-        .alias("lengths_ok"),
+        ((pl.col("chosen_values") == pl.col("chosen_tokens"))
+         & (pl.col("rejected_values") == pl.col("rejected_tokens"))).alias("lengths_ok"),
     )
 
 
@@ -165,7 +165,8 @@ def _bad_value(r: dict) -> str:
 ROW_CHECKS = {  # name: (what passes, failing-row filter, description of a failing row)
     "row_checksums": ("mask checksums recomputed from the stored ids match",
                       pl.col("recomputed") != pl.col("mask_checksum"),
-                      lambda r: f"stored {_short(r['mask_checksum'])}, recomputed from its ids {_short(r['recomputed'])}"),
+                      lambda r: f"stored {_short(r['mask_checksum'])}, recomputed from its ids "
+                                f"{_short(r['recomputed'])}"),
     "list_lengths": ("one log-prob per completion token", ~pl.col("lengths_ok"),
                      lambda r: f"chosen {r['chosen_tokens']} tokens / {r['chosen_values']} log-probs, rejected "
                                f"{r['rejected_tokens']} / {r['rejected_values']}"),
@@ -199,8 +200,9 @@ class CacheScan:
     unverified: int  # shards that failed shard_files
 
 
-INDEX_COLUMNS = ["id", "shard", "row", "mask_checksum", "prompt_tokens", "chosen_tokens", "rejected_tokens",
-                 "lengths_ok"]
+INDEX_SCHEMA = {"id": pl.String, "shard": pl.String, "row": pl.UInt32, "mask_checksum": pl.String,
+                "prompt_tokens": pl.UInt32, "chosen_tokens": pl.UInt32, "rejected_tokens": pl.UInt32,
+                "lengths_ok": pl.Boolean}
 
 
 def audit_cache(root: Path, manifest: dict) -> CacheScan:
@@ -224,29 +226,32 @@ def audit_cache(root: Path, manifest: dict) -> CacheScan:
     for entry in entries:
         name = entry["file"]
         path, table, problem = _load_shard(root, entry)
-        files.see(1, problem is not None, name, None, f"shard {name}: {problem}")
+        files.see(1, problem is not None, name, None, f"{name}: {problem}")
         if problem:
             continue
         expected = {**manifest["stamps"], "format_version": str(fmt.FORMAT_VERSION), "encoding": enc_json,
                     "mask_checksum": entry["mask_checksum"]}
         meta = fmt.read_shard_metadata(path)
         wrong = [k for k, v in expected.items() if meta.get(k) != v]
-        stamps.see(1, bool(wrong), name, None, wrong and f"shard {name}: metadata {', '.join(wrong)} differ(s) from "
-                   f"the manifest ({wrong[0]} {_short(meta.get(wrong[0]))}, manifest {_short(expected[wrong[0]])})")
+        if wrong:
+            stamps.see(1, 1, name, None, f"{name}: metadata {', '.join(wrong)} differ(s) from the manifest "
+                       f"({wrong[0]} {_short(meta.get(wrong[0]))}, manifest {_short(expected[wrong[0]])})")
+        else:
+            stamps.see(1)
         df = _row_frame(table, name)
         try:
             got = combined_mask_checksum(df["mask_checksum"].to_list(), enc_json)
         except (ValueError, TypeError):
             got = None
         sums.see(1, got != entry["mask_checksum"], name, None,
-                 f"shard {name}: rows add up to {_short(got)}, manifest says {_short(entry['mask_checksum'])}")
+                 f"{name}: rows add up to {_short(got)}, manifest says {_short(entry['mask_checksum'])}")
         shard_row_checks.append(df["mask_checksum"].to_list())
         for check_name, (_, bad_filter, describe) in ROW_CHECKS.items():
             bad = df.filter(bad_filter)
             first = bad.row(0, named=True) if bad.height else None
             rows[check_name].see(df.height, bad.height, name, first and first["row"],
                                  first and f"shard {name} row {first['row']} (id {first['id']!r}): {describe(first)}")
-        frames.append(df.select(INDEX_COLUMNS))
+        frames.append(df.select(list(INDEX_SCHEMA)))
         stats.append(_logprob_stats(df, name))
 
     unlisted = sorted(p.name for p in root.glob("*.parquet") if p.name not in set(names))
@@ -254,7 +259,7 @@ def audit_cache(root: Path, manifest: dict) -> CacheScan:
         files.see(len(unlisted), len(unlisted), unlisted[0], None,
                   f"shard file(s) not listed in the manifest: {', '.join(unlisted[:5])}")
     unverified = len(entries) - len(frames)
-    index = pl.concat(frames) if frames else pl.DataFrame(schema={c: pl.String for c in INDEX_COLUMNS})
+    index = pl.concat(frames) if frames else pl.DataFrame(schema=INDEX_SCHEMA)
     checks += [files.result(), stamps.result(unverified), rows["row_checksums"].result(unverified),
                sums.result(unverified)]
 
@@ -325,8 +330,9 @@ def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, 
     for name, found, what in (("model_hash", found_model, "weights and behavioural config"),
                               ("tokenizer_hash", found_tok, "tokenizer, special tokens and chat template")):
         ok = found == stamps[name]
-        checks.append(Check(name, PASS if ok else FAIL, f"{model_dir}: {what} match the cache ({_short(found)})" if ok
-                            else f"{model_dir} hashes to {_short(found)}, the cache was made with {_short(stamps[name])}"))
+        detail = (f"{model_dir}: {what} match the cache ({_short(found)})" if ok else
+                  f"{model_dir} hashes to {_short(found)}, the cache was made with {_short(stamps[name])}")
+        checks.append(Check(name, PASS if ok else FAIL, detail))
     if found_model != stamps["model_hash"]:
         checks.append(Check("replay", SKIP, "not replayed: this is not the model the cache was made with"))
     elif sample == 0:
@@ -341,7 +347,8 @@ def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, 
 
 def replay(root: Path, manifest: dict, index: pl.DataFrame, model_dir: str, tokenizer, *, sample, seed, tolerance,
            trust_remote_code) -> Check:
-    """Score a seeded sample of cached rows again with the recorded dtype and compare per token."""
+    """Score a seeded sample of cached rows again (`score_pairs`, the recorded dtype, this machine's device) and
+    compare per token with the cached values. `sample=None` replays every row."""
     from .job import load_model, preserved_rng, resolve_device, resolve_dtype, score_pairs
 
     t0 = time.perf_counter()
@@ -351,53 +358,51 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, model_dir: str, toke
     tol = tolerance if tolerance is not None else default_tolerance(dtype, comp.get("device_type"), device.type)
     count = index.height if sample is None else min(sample, index.height)
     picks = np.sort(np.random.default_rng(seed).choice(index.height, size=count, replace=False))
-    wanted = index[picks].select("shard", "row")
-    parts = []
-    for (shard,), group in wanted.group_by("shard", maintain_order=True):
-        df = pl.read_parquet(root / shard).with_row_index("row").filter(pl.col("row").is_in(group["row"].implode()))
-        parts.append(df.with_columns(pl.lit(shard).alias("shard")))
-    rows = pl.concat(parts).to_dicts()
-    pairs = [EncodedPair(r["prompt_input_ids"], r["chosen_input_ids"], r["rejected_input_ids"]) for r in rows]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    token_diffs, seq_diffs, first, beyond, uncomparable = [], [], None, 0, 0
     with preserved_rng():
         try:
             model = load_model(model_dir, resolve_dtype(dtype, device), device, comp.get("attn_implementation", "sdpa"),
                                trust_remote_code)
         except (ImportError, ValueError):  # e.g. flash_attention_2 recorded, not installed here
             model = load_model(model_dir, resolve_dtype(dtype, device), device, "sdpa", trust_remote_code)
-        chosen, rejected, _ = score_pairs(model, pairs, pad_id, comp.get("token_budget", 16384))
-    token_diffs, seq_diffs, first, beyond, uncomparable = [], [], None, 0, 0
-    for r, new_c, new_r in zip(rows, chosen, rejected):
-        for side, new in (("chosen", new_c), ("rejected", new_r)):
-            old = np.asarray(r[f"{side}_logps"], np.float64)
-            if len(old) != len(new):
-                uncomparable += 1  # list_lengths reports it
-                continue
-            diff = np.abs(new.astype(np.float64) - old)
-            token_diffs.append(diff)
-            seq_diffs.append(abs(float(new.astype(np.float64).sum()) - r[f"{side}_logp"]))
-            bad = ~(diff <= tol)  # NaN counts as beyond
-            beyond += int(bad.sum())
-            if bad.any() and first is None:
-                j = int(np.argmax(bad))
-                first = (r["shard"], r["row"], f"shard {r['shard']} row {r['row']} (id {r['id']!r}) {side} token {j}: "
-                         f"cached {old[j]:.6f}, replayed {float(new[j]):.6f}, |diff| {diff[j]:.1e}")
+        for (shard,), group in index[picks].group_by("shard", maintain_order=True):
+            rows = pl.read_parquet(root / shard).with_row_index("row").filter(
+                pl.col("row").is_in(group["row"].implode())).to_dicts()
+            pairs = [EncodedPair(r["prompt_input_ids"], r["chosen_input_ids"], r["rejected_input_ids"]) for r in rows]
+            chosen, rejected, _ = score_pairs(model, pairs, pad_id, comp.get("token_budget", 16384))
+            for r, new_c, new_r in zip(rows, chosen, rejected):
+                for side, new in (("chosen", new_c.astype(np.float64)), ("rejected", new_r.astype(np.float64))):
+                    old = np.asarray(r[f"{side}_logps"], np.float64)
+                    if len(old) != len(new):
+                        uncomparable += 1  # list_lengths reports it
+                        continue
+                    diff = np.abs(new - old)
+                    token_diffs.append(diff)
+                    seq_diffs.append(abs(new.sum() - r[f"{side}_logp"]))
+                    bad = ~(diff <= tol)  # NaN counts as beyond
+                    beyond += int(bad.sum())
+                    if bad.any() and first is None:
+                        j = int(np.argmax(bad))
+                        first = Check("replay", FAIL, f"shard {shard} row {r['row']} (id {r['id']!r}) {side} token "
+                                      f"{j}: cached {old[j]:.6f}, replayed {new[j]:.6f}, |diff| {diff[j]:.1e}",
+                                      shard, r["row"])
     tokens = np.concatenate(token_diffs) if token_diffs else np.zeros(0)
-    seqs = np.asarray(seq_diffs)
-    info = {"rows": len(rows), "tokens": int(tokens.size), "dtype": dtype, "device": str(device),
+    seqs = np.asarray(seq_diffs) if seq_diffs else np.zeros(0)
+    stat = lambda a, f: float(f(a)) if a.size else 0.0  # noqa: E731
+    info = {"rows": count, "tokens": int(tokens.size), "dtype": dtype, "device": str(device),
             "recorded_device_type": comp.get("device_type"), "tolerance": tol, "seed": seed,
-            "token_max_abs_diff": float(tokens.max()) if tokens.size else 0.0,
-            "token_mean_abs_diff": float(tokens.mean()) if tokens.size else 0.0,
-            "sequence_max_abs_diff": float(seqs.max()) if seqs.size else 0.0,
-            "sequence_mean_abs_diff": float(seqs.mean()) if seqs.size else 0.0,
+            "token_max_abs_diff": stat(tokens, np.max), "token_mean_abs_diff": stat(tokens, np.mean),
+            "sequence_max_abs_diff": stat(seqs, np.max), "sequence_mean_abs_diff": stat(seqs, np.mean),
             "tokens_beyond_tolerance": beyond, "sequences_not_comparable": uncomparable,
             "seconds": round(time.perf_counter() - t0, 3)}
-    summary = (f"{info['rows']:,} rows ({info['tokens']:,} tokens) in {dtype} on {device}: per token max "
+    summary = (f"{count:,} rows ({tokens.size:,} tokens) in {dtype} on {device}: per token max "
                f"{info['token_max_abs_diff']:.1e} mean {info['token_mean_abs_diff']:.1e}, per sequence max "
                f"{info['sequence_max_abs_diff']:.1e} mean {info['sequence_mean_abs_diff']:.1e}; tolerance {tol:.0e}")
     if first:
-        return Check("replay", FAIL, f"{beyond} token(s) beyond tolerance; first: {first[2]}; {summary}", first[0],
-                     first[1], info)
+        first.detail = f"{beyond:,} token(s) beyond tolerance; first: {first.detail}; {summary}"
+        first.info = info
+        return first
     return Check("replay", PASS, summary, info=info)
 
 
@@ -455,14 +460,15 @@ def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
             problems.append(f"its stamps {', '.join(wrong)} differ from this cache's")
         checks = [Check("run_cache", FAIL if problems else PASS, f"{run_dir}: " + ("; ".join(problems) or
                         f"trained on this cache (manifest sha256 {_short(sha)} and stamps match)"))]
+    recorded = run.get("final_model_hash")
     try:
         final = model_hash(run_dir)
     except (WeightsError, OSError, ValueError) as e:
-        final = f"unhashable ({e})"
-    ok = final == run.get("final_model_hash")
-    checks.append(Check("run_final_hash", PASS if ok else FAIL, f"checkpoint in {run_dir} matches final_model_hash "
-                        f"{_short(final)}" if ok else f"checkpoint in {run_dir} hashes to {_short(final)}, the run "
-                        f"recorded {_short(run.get('final_model_hash'))}"))
+        checks.append(Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} cannot be hashed: {e}"))
+        return checks
+    checks.append(Check("run_final_hash", PASS, f"the checkpoint in {run_dir} matches final_model_hash "
+                        f"{_short(final)}") if final == recorded else Check("run_final_hash", FAIL,
+                  f"the checkpoint in {run_dir} hashes to {_short(final)}, the run recorded {_short(recorded)}"))
     return checks
 
 
@@ -478,7 +484,8 @@ def token_stats(index: pl.DataFrame) -> list[dict]:
             pl.lit("completion_tokens").alias("part"), "n"),
     ])
     return long.group_by("part", maintain_order=True).agg(
-        total=pl.col("n").sum(), mean=pl.col("n").mean().round(2), p50=pl.col("n").quantile(0.5, "nearest").cast(pl.Int64),
+        total=pl.col("n").sum(), mean=pl.col("n").mean().round(2),
+        p50=pl.col("n").quantile(0.5, "nearest").cast(pl.Int64),
         p95=pl.col("n").quantile(0.95, "nearest").cast(pl.Int64), max=pl.col("n").max(),
     ).with_columns(pl.col("part").str.strip_suffix("_tokens")).to_dicts()
 
@@ -544,7 +551,8 @@ def _cell(v) -> str:
 
 def table(headers: list[str], rows: list[list]) -> str:
     cells = [[_cell(v) for v in r] for r in rows]
-    right = [all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) for r in rows) for i in range(len(headers))]
+    numeric = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    right = [bool(rows) and all(numeric(r[i]) for r in rows) for i in range(len(headers))]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(values):

@@ -110,6 +110,8 @@ def main(model, data, out, split, max_length, truncation_mode, chat_template, to
             trust_remote_code=trust_remote_code, progress=not no_progress,
         )
         s = run_precompute(cfg, log=lambda m: click.echo(m, err=True))
+        if "rank" in s:  # torchrun: rank 0 prints the summary
+            return
         skipped = ", ".join(f"{k}: {v}" for k, v in s["skipped_by_reason"].items()) or "none"
         click.echo(
             f"wrote {s['rows']} pairs ({s['rows_scored']} scored now) in {s['shards']} shards to {s['out']}\n"

@@ -241,13 +241,56 @@ def plan_shards(encoded: Encoded, rows_per_shard: int, encoding: EncodingConfig)
 
 
 def run_precompute(cfg: PrecomputeConfig, log=print) -> dict:
-    with preserved_rng():
-        return _run(cfg, log)
+    with preserved_rng(), distributed() as dist:
+        return _run(cfg, log, dist)
 
 
-def _run(cfg: PrecomputeConfig, log) -> dict:
+class Dist:
+    """This process's place in a torchrun job (world 1 without torchrun)."""
+
+    def __init__(self):
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+
+    def share(self, make):
+        """Run `make` on rank 0 and give every rank its result, or its exception re-raised as a JobError."""
+        result = None
+        if self.rank == 0:
+            try:
+                result = ("ok", make())
+            except Exception as e:  # every rank must learn of the failure, or the others would wait forever
+                result = ("error", e if isinstance(e, JobError) else JobError(f"rank 0: {e}"))
+        if self.world > 1:
+            box = [result]
+            torch.distributed.broadcast_object_list(box, src=0)
+            result = box[0]
+        if result[0] == "error":
+            raise result[1]
+        return result[1]
+
+    def barrier(self):
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def distributed():
+    """Join the torchrun process group for the job's duration (gloo: only small objects cross it)."""
+    dist = Dist()
+    started = dist.world > 1 and not torch.distributed.is_initialized()
+    if started:
+        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=12))
+    try:
+        yield dist
+    finally:
+        if started:
+            torch.distributed.destroy_process_group()
+
+
+def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     t0 = time.perf_counter()
     out = Path(cfg.out)
+    log = log if dist.rank == 0 else (lambda _m: None)
     check_checkpoint(cfg.model, cfg.trust_remote_code)
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     source = load_rows(cfg.data, cfg.split)
@@ -259,28 +302,40 @@ def _run(cfg: PrecomputeConfig, log) -> dict:
     if encoded.identical:
         log(f"warning: {encoded.identical} pairs have identical chosen and rejected completions")
     stamps = {
-        "model_hash": model_hash(cfg.model),
+        "model_hash": dist.share(lambda: model_hash(cfg.model)),  # hashed once, not once per rank
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "mask_checksum": combined_mask_checksum([p.mask_checksum for p in encoded.pairs], cfg.encoding.to_json()),
     }
     plan = plan_shards(encoded, cfg.rows_per_shard, cfg.encoding)
-    out.mkdir(parents=True, exist_ok=True)
-    with exclusive(out):
-        if cfg.overwrite:
-            clear_cache_dir(out)
-        done = finished_shards(out, plan, stamps, cfg.encoding)
+    lock = contextlib.ExitStack()
+    with lock:
+        def prepare():
+            out.mkdir(parents=True, exist_ok=True)
+            lock.enter_context(exclusive(out))  # rank 0 holds the lock for the whole job
+            if cfg.overwrite:
+                clear_cache_dir(out)
+            return finished_shards(out, plan, stamps, cfg.encoding)
+
+        done = dist.share(prepare)
         todo = [s for s in plan if s["file"] not in done]
+        mine = todo[dist.rank :: dist.world]  # shards go round-robin to ranks; each rank writes its own
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         stats = {"tokens": 0, "slots": 0}
         attn = cfg.attn_implementation
-        if todo:
+        if mine:
             log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
-                f"({len(done)} already done) on {device} in {str(dtype).removeprefix('torch.')}")
+                f"({len(done)} already done) on {dist.world} x {device.type} in {str(dtype).removeprefix('torch.')}")
             model = load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code)
             attn = model.config._attn_implementation
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            stats = _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, tokenizer)
+            stats = _score_shards(model, encoded, mine, out, stamps, cfg, pad_id, dist.rank == 0)
+        if dist.world > 1:
+            box = [None] * dist.world
+            torch.distributed.all_gather_object(box, stats)  # also the barrier before the manifest
+            stats = {k: sum(b[k] for b in box) for k in ("tokens", "slots")}
+        if dist.rank != 0:
+            return {"rank": dist.rank, "shards_scored": len(mine)}
         entries = [fmt.shard_entry(out / s["file"], s["stop"] - s["start"], s["mask_checksum"]) for s in plan]
         _write_skipped(out, encoded)
         wall = time.perf_counter() - t0
@@ -334,12 +389,13 @@ def _run(cfg: PrecomputeConfig, log) -> dict:
     }
 
 
-def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, tokenizer) -> dict:
+def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, show_progress: bool) -> dict:
     from tqdm.auto import tqdm
 
     total = {"tokens": 0, "slots": 0}
     t0 = time.perf_counter()
-    bar = tqdm(total=sum(s["stop"] - s["start"] for s in todo), unit="row", disable=not cfg.progress, file=sys.stderr)
+    bar = tqdm(total=sum(s["stop"] - s["start"] for s in todo), unit="row", disable=not (cfg.progress and show_progress),
+               file=sys.stderr)
 
     def tick(rows, tokens):
         total["live"] = total.get("live", 0) + tokens

@@ -83,9 +83,11 @@ def completion_logps(
     h = hidden[rows, cols - 1]
     targets = input_ids[rows, cols]
     step = max(1, chunk_elements // inner.get_output_embeddings().weight.shape[0])
+    # With several chunks, recompute each one's logits in the backward pass instead of keeping them all.
+    recompute = torch.is_grad_enabled() and h.requires_grad and h.shape[0] > step
     parts = []
     for s in range(0, h.shape[0], step):
-        if torch.is_grad_enabled() and h.requires_grad:
+        if recompute:
             parts.append(checkpoint(_chunk_logps, inner, h[s : s + step], targets[s : s + step], use_reentrant=False))
         else:
             parts.append(_chunk_logps(inner, h[s : s + step], targets[s : s + step]))

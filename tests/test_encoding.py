@@ -237,7 +237,8 @@ def test_keep_end_cuts_the_prompt_start_and_keeps_bos(tokenizer, bos_eos):
 def test_keep_end_refuses_a_completion_that_fills_the_window(tokenizer):
     full = encode_pair(LONG, tokenizer, CFG)
     limit = len(full.chosen_ids) + 1  # room only for BOS
-    assert reason(LONG, tokenizer, EncodingConfig(max_length=limit, truncation_mode="keep_end")) == "completion_too_long"
+    cfg = EncodingConfig(max_length=limit, truncation_mode="keep_end")
+    assert reason(LONG, tokenizer, cfg) == "completion_too_long"
 
 
 def test_error_mode(tokenizer):

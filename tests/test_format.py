@@ -215,17 +215,23 @@ def test_complete_cache_opens(pristine, encoded):
         cache.check_rows({encoded[5]["id"]: encoded[5]["checksum"]})  # a subset of the cached rows is fine
 
 
-def test_cache_readable_without_refcache(pristine, encoded):
-    """The FORMAT.md snippet: polars and pyarrow read a cache directly."""
+def test_format_md_snippet_reads_a_cache(pristine, encoded):
+    """The snippet in FORMAT.md reads a cache with polars and pyarrow alone."""
+    import re
+
     import polars as pl
 
-    manifest = json.loads((pristine / "manifest.json").read_text())
-    files = [str(pristine / s["file"]) for s in manifest["shards"]]
-    df = pl.concat([pl.read_parquet(f) for f in files])
+    doc = (Path(__file__).resolve().parent.parent / "schemas" / "FORMAT.md").read_text()
+    (snippet,) = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert len(snippet.strip().splitlines()) == 5
+    ns = {}
+    exec(snippet.replace('"ref-cache"', repr(str(pristine))), ns)
+    df, meta = ns["df"], ns["meta"]
     assert df["id"].to_list() == [r["id"] for r in encoded]
     assert df["chosen_logp"].dtype == pl.Float64 and df["chosen_logps"].dtype == pl.List(pl.Float32)
-    meta = pq.read_schema(files[0]).metadata
-    assert meta[b"refcache.model_hash"].decode() == manifest["stamps"]["model_hash"]
+    assert df["prompt_input_ids"].dtype == pl.List(pl.Int32)
+    assert meta[b"refcache.model_hash"].decode() == MODEL_HASH
+    assert meta[b"refcache.format_version"] == b"1"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -530,7 +530,8 @@ def test_broken_safetensors_are_refused(llama_dir, tmp_path):
         "bad header json": data[:8] + b"{" * n + data[8 + n :],
         "too short": data[:5],
     }
-    messages = {"truncated": "past the end", "huge header": "corrupt", "bad header json": "corrupt", "too short": "short"}
+    messages = {"truncated": "past the end", "huge header": "corrupt", "bad header json": "corrupt",
+                "too short": "short"}
     for name, blob in cases.items():
         d = tmp_path / name.replace(" ", "_")
         _write_config(d)

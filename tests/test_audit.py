@@ -1,0 +1,371 @@
+"""audit-ref in process (click's CliRunner): a clean cache passes every check; each corruption fails exactly the check
+that owns it; the replay on the shipped data/ model finds a 1e-3 change in one token; usage errors and unreadable
+caches exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from conftest import DATA, build_llama, pref_rows, save_checkpoint, write_jsonl
+from precompute.audit import SECTIONS, main
+from precompute.job import PrecomputeConfig, run_precompute
+from schemas import format as fmt
+from schemas.stamps import file_sha256, model_hash
+
+ALL_CHECKS = [n for names in SECTIONS.values() for n in names]
+BAD_ROWS = [{"id": "bad-empty", "prompt": "what?", "chosen": "", "rejected": "no"},
+            {"id": "bad-missing", "prompt": "why?", "rejected": "because"}]
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def precompute(model, data, out, rows_per_shard=10) -> Path:
+    run_precompute(PrecomputeConfig(model=str(model), data=str(data), out=str(out), rows_per_shard=rows_per_shard,
+                                    on_bad_row="skip", progress=False), log=lambda m: None)
+    return Path(out)
+
+
+def audit(cache, *args, json_path=None):
+    """Run audit-ref in process; returns (exit code, JSON report or None, console output)."""
+    json_path = Path(json_path or Path(cache).parent / "audit.json")
+    json_path.unlink(missing_ok=True)
+    result = CliRunner().invoke(main, [str(cache), *map(str, args), "--json", str(json_path)], catch_exceptions=False)
+    report = json.loads(json_path.read_text()) if json_path.exists() else None
+    return result.exit_code, report, result.output
+
+
+def statuses(report) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in report["checks"]}
+
+
+def check(report, name) -> dict:
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+def edit_manifest(cache: Path, edit) -> None:
+    manifest = json.loads((cache / fmt.MANIFEST).read_text())
+    edit(manifest)
+    fmt.write_manifest(cache, manifest)
+
+
+def rewrite_shard(cache: Path, name: str, edit) -> None:
+    """Rewrite a shard with edited rows, keeping its schema and refcache metadata, then restamp its manifest entry
+    (size and sha256) so that only the content checks can notice."""
+    path = cache / name
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    edit(rows)
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path, compression="zstd")
+
+    def restamp(manifest):
+        entry = next(s for s in manifest["shards"] if s["file"] == name)
+        entry.update(bytes=path.stat().st_size, sha256=file_sha256(path))
+
+    edit_manifest(cache, restamp)
+
+
+def float32_sum(values) -> float:
+    return float(np.sum(np.asarray(values, np.float32).astype(np.float64)))
+
+
+def fake_run(out: Path, checkpoint: Path, cache: Path) -> Path:
+    """A train-dpo output folder as `_finish` leaves it: a checkpoint and a run manifest naming the cache."""
+    shutil.copytree(checkpoint, out)
+    manifest = json.loads((cache / fmt.MANIFEST).read_text())
+    run = {"kind": "refcache-train-dpo-run",
+           "reference": {"cache": {"path": str(cache), "manifest_sha256": file_sha256(cache / fmt.MANIFEST),
+                                   "stamps": manifest["stamps"]}, "live_model": None},
+           "final_model_hash": model_hash(out)}
+    (out / "run-manifest.json").write_text(json.dumps(run, indent=2))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fixtures: one clean cache (3 shards of 10/10/4 rows, 2 skipped rows), another cache, other checkpoints, runs
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, llama_dir, tokenizer):
+    from transformers import AutoTokenizer
+
+    base = tmp_path_factory.mktemp("audit")
+    w = {"llama": llama_dir, "data": write_jsonl(base / "prefs.jsonl", pref_rows(24) + BAD_ROWS)}
+    w["cache"] = precompute(llama_dir, w["data"], base / "cache")
+    w["other_cache"] = precompute(llama_dir, write_jsonl(base / "other.jsonl", pref_rows(24, seed=1)), base / "other")
+    w["other_model"] = save_checkpoint(build_llama(len(tokenizer), seed=1), tokenizer, base / "other-model")
+    w["other_tokenizer"] = base / "other-tokenizer"
+    shutil.copytree(llama_dir, w["other_tokenizer"])
+    tok = AutoTokenizer.from_pretrained(w["other_tokenizer"])
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}</s>{% endfor %}"
+    tok.save_pretrained(w["other_tokenizer"])
+    w["run"] = fake_run(base / "run", llama_dir, w["cache"])
+    w["run_other"] = fake_run(base / "run-other", llama_dir, w["other_cache"])
+    return w
+
+
+@pytest.fixture()
+def cache(world, tmp_path) -> Path:
+    return Path(shutil.copytree(world["cache"], tmp_path / "cache"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a clean cache
+
+
+def test_clean_cache_passes_every_check(world, cache):
+    code, report, output = audit(cache, "--model", world["llama"], "--data", world["data"], "--run", world["run"],
+                                 "--all")
+    assert code == 0, output
+    assert statuses(report) == {n: "PASS" for n in ALL_CHECKS}
+    assert report["result"] == "PASS" and report["failed"] == []
+    replay = check(report, "replay")["info"]
+    assert replay["rows"] == 24 and replay["token_max_abs_diff"] <= 1e-4 and replay["tolerance"] == 1e-4
+    assert report["stats"]["rows"] == 24 and [s["rows"] for s in report["stats"]["logprobs_per_shard"]] == [10, 10, 4]
+    tokens = {t["part"]: t for t in report["stats"]["tokens"]}
+    assert tokens["completion"]["total"] == tokens["chosen"]["total"] + tokens["rejected"]["total"]
+    assert report["made"]["created_at"] and report["made"]["software"]["refcache"]
+    for title in ("Cache integrity", "Reference model", "Data", "Training run", "Tokens", "Log-probs per shard"):
+        assert title in output
+    assert output.rstrip().splitlines()[-1].startswith("PASS (17 passed, 0 failed, 0 skipped)")
+
+
+def test_without_extras_the_cache_checks_pass_and_the_rest_is_skipped(cache):
+    code, report, _ = audit(cache)
+    assert code == 0
+    assert statuses(report) == {n: "PASS" if n in SECTIONS["cache"] else "SKIP" for n in ALL_CHECKS}
+    assert "2 skipped row(s)" in check(report, "skipped_counts")["detail"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# corruptions: each fails exactly the check that owns it
+
+
+def flip_byte(w, cache):
+    path = cache / "shard-00001.parquet"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def replace_shard(w, cache):
+    shutil.copy(w["other_cache"] / "shard-00001.parquet", cache / "shard-00001.parquet")
+
+
+def edit_row_keep_metadata(w, cache):
+    def edit(rows):
+        ids = rows[3]["prompt_input_ids"]
+        ids[-1] = ids[-1] + 1 if ids[-1] < 250 else ids[-1] - 1
+    rewrite_shard(cache, "shard-00001.parquet", edit)
+
+
+def edit_manifest_stamp(w, cache):
+    edit_manifest(cache, lambda m: m["stamps"].update(model_hash="0" * 64))
+
+
+def remove_shard(w, cache):
+    (cache / "shard-00002.parquet").unlink()
+
+
+def add_shard(w, cache):
+    shutil.copy(cache / "shard-00000.parquet", cache / "shard-00003.parquet")
+
+
+def edit_logprob(w, cache):
+    rewrite_shard(cache, "shard-00000.parquet", lambda rows: rows[2]["chosen_logps"].__setitem__(0, -7.5))
+
+
+def other_model(w, cache):
+    return ["--model", w["other_model"], "--sample", 4]
+
+
+def other_tokenizer(w, cache):
+    return ["--model", w["other_tokenizer"], "--sample", 4]
+
+
+def edit_data(w, cache):
+    rows = pref_rows(24) + BAD_ROWS
+    rows[5]["chosen"] = "sure the sky is green"
+    del rows[7]
+    rows.append({"id": "r9999", "prompt": "new?", "chosen": "yes", "rejected": "no"})
+    return ["--model", w["llama"], "--sample", 0, "--data", write_jsonl(cache.parent / "edited.jsonl", rows)]
+
+
+def run_on_other_cache(w, cache):
+    return ["--run", w["run_other"]]
+
+
+def duplicate_id(w, cache):
+    rewrite_shard(cache, "shard-00002.parquet", lambda rows: rows[1].update(id="r0003"))
+
+
+def positive_logprob(w, cache):
+    def edit(rows):
+        rows[4]["rejected_logps"][1] = 0.25
+        rows[4]["rejected_logp"] = float32_sum(rows[4]["rejected_logps"])
+    rewrite_shard(cache, "shard-00001.parquet", edit)
+
+
+def nan_logprob(w, cache):
+    def edit(rows):
+        rows[0]["chosen_logps"][0] = float("nan")
+        rows[0]["chosen_logp"] = float("nan")
+    rewrite_shard(cache, "shard-00002.parquet", edit)
+
+
+def drop_logprob(w, cache):
+    def edit(rows):
+        rows[6]["rejected_logps"].pop()
+        rows[6]["rejected_logp"] = float32_sum(rows[6]["rejected_logps"])
+    rewrite_shard(cache, "shard-00000.parquet", edit)
+
+
+def swap_rows(w, cache):
+    rewrite_shard(cache, "shard-00000.parquet", lambda rows: rows.__setitem__(slice(0, 2), rows[1::-1]))
+
+
+def edit_cache_checksum(w, cache):
+    edit_manifest(cache, lambda m: m["stamps"].update(mask_checksum="0" * 64))
+
+
+def drop_skipped_line(w, cache):
+    path = cache / fmt.SKIPPED
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
+
+
+def alter_run_checkpoint(w, cache):
+    run = Path(shutil.copytree(w["run"], cache.parent / "run"))
+    weights = run / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01
+    weights.write_bytes(bytes(data))
+    return ["--run", run]
+
+
+CORRUPTIONS = [  # (corruption, failing checks, shard and row of the first failure or None)
+    (flip_byte, {"shard_files"}, ("shard-00001.parquet", None)),
+    (replace_shard, {"shard_files"}, ("shard-00001.parquet", None)),
+    (edit_row_keep_metadata, {"row_checksums"}, ("shard-00001.parquet", 3)),
+    (edit_manifest_stamp, {"shard_stamps"}, ("shard-00000.parquet", None)),
+    (remove_shard, {"shard_files"}, ("shard-00002.parquet", None)),
+    (add_shard, {"shard_files"}, ("shard-00003.parquet", None)),
+    (edit_logprob, {"sums"}, ("shard-00000.parquet", 2)),
+    (other_model, {"model_hash"}, None),
+    (other_tokenizer, {"tokenizer_hash"}, None),
+    (edit_data, {"data_rows"}, ("shard-00000.parquet", 5)),
+    (run_on_other_cache, {"run_cache"}, None),
+    (duplicate_id, {"unique_ids"}, ("shard-00002.parquet", 1)),
+    (positive_logprob, {"logprob_values"}, ("shard-00001.parquet", 4)),
+    (nan_logprob, {"logprob_values"}, ("shard-00002.parquet", 0)),
+    (drop_logprob, {"list_lengths"}, ("shard-00000.parquet", 6)),
+    (swap_rows, {"shard_checksums"}, ("shard-00000.parquet", None)),
+    (edit_cache_checksum, {"cache_checksum"}, None),
+    (drop_skipped_line, {"skipped_counts"}, None),
+    (alter_run_checkpoint, {"run_final_hash"}, None),
+]
+
+
+@pytest.mark.parametrize("corrupt, failing, where", CORRUPTIONS, ids=[c[0].__name__ for c in CORRUPTIONS])
+def test_each_corruption_fails_exactly_its_check(world, cache, corrupt, failing, where):
+    args = corrupt(world, cache) or []
+    code, report, output = audit(cache, *args)
+    assert code == 1, output
+    assert {n for n, s in statuses(report).items() if s == "FAIL"} == failing, output
+    assert set(report["failed"]) == failing
+    first = check(report, next(iter(failing)))
+    if where:
+        assert (first["shard"], first["row"]) == where
+    assert output.rstrip().splitlines()[-1].startswith("FAIL: " + next(iter(failing)))
+    line = next(ln for ln in output.splitlines() if ln.strip().startswith(first["name"] + " "))
+    assert "FAIL" in line and (where is None or where[0] in line)
+
+
+def test_data_check_lists_changed_removed_and_added_rows(world, cache):
+    code, report, _ = audit(cache, *edit_data(world, cache))
+    info = check(report, "data_rows")["info"]
+    assert (info["changed"], info["removed"], info["added"]) == (["r0005"], ["r0007"], ["r9999"])
+    assert statuses(report)["replay"] == "SKIP"
+
+
+def test_replay_and_data_wait_for_the_hashes(world, cache):
+    _, report, _ = audit(cache, "--model", world["other_model"], "--data", world["data"])
+    assert statuses(report)["replay"] == "SKIP"
+    _, report, _ = audit(cache, "--model", world["other_tokenizer"], "--data", world["data"], "--sample", 3)
+    assert statuses(report)["data_rows"] == "SKIP" and statuses(report)["replay"] == "PASS"
+    assert check(report, "replay")["info"]["rows"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# replay on the shipped data/ model
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("audit-data")
+    lines = (DATA / "prefs" / "train.jsonl").read_text().splitlines(keepends=True)[:40]
+    (base / "train.jsonl").write_text("".join(lines))
+    return precompute(DATA / "sft-model", base / "train.jsonl", base / "cache", rows_per_shard=2048)
+
+
+def test_replay_on_data_passes_in_float32_and_finds_a_1e_3_change(data_cache, tmp_path):
+    cache = Path(shutil.copytree(data_cache, tmp_path / "cache"))
+    code, report, output = audit(cache, "--model", DATA / "sft-model", "--all")
+    assert code == 0, output
+    info = check(report, "replay")["info"]
+    assert (info["rows"], info["dtype"], info["tolerance"]) == (40, "float32", 1e-4)
+    assert info["token_max_abs_diff"] <= 1e-5
+
+    def edit(rows):
+        values = rows[17]["chosen_logps"]
+        values[2] -= 1e-3
+        rows[17]["chosen_logp"] = float32_sum(values)
+
+    rewrite_shard(cache, "shard-00000.parquet", edit)
+    code, report, output = audit(cache, "--model", DATA / "sft-model", "--all")
+    assert code == 1, output
+    assert report["failed"] == ["replay"]
+    replay = check(report, "replay")
+    assert (replay["shard"], replay["row"]) == ("shard-00000.parquet", 17)
+    assert "chosen token 2" in replay["detail"] and replay["info"]["tokens_beyond_tolerance"] == 1
+    assert 0.9e-3 < replay["info"]["token_max_abs_diff"] < 1.1e-3
+
+
+def test_replay_sample_is_seeded(data_cache):
+    runs = [audit(data_cache, "--model", DATA / "sft-model", "--sample", 5, "--seed", s,
+                  json_path=data_cache.parent / f"a{i}.json")[1] for i, s in enumerate((7, 7))]
+    infos = [check(r, "replay")["info"] for r in runs]
+    assert infos[0]["rows"] == 5 and infos[0]["tokens"] == infos[1]["tokens"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exit code 2
+
+
+@pytest.mark.parametrize("damage", ["missing", "not_json", "future_version"])
+def test_unreadable_manifest_exits_2(cache, damage):
+    path = cache / fmt.MANIFEST
+    if damage == "missing":
+        path.unlink()
+    elif damage == "not_json":
+        path.write_text("{not json")
+    else:
+        path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 99}))
+    code, report, output = audit(cache)
+    assert code == 2 and report is None
+    assert "error:" in output
+
+
+@pytest.mark.parametrize("args", [["--data", "{data}"], ["--sample", "3", "--all"], ["--run", "{cache}"],
+                                  ["--tolerance", "0"]])
+def test_usage_errors_exit_2(world, cache, args):
+    args = [a.format(data=world["data"], cache=cache) for a in args]
+    code, report, _ = audit(cache, *args)
+    assert code == 2 and report is None

@@ -1,0 +1,190 @@
+"""train-dpo refuses a cache that does not match what it would train on: one case per stamp, each with its own
+message and exit code 2, before any model is built or anything is written to the output directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import CHAT_TEMPLATE, DPO_PAIRS, pref_rows, write_jsonl
+from dpo.cli import main
+from schemas.stamps import model_hash
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = ["--use-cpu", "--max-steps", "1", "--per-device-train-batch-size", "4", "--learning-rate", "1e-3",
+         "--logging-steps", "1", "--no-plot"]
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def change_one_weight(model_dir: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += torch.tensor(0.01, dtype=tensors[name].dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory, llama_dir, dpo_data, dpo_cache) -> dict[str, Path]:
+    """Everything the refusal cases need, built once: each differs from the cached setup in one respect."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("refusal-variants")
+    v = {}
+
+    v["other_tokenizer"] = copy_model(llama_dir, root / "other-tokenizer")
+    tok = AutoTokenizer.from_pretrained(v["other_tokenizer"])
+    assert tok.add_tokens(["<extra>"]) == 1
+    tok.save_pretrained(v["other_tokenizer"])
+
+    v["other_template"] = copy_model(llama_dir, root / "other-template")
+    tok = AutoTokenizer.from_pretrained(v["other_template"])
+    tok.chat_template = CHAT_TEMPLATE.replace("|>\n", "|>: ")
+    tok.save_pretrained(v["other_template"])
+
+    v["other_weights"] = copy_model(llama_dir, root / "other-weights")
+    change_one_weight(v["other_weights"])
+    assert model_hash(v["other_weights"]) != model_hash(llama_dir)
+    for name in ("other_tokenizer", "other_template"):  # only the tokenizer differs in those
+        assert model_hash(v[name]) == model_hash(llama_dir)
+
+    v["edited_shard"] = root / "edited-shard-cache"
+    shutil.copytree(dpo_cache, v["edited_shard"])
+    shard = v["edited_shard"] / "shard-00001.parquet"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    rows = pref_rows(DPO_PAIRS, fmt="conversational")
+    rows[7]["chosen"][0]["content"] += " edited"
+    v["edited_data"] = write_jsonl(root / "edited" / "prefs.jsonl", rows)
+    v["more_data"] = write_jsonl(root / "more" / "prefs.jsonl", pref_rows(DPO_PAIRS + 4, fmt="conversational"))
+    return v
+
+
+# (case id, extra arguments given the variants, substrings the message must hold given the variants)
+CASES = [
+    ("tokenizer", lambda v: ["--model", v["other_tokenizer"]],
+     lambda v: ["tokenizer_hash mismatch", "not computed with this tokenizer"]),
+    ("chat_template", lambda v: ["--model", v["other_template"]],
+     lambda v: ["tokenizer_hash mismatch", "including its chat template"]),
+    ("max_length", lambda v: ["--max-length", "64"],
+     lambda v: ["--max-length 64 conflicts with the cache", "max_length=1024"]),
+    ("weights", lambda v: ["--model", v["other_weights"]],
+     lambda v: ["model_hash mismatch", "not computed with this model", "expected: " + model_hash(v["other_weights"])]),
+    ("shard_hash", lambda v: ["--ref-cache", v["edited_shard"]],
+     lambda v: ["shard shard-00001.parquet content differs from the manifest (file sha256)"]),
+    ("mask_checksum", lambda v: ["--data", v["edited_data"]],
+     lambda v: ["mask checksum mismatch for row 'r0007'", "where:    shard shard-00000.parquet, row 7"]),
+    ("rows_missing", lambda v: ["--data", v["more_data"]],
+     lambda v: ["4 of 44 data rows are not in the cache", "first ids: r0040, r0041, r0042, r0043"]),
+    ("ref_model_hash", lambda v: ["--ref-model-hash", "0" * 64],
+     lambda v: ["model_hash mismatch", "expected: " + "0" * 64]),
+    ("ref_model", lambda v: ["--ref-model", v["other_weights"]],
+     lambda v: ["model_hash mismatch", "expected: " + model_hash(v["other_weights"])]),
+]
+
+
+def _args(llama_dir, dpo_data, dpo_cache, out, extra) -> list[str]:
+    base = {"--model": llama_dir, "--data": dpo_data, "--ref-cache": dpo_cache, "--output-dir": out}
+    extra = [str(a) for a in extra]
+    for flag in list(base):
+        if flag in extra:  # the case replaces this one
+            i = extra.index(flag)
+            base[flag] = extra.pop(i + 1)
+            extra.pop(i)
+    return [str(a) for kv in base.items() for a in kv] + extra + TRAIN
+
+
+@pytest.mark.parametrize("case,extra,expected", CASES, ids=[c[0] for c in CASES])
+def test_stamp_mismatch_refuses_with_exit_2(tmp_path, llama_dir, dpo_data, dpo_cache, variants, case, extra,
+                                            expected, monkeypatch):
+    import transformers
+
+    def no_models(*args, **kwargs):
+        raise AssertionError("a model was built before the refusal")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "__init__", no_models)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, _args(llama_dir, dpo_data, dpo_cache, out, extra(variants)))
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output
+    for text in expected(variants):
+        assert text in result.output, f"{case}: {text!r} not in\n{result.output}"
+    assert "remedy:" in result.output
+    assert not out.exists()  # refused before any training: no output directory, no checkpoint
+
+
+def test_each_refusal_has_its_own_message(tmp_path, llama_dir, dpo_data, dpo_cache, variants):
+    """Distinct causes do not share one generic message (tokenizer and chat template share a stamp, and the remedy
+    of that message names both)."""
+    first_lines = {}
+    for case, extra, _ in CASES:
+        out = tmp_path / case
+        result = CliRunner().invoke(main, _args(llama_dir, dpo_data, dpo_cache, out, extra(variants)))
+        assert result.exit_code == 2
+        message = next(line for line in result.output.splitlines() if line.startswith("error:"))
+        first_lines[case] = message.replace(str(dpo_cache), "CACHE").replace(str(variants["edited_shard"]), "CACHE")
+    groups = {}
+    for case, line in first_lines.items():
+        groups.setdefault(line, []).append(case)
+    shared = sorted(sorted(cases) for cases in groups.values() if len(cases) > 1)
+    assert shared == [["chat_template", "tokenizer"], ["ref_model", "ref_model_hash", "weights"]], first_lines
+
+
+def test_ref_model_is_hashed_not_loaded_and_the_right_one_is_accepted(tmp_path, llama_dir, dpo_data, dpo_cache,
+                                                                     variants):
+    """A policy starting elsewhere trains against the cache when --ref-model names the cache's reference; the
+    reference is only hashed (one model built: the policy)."""
+    import transformers
+
+    built = []
+    original = transformers.PreTrainedModel.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        original(self, *args, **kwargs)
+
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.PreTrainedModel, "__init__", counting)
+        result = CliRunner().invoke(main, _args(variants["other_weights"], dpo_data, dpo_cache, out,
+                                                ["--ref-model", llama_dir]))
+    assert result.exit_code == 0, result.output
+    assert sorted(built) == ["LlamaForCausalLM", "LlamaModel"]
+    manifest = json.loads((out / "run-manifest.json").read_text())
+    assert manifest["initial_model"]["model_hash"] == model_hash(variants["other_weights"])
+    assert manifest["reference"]["cache"]["stamps"]["model_hash"] == model_hash(llama_dir)
+    # The policy is not the reference here, so the first step's log-ratios are not zero.
+    first = next(json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l)
+    assert first["logratio/chosen"] != 0
+
+
+def test_refusal_exit_code_of_the_installed_command(tmp_path, llama_dir, dpo_data, dpo_cache):
+    """The real console script, in its own process: exit status 2 and the message on stderr."""
+    out = tmp_path / "out"
+    exe = Path(sys.executable).parent / "train-dpo"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [str(exe), *_args(llama_dir, dpo_data, dpo_cache, out, ["--ref-model-hash", "f" * 64])],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "model_hash mismatch" in proc.stderr and "f" * 64 in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
