@@ -31,7 +31,7 @@ from schemas import format as fmt
 from schemas.encoding import EncodedPair, EncodingConfig, row_mask_checksum
 from schemas.stamps import WeightsError, combined_mask_checksum, file_sha256, model_hash, tokenizer_hash
 
-from .cli import run_cli
+from .cli import quiet_libraries, run_cli
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 EXIT_OK, EXIT_CHECK_FAILED = 0, 1
@@ -268,9 +268,10 @@ def audit_cache(root: Path, manifest: dict) -> CacheScan:
     else:
         total = combined_mask_checksum([c for shard in shard_row_checks for c in shard], enc_json)
         ok = total == manifest["stamps"]["mask_checksum"]
-        checks.append(Check("cache_checksum", PASS if ok else FAIL, "the shards' rows add up to the manifest's "
-                            "mask_checksum stamp" if ok else f"the shards' rows add up to {_short(total)}, the "
-                            f"manifest's stamp is {_short(manifest['stamps']['mask_checksum'])}"))
+        detail = ("the shards' rows add up to the manifest's mask_checksum stamp" if ok else
+                  f"the shards' rows add up to {_short(total)}, the manifest's stamp is "
+                  f"{_short(manifest['stamps']['mask_checksum'])}")
+        checks.append(Check("cache_checksum", PASS if ok else FAIL, detail))
     checks.append(_unique_ids(index, unverified))
     checks += [rows[n].result(unverified) for n in ("list_lengths", "sums", "logprob_values")]
     checks.append(_skipped_counts(root, manifest))
@@ -458,17 +459,20 @@ def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
         wrong = [k for k in fmt.STAMPS if recorded.get(k) != manifest["stamps"][k]]
         if wrong:
             problems.append(f"its stamps {', '.join(wrong)} differ from this cache's")
-        checks = [Check("run_cache", FAIL if problems else PASS, f"{run_dir}: " + ("; ".join(problems) or
-                        f"trained on this cache (manifest sha256 {_short(sha)} and stamps match)"))]
+        detail = "; ".join(problems) or f"trained on this cache (manifest sha256 {_short(sha)} and stamps match)"
+        checks = [Check("run_cache", FAIL if problems else PASS, f"{run_dir}: {detail}")]
     recorded = run.get("final_model_hash")
     try:
         final = model_hash(run_dir)
     except (WeightsError, OSError, ValueError) as e:
         checks.append(Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} cannot be hashed: {e}"))
         return checks
-    checks.append(Check("run_final_hash", PASS, f"the checkpoint in {run_dir} matches final_model_hash "
-                        f"{_short(final)}") if final == recorded else Check("run_final_hash", FAIL,
-                  f"the checkpoint in {run_dir} hashes to {_short(final)}, the run recorded {_short(recorded)}"))
+    if final == recorded:
+        checks.append(Check("run_final_hash", PASS, f"the checkpoint in {run_dir} matches final_model_hash "
+                            f"{_short(final)}"))
+    else:
+        checks.append(Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} hashes to {_short(final)}, the run "
+                            f"recorded {_short(recorded)}"))
     return checks
 
 
@@ -541,9 +545,20 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
     }
 
 
+def _jsonable(v):
+    """Strict JSON: NaN and infinities (a damaged cache's values) become strings."""
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float) and not np.isfinite(v):
+        return str(v)
+    return v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
+
+
 def _cell(v) -> str:
     if isinstance(v, float):
-        return f"{v:,.4f}" if abs(v) < 1e5 else f"{v:,.0f}"
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
     if isinstance(v, int) and not isinstance(v, bool):
         return f"{v:,}"
     return "" if v is None else str(v)
@@ -627,15 +642,13 @@ def main(cache, model, data, run_dir, sample, replay_all, seed, tolerance, json_
 
     def body():
         if model or data:
-            from .cli import quiet_libraries
-
             quiet_libraries()
         report = run_audit(cache, model=model, data=data, run=run_dir, sample=None if replay_all else
                            (DEFAULT_SAMPLE if sample is None else sample), seed=seed, tolerance=tolerance,
                            trust_remote_code=trust_remote_code)
         click.echo(render(report))
         if json_path:
-            Path(json_path).write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+            Path(json_path).write_text(json.dumps(_jsonable(report), indent=2) + "\n", encoding="utf-8")
         sys.exit(EXIT_CHECK_FAILED if report["failed"] else EXIT_OK)
 
     run_cli(body, debug)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +41,8 @@ def audit(cache, *args, json_path=None):
     json_path = Path(json_path or Path(cache).parent / "audit.json")
     json_path.unlink(missing_ok=True)
     result = CliRunner().invoke(main, [str(cache), *map(str, args), "--json", str(json_path)], catch_exceptions=False)
-    report = json.loads(json_path.read_text()) if json_path.exists() else None
+    strict = lambda c: pytest.fail(f"--json wrote {c}, which is not JSON")  # noqa: E731
+    report = json.loads(json_path.read_text(), parse_constant=strict) if json_path.exists() else None
     return result.exit_code, report, result.output
 
 
@@ -369,3 +372,15 @@ def test_usage_errors_exit_2(world, cache, args):
     args = [a.format(data=world["data"], cache=cache) for a in args]
     code, report, _ = audit(cache, *args)
     assert code == 2 and report is None
+
+
+def test_console_script_exit_codes(cache):
+    script = Path(sys.executable).parent / "audit-ref"
+    if not script.exists():
+        pytest.skip("audit-ref is not installed in this environment (pip install -e .)")
+    assert subprocess.run([script, cache], capture_output=True).returncode == 0
+    flip_byte(None, cache)
+    assert subprocess.run([script, cache], capture_output=True).returncode == 1
+    (cache / fmt.MANIFEST).unlink()
+    done = subprocess.run([script, cache], capture_output=True, text=True)
+    assert done.returncode == 2 and "no manifest.json" in done.stderr

@@ -4,6 +4,7 @@ test_precompute_cli.py."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import fcntl
 import hashlib
@@ -538,8 +539,9 @@ def test_run_precompute_leaves_global_rng_and_checkpoint_unchanged(llama_dir, tm
     assert_same_rng(rng_snapshot(), before)
     assert dir_state(llama_dir) == checkpoint and model_hash(llama_dir) == hash_before
 
-    # Control: the same job without the guard does move every generator, so the check above can fail.
-    job._run(cfg(tmp_path / "b"), lambda m: None)
+    # Control: with the guard made a no-op, the same job moves every generator, so the check above can fail.
+    monkeypatch.setattr(job, "preserved_rng", contextlib.nullcontext)
+    job.run_precompute(cfg(tmp_path / "b"), log=lambda m: None)
     after = rng_snapshot()
     assert after[0] != before[0] and after[1] != before[1] and not torch.equal(after[2], before[2])
 

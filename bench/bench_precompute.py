@@ -1,0 +1,326 @@
+"""Part 1: precompute-ref throughput against the bare forward pass (the limit) and TRL's reference precompute.
+
+For each case (a model and a data set) four things are timed, round-robin, in this one process:
+  refcache    run_precompute end to end: load tokenizer and data, encode, hash, load the model, forward, gather,
+              write the Parquet shards and the manifest (a fresh output directory each time)
+  score-only  precompute.job.score_pairs on the already loaded model: forward + gather, no I/O
+  bare        model(input_ids, attention_mask).logits over exactly the same padded batches (length_batches with
+              the same token budget), under no_grad: no gather, no I/O. The limit.
+  trl         trl.DPOTrainer(precompute_ref_log_probs=True) construction, including loading the model from disk
+              (it tokenizes the data and computes the reference sums in __init__), when trl is importable
+Tokens/s count real (unpadded) prompt+completion tokens, the same numerator for all four.
+
+    .venv/bin/python bench/bench_precompute.py [--quick]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import common
+from common import torch
+
+QUICK_CASES = [
+    dict(name="data/", model="data", trl=True, reps=3),
+    dict(name="1M@128", model="1M", seq=128, pairs=256, trl=False, reps=3),
+    dict(name="5M@512", model="5M", seq=512, pairs=24, trl=True, reps=3, headline=True),
+]
+FULL_CASES = [
+    dict(name="data/", model="data", trl=True, reps=5),
+    dict(name="1M@128", model="1M", seq=128, pairs=512, trl=False, reps=3),
+    dict(name="1M@1024", model="1M", seq=1024, pairs=48, trl=False, reps=3),
+    dict(name="5M@128", model="5M", seq=128, pairs=192, trl=False, reps=3),
+    dict(name="5M@512", model="5M", seq=512, pairs=48, trl=True, reps=3),
+    dict(name="5M@1024", model="5M", seq=1024, pairs=24, trl=False, reps=3),
+    dict(name="35M@512", model="35M", seq=512, pairs=16, trl=True, reps=3, headline=True),
+]
+GPU_CASES = [  # on CUDA: more pairs, and a larger model
+    dict(name="data/", model="data", trl=True, reps=5),
+    dict(name="5M@512", model="5M", seq=512, pairs=1024, trl=False, reps=3),
+    dict(name="35M@512", model="35M", seq=512, pairs=1024, trl=True, reps=3),
+    dict(name="350M@1024", model="350M", seq=1024, pairs=512, trl=True, reps=3, headline=True),
+]
+
+
+def cases(quick: bool, dev) -> list[dict]:
+    if dev.type == "cuda":
+        return GPU_CASES[:2] + GPU_CASES[3:] if quick else GPU_CASES
+    return QUICK_CASES if quick else FULL_CASES
+
+
+def prepare(case: dict, work: Path):
+    """(model_dir, data_path, split, EncodingConfig) of a case; synthetic cases are written under work."""
+    from schemas.encoding import EncodingConfig
+
+    if case["model"] == "data":
+        model_dir, data = common.sft_data()
+        return model_dir, data, "train", EncodingConfig()
+    model_dir = common.make_checkpoint(work, case["model"])
+    rows = common.synthetic_pairs(case["pairs"], case["seq"], common.MODELS[case["model"]]["vocab"], seed=1)
+    data = common.write_jsonl(work / f"data-{case['name'].replace('@', '-')}" / "train.jsonl", rows)
+    return model_dir, data, "train", EncodingConfig(max_length=case["seq"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# where run_precompute spends its time: wrap the functions it calls (a few microseconds of overhead per call)
+
+PHASES = {  # phase -> (module, attribute)
+    "load tokenizer": ("precompute.job", "load_tokenizer"),
+    "load data": ("precompute.job", "load_rows"),
+    "encode": ("precompute.job", "encode_rows"),
+    "model hash": ("precompute.job", "model_hash"),
+    "load model": ("precompute.job", "load_model"),
+    "forward+gather": ("precompute.job", "score_pairs"),
+    "build table": ("schemas.format", "shard_table"),
+    "write shard": ("schemas.format", "write_shard"),
+    "hash shard": ("schemas.format", "shard_entry"),
+    "write manifest": ("schemas.format", "write_manifest"),
+    "versions": ("precompute.job", "software_versions"),
+}
+
+
+@contextlib.contextmanager
+def phase_timer(totals: dict):
+    import importlib
+
+    saved = []
+    for phase, (mod_name, attr) in PHASES.items():
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, attr)
+
+        def timed(*a, _fn=fn, _phase=phase, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                common.sync()
+                totals[_phase] = totals.get(_phase, 0.0) + time.perf_counter() - t
+
+        saved.append((mod, attr, fn))
+        setattr(mod, attr, timed)
+    try:
+        yield totals
+    finally:
+        for mod, attr, fn in saved:
+            setattr(mod, attr, fn)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the four ways of scoring
+
+def bare_batches(model_dir, data, split, encoding, token_budget, rows_per_shard, dev):
+    """The padded batches score_pairs forms (per shard, length-sorted, same token budget), built once."""
+    from precompute.data import encode_rows, load_rows
+    from precompute.job import length_batches, load_tokenizer
+    from precompute.logprobs import pad_sequences
+
+    tok = load_tokenizer(str(model_dir))
+    encoded = encode_rows(load_rows(str(data), split), tok, encoding)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    batches = []
+    for start in range(0, len(encoded.pairs), rows_per_shard):
+        pairs = encoded.pairs[start : start + rows_per_shard]
+        seqs = [p.prompt_ids + c for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+        for b in length_batches([len(s) for s in seqs], token_budget):
+            batches.append(pad_sequences([seqs[i] for i in b], pad_id, dev))
+    return encoded, pad_id, batches
+
+
+def trl_precompute(model_dir, rows, max_length: int, pairs_per_batch: int, dev, out: Path, counts: dict):
+    """TRL's reference precompute as a user runs it: load the model, construct DPOTrainer(precompute_ref_log_probs).
+    Fills counts with TRL's own token count and the time inside its _precompute_ref_logps."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=common.torch_dtype(dev)).to(dev)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ds = datasets.Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows])
+    args = DPOConfig(
+        output_dir=str(out), precompute_ref_log_probs=True, precompute_ref_batch_size=pairs_per_batch,
+        per_device_train_batch_size=pairs_per_batch, max_length=max_length, use_cpu=dev.type == "cpu",
+        bf16=dev.type == "cuda", fp16=False, gradient_checkpointing=False, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_strategy="no",
+    )
+    inner = DPOTrainer._precompute_ref_logps
+
+    def timed(self, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return inner(self, *a, **kw)
+        finally:
+            common.sync()
+            counts["precompute_s"] = time.perf_counter() - t
+
+    DPOTrainer._precompute_ref_logps = timed
+    try:
+        trainer = DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+    finally:
+        DPOTrainer._precompute_ref_logps = inner
+    cols = trainer.train_dataset
+    counts["tokens"] = sum(2 * len(p) + len(c) + len(r) for p, c, r in
+                           zip(cols["prompt_ids"], cols["chosen_ids"], cols["rejected_ids"]))
+    del trainer, model
+
+
+def has_trl() -> bool:
+    try:
+        import trl  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def bench_case(case: dict, work: Path, dev) -> dict:
+    from precompute.job import PrecomputeConfig, load_model, run_precompute, score_pairs
+
+    model_dir, data, split, encoding = prepare(case, work)
+    budget, rows_per_shard = PrecomputeConfig.token_budget, PrecomputeConfig.rows_per_shard
+    encoded, pad_id, batches = bare_batches(model_dir, data, split, encoding, budget, rows_per_shard, dev)
+    model = load_model(str(model_dir), common.torch_dtype(dev), dev, "sdpa")
+    tokens = sum(int(m.sum()) for _, m in batches)
+    slots = sum(m.numel() for _, m in batches)
+    longest = max(ids.shape[1] for ids, _ in batches)
+
+    out = work / f"cache-{case['name'].replace('@', '-').replace('/', '')}"
+    last, phases = {}, []
+
+    def refcache():
+        shutil.rmtree(out, ignore_errors=True)
+        totals = {}
+        with phase_timer(totals):
+            t = time.perf_counter()
+            last.update(run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(out),
+                                                        split=split, encoding=encoding, progress=False),
+                                       log=lambda m: None))
+            totals["total"] = time.perf_counter() - t
+        phases.append(totals)
+
+    def score_only():
+        for start in range(0, len(encoded.pairs), rows_per_shard):
+            score_pairs(model, encoded.pairs[start : start + rows_per_shard], pad_id, budget)
+
+    @torch.no_grad()
+    def bare():
+        for ids, mask in batches:
+            model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    fns = {"refcache": refcache, "score_only": score_only, "bare": bare}
+    trl_counts = {}
+    if case.get("trl") and has_trl():
+        rows = [json.loads(l) for l in (Path(data) / "train.jsonl" if Path(data).is_dir() else Path(data))
+                .read_text().splitlines() if l.strip()]
+        pairs_per_batch = max(1, budget // (2 * longest))
+        fns["trl"] = lambda: trl_precompute(model_dir, rows, encoding.max_length, pairs_per_batch, dev,
+                                            work / "trl-out", trl_counts)
+    times = common.interleaved(fns, reps=case["reps"], warmup=1)
+
+    phases = phases[1:]  # drop the warm-up
+    phase_median = {k: common.statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
+    named = sum(v for k, v in phase_median.items() if k != "total")
+    phase_median["other"] = max(0.0, phase_median["total"] - named)
+    r = {
+        "case": case["name"],
+        "model": case["model"] if case["model"] != "data" else "data/sft-model",
+        "params": common.n_params(model),
+        "seq_len": case.get("seq"),
+        "longest": longest,
+        "pairs": len(encoded.pairs),
+        "tokens": tokens,
+        "completion_tokens": sum(len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs),
+        "padding_fraction": 1 - tokens / slots,
+        "batches": len(batches),
+        "token_budget": budget,
+        "times": times,
+        "tokens_per_s": {k: tokens / v["median"] for k, v in times.items()},
+        "phases_s": phase_median,
+        "cache_bytes": last.get("bytes"),
+        "bytes_per_completion_token": last.get("bytes_per_completion_token"),
+        "ratio_refcache_vs_bare": common.ratio(times["bare"], times["refcache"]),
+        "ratio_score_vs_bare": common.ratio(times["bare"], times["score_only"]),
+        "ratio_refcache_compute_vs_bare": common.ratio(times["bare"], phase_median["forward+gather"]),
+        "headline": bool(case.get("headline")),
+    }
+    if "trl" in times:
+        r["ratio_refcache_vs_trl"] = common.ratio(times["trl"], times["refcache"])
+        r["trl_tokens"] = trl_counts.get("tokens")
+        r["trl_precompute_only_s"] = trl_counts.get("precompute_s")
+    shutil.rmtree(out, ignore_errors=True)
+    del model, batches
+    return r
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# peak memory of one precompute run, in a process of its own
+
+def child_peak(model_dir: str, data: str, split: str, max_length: int, out: str) -> dict:
+    from precompute.job import PrecomputeConfig, run_precompute
+    from schemas.encoding import EncodingConfig
+
+    common.quiet()
+    import datasets, transformers, pyarrow.parquet  # noqa: F401,E401  (imports are not part of the job's peak)
+    common.reset_peak()
+    base = common.rss_mb()
+    res = run_precompute(PrecomputeConfig(model=model_dir, data=data, out=out, split=split, progress=False,
+                                          encoding=EncodingConfig(max_length=max_length)), log=lambda m: None)
+    weights = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**20
+    return {"peak_rss_mb": common.peak_rss_mb(), "baseline_rss_mb": base, "maxrss_mb": common.maxrss_mb(),
+            "cuda_peak_mb": common.cuda_peak_mb(), "weights_mb": weights, "tokens_per_s": res["tokens_per_s"]}
+
+
+def peak_memory(case: dict, work: Path) -> dict:
+    model_dir, data, split, encoding = prepare(case, work)
+    out = work / "peak-cache"
+    shutil.rmtree(out, ignore_errors=True)
+    r = common.run_child([__file__, "--child-peak", str(model_dir), str(data), split, str(encoding.max_length),
+                          str(out)])
+    shutil.rmtree(out, ignore_errors=True)
+    return {"case": case["name"], **r}
+
+
+def main():
+    ap = common.parser(__doc__)
+    ap.add_argument("--child-peak", nargs=5, help=argparse_hidden())
+    args = ap.parse_args()
+    if args.child_peak:
+        m, d, s, L, o = args.child_peak
+        print(json.dumps(child_peak(m, d, s, int(L), o)))
+        return
+    common.quiet()
+    dev = common.device()
+    work = common.workdir("precompute")
+    results, peaks = [], []
+    try:
+        for case in cases(args.quick, dev):
+            t = time.perf_counter()
+            r = bench_case(case, work, dev)
+            results.append(r)
+            trl = f", trl {r['ratio_refcache_vs_trl']:.2f}x" if "ratio_refcache_vs_trl" in r else ""
+            print(f"{r['case']:<10} {r['tokens']:>7} tok  pad {r['padding_fraction']:.1%}  "
+                  f"refcache {r['tokens_per_s']['refcache']:,.0f} tok/s  bare {r['tokens_per_s']['bare']:,.0f}  "
+                  f"e2e/bare {r['ratio_refcache_vs_bare']:.2f}x  score/bare {r['ratio_score_vs_bare']:.2f}x{trl}"
+                  f"  [{time.perf_counter() - t:.0f} s]", flush=True)
+        for case in cases(args.quick, dev):
+            if case["model"] == "data" or case.get("headline"):
+                peaks.append(peak_memory(case, work))
+                p = peaks[-1]
+                print(f"peak memory {p['case']}: {p['peak_rss_mb']:.0f} MiB RSS (baseline after imports "
+                      f"{p['baseline_rss_mb']:.0f} MiB, weights {p['weights_mb']:.1f} MiB)", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    path = common.save("precompute", {"cases": results, "peak_memory": peaks}, args.quick)
+    print(f"wrote {path}")
+
+
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()

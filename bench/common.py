@@ -1,0 +1,342 @@
+"""Shared helpers of the bench/ suite: environment, device, model and data builders, timing, memory, results.
+
+Everything is built locally at fixed seeds: Llama-style models from a config, a synthetic word-level tokenizer
+(one token per word, so sequence lengths are exact) and synthetic preference pairs. Nothing comes from a hub.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="refcache-bench-hf-"))
+os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(os.environ["HF_HOME"], "datasets"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DATASETS_VERBOSITY", "error")
+
+import datetime
+import gc
+import json
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+RESULTS = BENCH / "results"
+DATA = REPO / "data"
+sys.path.insert(0, str(REPO))
+
+import numpy as np
+import torch
+
+# ---------------------------------------------------------------------------------------------------------------
+# device
+
+def device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def dtype_name(dev: torch.device) -> str:
+    return "bfloat16" if dev.type == "cuda" else "float32"  # what precompute-ref's dtype=auto picks
+
+
+def torch_dtype(dev: torch.device) -> torch.dtype:
+    return getattr(torch, dtype_name(dev))
+
+
+def sync(dev=None) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def quiet() -> None:
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models: Llama-style, built from a config at a fixed seed. Parameter counts include the (untied) embeddings.
+
+MODELS = {
+    #        hidden layers heads kv  inter  vocab
+    "1M":   dict(hidden=128, layers=4, heads=4, kv=2, inter=384, vocab=1024),      # ~0.9M, like data/sft-model
+    "5M":   dict(hidden=256, layers=4, heads=4, kv=2, inter=768, vocab=4096),      # ~5M
+    "35M":  dict(hidden=512, layers=8, heads=8, kv=4, inter=1536, vocab=8192),     # ~35M
+    "350M": dict(hidden=1024, layers=24, heads=16, kv=8, inter=2816, vocab=32000),  # GPU only
+}
+
+
+def build_llama(name_or_spec, seed: int = 0, max_positions: int = 2048, vocab: int | None = None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = MODELS[name_or_spec] if isinstance(name_or_spec, str) else name_or_spec
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab or s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
+        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer: '<pad>' '<s>' '</s>' then 'w3' .. 'w{vocab-1}', one token per space-separated word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   model_max_length=4096)
+
+
+def make_checkpoint(root: Path, name: str, seed: int = 0) -> Path:
+    """Save model `name` and its word tokenizer under root/name (reused if already there)."""
+    path = Path(root) / f"model-{name}"
+    if (path / "config.json").exists():
+        return path
+    model = build_llama(name, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    word_tokenizer(MODELS[name]["vocab"]).save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data: synthetic standard-format preference pairs with exact token lengths
+
+def synthetic_pairs(n: int, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
+    """n pairs whose chosen and rejected sequences (BOS + prompt + completion + EOS) hold between seq_len/2 and
+    seq_len tokens: prompt and each completion are each a quarter to a half of seq_len. Words follow a Zipf-like
+    law over the vocabulary, like text."""
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(3, vocab)
+    p = 1.0 / (ranks - 2 + 10.0)
+    p /= p.sum()
+
+    def words(k):
+        return " ".join(f"w{i}" for i in rng.choice(ranks, size=k, p=p))
+
+    # Completions start with a space so that text-level concatenation (TRL tokenizes prompt + completion as one
+    # string) gives the same words; refcache tokenizes the two separately and the space changes nothing.
+
+    lo, hi = seq_len // 4, seq_len // 2 - 1
+    rows = []
+    for i in range(n):
+        prompt = words(int(rng.integers(lo, hi + 1)))
+        chosen = " " + words(int(rng.integers(lo, hi)))
+        rejected = " " + words(int(rng.integers(lo, hi)))
+        rows.append({"id": f"p{i:06d}", "prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sft_data() -> tuple[Path, Path]:
+    """The embedded default: data/sft-model and data/prefs (train split)."""
+    return DATA / "sft-model", DATA / "prefs"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# timing
+
+def stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
+            "values": [round(v, 6) for v in values]}
+
+
+def timeit(fn, reps: int = 3, warmup: int = 1) -> dict:
+    """Median/min/max seconds of `fn()` over `reps` runs after `warmup` unrecorded runs."""
+    for _ in range(warmup):
+        fn()
+        sync()
+    times = []
+    for _ in range(reps):
+        gc.collect()
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return stats(times)
+
+
+def interleaved(fns: dict, reps: int = 3, warmup: int = 1) -> dict:
+    """Like timeit for several functions, run round-robin (a, b, c, a, b, c, ...) so that load from other
+    processes on a shared machine falls on all of them alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+            sync()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            gc.collect()
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times[k].append(time.perf_counter() - t)
+    return {k: stats(v) for k, v in times.items()}
+
+
+def ratio(a: dict | float, b: dict | float) -> float:
+    """Ratio of two medians (or plain numbers)."""
+    a = a["median"] if isinstance(a, dict) else a
+    b = b["median"] if isinstance(b, dict) else b
+    return a / b if b else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# memory. CPU: resident set size from /proc (VmHWM is the peak; writing 5 to /proc/self/clear_refs resets it).
+# CUDA: the caching allocator's own peak.
+
+def _status_kb(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"{field}:\s+(\d+)", text).group(1))
+
+
+def rss_mb() -> float:
+    return _status_kb("VmRSS") / 1024
+
+
+def peak_rss_mb() -> float:
+    """Peak RSS since the last reset_peak() (or process start)."""
+    try:
+        return _status_kb("VmHWM") / 1024
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def maxrss_mb() -> float:
+    """Peak RSS of the whole process life (getrusage), never reset."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak() -> bool:
+    """Reset the peak RSS counter (and the CUDA peak); False where the kernel refuses."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def cuda_peak_mb() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+def cuda_now_mb() -> float | None:
+    return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# child processes (one per configuration, so each has its own heap and peak)
+
+def run_child(args: list[str], env: dict | None = None, timeout: float = 1800) -> dict:
+    """Run `python <args>` and return the JSON object it prints on its last stdout line."""
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {args} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"child {args} printed no JSON:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# machine line and results
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    import transformers
+
+    try:
+        import trl
+        trl_version = trl.__version__
+    except ImportError:
+        trl_version = None
+    dev = device()
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "device": dev.type,
+        "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
+        "dtype": dtype_name(dev),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl_version,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def machine_line(m: dict) -> str:
+    gpu = f", {m['gpu']}" if m.get("gpu") else ""
+    return (f"{m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), {m['memory_gb']} GiB{gpu}; "
+            f"device {m['device']} ({m['dtype']}); python {m['python']}, torch {m['torch']}, transformers "
+            f"{m['transformers']}, trl {m['trl'] or 'not installed'}; {m['date']}")
+
+
+def save(part: str, result: dict, quick: bool) -> Path:
+    """Write bench/results/<part>-<device>.json and return its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    result = {"part": part, "quick": quick, "machine": machine(), "command": " ".join([Path(sys.executable).name,
+              *sys.argv]), **result}
+    path = RESULTS / f"{part}-{device().type}.json"
+    path.write_text(json.dumps(result, indent=2, default=float) + "\n")
+    return path
+
+
+def workdir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"refcache-bench-{prefix}-"))
+
+
+def fmt_s(st: dict, unit: str = "s", scale: float = 1.0, digits: int = 3) -> str:
+    """'median (min-max)' of a stats dict."""
+    return (f"{st['median'] * scale:.{digits}g} {unit} ({st['min'] * scale:.{digits}g}-{st['max'] * scale:.{digits}g})")
+
+
+def parser(doc: str):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a run in a few minutes")
+    return ap

@@ -1,0 +1,113 @@
+"""torchrun with the gloo backend on CPU: 2 processes must give what 1 process gives, for both jobs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, pref_rows, write_jsonl
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+NOISE = ("runtime", "per_second", "total_flos", "epoch")
+
+
+def run(cmd, cwd, env=None, check=True):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{cmd} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def shard_hashes(cache: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(cache.glob("*.parquet"))}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, llama_dir):
+    root = tmp_path_factory.mktemp("dist")
+    write_jsonl(root / "prefs.jsonl", pref_rows(40, fmt="conversational"))
+    return root
+
+
+def precompute_args(work, llama_dir, out):
+    return ["--model", str(llama_dir), "--data", str(work / "prefs.jsonl"), "--out", str(out), "--rows-per-shard", "4",
+            "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def single_cache(work, llama_dir):
+    out = work / "cache-1proc"
+    run([sys.executable, "-m", "precompute.cli", *precompute_args(work, llama_dir, out)], work)
+    return out
+
+
+def test_precompute_two_ranks_equals_one(work, llama_dir, single_cache):
+    out = work / "cache-2proc"
+    run([*TORCHRUN, "-m", "precompute.cli", *precompute_args(work, llama_dir, out)], work)
+    assert shard_hashes(out) == shard_hashes(single_cache)  # same shards, bitwise
+    one, two = (json.loads((d / "manifest.json").read_text()) for d in (single_cache, out))
+    assert one["stamps"] == two["stamps"] and one["shards"] == two["shards"]
+    assert not list(out.glob(".*.tmp-*"))
+
+
+def test_killed_rank_fails_the_job_and_rerun_completes(work, llama_dir, single_cache):
+    out = work / "cache-killed"
+    helper = REPO / "tests" / "helpers" / "precompute_kill_rank.py"
+    p = run([*TORCHRUN, str(helper), *precompute_args(work, llama_dir, out)], work,
+            env={"KILL_RANK": "1", "KILL_AFTER": "1", "PYTHONPATH": str(REPO)}, check=False)
+    assert p.returncode != 0
+    assert "SIGKILL" in p.stderr or "Signal 9" in p.stderr or "exitcode" in p.stderr
+    assert not (out / "manifest.json").exists()  # never a manifest over missing shards
+    finished = set(shard_hashes(out))
+    assert finished and len(finished) < 10
+    # Resume with a different number of processes: finished shards are kept, the rest are scored.
+    before = {n: (out / n).stat().st_mtime_ns for n in finished}
+    p = run([sys.executable, "-m", "precompute.cli", *precompute_args(work, llama_dir, out)], work)
+    assert f"({len(finished)} already done)" in p.stderr
+    assert {n: (out / n).stat().st_mtime_ns for n in finished} == before
+    assert shard_hashes(out) == shard_hashes(single_cache)
+
+
+def train_args(work, llama_dir, cache, out, batch):
+    return ["--model", str(llama_dir), "--data", str(work / "prefs.jsonl"), "--ref-cache", str(cache),
+            "--output-dir", str(out), "--max-steps", "4", "--per-device-train-batch-size", str(batch),
+            "--logging-steps", "1", "--learning-rate", "1e-3", "--use-cpu", "--save-strategy", "no", "--no-plot"]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_two_ranks_batch_b_matches_one_rank_batch_2b(work, llama_dir, single_cache):
+    run([sys.executable, "-m", "dpo.cli", *train_args(work, llama_dir, single_cache, work / "run-1", 4)], work)
+    run([*TORCHRUN, "-m", "dpo.cli", *train_args(work, llama_dir, single_cache, work / "run-2", 2)], work)
+    one, two = metrics(work / "run-1"), metrics(work / "run-2")
+    steps = [r for r in one if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for a, b in zip(one, two):
+        assert a["step"] == b["step"]
+        for key, value in a.items():
+            if isinstance(value, float) and not any(n in key for n in NOISE):
+                assert b[key] == pytest.approx(value, abs=1e-5, rel=1e-6), (a["step"], key)
+
+
+def test_every_rank_refuses_a_damaged_cache(work, llama_dir, single_cache):
+    bad = work / "cache-damaged"
+    shutil.copytree(single_cache, bad)
+    shard = bad / "shard-00003.parquet"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    p = run([*TORCHRUN, "-m", "dpo.cli", *train_args(work, llama_dir, bad, work / "run-bad", 2)], work, check=False)
+    assert p.returncode != 0
+    assert "shard-00003.parquet content differs from the manifest" in p.stderr  # rank 0 hashes the files
+    assert p.stderr.count("error: ") == 2  # and both ranks refuse (rank 1 by itself or because rank 0 did)
+    assert not (work / "run-bad" / "metrics.jsonl").exists()
