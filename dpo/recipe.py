@@ -69,6 +69,9 @@ class TrainConfig:
     resume_from_checkpoint: str | None = None
     dataloader_num_workers: int = 0
     use_cpu: bool = False
+    fsdp: str = ""  # e.g. "full_shard auto_wrap"
+    fsdp_config: str | None = None  # JSON file, as for transformers.TrainingArguments
+    deepspeed: str | None = None  # DeepSpeed JSON config file
     # ours
     trust_remote_code: bool = False
     plot: bool = True
@@ -87,7 +90,8 @@ class TrainConfig:
         names = ["learning_rate", "lr_scheduler_type", "warmup_steps", "num_train_epochs", "max_steps",
                  "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                  "max_grad_norm", "weight_decay", "optim", "seed", "bf16", "fp16", "logging_steps", "save_strategy",
-                 "save_steps", "save_total_limit", "dataloader_num_workers", "use_cpu", "output_dir"]
+                 "save_steps", "save_total_limit", "dataloader_num_workers", "use_cpu", "output_dir", "fsdp",
+                 "fsdp_config", "deepspeed"]
         kwargs = {n: getattr(self, n) for n in names}
         checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
         has_eval = self.eval_data is not None
