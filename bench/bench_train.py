@@ -25,9 +25,11 @@ from pathlib import Path
 import common
 from common import torch
 
-QUICK = dict(model="5M", seq=256, batch=4, warmup=2, steps=5)
-FULL = dict(model="35M", seq=512, batch=4, warmup=1, steps=5)
-GPU = dict(model="350M", seq=1024, batch=8, warmup=3, steps=10)
+# rounds: every configuration runs once per round, in turn, so that load from other processes on a shared machine
+# falls on all of them alike; step times are pooled over the rounds.
+QUICK = dict(model="5M", seq=256, batch=4, warmup=2, steps=3, rounds=2)
+FULL = dict(model="35M", seq=512, batch=2, warmup=1, steps=3, rounds=2)
+GPU = dict(model="350M", seq=1024, batch=8, warmup=3, steps=10, rounds=2)
 MODES = ("policy", "cached", "live", "trl")
 
 
@@ -213,8 +215,19 @@ def child_args(size, model_dir, data, cache, work, mode, profile=False) -> list[
     return args + (["--profile"] if profile else [])
 
 
-def summarize(r: dict) -> dict:
-    return {**r, "step": common.stats(r["step_s"]), "step_peak": common.stats(r["step_peak_rss_mb"])}
+def summarize(rounds: list[dict]) -> dict:
+    """Pool the rounds of one configuration."""
+    pooled = lambda key: [v for r in rounds for v in r[key]]  # noqa: E731
+    out = {"mode": rounds[0]["mode"], "rounds": rounds,
+           "step": common.stats(pooled("step_s")), "step_peak": common.stats(pooled("step_peak_rss_mb")),
+           "maxrss": common.stats([r["maxrss_mb"] for r in rounds]),
+           "baseline_rss_mb": common.statistics.median(r["baseline_rss_mb"] for r in rounds)}
+    out["maxrss_mb"] = out["maxrss"]["median"]
+    if rounds[0].get("cuda_peak_mb") is not None:
+        out["cuda_peak_mb"] = common.statistics.median(r["cuda_peak_mb"] for r in rounds)
+    if rounds[0].get("verify_s") is not None:
+        out["verify_s"] = common.stats([r["verify_s"] for r in rounds])
+    return out
 
 
 def main():
@@ -239,14 +252,18 @@ def main():
     try:
         model_dir, data, cache, info = prepare(size, work)
         modes = [m for m in MODES if m != "trl" or _has_trl()]
-        runs = {}
-        for mode in modes:
-            t = time.perf_counter()
-            runs[mode] = summarize(common.run_child(child_args(size, model_dir, data, cache, work, mode)))
-            r = runs[mode]
+        rounds = {m: [] for m in modes}
+        for n in range(size["rounds"]):
+            for mode in modes:
+                t = time.perf_counter()
+                rounds[mode].append(common.run_child(child_args(size, model_dir, data, cache, work, mode)))
+                r = rounds[mode][-1]
+                print(f"round {n} {mode:<7} steps {' '.join(f'{v * 1000:.0f}' for v in r['step_s'])} ms  peak RSS "
+                      f"{r['maxrss_mb']:.0f} MiB [{time.perf_counter() - t:.0f} s]", flush=True)
+        runs = {m: summarize(v) for m, v in rounds.items()}
+        for mode, r in runs.items():
             print(f"{mode:<7} step {common.fmt_s(r['step'], 'ms', 1000)}  peak RSS {r['maxrss_mb']:.0f} MiB  "
-                  f"(steady {r['step_peak']['median']:.0f}, baseline {r['baseline_rss_mb']:.0f})  "
-                  f"[{time.perf_counter() - t:.0f} s]", flush=True)
+                  f"(steady {r['step_peak']['median']:.0f}, baseline {r['baseline_rss_mb']:.0f})", flush=True)
         p, c, l = runs["policy"], runs["cached"], runs["live"]
         res = {
             "size": size, "params": common.n_params(common.build_llama(size["model"])), **info, "runs": runs,
@@ -270,7 +287,7 @@ def main():
             missed += ["cached", "live"]
         res["profiles"] = {}
         for mode in dict.fromkeys(missed):
-            prof_size = {**size, "warmup": 1, "steps": 2}
+            prof_size = {**size, "warmup": 1, "steps": 2, "rounds": 1}
             r = common.run_child(child_args(prof_size, model_dir, data, cache, work, mode, profile=True))
             res["profiles"][mode] = r.get("profile")
             print(f"profiled {mode}", flush=True)

@@ -21,26 +21,6 @@ def unwrap(model):
     return getattr(model, "_orig_mod", model)
 
 
-def _final_hidden(model, input_ids, attention_mask) -> torch.Tensor:
-    """Final (normalised) hidden states, [batch, seq, hidden].
-
-    The call goes through the outer module so DDP/FSDP see a normal forward; a hook on the base model captures
-    its output, and `logits_to_keep=1` keeps the model's own logits to one position per row.
-    """
-    inner = unwrap(model)
-    captured = {}
-
-    def grab(_module, _args, output):
-        captured["h"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-    handle = inner.base_model.register_forward_hook(grab)
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
-    finally:
-        handle.remove()
-    return captured["h"]
-
-
 def _project(inner, hidden: torch.Tensor) -> torch.Tensor:
     """Output projection with the model-specific logit post-processing some architectures apply."""
     logits = inner.get_output_embeddings()(hidden).float()
@@ -71,27 +51,40 @@ def completion_logps(
     """Log-prob of every completion token, flattened in row order (row i contributes completion_lens[i] values).
 
     `input_ids` are right-padded rows of prompt + completion. The first completion token is scored from the
-    prompt's last position. Returns float32; differentiable when grad is enabled (chunks are recomputed in the
-    backward pass instead of keeping their logits).
+    prompt's last position. Returns float32; differentiable when grad is enabled.
+
+    The call goes through the outer module, so DDP/FSDP/DeepSpeed see a normal forward (`logits_to_keep=1` keeps
+    the model's own logits to one position per row); the scoring runs in a hook on the base model's output, i.e.
+    still inside that forward, where sharded output weights are materialised.
     """
     inner = unwrap(model)
-    hidden = _final_hidden(model, input_ids, attention_mask)
     seq = torch.arange(input_ids.shape[1], device=input_ids.device)
     start = prompt_lens.to(input_ids.device)[:, None]
     end = start + completion_lens.to(input_ids.device)[:, None]
     rows, cols = ((seq >= start) & (seq < end)).nonzero(as_tuple=True)  # row-major: row order, then position
-    h = hidden[rows, cols - 1]
     targets = input_ids[rows, cols]
     step = max(1, chunk_elements // inner.get_output_embeddings().weight.shape[0])
-    # With several chunks, recompute each one's logits in the backward pass instead of keeping them all.
-    recompute = torch.is_grad_enabled() and h.requires_grad and h.shape[0] > step
-    parts = []
-    for s in range(0, h.shape[0], step):
-        if recompute:
-            parts.append(checkpoint(_chunk_logps, inner, h[s : s + step], targets[s : s + step], use_reentrant=False))
-        else:
-            parts.append(_chunk_logps(inner, h[s : s + step], targets[s : s + step]))
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    captured = {}
+
+    def score(_module, _args, output):
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        h = hidden[rows, cols - 1]
+        # With several chunks, recompute each one's logits in the backward pass instead of keeping them all.
+        recompute = torch.is_grad_enabled() and h.requires_grad and h.shape[0] > step
+        parts = []
+        for s in range(0, h.shape[0], step):
+            if recompute:
+                parts.append(checkpoint(_chunk_logps, inner, h[s : s + step], targets[s : s + step], use_reentrant=False))
+            else:
+                parts.append(_chunk_logps(inner, h[s : s + step], targets[s : s + step]))
+        captured["logps"] = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+    handle = inner.base_model.register_forward_hook(score)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
+    finally:
+        handle.remove()
+    return captured["logps"]
 
 
 def pad_sequences(sequences: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,173 @@
+"""Part 3: cache verification time per GB and per million rows, and model-hash throughput against sha256sum.
+
+A large synthetic cache is written with schemas.format.shard_table / write_shard (no model): rows of 64-192 prompt
+and completion tokens with Zipf-like ids over a 32k vocabulary and negative float32 log-probs, 2,048 rows per shard.
+One shard's worth of rows is built and every shard reuses it under new row ids, which is quick and gives the verifier
+exactly the work of a real cache of that size. Timed (page cache warm, median of reps after a warm-up):
+  open_cache              manifest, names, sizes, sha256 of every shard, shard metadata stamps, row checksums
+  open_cache(fast)        the same without the sha256 (--fast-verify)
+  check_rows              every training row's id and mask checksum looked up in the cache (train-dpo's row check)
+  check_values            read and check every cached log-prob (count, sum, finite, <= 0) and join them to the rows
+  verify (all)            open_cache + check_stamps + check_rows + check_values: train-dpo's verification minus
+                          encoding the data (which depends on the tokenizer; see verify_and_join on data/)
+Model hashing: bench/bench_hash.py (schemas.stamps.model_hash vs sha256sum on a ~200 MB safetensors file), run a few
+times; its figures are best-of-N within a run, the median over runs is reported here.
+
+    .venv/bin/python bench/bench_verify.py [--quick]
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common
+import numpy as np
+
+ROWS_PER_SHARD = 2048
+
+
+def build_cache(root: Path, shards: int, seed: int = 0) -> dict:
+    """Write `shards` shards of ROWS_PER_SHARD rows and a manifest; return the expected {id: checksum}."""
+    import pyarrow as pa
+
+    from schemas import format as fmt
+    from schemas.encoding import EncodingConfig
+    from schemas.stamps import combined_mask_checksum
+
+    rng = np.random.default_rng(seed)
+    vocab = 32000
+    ranks = np.arange(3, vocab)
+    p = 1.0 / (ranks - 2 + 10.0)
+    p /= p.sum()
+    n = ROWS_PER_SHARD
+    lens = rng.integers(64, 193, size=(n, 3))
+    ids = [rng.choice(ranks, size=int(k), p=p).tolist() for k in lens.ravel()]
+    prompt, chosen, rejected = ids[0::3], ids[1::3], ids[2::3]
+    logps = lambda seqs: [(-rng.exponential(2.0, len(s))).astype(np.float32) for s in seqs]  # noqa: E731
+    base = fmt.shard_table([f"x{i}" for i in range(n)], prompt, chosen, rejected, logps(chosen), logps(rejected))
+    checks = base.column("mask_checksum").to_pylist()
+    encoding = EncodingConfig()
+    stamps = {"model_hash": "a" * 64, "tokenizer_hash": "b" * 64}
+    root.mkdir(parents=True, exist_ok=True)
+    entries, expected = [], {}
+    for s in range(shards):
+        row_ids = [f"shard{s:05d}-row{i:05d}" for i in range(n)]
+        table = base.set_column(0, "id", pa.array(row_ids, pa.string()))
+        entries.append(fmt.write_shard(root / f"shard-{s:05d}.parquet", table, encoding=encoding, **stamps))
+        expected.update(zip(row_ids, checks))
+    manifest = {
+        "format_version": fmt.FORMAT_VERSION,
+        "stamps": {**stamps, "mask_checksum": combined_mask_checksum(checks * shards, encoding.to_json())},
+        "encoding": encoding.to_dict(),
+        "rows": n * shards,
+        "shards": entries,
+    }
+    fmt.write_manifest(root, manifest)
+    return expected
+
+
+def bench_cache(shards: int, reps: int, work: Path) -> dict:
+    from dpo.verify import check_values
+    from schemas.format import open_cache
+
+    root = work / f"cache-{shards}"
+    t = time.perf_counter()
+    expected = build_cache(root, shards)
+    build_s = time.perf_counter() - t
+    size = sum(p.stat().st_size for p in root.glob("*.parquet"))
+    rows = len(expected)
+    ids = list(expected)
+    cache = open_cache(root)
+
+    def verify_all():
+        c = open_cache(root)
+        c.check_stamps(model_hash="a" * 64, tokenizer_hash="b" * 64, encoding=c.encoding)
+        c.check_rows(expected)
+        check_values(c, ids)
+
+    times = common.interleaved({
+        "open_cache": lambda: open_cache(root),
+        "open_cache_fast": lambda: open_cache(root, verify_files=False),
+        "check_rows": lambda: cache.check_rows(expected),
+        "check_values": lambda: check_values(cache, ids),
+        "verify_all": verify_all,
+    }, reps=reps, warmup=1)
+    shutil.rmtree(root, ignore_errors=True)
+    total = times["verify_all"]["median"]
+    return {"shards": shards, "rows": rows, "bytes": size, "build_s": build_s, "times": times,
+            "s_per_gb": total / (size / 1e9), "s_per_million_rows": total / (rows / 1e6),
+            "per_gb": {k: v["median"] / (size / 1e9) for k, v in times.items()},
+            "per_million_rows": {k: v["median"] / (rows / 1e6) for k, v in times.items()}}
+
+
+def bench_data_verify(reps: int, work: Path) -> dict:
+    """train-dpo's verify_and_join on the embedded data/ (400 pairs), tokenizer encoding included."""
+    from dpo.verify import verify_and_join
+    from precompute.job import PrecomputeConfig, load_tokenizer, run_precompute
+
+    model_dir, data = common.sft_data()
+    cache = work / "data-cache"
+    run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(cache), progress=False),
+                   log=lambda m: None)
+    tok = load_tokenizer(str(model_dir))
+    times = common.timeit(lambda: verify_and_join(tokenizer=tok, model_dir=str(model_dir), data=str(data),
+                                                  split="train", cache_dir=str(cache), log=lambda m: None),
+                          reps=reps, warmup=1)
+    return {"rows": 400, "times": times}
+
+
+LINE = re.compile(r"^\s*(model_hash|file_sha256|sha256sum|openssl dgst)\s+([\d.]+) ms\s+([\d.]+) MB/s")
+
+
+def bench_hash(mb: int, runs: int, repeat: int) -> dict:
+    """Run bench/bench_hash.py `runs` times and take the median of its per-run best-of-`repeat` figures."""
+    per_tool: dict[str, list[float]] = {}
+    outputs = []
+    for _ in range(runs):
+        proc = subprocess.run([sys.executable, str(common.BENCH / "bench_hash.py"), "--mb", str(mb), "--repeat",
+                               str(repeat)], capture_output=True, text=True, cwd=common.REPO, timeout=600)
+        outputs.append(proc.stdout)
+        for line in proc.stdout.splitlines():
+            m = LINE.match(line)
+            if m:
+                per_tool.setdefault(m.group(1), []).append(float(m.group(3)))
+    if "model_hash" not in per_tool or "sha256sum" not in per_tool:
+        raise RuntimeError("could not read bench/bench_hash.py output:\n" + "\n".join(outputs)[-3000:])
+    mbps = {k: common.stats(v) for k, v in per_tool.items()}
+    return {"mb": mb, "runs": runs, "repeat": repeat, "mb_per_s": mbps,
+            "ratio_model_hash_vs_sha256sum": common.ratio(mbps["model_hash"], mbps["sha256sum"]),
+            "bench_hash_output": outputs[-1]}
+
+
+def main():
+    args = common.parser(__doc__).parse_args()
+    common.quiet()
+    work = common.workdir("verify")
+    sizes = [5, 25] if args.quick else [25, 200]  # shards of 2,048 rows (~4.9 MB each)
+    try:
+        caches = []
+        for shards in sizes:
+            r = bench_cache(shards, reps=3, work=work)
+            caches.append(r)
+            print(f"{r['rows']:>8} rows {r['bytes'] / 1e6:7.1f} MB  verify {common.fmt_s(r['times']['verify_all'])}"
+                  f"  = {r['s_per_gb']:.2f} s/GB, {r['s_per_million_rows']:.2f} s/M rows  (open_cache "
+                  f"{r['per_gb']['open_cache']:.2f} s/GB, check_values {r['per_gb']['check_values']:.2f} s/GB)  "
+                  f"[built in {r['build_s']:.0f} s]", flush=True)
+        data = bench_data_verify(reps=5, work=work)
+        print(f"verify_and_join on data/ (400 pairs): {common.fmt_s(data['times'])}", flush=True)
+        hashing = bench_hash(mb=100 if args.quick else 200, runs=3, repeat=3)
+        print(f"model_hash {hashing['mb_per_s']['model_hash']['median']:.0f} MB/s, sha256sum "
+              f"{hashing['mb_per_s']['sha256sum']['median']:.0f} MB/s: "
+              f"{hashing['ratio_model_hash_vs_sha256sum']:.2f}x", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"wrote {common.save('verify', {'caches': caches, 'data_verify': data, 'hash': hashing}, args.quick)}")
+
+
+if __name__ == "__main__":
+    main()
