@@ -85,6 +85,10 @@ def encoding_from(max_length, truncation_mode, chat_template, base: EncodingConf
               help="Reference precision; auto is bfloat16 on CUDA and float32 on CPU.")
 @click.option("--device", default="auto", help="auto (CUDA device LOCAL_RANK if present, else CPU), cpu, cuda, cuda:N.")
 @click.option("--attn-implementation", default="sdpa", help="Attention kernel: sdpa, eager, flash_attention_2.")
+@click.option("--batching", default="auto", type=click.Choice(["auto", "packed", "shared_prompt", "full_forward"]),
+              help="packed: each prompt computed once and pairs packed into rows without padding; shared_prompt: "
+                   "prompt once, one pair per row; full_forward: [prompt|chosen] and [prompt|rejected] as separate "
+                   "rows. auto picks packed where the attention supports it (checked on the first pairs).")
 @click.option("--resume/--overwrite", default=True,
               help="Resume: keep finished shards of this same job. Overwrite: delete the existing cache first.")
 @click.option("--on-bad-row", default="error", type=click.Choice(["error", "skip"]),
@@ -93,7 +97,7 @@ def encoding_from(max_length, truncation_mode, chat_template, base: EncodingConf
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def main(model, data, out, split, max_length, truncation_mode, chat_template, token_budget, rows_per_shard, dtype,
-         device, attn_implementation, resume, on_bad_row, trust_remote_code, no_progress, debug):
+         device, attn_implementation, batching, resume, on_bad_row, trust_remote_code, no_progress, debug):
     """Run the frozen reference model once over preference pairs and write per-token log-probs to a stamped,
     resumable Parquet cache for train-dpo."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -106,7 +110,7 @@ def main(model, data, out, split, max_length, truncation_mode, chat_template, to
             model=model, data=data, out=out, split=split,
             encoding=encoding_from(max_length, truncation_mode, chat_template),
             token_budget=token_budget, rows_per_shard=rows_per_shard, dtype=dtype, device=device,
-            attn_implementation=attn_implementation, overwrite=not resume, on_bad_row=on_bad_row,
+            attn_implementation=attn_implementation, batching=batching, overwrite=not resume, on_bad_row=on_bad_row,
             trust_remote_code=trust_remote_code, progress=not no_progress,
         )
         s = run_precompute(cfg, log=lambda m: click.echo(m, err=True))
@@ -116,7 +120,7 @@ def main(model, data, out, split, max_length, truncation_mode, chat_template, to
         click.echo(
             f"wrote {s['rows']} pairs ({s['rows_scored']} scored now) in {s['shards']} shards to {s['out']}\n"
             f"  skipped rows: {s['skipped']} ({skipped}); identical chosen/rejected: {s['identical_pairs']}\n"
-            f"  tokens: {s['tokens']:,}  padding: {s['padding_fraction']:.1%}  wall: {s['wall_s']:.1f} s  "
+            f"  tokens: {s['tokens']:,}  batching: {s['mode']}  padding: {s['padding_fraction']:.1%}  wall: {s['wall_s']:.1f} s  "
             f"throughput: {s['tokens_per_s']:,.0f} tokens/s\n"
             f"  cache size: {s['bytes'] / 2**20:.2f} MiB ({s['bytes_per_completion_token']:.1f} bytes per "
             f"completion token)"

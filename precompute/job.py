@@ -27,7 +27,8 @@ from schemas.encoding import EncodedPair, EncodingConfig
 from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash, weight_files
 
 from .data import Encoded, encode_rows, load_rows
-from .logprobs import completion_logps, pad_sequences
+from .logprobs import completion_logps, pad_sequences, token_logps
+from .packing import MODES, PACKED_ROW_TOKENS, pack_rows, row_batches, tree_batch
 
 
 class JobError(RuntimeError):
@@ -46,6 +47,7 @@ class PrecomputeConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere
     device: str = "auto"
     attn_implementation: str = "sdpa"
+    batching: str = "auto"  # auto | packed | shared_prompt | full_forward
     overwrite: bool = False
     on_bad_row: str = "error"
     trust_remote_code: bool = False
@@ -116,25 +118,66 @@ def length_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def score_pairs(model, pairs: list[EncodedPair], pad_id: int, token_budget: int, on_batch=None):
-    """Reference log-probs per completion token for each pair: (chosen list, rejected list, stats)."""
+def score_pairs(model, pairs: list[EncodedPair], pad_id: int, token_budget: int, mode: str = "full_forward",
+                on_batch=None):
+    """Reference log-probs per completion token for each pair: (chosen list, rejected list, stats).
+
+    mode: full_forward scores [prompt | chosen] and [prompt | rejected] as separate right-padded rows, in
+    length-sorted batches; shared_prompt and packed run each prompt once (see packing.py).
+    stats: tokens (of the plain sequences: the work done, whatever the mode), processed (real tokens through the
+    model), slots (tokens including padding).
+    """
     device = next(model.parameters()).device
+    values: list = [None] * (2 * len(pairs))  # chosen of pair i at 2i, rejected at 2i + 1
+    stats = {"tokens": 0, "processed": 0, "slots": 0}
     seqs = [(p.prompt_ids, c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
-    lengths = [len(a) + len(b) for a, b in seqs]
-    results: list[np.ndarray | None] = [None] * len(seqs)
-    real = padded = 0
-    for batch in length_batches(lengths, token_budget):
-        ids, mask = pad_sequences([seqs[i][0] + seqs[i][1] for i in batch], pad_id, device)
-        plen = torch.tensor([len(seqs[i][0]) for i in batch])
-        clen = torch.tensor([len(seqs[i][1]) for i in batch])
-        flat = completion_logps(model, ids, mask, plen, clen).cpu().numpy()
-        for i, part in zip(batch, np.split(flat, np.cumsum(clen.numpy())[:-1])):
-            results[i] = part
-        real += int(mask.sum())
-        padded += mask.numel()
+    if mode == "full_forward":
+        batches = length_batches([len(a) + len(b) for a, b in seqs], token_budget)
+    else:
+        lengths = [len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs]
+        batches = row_batches(pack_rows(lengths, PACKED_ROW_TOKENS if mode == "packed" else 0), lengths, token_budget)
+    for batch in batches:
+        if mode == "full_forward":
+            order = batch
+            ids, mask = pad_sequences([seqs[i][0] + seqs[i][1] for i in order], pad_id, device)
+            plen = torch.tensor([len(seqs[i][0]) for i in order])
+            clen = torch.tensor([len(seqs[i][1]) for i in order])
+            flat = completion_logps(model, ids, mask, plen, clen)
+            processed, slots = int(mask.sum()), mask.numel()
+        else:
+            order = [2 * i + k for row in batch for i in row for k in (0, 1)]
+            inputs, rows, sources, targets = tree_batch(pairs, batch, pad_id, model.dtype, device)
+            flat = token_logps(model, inputs, rows, sources, targets)
+            clen = torch.tensor([len(seqs[i][1]) for i in order])
+            processed = sum(len(seqs[i][1]) + (len(seqs[i][0]) if i % 2 == 0 else 0) for i in order)
+            slots = inputs["input_ids"].numel()
+        for i, part in zip(order, np.split(flat.cpu().numpy(), np.cumsum(clen.numpy())[:-1])):
+            values[i] = part
+        tokens = sum(len(seqs[i][0]) + len(seqs[i][1]) for i in order)
+        stats = {"tokens": stats["tokens"] + tokens, "processed": stats["processed"] + processed,
+                 "slots": stats["slots"] + slots}
         if on_batch:
-            on_batch(len(batch) / 2, int(mask.sum()))
-    return results[0::2], results[1::2], {"tokens": real, "slots": padded}
+            on_batch(len(order) / 2, tokens)
+    return values[0::2], values[1::2], stats
+
+
+def choose_mode(model, requested: str, probe: list[EncodedPair], pad_id: int, log) -> str:
+    """The fastest correct mode: packed where the attention honours a custom 4-D mask, checked on real pairs."""
+    attn = model.config._attn_implementation
+    mode = requested if requested != "auto" else ("packed" if attn in ("sdpa", "eager") else "full_forward")
+    if mode == "full_forward":
+        if requested == "auto":
+            log(f"batching: full_forward ({attn} attention cannot take the shared-prompt mask)")
+        return mode
+    ref_c, ref_r, _ = score_pairs(model, probe, pad_id, 1 << 30, "full_forward")
+    got_c, got_r, _ = score_pairs(model, probe, pad_id, 1 << 30, mode)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref_c + ref_r, got_c + got_r))
+    tolerance = 1e-4 if model.dtype == torch.float32 else 0.25
+    if diff > tolerance:
+        log(f"batching: {mode} differs from the plain forward by {diff:.2e} on this model; using full_forward")
+        return "full_forward"
+    log(f"batching: {mode} (each prompt computed once; max difference to the plain forward {diff:.1e})")
+    return mode
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -321,7 +364,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
         mine = todo[dist.rank :: dist.world]  # shards go round-robin to ranks; each rank writes its own
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
-        stats = {"tokens": 0, "slots": 0}
+        stats = {"tokens": 0, "processed": 0, "slots": 0, "mode": cfg.batching}
         attn = cfg.attn_implementation
         if mine:
             log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
@@ -329,11 +372,14 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
             model = load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code)
             attn = model.config._attn_implementation
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            stats = _score_shards(model, encoded, mine, out, stamps, cfg, pad_id, dist.rank == 0)
+            first = encoded.pairs[mine[0]["start"] : mine[0]["stop"]][:4]
+            mode = choose_mode(model, cfg.batching, first, pad_id, log)
+            stats = {**_score_shards(model, encoded, mine, out, stamps, cfg, pad_id, mode, dist.rank == 0), "mode": mode}
         if dist.world > 1:
             box = [None] * dist.world
             torch.distributed.all_gather_object(box, stats)  # also the barrier before the manifest
-            stats = {k: sum(b[k] for b in box) for k in ("tokens", "slots")}
+            modes = {b["mode"] for b in box if b["slots"]} or {stats["mode"]}
+            stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")}, "mode": modes.pop()}
         if dist.rank != 0:
             return {"rank": dist.rank, "shards_scored": len(mine)}
         entries = [fmt.shard_entry(out / s["file"], s["stop"] - s["start"], s["mask_checksum"]) for s in plan]
@@ -346,13 +392,16 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
             "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)},
             "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
             "computation": {
-                "mode": "full_forward",
+                "mode": stats["mode"],
                 "dtype": str(dtype).removeprefix("torch."),
                 "device_type": device.type,
                 "attn_implementation": attn,
                 "token_budget": cfg.token_budget,
                 "rows_per_shard": cfg.rows_per_shard,
-                "batching": "length-sorted within shard, right padding",
+                "batching": {"full_forward": "length-sorted sequences within each shard, right padding",
+                             "shared_prompt": "one [prompt|chosen|rejected] row per pair with a tree attention mask",
+                             "packed": f"pairs packed into rows of up to {PACKED_ROW_TOKENS} tokens with a tree "
+                                       "attention mask"}.get(stats["mode"], stats["mode"]),
             },
             "software": software_versions(),
             "source": {
@@ -381,7 +430,8 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
         "identical_pairs": encoded.identical,
         "shards": len(entries),
         "tokens": stats["tokens"],
-        "padding_fraction": 1 - stats["tokens"] / stats["slots"] if stats["slots"] else 0.0,
+        "padding_fraction": 1 - stats["processed"] / stats["slots"] if stats["slots"] else 0.0,
+        "mode": stats["mode"],
         "wall_s": wall,
         "tokens_per_s": stats["tokens"] / wall if wall else 0.0,
         "bytes": size,
@@ -389,10 +439,10 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     }
 
 
-def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, show_progress: bool) -> dict:
+def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, show_progress: bool) -> dict:
     from tqdm.auto import tqdm
 
-    total = {"tokens": 0, "slots": 0}
+    total = {"tokens": 0, "processed": 0, "slots": 0}
     t0 = time.perf_counter()
     bar = tqdm(total=sum(s["stop"] - s["start"] for s in todo), unit="row", disable=not (cfg.progress and show_progress),
                file=sys.stderr)
@@ -404,7 +454,7 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, show_progress:
 
     for shard in todo:
         pairs = encoded.pairs[shard["start"] : shard["stop"]]
-        chosen, rejected, stats = score_pairs(model, pairs, pad_id, cfg.token_budget, tick)
+        chosen, rejected, stats = score_pairs(model, pairs, pad_id, cfg.token_budget, mode, tick)
         table = fmt.shard_table(
             encoded.ids[shard["start"] : shard["stop"]],
             [p.prompt_ids for p in pairs], [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs],
@@ -412,8 +462,8 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, show_progress:
         )
         fmt.write_shard(out / shard["file"], table, model_hash=stamps["model_hash"],
                         tokenizer_hash=stamps["tokenizer_hash"], encoding=cfg.encoding)
-        total["tokens"] += stats["tokens"]
-        total["slots"] += stats["slots"]
+        for key in stats:
+            total[key] += stats[key]
     bar.close()
     return total
 

@@ -40,35 +40,21 @@ def _chunk_logps(inner, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def completion_logps(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_lens: torch.Tensor,
-    completion_lens: torch.Tensor,
-    chunk_elements: int = CHUNK_ELEMENTS,
-) -> torch.Tensor:
-    """Log-prob of every completion token, flattened in row order (row i contributes completion_lens[i] values).
-
-    `input_ids` are right-padded rows of prompt + completion. The first completion token is scored from the
-    prompt's last position. Returns float32; differentiable when grad is enabled.
+def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """Log-prob of `targets[i]` predicted from position (rows[i], sources[i]) of a forward over `inputs`.
 
     The call goes through the outer module, so DDP/FSDP/DeepSpeed see a normal forward (`logits_to_keep=1` keeps
     the model's own logits to one position per row); the scoring runs in a hook on the base model's output, i.e.
-    still inside that forward, where sharded output weights are materialised.
+    still inside that forward, where sharded output weights are materialised. Returns float32, differentiable
+    when grad is enabled.
     """
     inner = unwrap(model)
-    seq = torch.arange(input_ids.shape[1], device=input_ids.device)
-    start = prompt_lens.to(input_ids.device)[:, None]
-    end = start + completion_lens.to(input_ids.device)[:, None]
-    rows, cols = ((seq >= start) & (seq < end)).nonzero(as_tuple=True)  # row-major: row order, then position
-    targets = input_ids[rows, cols]
     step = max(1, chunk_elements // inner.get_output_embeddings().weight.shape[0])
     captured = {}
 
     def score(_module, _args, output):
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-        h = hidden[rows, cols - 1]
+        h = hidden[rows, sources]
         # With several chunks, recompute each one's logits in the backward pass instead of keeping them all.
         recompute = torch.is_grad_enabled() and h.requires_grad and h.shape[0] > step
         parts = []
@@ -81,10 +67,31 @@ def completion_logps(
 
     handle = inner.base_model.register_forward_hook(score)
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
+        model(**inputs, logits_to_keep=1, use_cache=False)
     finally:
         handle.remove()
     return captured["logps"]
+
+
+def completion_logps(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    completion_lens: torch.Tensor,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """Log-prob of every completion token, flattened in row order (row i contributes completion_lens[i] values).
+
+    `input_ids` are right-padded rows of prompt + completion. The first completion token is scored from the
+    prompt's last position.
+    """
+    seq = torch.arange(input_ids.shape[1], device=input_ids.device)
+    start = prompt_lens.to(input_ids.device)[:, None]
+    end = start + completion_lens.to(input_ids.device)[:, None]
+    rows, cols = ((seq >= start) & (seq < end)).nonzero(as_tuple=True)  # row-major: row order, then position
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    return token_logps(model, inputs, rows, cols - 1, input_ids[rows, cols], chunk_elements)
 
 
 def pad_sequences(sequences: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,86 @@
+"""Part 5: cache size on disk, per completion token and per pair, with a per-column breakdown.
+
+Runs precompute-ref on the embedded data/ (a trained model: real log-prob entropy) and on synthetic pairs at
+sequence lengths 128, 512 and 1024 (1M model, 1k vocabulary; ids follow a Zipf-like law), then reads the Parquet
+footers for the compressed size of each column. Sizes are deterministic: one run per case.
+
+    .venv/bin/python bench/bench_cache_size.py [--quick]
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import common
+
+CASES = [  # (name, model, seq, pairs)
+    ("data/", "data", None, None),
+    ("1M@128", "1M", 128, 256),
+    ("1M@512", "1M", 512, 64),
+    ("1M@1024", "1M", 1024, 32),
+]
+
+
+def column_bytes(cache_dir) -> dict:
+    import pyarrow.parquet as pq
+
+    sizes = {}
+    for path in sorted(cache_dir.glob("*.parquet")):
+        meta = pq.ParquetFile(path).metadata
+        for g in range(meta.num_row_groups):
+            rg = meta.row_group(g)
+            for c in range(rg.num_columns):
+                col = rg.column(c)
+                name = col.path_in_schema.split(".")[0]
+                sizes[name] = sizes.get(name, 0) + col.total_compressed_size
+    return sizes
+
+
+def bench_case(name, model, seq, pairs, work) -> dict:
+    from precompute.job import PrecomputeConfig, run_precompute
+    from schemas.encoding import EncodingConfig
+
+    if model == "data":
+        model_dir, data = common.sft_data()
+        encoding = EncodingConfig()
+    else:
+        model_dir = common.make_checkpoint(work, model)
+        rows = common.synthetic_pairs(pairs, seq, common.MODELS[model]["vocab"], seed=3)
+        data = common.write_jsonl(work / f"data-{seq}" / "train.jsonl", rows)
+        encoding = EncodingConfig(max_length=seq)
+    out = work / f"cache-{seq}"
+    r = run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(out), progress=False,
+                                        encoding=encoding), log=lambda m: None)
+    cols = column_bytes(out)
+    completion = r["bytes"] / r["bytes_per_completion_token"]
+    manifest = (out / "manifest.json").stat().st_size
+    shutil.rmtree(out, ignore_errors=True)
+    return {
+        "case": name, "pairs": r["rows"], "tokens": r["tokens"], "completion_tokens": round(completion),
+        "bytes": r["bytes"], "manifest_bytes": manifest,
+        "bytes_per_completion_token": r["bytes_per_completion_token"],
+        "bytes_per_pair": r["bytes"] / r["rows"],
+        "columns": cols,
+        "logps_bytes_per_completion_token": (cols.get("chosen_logps", 0) + cols.get("rejected_logps", 0)) / completion,
+    }
+
+
+def main():
+    args = common.parser(__doc__).parse_args()
+    common.quiet()
+    work = common.workdir("size")
+    results = []
+    try:
+        for case in CASES[:3] if args.quick else CASES:
+            r = bench_case(*case, work)
+            results.append(r)
+            print(f"{r['case']:<8} {r['pairs']:>4} pairs {r['bytes'] / 1e3:8.1f} kB  "
+                  f"{r['bytes_per_completion_token']:.2f} B/completion token "
+                  f"(log-probs {r['logps_bytes_per_completion_token']:.2f})  {r['bytes_per_pair']:.0f} B/pair", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"wrote {common.save('size', {'cases': results}, args.quick)}")
+
+
+if __name__ == "__main__":
+    main()
