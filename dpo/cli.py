@@ -77,8 +77,14 @@ def config_options(f):
 
 
 def load_config_file(path: str) -> dict:
-    text = Path(path).read_text()
-    data = json.loads(text) if path.endswith(".json") else __import__("yaml").safe_load(text)
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:  # ValueError: JSON errors and UnicodeDecodeError
+        detail = " ".join(str(e).split())
+        raise click.UsageError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'} ({detail})") from None
     if not isinstance(data, dict):
         raise click.UsageError(f"{path}: expected a mapping of option names to values")
     data = {k.replace("-", "_"): v for k, v in data.items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,8 +169,16 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
     check_checkpoint(cfg.model, cfg.trust_remote_code)
     loss_config = cfg.loss_config()
-    args = cfg.training_arguments()
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(cfg, name) < 1:
+            raise JobError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    try:
+        args = cfg.training_arguments()
+    except ValueError as e:  # transformers' own checks of the training options
+        raise JobError(f"invalid training options: {' '.join(str(e).split())}") from None
     out = Path(cfg.output_dir)
+    check_output_dir(out)
+    check_resume(cfg.resume_from_checkpoint)
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     t0 = time.perf_counter()
     train = _rows(cfg, tokenizer, cfg.data, cfg.split, cfg.ref_cache, log)
@@ -218,6 +227,26 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     if trainer.is_world_process_zero():
         _finish(cfg, out, train, evaluation, initial_hash, summary)
     return summary
+
+
+def check_output_dir(out: Path) -> None:
+    """Refuse an --output-dir that cannot be made, before any verification or training (nothing is created here)."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise JobError(f"--output-dir {out}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise JobError(f"--output-dir {out}: {existing} is not writable")
+
+
+def check_resume(checkpoint: str | None) -> None:
+    """A checkpoint to resume from must be complete: the Trainer writes trainer_state.json last, and resuming from a
+    folder without it would restart at step 0 from half-saved weights."""
+    if checkpoint and not (Path(checkpoint) / "trainer_state.json").is_file():
+        reason = ("no such directory" if not Path(checkpoint).is_dir() else
+                  "no trainer_state.json in it (not a Trainer checkpoint, or one interrupted while being saved)")
+        raise JobError(f"--resume-from-checkpoint {checkpoint}: {reason}; resume from a complete checkpoint-N folder")
 
 
 def _finish(cfg, out: Path, train, evaluation, initial_hash: str, summary: dict) -> None:

@@ -61,25 +61,31 @@ def check_values(cache: Cache, ids: list[str]) -> pa.Table:
     want = pl.DataFrame({"id": ids, "order": range(len(ids))})
     frames = []
     for path in cache.shard_paths:
-        shard = pl.read_parquet(path, columns=["id", "chosen_input_ids", "rejected_input_ids", "chosen_logps",
-                                               "rejected_logps", "chosen_logp", "rejected_logp"])
+        try:
+            shard = pl.read_parquet(path, columns=["id", "chosen_input_ids", "rejected_input_ids", "chosen_logps",
+                                                   "rejected_logps", "chosen_logp", "rejected_logp"])
+        except (pl.exceptions.PolarsError, pa.ArrowException, OSError, ValueError) as e:
+            # damage behind a forged manifest (the file hash matched): a refusal like any other damage
+            raise CacheError("shard_unreadable", f"shard {path.name} is not a readable Parquet file ({e})",
+                             remedy=RERUN, shard=path.name) from None
         shard = shard.with_row_index("row").with_columns(pl.lit(path.name).alias("shard"))
         frames.append(shard.join(want, on="id", how="inner"))
     values = pl.concat(frames).sort("order")
-    bad = values.filter(
+    valid = (pl.element().is_finite() & (pl.element() <= 0)).fill_null(False)  # a null value is not a log-prob
+    bad = values.filter((
         (pl.col("chosen_logps").list.len() != pl.col("chosen_input_ids").list.len())
         | (pl.col("rejected_logps").list.len() != pl.col("rejected_input_ids").list.len())
         | ((_sum64("chosen_logps") - pl.col("chosen_logp")).abs() > 1e-6)
         | ((_sum64("rejected_logps") - pl.col("rejected_logp")).abs() > 1e-6)
-        | ~pl.col("chosen_logps").list.eval(pl.element().is_finite() & (pl.element() <= 0)).list.all()
-        | ~pl.col("rejected_logps").list.eval(pl.element().is_finite() & (pl.element() <= 0)).list.all()
-    )
+        | ~pl.col("chosen_logps").list.eval(valid).list.all()
+        | ~pl.col("rejected_logps").list.eval(valid).list.all()
+    ).fill_null(True))  # a null list or sum (a forged file) is damage too, not a row that slips through
     if bad.height:
         first = bad.row(0, named=True)
         raise CacheError(
             "values",
             f"cached log-probs of row {first['id']!r} are inconsistent (wrong count, sum differing from the per-token "
-            "values, or a NaN, infinite or positive log-prob): the cache was edited or damaged",
+            "values, or a NaN, infinite, positive or missing log-prob): the cache was edited or damaged",
             remedy=RERUN,
             shard=first["shard"],
             row=first["row"],

@@ -169,8 +169,9 @@ def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: s
     seen: dict[str, tuple[str, int]] = {}
     for row, (file, n) in zip(source.rows, source.locations):
         row = _clean(row) if isinstance(row, dict) else row
-        rid = row_id(row) if isinstance(row, dict) else None
+        rid = None
         try:
+            rid = row_id(row) if isinstance(row, dict) else None
             if isinstance(row, Unparsable):
                 raise BadRowError("bad_json", row.detail)
             if rid in seen:

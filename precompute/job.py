@@ -28,7 +28,7 @@ from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash, w
 
 from .data import Encoded, encode_rows, load_rows
 from .logprobs import completion_logps, pad_sequences, token_logps
-from .packing import MODES, PACKED_ROW_TOKENS, pack_rows, row_batches, tree_batch
+from .packing import pack_rows, row_batches, tree_batch
 
 
 class JobError(RuntimeError):
@@ -60,7 +60,13 @@ class PrecomputeConfig:
 
 def resolve_device(device: str) -> torch.device:
     if device != "auto":
-        return torch.device(device)
+        try:
+            resolved = torch.device(device)
+        except RuntimeError as e:
+            raise JobError(f"--device {device}: {e}; use auto, cpu, cuda or cuda:N") from None
+        if resolved.type == "cuda" and not torch.cuda.is_available():
+            raise JobError(f"--device {device}: CUDA is not available on this machine; use --device cpu or auto")
+        return resolved
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
@@ -78,7 +84,12 @@ def check_checkpoint(model_dir: str, trust_remote_code: bool) -> None:
     if not (path / "config.json").is_file():
         raise JobError(f"{model_dir}: not a Hugging Face checkpoint folder (no config.json)")
     weight_files(path)  # raises WeightsError for pickle-only or missing weights
-    config = json.loads((path / "config.json").read_text())
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except ValueError as e:  # also UnicodeDecodeError
+        raise JobError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise JobError(f"{path / 'config.json'}: not a JSON object")
     if config.get("auto_map") and not trust_remote_code:
         raise JobError(
             f"{model_dir}: this model needs custom code from its folder (auto_map in config.json); refcache does not "
@@ -89,7 +100,15 @@ def check_checkpoint(model_dir: str, trust_remote_code: bool) -> None:
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers and tokenizers raise many types here (OSError, ValueError, plain Exception)
+        detail = " ".join(str(e).split())[:300]
+        raise JobError(f"{model_dir}: its tokenizer cannot be loaded ({type(e).__name__}: {detail})") from None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise JobError(f"{model_dir}: {type(tokenizer).__name__} is not a fast (tokenizers-backed) tokenizer; refcache "
+                       "needs a tokenizer.json")
+    return tokenizer
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: str, trust_remote_code: bool = False):
@@ -135,7 +154,7 @@ def score_pairs(model, pairs: list[EncodedPair], pad_id: int, token_budget: int,
         batches = length_batches([len(a) + len(b) for a, b in seqs], token_budget)
     else:
         lengths = [len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs]
-        batches = row_batches(pack_rows(lengths, PACKED_ROW_TOKENS if mode == "packed" else 0), lengths, token_budget)
+        batches = row_batches(pack_rows(lengths, mode == "packed"), lengths, token_budget)
     for batch in batches:
         if mode == "full_forward":
             order = batch
@@ -335,6 +354,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     out = Path(cfg.out)
     log = log if dist.rank == 0 else (lambda _m: None)
     check_checkpoint(cfg.model, cfg.trust_remote_code)
+    resolve_device(cfg.device)  # a bad --device is refused before any work
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     source = load_rows(cfg.data, cfg.split)
     encoded = encode_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row)
@@ -353,8 +373,11 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     lock = contextlib.ExitStack()
     with lock:
         def prepare():
-            out.mkdir(parents=True, exist_ok=True)
-            lock.enter_context(exclusive(out))  # rank 0 holds the lock for the whole job
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                lock.enter_context(exclusive(out))  # rank 0 holds the lock for the whole job
+            except OSError as e:
+                raise JobError(f"--out {out}: cannot write the cache directory there ({e.strerror or e})") from None
             if cfg.overwrite:
                 clear_cache_dir(out)
             return finished_shards(out, plan, stamps, cfg.encoding)
@@ -369,7 +392,11 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
         if mine:
             log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
                 f"({len(done)} already done) on {dist.world} x {device.type} in {str(dtype).removeprefix('torch.')}")
-            model = load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code)
+            try:
+                model = load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code)
+            except (ImportError, ValueError) as e:  # e.g. an --attn-implementation this install does not have
+                raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {attn} "
+                               f"({' '.join(str(e).split())[:300]})") from None
             attn = model.config._attn_implementation
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             first = encoded.pairs[mine[0]["start"] : mine[0]["stop"]][:4]
@@ -400,8 +427,8 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
                 "rows_per_shard": cfg.rows_per_shard,
                 "batching": {"full_forward": "length-sorted sequences within each shard, right padding",
                              "shared_prompt": "one [prompt|chosen|rejected] row per pair with a tree attention mask",
-                             "packed": f"pairs packed into rows of up to {PACKED_ROW_TOKENS} tokens with a tree "
-                                       "attention mask"}.get(stats["mode"], stats["mode"]),
+                             "packed": "pairs packed into rows no longer than the longest pair, tree attention "
+                                       "mask"}.get(stats["mode"], stats["mode"]),
             },
             "software": software_versions(),
             "source": {

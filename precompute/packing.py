@@ -7,8 +7,8 @@ the prompt and earlier rejected tokens. Each token therefore gets exactly the co
 [prompt | completion] forward, while the prompt runs through the model once instead of twice. The first rejected
 token is scored from the prompt's last position, like the first chosen token.
 
-Packing puts several such segments in one row (segments never see each other), so batches carry no padding
-except at the end of rows. This needs an attention implementation that honours a custom 4-D mask (sdpa, eager);
+Packing puts several such segments in one row (segments never see each other), up to the length of the longest
+pair, so short pairs fill the room that would otherwise be padding. This needs an attention implementation that honours a custom 4-D mask (sdpa, eager);
 `score_pairs` checks the equality on its first batch and falls back to the plain forward otherwise.
 """
 
@@ -22,19 +22,20 @@ from schemas.encoding import EncodedPair
 from .logprobs import token_logps
 
 MODES = ("full_forward", "shared_prompt", "packed")
-PACKED_ROW_TOKENS = 2048  # target row length when packing (attention cost grows with its square)
 
 
-def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
-    """First-fit decreasing: pair indices grouped into rows of about row_tokens tokens (at least the longest
-    pair), balanced in length. row_tokens=0 gives one pair per row."""
+def pack_rows(lengths: list[int], pack: bool) -> list[list[int]]:
+    """First-fit decreasing: pair indices grouped into rows no longer than the longest pair, so packing removes
+    padding without making any row longer (attention cost grows with the square of a row's length).
+    pack=False gives one pair per row."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    n_rows = -(-sum(lengths) // row_tokens) if row_tokens else 1
-    capacity = max(-(-sum(lengths) // n_rows), max(lengths))  # balanced rows rather than one full and one short
+    if not pack:
+        return [[i] for i in order]
+    capacity = max(lengths)
     rows, room = [], []
     for i in order:
         for r, free in enumerate(room):
-            if lengths[i] <= free and row_tokens:
+            if lengths[i] <= free:
                 rows[r].append(i)
                 room[r] -= lengths[i]
                 break

@@ -92,12 +92,27 @@ def row_mask_checksum(prompt_ids, chosen_ids, rejected_ids) -> str:
 
 
 def row_id(row: dict) -> str:
-    """The row's `id` column when present, else a stable hash of its preference content."""
+    """The row's `id` column when present, else a stable hash of its preference content.
+
+    Raises BadRowError for an id that is not valid text. The hash is computed for any content (values JSON cannot
+    hold, lone surrogates) so that a bad row can still be named where it is reported."""
     if row.get("id") is not None:
-        return str(row["id"])
+        return _text(str(row["id"]), "'id'")
     content = {k: row.get(k) for k in ("prompt", "chosen", "rejected")}
-    blob = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()[:32]
+    blob = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr)
+    return "sha256:" + hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _text(value: str, what: str) -> str:
+    """`value` if it is valid Unicode text (JSON's \\ud800 escapes can produce lone surrogates, which no tokenizer or
+    Parquet file accepts)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRowError(
+            "bad_text", f"{what} is not valid Unicode text (lone surrogate {value[e.start]!r} at character {e.start})"
+        ) from None
+    return value
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -114,6 +129,7 @@ def _check_messages(value: Any, field: str) -> list[dict]:
             raise BadRowError("bad_role", f"'{field}'[{i}] has role {m['role']!r}; expected one of {ROLES}")
         if not isinstance(m["content"], str):
             raise BadRowError("bad_type", f"'{field}'[{i}].content is {type(m['content']).__name__}, not text")
+        _text(m["content"], f"'{field}'[{i}].content")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
@@ -124,7 +140,7 @@ def _field(row: dict, key: str):
     if isinstance(value, str):
         if not value.strip():
             raise BadRowError("empty_field", f"'{key}' is an empty string")
-        return value
+        return _text(value, f"'{key}'")
     if isinstance(value, list):
         return _check_messages(value, key)
     raise BadRowError("bad_type", f"'{key}' is {type(value).__name__}; expected a string or a list of messages")

@@ -149,7 +149,19 @@ def write_manifest(root: Path, manifest: dict) -> None:
 
 def read_shard_metadata(path: Path) -> dict[str, str]:
     meta = pq.read_schema(path).metadata or {}
-    return {k.decode()[len(META_PREFIX) :]: v.decode() for k, v in meta.items() if k.startswith(META_PREFIX.encode())}
+    # errors="replace": bytes that are not UTF-8 cannot equal a stamp, and must fail as a mismatch, not a crash
+    return {k.decode(errors="replace")[len(META_PREFIX) :]: v.decode(errors="replace") for k, v in meta.items()
+            if k.startswith(META_PREFIX.encode())}
+
+
+def read_columns(path: Path, columns=None) -> pa.Table:
+    """A shard's columns. A file that passed its size and sha256 checks can still be damaged where the manifest was
+    forged to match it; that is a CacheError like any other damage."""
+    try:
+        return pq.read_table(path, columns=columns)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise CacheError("shard_unreadable", f"shard {path.name} is not a readable Parquet file ({e})", remedy=RERUN,
+                         shard=path.name) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,7 +205,7 @@ class Cache:
         return [self.root / s["file"] for s in self.manifest["shards"]]
 
     def read(self, columns=None) -> pa.Table:
-        return pa.concat_tables([pq.read_table(p, columns=columns) for p in self.shard_paths])
+        return pa.concat_tables([read_columns(p, columns) for p in self.shard_paths])
 
     def check_stamps(self, *, model_hash=None, tokenizer_hash=None, encoding: EncodingConfig | None = None):
         """Compare the cache's stamps with the caller's; raise StampMismatch naming the first that differs."""
@@ -255,7 +267,7 @@ class Cache:
 def _row_locations(cache: Cache) -> dict[str, tuple[str, int]]:
     out = {}
     for path in cache.shard_paths:
-        for i, rid in enumerate(pq.read_table(path, columns=["id"]).column("id").to_pylist()):
+        for i, rid in enumerate(read_columns(path, ["id"]).column("id").to_pylist()):
             out[rid] = (path.name, i)
     return out
 
@@ -346,8 +358,17 @@ def _check_shard(cache: Cache, entry: dict, path: Path, verify_files: bool) -> N
     try:
         meta = read_shard_metadata(path)
         rows = pq.ParquetFile(path).metadata.num_rows
-    except (pa.ArrowException, OSError) as e:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError, ValueError) as e:
         raise CacheError("shard_unreadable", f"shard {name} is not a readable Parquet file ({e})", remedy=RERUN, shard=name) from None
+    if not schema.equals(SHARD_SCHEMA, check_metadata=False):
+        raise CacheError(
+            "shard_unreadable",
+            f"shard {name} does not have the columns of a format version {FORMAT_VERSION} shard (found "
+            + ", ".join(f"{f.name}: {f.type}" for f in schema) + ")",
+            remedy=RERUN,
+            shard=name,
+        )
     expected = {**cache.stamps, "format_version": str(FORMAT_VERSION), "encoding": EncodingConfig.from_dict(
         cache.manifest["encoding"]).to_json(), "mask_checksum": entry["mask_checksum"]}
     for key, want in expected.items():
@@ -369,7 +390,7 @@ def _check_row_checksums(cache: Cache) -> None:
     enc = cache.encoding.to_json()
     everything, seen = [], {}
     for entry, path in zip(cache.manifest["shards"], cache.shard_paths):
-        table = pq.read_table(path, columns=["id", "mask_checksum"])
+        table = read_columns(path, ["id", "mask_checksum"])
         checks = table.column("mask_checksum").to_pylist()
         try:
             shard_sum = combined_mask_checksum(checks, enc)

@@ -119,7 +119,12 @@ def model_config_fingerprint(model_dir: str | os.PathLike) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise WeightsError(f"{model_dir}: no config.json")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # also UnicodeDecodeError
+        raise WeightsError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise WeightsError(f"{path}: not a JSON object")
     return {k: v for k, v in config.items() if k not in CONFIG_FIELDS_IGNORED}
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,17 @@ NOISE = ("runtime", "per_second", "total_flos", "epoch")
 
 
 def run(cmd, cwd, env=None, check=True):
+    """Run torchrun (or a plain process) in its own session, so a timeout kills its workers too."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and p.returncode != 0:
         raise AssertionError(f"{cmd} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p

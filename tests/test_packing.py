@@ -60,11 +60,13 @@ def test_modes_equal_plain_forward(scored, mode):
 
 def test_pack_rows_fits_and_covers():
     lengths = [50, 7, 30, 30, 12, 90, 5, 5]
-    rows = packing.pack_rows(lengths, 100)
+    rows = packing.pack_rows(lengths, True)
     assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in r) <= 100 for r in rows)
-    assert packing.pack_rows(lengths, 0) == [[i] for i in sorted(range(8), key=lambda i: (-lengths[i], i))]
+    assert all(sum(lengths[i] for i in r) <= 90 for r in rows)  # never longer than the longest pair
+    assert len(rows) < len(lengths)
+    assert packing.pack_rows(lengths, False) == [[i] for i in sorted(range(8), key=lambda i: (-lengths[i], i))]
     batches = packing.row_batches(rows, lengths, token_budget=200)
+    assert sorted(i for b in batches for r in b for i in r) == list(range(len(lengths)))
     for batch in batches:
         width = max(sum(lengths[i] for i in r) for r in batch)
         assert len(batch) == 1 or len(batch) * width <= 200

@@ -1,0 +1,81 @@
+"""Part 7: precompute batching modes side by side: full_forward (the plain padded forward, refcache's previous
+behaviour), shared_prompt (each prompt once, one pair per row) and packed (each prompt once, pairs packed into
+rows), on a long-prompt case (prompt 512, completions 128) and the standard case (synthetic_pairs lengths).
+
+Each mode scores the same encoded pairs with precompute.job.score_pairs on the same loaded model, round-robin in
+this one process; the per-token difference of every mode against full_forward is reported alongside.
+
+    .venv/bin/python bench/bench_modes.py [--quick]
+"""
+
+from __future__ import annotations
+
+import common
+from common import np, torch
+
+from precompute.job import score_pairs
+from schemas.encoding import EncodedPair
+
+MODES = ("full_forward", "shared_prompt", "packed")
+
+
+def long_prompt_pairs(n: int, vocab: int, prompt: int, completion: int, seed: int = 0) -> list[EncodedPair]:
+    rng = np.random.default_rng(seed)
+    ids = lambda k: [int(x) for x in rng.integers(3, vocab, size=k)]
+    return [EncodedPair([1] + ids(prompt - 1), ids(completion - 1) + [2], ids(completion - 1) + [2]) for _ in range(n)]
+
+
+def standard_pairs(n: int, vocab: int, seq: int, seed: int = 0) -> list[EncodedPair]:
+    tok = common.word_tokenizer(vocab)
+    out = []
+    for row in common.synthetic_pairs(n, seq, vocab, seed):
+        enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+        out.append(EncodedPair([1] + enc(row["prompt"]), enc(row["chosen"]) + [2], enc(row["rejected"]) + [2]))
+    return out
+
+
+def run_case(name: str, model, pairs: list[EncodedPair], token_budget: int, reps: int) -> dict:
+    results = {m: score_pairs(model, pairs, 0, token_budget, m) for m in MODES}
+    reference = np.concatenate(results["full_forward"][0] + results["full_forward"][1])
+    diffs = {m: float(np.abs(np.concatenate(r[0] + r[1]) - reference).max()) for m, r in results.items()}
+    times = common.interleaved({m: (lambda m=m: score_pairs(model, pairs, 0, token_budget, m)) for m in MODES},
+                               reps=reps)
+    tokens = results["full_forward"][2]["tokens"]
+    case = {"name": name, "pairs": len(pairs), "tokens": tokens, "token_budget": token_budget, "modes": {}}
+    for m in MODES:
+        st = results[m][2]
+        case["modes"][m] = {
+            "time": times[m], "tokens_per_s": tokens / times[m]["median"],
+            "speedup_vs_full_forward": common.ratio(times["full_forward"], times[m]),
+            "max_abs_diff_vs_full_forward": diffs[m],
+            "padding_fraction": 1 - st["processed"] / st["slots"], "processed_tokens": st["processed"],
+        }
+    return case
+
+
+def main():
+    args = common.parser(__doc__).parse_args()
+    common.quiet()
+    dev = common.device()
+    spec = "5M" if dev.type == "cpu" else "35M"
+    model = common.build_llama(spec, vocab=common.MODELS[spec]["vocab"]).to(dev, common.torch_dtype(dev))
+    vocab = common.MODELS[spec]["vocab"]
+    n_long, n_std, reps = (8, 48, 2) if args.quick else (24, 128, 3)
+    cases = [
+        run_case("long prompt (512 + 128/128)", model, long_prompt_pairs(n_long, vocab, 512, 128), 8192, reps),
+        run_case("standard (synthetic, seq 256)", model, standard_pairs(n_std, vocab, 256), 8192, reps),
+    ]
+    result = {"model": spec, "params": common.n_params(model), "dtype": common.dtype_name(dev), "cases": cases}
+    path = common.save("modes", result, args.quick)
+    for case in cases:
+        print(f"{case['name']}: {case['pairs']} pairs, {case['tokens']:,} tokens")
+        for m, r in case["modes"].items():
+            print(f"  {m:14s} {common.fmt_s(r['time'])}  {r['tokens_per_s']:,.0f} tok/s  "
+                  f"x{r['speedup_vs_full_forward']:.2f} vs full_forward  max diff {r['max_abs_diff_vs_full_forward']:.1e}"
+                  f"  padding {r['padding_fraction']:.1%}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        main()
