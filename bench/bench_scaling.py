@@ -13,7 +13,7 @@ import shutil
 import common
 import numpy as np
 
-QUICK = dict(model="1M", seq=128, pairs=128, reps=3)
+QUICK = dict(model="1M", seq=128, pairs=64, reps=3)
 FULL = dict(model="5M", seq=512, pairs=24, reps=3)
 GPU = dict(model="35M", seq=512, pairs=512, reps=3)
 

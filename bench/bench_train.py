@@ -27,7 +27,7 @@ from common import torch
 
 # rounds: every configuration runs once per round, in turn, so that load from other processes on a shared machine
 # falls on all of them alike; step times are pooled over the rounds.
-QUICK = dict(model="5M", seq=256, batch=4, warmup=2, steps=3, rounds=2)
+QUICK = dict(model="5M", seq=256, batch=4, warmup=1, steps=3, rounds=2)
 FULL = dict(model="35M", seq=512, batch=2, warmup=1, steps=3, rounds=2)
 GPU = dict(model="350M", seq=1024, batch=8, warmup=3, steps=10, rounds=2)
 MODES = ("policy", "cached", "live", "trl")

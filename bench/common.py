@@ -38,6 +38,8 @@ sys.path.insert(0, str(REPO))
 import numpy as np
 import torch
 
+LOADAVG_START = round(os.getloadavg()[0], 2)  # 1-minute load average when the part started
+
 # ---------------------------------------------------------------------------------------------------------------
 # device
 
@@ -299,6 +301,7 @@ def machine() -> dict:
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "device": dev.type,
         "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
+        "loadavg_1min": round(os.getloadavg()[0], 2),  # other processes on the machine, at the end of the part
         "dtype": dtype_name(dev),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -318,8 +321,8 @@ def machine_line(m: dict) -> str:
 def save(part: str, result: dict, quick: bool) -> Path:
     """Write bench/results/<part>-<device>.json and return its path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {"part": part, "quick": quick, "machine": machine(), "command": " ".join([Path(sys.executable).name,
-              *sys.argv]), **result}
+    result = {"part": part, "quick": quick, "machine": machine(), "loadavg_start": LOADAVG_START,
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), **result}
     path = RESULTS / f"{part}-{device().type}.json"
     path.write_text(json.dumps(result, indent=2, default=float) + "\n")
     return path

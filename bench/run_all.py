@@ -83,35 +83,61 @@ def mb(v) -> str:
     return f"{v:,.0f} MiB"
 
 
+def _pair(a: dict, b: dict, where: str, higher_is_faster: bool = False) -> dict:
+    """A target ratio from two stats dicts of times (a / b), or of speeds when higher_is_faster: the ratio of the
+    medians, the ratio of the best repetitions (contention on a shared machine only ever adds time), and the spread
+    (max / min) of the noisier of the two."""
+    if higher_is_faster:
+        best = a["max"] / b["max"]
+    else:
+        best = a["min"] / b["min"]
+    spread = max(a["max"] / a["min"], b["max"] / b["min"])
+    return {"value": a["median"] / b["median"], "best": best, "where": where, "spread": spread}
+
+
 def measured(R: dict) -> dict:
     """The ratios the targets judge, from the part results."""
     m = {}
     if "precompute" in R:
         head = next((c for c in R["precompute"]["cases"] if c.get("headline")), R["precompute"]["cases"][-1])
-        m["precompute_vs_bare"] = (head["ratio_refcache_vs_bare"], head["case"])
-        if "ratio_refcache_vs_trl" in head:
-            m["precompute_vs_trl"] = (head["ratio_refcache_vs_trl"], head["case"])
+        t = head["times"]
+        m["precompute_vs_bare"] = _pair(t["bare"], t["refcache"], head["case"])
+        if "trl" in t:
+            m["precompute_vs_trl"] = _pair(t["trl"], t["refcache"], head["case"])
     if "train" in R:
-        t = R["train"]
-        where = f"{t['size']['model']}@{t['size']['seq']}"
-        m["step_vs_policy"] = (t["ratio_cached_vs_policy"], where)
-        m["step_vs_live"] = (t["ratio_cached_vs_live"], where)
-        m["mem_vs_policy"] = (t.get("cuda_mem_cached_vs_policy") or t["mem_cached_vs_policy"], where)
+        T = R["train"]
+        where = f"{T['size']['model']}@{T['size']['seq']}"
+        c, p, l = (T["runs"][k] for k in ("cached", "policy", "live"))
+        m["step_vs_policy"] = _pair(c["step"], p["step"], where)
+        m["step_vs_live"] = _pair(c["step"], l["step"], where)
+        if T.get("cuda_mem_cached_vs_policy"):
+            m["mem_vs_policy"] = {"value": T["cuda_mem_cached_vs_policy"], "best": None, "where": where + ", CUDA",
+                                  "spread": 1.0}
+        else:
+            m["mem_vs_policy"] = {**_pair(c["maxrss"], p["maxrss"], where), "best": None}
     if "verify" in R:
         h = R["verify"]["hash"]
-        m["hash_vs_sha256sum"] = (h["ratio_model_hash_vs_sha256sum"], f"{h['mb']} MB file")
+        mbps = h["mb_per_s"]
+        m["hash_vs_sha256sum"] = _pair(mbps["model_hash"], mbps["sha256sum"], f"{h['mb']} MB file",
+                                       higher_is_faster=True)
     return m
 
 
 def render_targets(R: dict) -> list[str]:
     m = measured(R)
-    lines = ["| target | measured | goal | |", "|---|---|---|---|"]
+    lines = ["| target | measured (ratio of medians) | goal | | ratio of best repetitions | spread (max/min) |",
+             "|---|---|---|---|---|---|"]
     for key, desc, goal, ok in TARGETS:
         if key not in m:
-            lines.append(f"| {desc} | not run | {goal} | - |")
+            lines.append(f"| {desc} | not run | {goal} | - | | |")
             continue
-        v, where = m[key]
-        lines.append(f"| {desc} | **{v:.3f}x** ({where}) | {goal} | {'met' if ok(v) else '**missed**'} |")
+        r = m[key]
+        best = f"{r['best']:.3f}x ({'met' if ok(r['best']) else 'missed'})" if r["best"] is not None else "-"
+        noisy = " (noisy)" if r["spread"] > 1.3 else ""
+        lines.append(f"| {desc} | **{r['value']:.3f}x** ({r['where']}) | {goal} | "
+                     f"{'met' if ok(r['value']) else '**missed**'} | {best} | {r['spread']:.2f}{noisy} |")
+    lines += ["", "The verdict is on the ratio of medians. The ratio of the best repetitions is shown beside it because "
+              "other processes on a shared machine only ever add time; where the spread is large, read both."]
     return lines
 
 
@@ -270,7 +296,7 @@ def render_scaling(S: dict) -> list[str]:
 def render_analysis(R: dict) -> list[str]:
     """Where the time goes, for each missed target, from the measurements themselves."""
     m = measured(R)
-    ok = {k: t(m[k][0]) for k, _, _, t in TARGETS if k in m}
+    ok = {k: t(m[k]["value"]) for k, _, _, t in TARGETS if k in m}
     L = []
     if "precompute" in R and (not ok.get("precompute_vs_bare", True) or not ok.get("precompute_vs_trl", True)):
         P = R["precompute"]
@@ -315,6 +341,10 @@ def render_device(R: dict, device: str) -> list[str]:
     L = []
     if m:
         L += [f"Machine: {common.machine_line(m)}", ""]
+        loads = ", ".join(f"{p} {R[p].get('loadavg_start', '?')} -> {R[p]['machine'].get('loadavg_1min', '?')}"
+                          for p in PARTS if p in R)
+        L += [f"1-minute load average at the start and end of each part (2 cores; above ~2 means other processes "
+              f"competed for them): {loads}.", ""]
     if run:
         walls = ", ".join(f"{k} {v:.0f} s" if v is not None else f"{k} FAILED" for k, v in run["walls"].items())
         L += [f"Produced by `{run['command']}` ({'quick' if run['quick'] else 'full'} mode) on {run['date']}; "

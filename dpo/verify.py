@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from precompute.data import Encoded, encode_rows, load_rows
 from schemas.encoding import EncodingConfig
-from schemas.format import CacheError, Cache, StampMismatch, open_cache, RERUN
+from schemas.format import CacheError, Cache, StampMismatch, open_cache, read_columns, RERUN
 from schemas.stamps import model_hash, tokenizer_hash
 
 
@@ -61,13 +61,10 @@ def check_values(cache: Cache, ids: list[str]) -> pa.Table:
     want = pl.DataFrame({"id": ids, "order": range(len(ids))})
     frames = []
     for path in cache.shard_paths:
-        try:
-            shard = pl.read_parquet(path, columns=["id", "chosen_input_ids", "rejected_input_ids", "chosen_logps",
-                                                   "rejected_logps", "chosen_logp", "rejected_logp"])
-        except (pl.exceptions.PolarsError, pa.ArrowException, OSError, ValueError) as e:
-            # damage behind a forged manifest (the file hash matched): a refusal like any other damage
-            raise CacheError("shard_unreadable", f"shard {path.name} is not a readable Parquet file ({e})",
-                             remedy=RERUN, shard=path.name) from None
+        # Read with pyarrow, which refuses a damaged file (one behind a forged manifest: the file hash matched) with
+        # a CacheError; polars' own reader can panic on such a file.
+        shard = pl.from_arrow(read_columns(path, ["id", "chosen_input_ids", "rejected_input_ids", "chosen_logps",
+                                                  "rejected_logps", "chosen_logp", "rejected_logp"]))
         shard = shard.with_row_index("row").with_columns(pl.lit(path.name).alias("shard"))
         frames.append(shard.join(want, on="id", how="inner"))
     values = pl.concat(frames).sort("order")

@@ -113,7 +113,12 @@ def _load_file(path: Path) -> tuple[list, list[int]]:
             except ValueError as bad:
                 raise DataError(path, None, f"unparsable JSON ({bad})") from None
         raise DataError(path, None, f"could not be loaded: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
-    rows = ds.to_list()
+    try:
+        rows = ds.to_list()
+    except UnicodeDecodeError as e:  # the Arrow JSON reader lets bytes that are not UTF-8 into string columns
+        if json_lines:
+            return _read_json_lines(path)  # names the line
+        raise DataError(path, None, f"invalid UTF-8 ({e.reason} at byte {e.start} of a value)") from None
     numbers = _line_numbers(path) if json_lines else []
     return rows, numbers if len(numbers) == len(rows) else list(range(1, len(rows) + 1))
 

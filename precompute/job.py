@@ -28,7 +28,7 @@ from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash, w
 
 from .data import Encoded, encode_rows, load_rows
 from .logprobs import completion_logps, pad_sequences, token_logps
-from .packing import pack_rows, row_batches, tree_batch
+from .packing import length_batches, pack_rows, row_batches, tree_batch
 
 
 class JobError(RuntimeError):
@@ -122,18 +122,6 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: s
 
 # ---------------------------------------------------------------------------------------------------------------
 # scoring
-
-
-def length_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Indices sorted by length (longest first, ties by index) and cut so batch * longest <= token_budget."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches, current = [], []
-    for i in order:
-        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
-            batches.append(current)
-            current = []
-        current.append(i)
-    return batches + ([current] if current else [])
 
 
 @torch.no_grad()

@@ -45,18 +45,22 @@ def pack_rows(lengths: list[int], pack: bool) -> list[list[int]]:
     return rows
 
 
+def length_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices sorted by length (longest first, ties by index) and cut so batch * longest <= token_budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + ([current] if current else [])
+
+
 def row_batches(rows: list[list[int]], lengths: list[int], token_budget: int) -> list[list[list[int]]]:
     """Rows (longest first) cut into batches of at most token_budget padded tokens."""
     size = [sum(lengths[i] for i in r) for r in rows]
-    order = sorted(range(len(rows)), key=lambda r: (-size[r], r))
-    batches, current = [], []
-    for r in order:
-        if current and (len(current) + 1) * size[current[0]] > token_budget:
-            batches.append(current)
-            current = []
-        current.append(r)
-    batches = batches + ([current] if current else [])
-    return [[rows[r] for r in batch] for batch in batches]
+    return [[rows[r] for r in batch] for batch in length_batches(size, token_budget)]
 
 
 def _layout(pairs: list[EncodedPair], row: list[int]):

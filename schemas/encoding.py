@@ -136,7 +136,8 @@ def _check_messages(value: Any, field: str) -> list[dict]:
 def _field(row: dict, key: str):
     value = row.get(key)
     if value is None:
-        raise BadRowError("missing_field", f"row has no '{key}' (keys: {sorted(row)})")
+        # "or null": loaders fill a key missing from some rows with null, so the two cannot be told apart here
+        raise BadRowError("missing_field", f"row has no '{key}' value (missing or null; keys: {sorted(row)})")
     if isinstance(value, str):
         if not value.strip():
             raise BadRowError("empty_field", f"'{key}' is an empty string")

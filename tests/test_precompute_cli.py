@@ -22,7 +22,7 @@ PRECOMPUTE_REF = str(Path(sys.executable).parent / "precompute-ref")
 PAUSE_HELPER = str(Path(__file__).parent / "precompute_pause.py")
 
 
-def run(*args, timeout=120) -> subprocess.CompletedProcess:
+def run(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([PRECOMPUTE_REF, *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 
@@ -42,13 +42,16 @@ def in_process(*args):
 
 def test_run_killed_mid_shard_resumes_to_the_clean_run_bytes(llama_dir, tmp_path):
     data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(40, seed=29))
-    args = ["--model", llama_dir, "--data", data, "--rows-per-shard", 4, "--no-progress"]
+    args = ["--model", str(llama_dir), "--data", str(data), "--rows-per-shard", "4", "--no-progress"]
     out, marker = tmp_path / "killed", tmp_path / "paused"
     env = {**os.environ, "REFCACHE_PAUSE_AT_SHARD": "3", "REFCACHE_PAUSE_MARKER": str(marker)}
-    proc = subprocess.Popen([sys.executable, PAUSE_HELPER, *map(str, args), "--out", str(out)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # The uninterrupted run is a fresh process too (same environment, same threads), started alongside.
+    clean_run = subprocess.Popen([PRECOMPUTE_REF, *args, "--out", str(tmp_path / "clean")], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, PAUSE_HELPER, *args, "--out", str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while not marker.exists():
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the run never reached shard 3"
@@ -58,11 +61,14 @@ def test_run_killed_mid_shard_resumes_to_the_clean_run_bytes(llama_dir, tmp_path
         assert len(list(out.glob(".shard-00003.parquet.tmp-*"))) == 1
         assert not (out / fmt.MANIFEST).exists()
         os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        _, err = clean_run.communicate(timeout=300)
+        assert clean_run.returncode == 0, err
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for p in (proc, clean_run):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     partial = shard_hashes(out)
 
     rerun = run(*args, "--out", out)
@@ -70,7 +76,6 @@ def test_run_killed_mid_shard_resumes_to_the_clean_run_bytes(llama_dir, tmp_path
     assert "wrote 40 pairs (28 scored now) in 10 shards" in rerun.stdout  # only shards 3-9 were scored again
     assert "(3 already done)" in rerun.stderr
 
-    in_process(*args, "--out", tmp_path / "clean")  # an uninterrupted run
     clean = shard_hashes(tmp_path / "clean")
     assert len(clean) == 10
     assert shard_hashes(out) == clean

@@ -16,6 +16,8 @@ Environment (everything else about the run is the real command):
                                   anything after it (the manifest)
                   manifest_write  inside the manifest write: half its bytes in the temp file, not renamed
                   checkpoint      train-dpo: checkpoint-FAULT_STEP completely saved, before the next step
+                  checkpoint_write  train-dpo: inside the save of checkpoint-FAULT_STEP: weights and optimizer
+                                  written, RNG states and trainer_state.json not yet
   FAULT_SHARD   index of the shard in the plan (shard-NNNNN.parquet), or "last"
   FAULT_STEP    global step of the checkpoint (train-dpo)
   FAULT_ACTION  kill (SIGKILL itself; the default) or pause (wait until FAULT_GO exists, then carry on)
@@ -121,6 +123,15 @@ def patch_train():
             fault()
 
     transformers.Trainer._save_checkpoint = save_then_fault
+
+    save_rng = transformers.Trainer._save_rng_state
+
+    def fault_before_rng_state(self, *args, **kwargs):
+        if AT == "checkpoint_write" and self.state.global_step == step:
+            fault()
+        return save_rng(self, *args, **kwargs)
+
+    transformers.Trainer._save_rng_state = fault_before_rng_state
 
 
 def run(command, args):

@@ -61,6 +61,9 @@ def world(tmp_path_factory, llama_dir, dpo_data, dpo_cache):
             for phase, (fault, _, _) in PHASES.items()}
     runs["train"] = ("train-dpo", [*train_args, "--output-dir", w["train_out"]],
                      {"at": "checkpoint", "step": 4, "marker": base / "train.reached"})
+    w["train_mid_out"] = base / "train-killed-mid-checkpoint"
+    runs["train_mid_checkpoint"] = ("train-dpo", [*train_args, "--output-dir", w["train_mid_out"]],
+                                    {"at": "checkpoint_write", "step": 4})
     # concurrency: a writer paused inside shard 1; once it is there, a second writer and a train-dpo start
     busy = [*args, "--out", w["busy"]]
     runs["writer"] = ("precompute-ref", busy, {"at": "shard_write", "shard": 1, "action": "pause",
@@ -158,6 +161,27 @@ def test_train_killed_between_checkpoints_resumes_to_the_uninterrupted_weights(w
     assert {step: file_hashes(out / f"checkpoint-{step}") for step in (2, 4)} == kept  # not rewritten or lost
     steps = {json.loads(line).get("step") for line in (out / "metrics.jsonl").read_text().splitlines()}
     assert {1, 2, 3, 4, 5, 6} <= steps  # the resumed run's log continues the killed run's
+
+
+def test_train_killed_while_saving_a_checkpoint_refuses_it_and_resumes_from_the_one_before(world):
+    """Killed inside checkpoint-4's save (weights written, trainer_state.json not): resuming from the partial folder
+    is refused (it would restart at step 0 from half-saved state); checkpoint-2 is whole and resumes to the
+    uninterrupted run's weights."""
+    out = world["train_mid_out"]
+    code, _, stderr = world["procs"].result("train_mid_checkpoint")
+    assert code == -signal.SIGKILL, stderr
+    assert (out / "checkpoint-4" / "model.safetensors").exists()
+    assert not (out / "checkpoint-4" / "trainer_state.json").exists()
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+
+    refused = train(*world["train_args"], "--output-dir", out, "--resume-from-checkpoint", out / "checkpoint-4")
+    assert refused.exit_code == 2, refused.output
+    assert f"error: --resume-from-checkpoint {out / 'checkpoint-4'}: no trainer_state.json in it (not a Trainer " \
+           "checkpoint, or one interrupted while being saved)" in refused.output
+    resumed = train(*world["train_args"], "--output-dir", out, "--resume-from-checkpoint", out / "checkpoint-2")
+    assert resumed.exit_code == 0, resumed.output
+    assert model_hash(out) == model_hash(world["train_clean"])
+    assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4  # now whole
 
 
 # ---------------------------------------------------------------------------------------------------------------
