@@ -241,8 +241,9 @@ def check_output_dir(out: Path) -> None:
 
 
 def check_resume(checkpoint: str | None) -> None:
-    """A checkpoint to resume from must be complete: the Trainer writes trainer_state.json last, and resuming from a
-    folder without it would restart at step 0 from half-saved weights."""
+    """A checkpoint to resume from must be complete: the Trainer writes trainer_state.json last, and a folder without
+    it (a save that was interrupted) fails deep inside the Trainer, after verification (some transformers versions
+    instead restart at step 0 from the half-saved weights)."""
     if checkpoint and not (Path(checkpoint) / "trainer_state.json").is_file():
         reason = ("no such directory" if not Path(checkpoint).is_dir() else
                   "no trainer_state.json in it (not a Trainer checkpoint, or one interrupted while being saved)")

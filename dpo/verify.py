@@ -62,9 +62,10 @@ def check_values(cache: Cache, ids: list[str]) -> pa.Table:
     frames = []
     for path in cache.shard_paths:
         # Read with pyarrow, which refuses a damaged file (one behind a forged manifest: the file hash matched) with
-        # a CacheError; polars' own reader can panic on such a file.
+        # a CacheError; polars' own reader, and polars given metadata that is not UTF-8, can panic on such a file.
         shard = pl.from_arrow(read_columns(path, ["id", "chosen_input_ids", "rejected_input_ids", "chosen_logps",
-                                                  "rejected_logps", "chosen_logp", "rejected_logp"]))
+                                                  "rejected_logps", "chosen_logp", "rejected_logp"])
+                              .replace_schema_metadata(None))
         shard = shard.with_row_index("row").with_columns(pl.lit(path.name).alias("shard"))
         frames.append(shard.join(want, on="id", how="inner"))
     values = pl.concat(frames).sort("order")

@@ -307,6 +307,11 @@ def read_manifest(root: Path) -> dict:
     for s in manifest["shards"]:
         if not isinstance(s, dict) or not {"file", "rows", "bytes", "sha256", "mask_checksum"} <= set(s):
             raise CacheError("manifest", f"{path}: malformed shard entry {s!r}", remedy=RERUN)
+        counts_ok = all(isinstance(s[k], int) and not isinstance(s[k], bool) and s[k] >= 0 for k in ("rows", "bytes"))
+        if not counts_ok or not all(isinstance(s[k], str) for k in ("sha256", "mask_checksum")):
+            # (the file name is judged per shard, kind shard_path)
+            raise CacheError("manifest", f"{path}: shard entry {s!r} has a field of the wrong type (sha256 and "
+                             "mask_checksum are strings; rows and bytes are counts)", remedy=RERUN)
     return manifest
 
 

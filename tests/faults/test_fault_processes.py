@@ -165,8 +165,8 @@ def test_train_killed_between_checkpoints_resumes_to_the_uninterrupted_weights(w
 
 def test_train_killed_while_saving_a_checkpoint_refuses_it_and_resumes_from_the_one_before(world):
     """Killed inside checkpoint-4's save (weights written, trainer_state.json not): resuming from the partial folder
-    is refused (it would restart at step 0 from half-saved state); checkpoint-2 is whole and resumes to the
-    uninterrupted run's weights."""
+    is refused up front (the Trainer would fail on it after verification, or in some versions restart at step 0 from
+    half-saved state); checkpoint-2 is whole and resumes to the uninterrupted run's weights."""
     out = world["train_mid_out"]
     code, _, stderr = world["procs"].result("train_mid_checkpoint")
     assert code == -signal.SIGKILL, stderr

@@ -364,3 +364,45 @@ def test_consistent_value_forgery_passes_train_dpo_and_fails_the_audit_replay(wo
     assert code == 1 and failed_checks(report) == {"replay"}, output
     replay = check_of(report, "replay")
     assert (replay["shard"], replay["row"]) == (S0, 2) and "chosen token 0" in replay["detail"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# audit-ref issues this suite found (precompute/audit.py is not edited here; reported to its owner). Not strict: they
+# pass once audit.py is fixed, and then the markers can go.
+
+AUDIT_PANICS = ("audit.py: _row_frame calls pl.from_arrow on a table whose schema metadata is not UTF-8, and polars "
+                "panics (pyo3 PanicException, a BaseException: even run_cli's `except Exception` misses it); strip the "
+                "metadata first (table.replace_schema_metadata(None))")
+AUDIT_UTF8 = ("audit.py: _load_shard catches only ArrowException and OSError around pq.read_table, which raises "
+              "UnicodeDecodeError for a column name that is not UTF-8 in a damaged footer; catch ValueError too")
+
+
+@pytest.mark.xfail(reason=AUDIT_PANICS, strict=False)
+def test_audit_survives_metadata_that_is_not_utf8(world, case_cache):
+    """A metadata key outside refcache's own (ignored by the format) that is not UTF-8, manifest restamped: train-dpo
+    reads the cache; audit-ref must finish its report."""
+    rewrite_rows(case_cache, S0, lambda rows: rows, metadata_edit=lambda meta: meta.__setitem__(b"\xcc\x01", b"x"))
+    restamp(case_cache, S0)
+    from dpo.verify import verify_and_join
+    from precompute.job import load_tokenizer
+
+    verify_and_join(tokenizer=load_tokenizer(str(world["llama"])), model_dir=str(world["llama"]),
+                    data=str(world["data"]), split="train", cache_dir=case_cache, log=lambda m: None)
+    code, report, output = audit(case_cache)
+    assert code in (0, 1) and report is not None, output
+
+
+@pytest.mark.xfail(reason=AUDIT_UTF8, strict=False)
+def test_audit_reports_a_shard_whose_footer_names_are_not_utf8(world, case_cache, tmp_path):
+    """One byte of a column name in the shard's footer made invalid UTF-8, manifest restamped: train-dpo refuses the
+    shard as unreadable; audit-ref must fail shard_files."""
+    path = case_cache / S0
+    data = bytearray(path.read_bytes())
+    data[data.index(b"prompt_input_ids") + 3] = 0xFF
+    path.write_bytes(bytes(data))
+    restamp(case_cache, S0)
+    result = train("--model", world["llama"], "--data", world["data"], "--ref-cache", case_cache,
+                   "--output-dir", tmp_path / "out", *TRAIN)
+    assert result.exit_code == 2 and f"shard {S0} is not a readable Parquet file" in result.output, result.output
+    code, report, output = audit(case_cache)
+    assert code == 1 and failed_checks(report) == {"shard_files"}, output
