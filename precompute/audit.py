@@ -25,7 +25,6 @@ import click
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from schemas import format as fmt
 from schemas.encoding import EncodedPair, EncodingConfig, row_mask_checksum
@@ -124,11 +123,11 @@ def _load_shard(root: Path, entry: dict) -> tuple[Path | None, pa.Table | None, 
     if digest != entry["sha256"]:
         return path, None, f"sha256 {_short(digest)} differs from the manifest's {_short(entry['sha256'])}"
     try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as e:
-        return path, None, f"not a readable Parquet file ({e})"
+        table = fmt.read_columns(path).replace_schema_metadata(None)  # metadata was checked by shard_stamps
+    except fmt.CacheError as e:
+        return path, None, e.message
     if not table.schema.equals(fmt.SHARD_SCHEMA, check_metadata=False):
-        return path, None, f"columns differ from the shard schema: {table.schema.names}"
+        return path, None, "columns differ from the shard schema (see schemas/FORMAT.md)"
     if table.num_rows != entry["rows"]:
         return path, None, f"{table.num_rows} rows, manifest says {entry['rows']}"
     return path, table, None
@@ -208,7 +207,7 @@ INDEX_SCHEMA = {"id": pl.String, "shard": pl.String, "row": pl.UInt32, "mask_che
 def audit_cache(root: Path, manifest: dict) -> CacheScan:
     entries = manifest["shards"]
     enc_json = EncodingConfig.from_dict(manifest["encoding"]).to_json()
-    names = [e["file"] for e in entries]
+    names = [e["file"] if isinstance(e["file"], str) else repr(e["file"]) for e in entries]
     problems = []
     if len(set(names)) != len(names):
         problems.append("a shard is listed twice")
@@ -292,7 +291,11 @@ def _unique_ids(index: pl.DataFrame, unverified: int) -> Check:
 
 
 def _skipped_counts(root: Path, manifest: dict) -> Check:
-    source = manifest.get("source") or {}
+    source = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
+    counts = [source.get("skipped", 0), source.get("rows_in"), manifest.get("rows", 0)]
+    if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+        return Check("skipped_counts", FAIL, f"manifest counts are not integers: source.skipped={counts[0]!r}, "
+                                             f"source.rows_in={counts[1]!r}, rows={counts[2]!r}")
     path = root / fmt.SKIPPED
     try:
         lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()] \
@@ -639,6 +642,9 @@ def main(cache, model, data, run_dir, sample, replay_all, seed, tolerance, json_
         raise click.UsageError("give --sample N or --all, not both")
     if data and not model:
         raise click.UsageError("--data needs --model: the rows are re-encoded with the cache's tokenizer")
+
+    if json_path and not Path(json_path).resolve().parent.is_dir():
+        raise click.UsageError(f"--json {json_path}: its folder does not exist")
 
     def body():
         if model or data:

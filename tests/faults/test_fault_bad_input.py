@@ -540,9 +540,6 @@ def test_audit_bad_input(llama_dir, dpo_data, dpo_cache, models, tmp_path, case)
         assert_refused(result, parts)
 
 
-@pytest.mark.xfail(reason="audit.py: --json into a folder that does not exist ends in 'unexpected FileNotFoundError' "
-                          "(exit 1) after the report is printed; check the path up front (exit 2) or create the folder",
-                   strict=False)
 def test_audit_json_into_a_missing_folder(dpo_cache, tmp_path):
     from faultkit import invoke
     from precompute.audit import main

@@ -367,17 +367,9 @@ def test_consistent_value_forgery_passes_train_dpo_and_fails_the_audit_replay(wo
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# audit-ref issues this suite found (precompute/audit.py is not edited here; reported to its owner). Not strict: they
-# pass once audit.py is fixed, and then the markers can go.
-
-AUDIT_PANICS = ("audit.py: _row_frame calls pl.from_arrow on a table whose schema metadata is not UTF-8, and polars "
-                "panics (pyo3 PanicException, a BaseException: even run_cli's `except Exception` misses it); strip the "
-                "metadata first (table.replace_schema_metadata(None))")
-AUDIT_UTF8 = ("audit.py: _load_shard catches only ArrowException and OSError around pq.read_table, which raises "
-              "UnicodeDecodeError for a column name that is not UTF-8 in a damaged footer; catch ValueError too")
+# audit-ref on damage that only its own readers meet (bugs this suite found in audit.py, now fixed).
 
 
-@pytest.mark.xfail(reason=AUDIT_PANICS, strict=False)
 def test_audit_survives_metadata_that_is_not_utf8(world, case_cache):
     """A metadata key outside refcache's own (ignored by the format) that is not UTF-8, manifest restamped: train-dpo
     reads the cache; audit-ref must finish its report."""
@@ -392,7 +384,6 @@ def test_audit_survives_metadata_that_is_not_utf8(world, case_cache):
     assert code in (0, 1) and report is not None, output
 
 
-@pytest.mark.xfail(reason=AUDIT_UTF8, strict=False)
 def test_audit_reports_a_shard_whose_footer_names_are_not_utf8(world, case_cache, tmp_path):
     """One byte of a column name in the shard's footer made invalid UTF-8, manifest restamped: train-dpo refuses the
     shard as unreadable; audit-ref must fail shard_files."""
