@@ -16,7 +16,7 @@ from schemas.encoding import EncodingConfig
 from schemas.stamps import file_sha256, model_hash
 
 from .losses import LossConfig
-from .verify import encode_only, verify_and_join
+from .verify import encode_only, reference_hash, verify_and_join
 
 
 @dataclass
@@ -142,12 +142,12 @@ def _on_every_rank(verify):
     return result
 
 
-def _rows(cfg: TrainConfig, tokenizer, data, split, cache, log):
+def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None, log):
     if cache is not None:
         rank, _ = _rank()
         return _on_every_rank(lambda: verify_and_join(
             tokenizer=tokenizer, model_dir=cfg.model, data=data, split=split, cache_dir=cache,
-            ref_model=cfg.ref_model, ref_model_hash=cfg.ref_model_hash, encoding_request=cfg.encoding_request(),
+            expected_model_hash=reference, encoding_request=cfg.encoding_request(),
             on_bad_row=cfg.on_bad_row, verify_files=not cfg.fast_verify and rank == 0,  # files hashed once
             log=log if rank == 0 else (lambda _m: None),
         ))
@@ -181,12 +181,17 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     check_resume(cfg.resume_from_checkpoint)
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     t0 = time.perf_counter()
-    train = _rows(cfg, tokenizer, cfg.data, cfg.split, cfg.ref_cache, log)
+    initial_hash = model_hash(cfg.model)
+    reference = None  # the model hash the cache must carry (hashed once, for train and eval caches alike)
+    if cfg.ref_cache is not None:
+        reference = cfg.ref_model_hash or (reference_hash(cfg.model, cfg.ref_model, None) if cfg.ref_model
+                                           else initial_hash)
+    train = _rows(cfg, tokenizer, cfg.data, cfg.split, cfg.ref_cache, reference, log)
     evaluation = None
     if cfg.eval_data:
-        evaluation = _rows(cfg, tokenizer, cfg.eval_data, cfg.eval_split, cfg.eval_ref_cache or cfg.ref_cache, log)
+        evaluation = _rows(cfg, tokenizer, cfg.eval_data, cfg.eval_split, cfg.eval_ref_cache or cfg.ref_cache,
+                           reference, log)
     verify_s = time.perf_counter() - t0
-    initial_hash = model_hash(cfg.model)
 
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32 if cfg.fp16 else dtype,

@@ -103,11 +103,12 @@ def encoded_table(encoded: Encoded) -> pa.Table:
 
 
 def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
+                    expected_model_hash=None,
                     encoding_request=None, on_bad_row="error", verify_files=True, log=print) -> Verified:
     t0 = time.perf_counter()
     cache = open_cache(cache_dir, verify_files=verify_files)
     t_files = time.perf_counter() - t0
-    expected_model = reference_hash(model_dir, ref_model, ref_model_hash)
+    expected_model = expected_model_hash or reference_hash(model_dir, ref_model, ref_model_hash)
     encoding = check_encoding(cache, encoding_request or {})
     cache.check_stamps(model_hash=expected_model, tokenizer_hash=tokenizer_hash(tokenizer), encoding=encoding)
     source = load_rows(data, split)
