@@ -36,6 +36,23 @@ def column_bytes(cache_dir) -> dict:
     return sizes
 
 
+def without_float_dictionary(cache_dir) -> int:
+    """Bytes the same shards would take with dictionary encoding left off the float columns (a what-if: random-looking
+    float32 values defeat the dictionary, and its fallback costs more than plain encoding)."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    total = 0
+    for path in sorted(cache_dir.glob("*.parquet")):
+        table = pq.read_table(path)
+        keep = [n for n in table.column_names if "logp" not in n]
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd", use_dictionary=keep)
+        total += len(buf.getvalue())
+    return total
+
+
 def bench_case(name, model, seq, pairs, work) -> dict:
     from precompute.job import PrecomputeConfig, run_precompute
     from schemas.encoding import EncodingConfig
@@ -52,6 +69,7 @@ def bench_case(name, model, seq, pairs, work) -> dict:
     r = run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(out), progress=False,
                                         encoding=encoding), log=lambda m: None)
     cols = column_bytes(out)
+    no_dict = without_float_dictionary(out)
     completion = r["bytes"] / r["bytes_per_completion_token"]
     manifest = (out / "manifest.json").stat().st_size
     shutil.rmtree(out, ignore_errors=True)
@@ -62,6 +80,8 @@ def bench_case(name, model, seq, pairs, work) -> dict:
         "bytes_per_pair": r["bytes"] / r["rows"],
         "columns": cols,
         "logps_bytes_per_completion_token": (cols.get("chosen_logps", 0) + cols.get("rejected_logps", 0)) / completion,
+        "bytes_without_float_dictionary": no_dict,
+        "bytes_per_completion_token_without_float_dictionary": no_dict / completion,
     }
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
 import time
 
 import common

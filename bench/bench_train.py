@@ -44,7 +44,7 @@ def step_timer(profile=None, profile_after: int = 0):
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.step_s, self.step_peak_mb, self.step_cuda_mb, self.last = [], [], [], None
-            self.maxrss_mb = self.cuda_peak_mb = None
+            self.maxrss_mb = self.cuda_peak_mb = self.rss_parts_mb = None
             self.profiling = False
 
         def on_train_begin(self, args, state, control, **kw):
@@ -66,6 +66,7 @@ def step_timer(profile=None, profile_after: int = 0):
             self.last = now
             # the whole-run peaks, read before the next step resets the counters
             self.maxrss_mb = common.maxrss_mb()
+            self.rss_parts_mb = common.rss_parts_mb()  # at the end of the step
             self.cuda_peak_mb = max(self.cuda_peak_mb or 0, self.step_cuda_mb[-1] or 0) or None
             if profile is not None and state.global_step == profile_after:
                 profile.__enter__()
@@ -182,7 +183,7 @@ def child(a) -> dict:
         extra = run_trl(a, timer, out)
     r = {"mode": a.child, "baseline_rss_mb": base, "maxrss_mb": timer.maxrss_mb, "cuda_peak_mb": timer.cuda_peak_mb,
          "step_s": timer.step_s[a.warmup :], "warmup_s": timer.step_s[: a.warmup],
-         "step_peak_rss_mb": timer.step_peak_mb[a.warmup :], **extra}
+         "step_peak_rss_mb": timer.step_peak_mb[a.warmup :], "rss_parts_mb": timer.rss_parts_mb, **extra}
     if profile is not None:
         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         r["profile"] = profile.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=48)
@@ -223,6 +224,9 @@ def summarize(rounds: list[dict]) -> dict:
            "maxrss": common.stats([r["maxrss_mb"] for r in rounds]),
            "baseline_rss_mb": common.statistics.median(r["baseline_rss_mb"] for r in rounds)}
     out["maxrss_mb"] = out["maxrss"]["median"]
+    if rounds[0].get("rss_parts_mb"):
+        out["rss_parts_mb"] = {k: common.statistics.median(r["rss_parts_mb"][k] for r in rounds)
+                               for k in rounds[0]["rss_parts_mb"]}
     if rounds[0].get("cuda_peak_mb") is not None:
         out["cuda_peak_mb"] = common.statistics.median(r["cuda_peak_mb"] for r in rounds)
     if rounds[0].get("verify_s") is not None:

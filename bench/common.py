@@ -10,7 +10,12 @@ import os
 import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="refcache-bench-hf-"))
+if "HF_HOME" not in os.environ:  # a private cache (datasets' too), removed at exit; child processes inherit it
+    import atexit
+    import shutil as _shutil
+
+    os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="refcache-bench-hf-")
+    atexit.register(_shutil.rmtree, os.environ["HF_HOME"], ignore_errors=True)
 os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(os.environ["HF_HOME"], "datasets"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -223,6 +228,11 @@ def _status_kb(field: str) -> int:
 
 def rss_mb() -> float:
     return _status_kb("VmRSS") / 1024
+
+
+def rss_parts_mb() -> dict:
+    """Resident memory by kind: anonymous (heap, tensors), file-backed (mapped files: libraries, mmap'ed weights)."""
+    return {k: _status_kb(k) / 1024 for k in ("RssAnon", "RssFile", "RssShmem")}
 
 
 def peak_rss_mb() -> float:

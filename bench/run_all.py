@@ -23,6 +23,7 @@ PARTS = {  # part -> script
     "gather": "bench_gather_memory.py",
     "size": "bench_cache_size.py",
     "scaling": "bench_scaling.py",
+    "modes": "bench_modes.py",  # part 7, precompute batching modes side by side
 }
 
 TARGETS = [  # (key, description, goal text, test)
@@ -44,7 +45,7 @@ def run_parts(parts: list[str], quick: bool) -> dict:
         proc = subprocess.run(cmd, cwd=common.REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         walls[part] = time.perf_counter() - t
         for line in proc.stdout.splitlines():
-            if "Warning" not in line and "warn(" not in line:
+            if "Warning" not in line and "warn(" not in line and "USDT:" not in line:
                 print("   " + line)
         print(f"   [{part}: {walls[part]:.0f} s, exit {proc.returncode}]", flush=True)
         if proc.returncode:
@@ -149,7 +150,10 @@ def render_key_figures(R: dict) -> list[str]:
             if c["case"] == "data/" or c.get("headline"):
                 L.append(f"- precompute on {c['case']} ({c['pairs']} pairs, {c['params'] / 1e6:.1f}M params): "
                          f"**{c['tokens_per_s']['refcache']:,.0f} tokens/s** end to end (bare forward "
-                         f"{c['tokens_per_s']['bare']:,.0f}), padding fraction {c['padding_fraction']:.1%}, "
+                         f"{c['tokens_per_s']['bare']:,.0f}), padding fraction {c['padding_fraction']:.1%} in "
+                         f"plain length-sorted batches"
+                         + (f" ({c['refcache_padding_fraction']:.1%} in the {c['mode']} rows refcache ran)"
+                            if c.get("refcache_padding_fraction") is not None else "") + ", "
                          f"{c['bytes_per_completion_token']:.2f} cache bytes per completion token")
         for p in P.get("peak_memory", []):
             L.append(f"- precompute peak memory, {p['case']}: **{mb(p['peak_rss_mb'])} RSS** (process baseline after "
@@ -182,23 +186,30 @@ def render_key_figures(R: dict) -> list[str]:
 
 
 def render_precompute(P: dict) -> list[str]:
-    L = ["| case | params | pairs | tokens | padding | refcache tok/s | score-only tok/s | bare tok/s | TRL tok/s | "
-         "refcache/bare | score/bare | refcache/TRL |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    L = ["| case | params | pairs | tokens | padding | batching | refcache tok/s | score-only tok/s | score full_forward "
+         "tok/s | bare tok/s | TRL tok/s | refcache/bare | score/bare | refcache/TRL |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in P["cases"]:
         tps = c["tokens_per_s"]
-        trl = f"{tps['trl']:,.0f}" if "trl" in tps else "-"
+        get = lambda k: f"{tps[k]:,.0f}" if k in tps else "-"  # noqa: E731
         L.append(f"| {c['case']} | {c['params'] / 1e6:.1f}M | {c['pairs']} | {c['tokens']:,} | "
-                 f"{c['padding_fraction']:.1%} | {tps['refcache']:,.0f} | {tps['score_only']:,.0f} | {tps['bare']:,.0f} | "
-                 f"{trl} | {x(c['ratio_refcache_vs_bare'])} | {x(c['ratio_score_vs_bare'])} | "
+                 f"{c['padding_fraction']:.1%} | {c.get('mode', 'full_forward')} | {get('refcache')} | "
+                 f"{get('score_only')} | {get('score_full_forward')} | {get('bare')} | {get('trl')} | "
+                 f"{x(c['ratio_refcache_vs_bare'])} | {x(c['ratio_score_vs_bare'])} | "
                  f"{x(c.get('ratio_refcache_vs_trl'))} |")
-    L += ["", "Wall time per pass, median (min-max):", "",
-          "| case | refcache | score-only | bare | TRL (load + DPOTrainer construction) | TRL precompute loop only |",
-          "|---|---|---|---|---|---|"]
+    L += ["", "Tokens/s counts the real tokens of the plain [prompt | completion] sequences for every column, so the "
+          "columns compare times on identical work. Padding: of the bare forward's length-sorted batches. "
+          "Batching: the mode run_precompute picked (auto).", "",
+          "Wall time per pass, median (min-max):", "",
+          "| case | refcache | score-only | score full_forward | bare | TRL (load + DPOTrainer construction) | "
+          "TRL precompute loop only |", "|---|---|---|---|---|---|---|"]
     for c in P["cases"]:
         t = c["times"]
         trl = sec(t["trl"]) if "trl" in t else "-"
+        ff = sec(t["score_full_forward"]) if "score_full_forward" in t else "-"
         only = f"{c['trl_precompute_only_s']:.3f} s" if c.get("trl_precompute_only_s") else "-"
-        L.append(f"| {c['case']} | {sec(t['refcache'])} | {sec(t['score_only'])} | {sec(t['bare'])} | {trl} | {only} |")
+        L.append(f"| {c['case']} | {sec(t['refcache'])} | {sec(t['score_only'])} | {ff} | {sec(t['bare'])} | {trl} | "
+                 f"{only} |")
     return L
 
 
@@ -219,14 +230,22 @@ def render_train(T: dict) -> list[str]:
          f"{s['batch']} pairs, {T['pairs']} pairs (padding {T['padding_fraction']:.1%}); {s['rounds']} rounds x "
          f"({s['warmup']} warm-up + {s['steps']} timed steps) per configuration, each round a fresh process.", "",
          "| configuration | step time | vs policy-only | peak RSS (process, to last step) | steady per-step peak RSS | "
-         "baseline after imports | CUDA peak |", "|---|---|---|---|---|---|---|"]
+         "RSS at last step: anonymous / file-backed | baseline after imports | CUDA peak |",
+         "|---|---|---|---|---|---|---|---|"]
     p = T["runs"]["policy"]
     for mode, r in T["runs"].items():
         cuda = mb(r["cuda_peak_mb"]) if r.get("cuda_peak_mb") else "-"
+        parts = r.get("rss_parts_mb")
+        parts = f"{mb(parts['RssAnon'])} / {mb(parts['RssFile'])}" if parts else "-"
         L.append(f"| {mode} | {ms(r['step'])} | {x(common.ratio(r['step'], p['step']))} | {mb(r['maxrss_mb'])} "
-                 f"({x(r['maxrss_mb'] / p['maxrss_mb'], 3)}) | {mb(r['step_peak']['median'])} | "
+                 f"({x(r['maxrss_mb'] / p['maxrss_mb'], 3)}) | {mb(r['step_peak']['median'])} | {parts} | "
                  f"{mb(r['baseline_rss_mb'])} | {cuda} |")
-    L += ["", f"cached/live step time {x(T['ratio_cached_vs_live'], 3)}; cached/TRL step time "
+    L += ["", "Safetensors weights are loaded memory-mapped: a frozen model's weights stay file-backed pages (the live "
+          "reference shows up in the file-backed column), the policy's become anonymous once the optimizer writes "
+          "them. The file-backed column also holds the code pages of the libraries in use (cached mode touches more "
+          "of polars and pyarrow, through verification). The anonymous heap varies by a few tens of MiB from process "
+          "to process (allocator state), the scale of the cached-vs-policy difference.",
+          "", f"cached/live step time {x(T['ratio_cached_vs_live'], 3)}; cached/TRL step time "
           f"{x(T.get('ratio_cached_vs_trl'), 3)}; peak memory cached/live {x(T['mem_cached_vs_live'], 3)}, "
           f"cached/TRL {x(T.get('mem_cached_vs_trl'), 3)}."]
     return L
@@ -271,13 +290,22 @@ def render_gather(G: dict) -> list[str]:
 
 def render_size(S: dict) -> list[str]:
     L = ["| case | pairs | completion tokens | cache bytes | B/completion token | B/pair | log-prob columns, "
-         "B/completion token | id columns, B/completion token |", "|---|---|---|---|---|---|---|---|"]
+         "B/completion token | id columns, B/completion token | per-row columns (id, checksum, sums), B/pair | "
+         "what-if: no dictionary on float columns, B/completion token |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in S["cases"]:
         cols = c["columns"]
         ids = sum(v for k, v in cols.items() if k.endswith("input_ids"))
+        per_row = sum(cols.get(k, 0) for k in ("id", "mask_checksum", "chosen_logp", "rejected_logp"))
+        nd = c.get("bytes_per_completion_token_without_float_dictionary")
+        nd = f"{nd:.2f} ({nd / c['bytes_per_completion_token'] - 1:+.0%})" if nd else "-"
         L.append(f"| {c['case']} | {c['pairs']} | {c['completion_tokens']:,} | {c['bytes']:,} | "
                  f"{c['bytes_per_completion_token']:.2f} | {c['bytes_per_pair']:,.0f} | "
-                 f"{c['logps_bytes_per_completion_token']:.2f} | {ids / c['completion_tokens']:.2f} |")
+                 f"{c['logps_bytes_per_completion_token']:.2f} | {ids / c['completion_tokens']:.2f} | "
+                 f"{per_row / c['pairs']:.0f} | {nd} |")
+    L += ["", "Raw float32 is 4 B per value; the log-prob columns of a random-init model's near-uniform predictions "
+          "hardly compress, a trained model's (data/) do. Parquet's dictionary encoding, on by default, fails on "
+          "such floats and its fallback costs more than plain encoding: the last column is what the same shards "
+          "take with it off for the float columns."]
     return L
 
 
@@ -293,6 +321,19 @@ def render_scaling(S: dict) -> list[str]:
     return L
 
 
+def render_modes(M: dict) -> list[str]:
+    L = [f"{M['model']} model ({M['params'] / 1e6:.1f}M parameters, {M['dtype']}); precompute.job.score_pairs in each "
+         "mode on the same pairs and the same loaded model, round-robin (bench/bench_modes.py).", "",
+         "| case | pairs | tokens | mode | time | tokens/s | vs full_forward | padding | max abs diff vs full_forward |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for c in M["cases"]:
+        for mode, r in c["modes"].items():
+            L.append(f"| {c['name']} | {c['pairs']} | {c['tokens']:,} | {mode} | {sec(r['time'])} | "
+                     f"{r['tokens_per_s']:,.0f} | {x(r['speedup_vs_full_forward'])} | {r['padding_fraction']:.1%} | "
+                     f"{r['max_abs_diff_vs_full_forward']:.1e} |")
+    return L
+
+
 def render_analysis(R: dict) -> list[str]:
     """Where the time goes, for each missed target, from the measurements themselves."""
     m = measured(R)
@@ -305,28 +346,47 @@ def render_analysis(R: dict) -> list[str]:
         for c in P["cases"]:
             ph = c["phases_s"]
             fixed = ph["total"] - ph["forward+gather"]
+            probe = ph.get("mode probe", 0.0)
             L.append(f"- {c['case']}: total {ph['total']:.3f} s = forward+gather {ph['forward+gather']:.3f} s + "
-                     f"everything else {fixed:.3f} s ({fixed / ph['total']:.0%}; encode {ph['encode']:.3f} s, load model "
-                     f"{ph['load model']:.3f} s, write+hash shards {ph['write shard'] + ph['hash shard'] + ph['build table']:.3f} s); "
-                     f"bare forward {c['times']['bare']['median']:.3f} s, so forward+gather alone runs at "
-                     f"{x(c['ratio_refcache_compute_vs_bare'])} the bare forward's speed")
+                     f"batching-mode probe {probe:.3f} s ({probe / ph['total']:.0%}) + everything else "
+                     f"{fixed - probe:.3f} s ({(fixed - probe) / ph['total']:.0%}; encode {ph['encode']:.3f} s, load "
+                     f"model {ph['load model']:.3f} s, write+hash shards "
+                     f"{ph['write shard'] + ph['hash shard'] + ph['build table']:.3f} s); bare forward "
+                     f"{c['times']['bare']['median']:.3f} s, so forward+gather alone ({c.get('mode', 'full_forward')}) "
+                     f"runs at {x(c['ratio_refcache_compute_vs_bare'])} the bare forward's speed")
+        head = next((c for c in P["cases"] if c.get("headline")), None)
+        if head and "trl" in head["times"] and not ok.get("precompute_vs_trl", True):
+            ph, t = head["phases_s"], head["times"]
+            probe = ph.get("mode probe", 0.0)
+            L.append(f"- against TRL ({head['case']}): TRL's load + DPOTrainer construction takes "
+                     f"{t['trl']['median']:.3f} s, {head.get('trl_precompute_only_s') or 0:.3f} s of it in its "
+                     f"precompute loop; refcache's whole job {t['refcache']['median']:.3f} s, {probe:.3f} s of it in the "
+                     f"mode probe. Without the probe the ratio would be "
+                     f"{t['trl']['median'] / max(1e-9, t['refcache']['median'] - probe):.2f}x.")
+        L += ["", "The probe (precompute.job.choose_mode) scores the first 4 pairs of the first shard twice, plain and "
+                 "packed, before the real work: a fixed cost of 8 pair-scorings, large against a bench of a dozen "
+                 "pairs and negligible against a real data set (0.1% of 10,000 pairs).", ""]
+        if head and head.get("profile"):
+            L += [f"<details><summary>torch.profiler, one run_precompute on {head['case']} (top ops by self "
+                  "time)</summary>", "", "```", head["profile"].rstrip(), "```", "</details>"]
     if "train" in R and not ok.get("step_vs_live", True):
         T = R["train"]
         c, l, p = (T["runs"][k]["step"]["median"] for k in ("cached", "live", "policy"))
-        L.append(f"**Cached vs live step.** The live step costs {l * 1000:,.0f} ms against {c * 1000:,.0f} ms cached: "
+        L += ["", f"**Cached vs live step.** The live step costs {l * 1000:,.0f} ms against {c * 1000:,.0f} ms cached: "
                  f"the reference forward is {(l - c) * 1000:,.0f} ms, {(l - c) / l:.0%} of the live step. A no-grad "
                  "forward is about a third of a forward+backward, so with a reference as large as the policy the live "
-                 "step is about 4/3 of the cached one and cached/live about 0.75 at best; the optimizer step and the "
-                 "recomputed projection chunks in the backward only add to both sides, pushing the ratio above 0.75. "
-                 "The target sits at the arithmetic bound of this comparison.")
+                 "step is about 4/3 of the cached one and cached/live about 0.75 at best; the optimizer step, the "
+                 "collation and the loss add the same time to both sides, pushing the ratio above 0.75. The target "
+                 "sits at the arithmetic bound of this comparison (the profiles below: the live steps' extra time is "
+                 "the reference's matrix multiplies and attention)."]
     if "train" in R and not ok.get("step_vs_policy", True):
-        L.append("**Cached vs policy-only step.** The two differ only in collating the cached values and reading them "
-                 "in the loss; see the profiles below.")
+        L += ["", "**Cached vs policy-only step.** The two differ only in collating the cached values and reading them "
+                 "in the loss; see the profiles below."]
     if "train" in R and not ok.get("mem_vs_policy", True):
-        L.append("**Cached vs policy-only memory.** Cached mode also holds the verified cache rows and polars' "
-                 "allocator pool from the verification read; see the per-step steady peak in the table above.")
+        L += ["", "**Cached vs policy-only memory.** Cached mode also holds the verified cache rows and polars' "
+                 "allocator pool from the verification read; see the per-step steady peak in the table above."]
     if "verify" in R and not ok.get("hash_vs_sha256sum", True):
-        L.append("**Model hashing.** See bench/bench_hash.py's output below.")
+        L += ["", "**Model hashing.** See bench/bench_hash.py's output below."]
     profiles = R.get("train", {}).get("profiles") or {}
     for mode, table in profiles.items():
         if table:
@@ -360,7 +420,8 @@ def render_device(R: dict, device: str) -> list[str]:
                 ("verify", "3. Verification and model hashing", render_verify),
                 ("gather", "4. Memory of the log-prob gather", render_gather),
                 ("size", "5. Cache size", render_size),
-                ("scaling", "6. Scaling with the number of pairs", render_scaling)]
+                ("scaling", "6. Scaling with the number of pairs", render_scaling),
+                ("modes", "7. Precompute batching modes", render_modes)]
     for part, title, fn in sections:
         if part in R:
             quick = " (quick mode)" if R[part].get("quick") else ""
@@ -380,11 +441,16 @@ tokenizer, so sequence lengths are exact; `data/` is the embedded trained SFT mo
 Synthetic sequences hold between half and all of the stated length (prompt and each completion a quarter to a half).
 """
 
-SCALE_NOTE = """Full-mode sizes are scaled to finish in about a quarter of an hour on 2 CPU cores: the 35M model is timed
-at sequence 512 only (16 pairs for precompute; batch 2 pairs for training), the 1M and 5M models at 128/512/1024
-with a few dozen to a few hundred pairs, the verification cache at about 0.7 GB (per-GB figures scale linearly:
-compare the two cache sizes). On a shared machine absolute times are noisy (other processes compete for the 2
-cores); the ratios, measured back to back, are the figures to read.
+SCALE_NOTE = """Full-mode sizes are scaled down to finish in about ten minutes on 2 idle CPU cores: the 35M model is
+timed at sequence 512 only (12 pairs for precompute; batch 2 pairs for training), the 1M and 5M models at 128, 512
+and 1024 with a dozen to a few hundred pairs, the verification cache at about 1 GB (per-GB figures scale
+linearly: compare the two cache sizes). On a shared machine absolute times are noisy (other processes compete for the
+2 cores, and two torch threads slow down far more than in proportion when one of them is descheduled); the ratios,
+measured back to back and interleaved, are the figures to read, with the load averages below as the context.
+
+Run: `.venv/bin/python bench/run_all.py [--quick]` (all parts, then this file), or one part alone, e.g.
+`.venv/bin/python bench/bench_precompute.py [--quick]`, then `bench/run_all.py --render-only` to refresh this file.
+TRL's side needs `pip install trl` (the `bench` extra); without it those columns are skipped.
 """
 
 
