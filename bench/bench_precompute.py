@@ -28,7 +28,6 @@ from common import torch
 
 QUICK_CASES = [
     dict(name="data/", model="data", trl=True, reps=3),
-    dict(name="1M@128", model="1M", seq=128, pairs=128, trl=False, reps=3),
     dict(name="5M@512", model="5M", seq=512, pairs=16, trl=True, reps=3, headline=True),
 ]
 FULL_CASES = [

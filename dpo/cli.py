@@ -133,6 +133,7 @@ def main(config_file, debug, **given):
         click.echo(
             f"trained {s['steps']} steps in {s['train_s']:.1f} s (verification {s['verify_s']:.1f} s); "
             f"train loss {s['train_loss']:.4f}" + (f"; eval preference accuracy {acc:.3f}" if acc is not None else "")
+            + (f" (at the start the policy preferred chosen on {start:.3f} of eval pairs)" if start is not None else "")
             + f"\n  checkpoint: {out}\n  metrics:    {out / 'metrics.jsonl'}\n  plot:       {out / 'metrics.png'}"
             f"\n  manifest:   {out / 'run-manifest.json'}"
         )

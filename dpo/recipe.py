@@ -227,8 +227,8 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         final_eval = last[-1] if last and last[-1].get("step") == result.global_step else trainer.evaluate()
     trainer.save_model(str(out))
     first = [r for r in trainer.state.log_history if "eval_loss" in r and r.get("step") == 0]
-    summary = {"eval_start": first[0] if first else {}, "output_dir": str(out.resolve()), "steps": result.global_step, "train_loss": result.training_loss,
-               "train_s": train_s, "verify_s": verify_s, "eval": final_eval}
+    summary = {"eval_start": first[0] if first else {}, "output_dir": str(out.resolve()), "steps": result.global_step,
+               "train_loss": result.training_loss, "train_s": train_s, "verify_s": verify_s, "eval": final_eval}
     if trainer.is_world_process_zero():
         _finish(cfg, out, train, evaluation, initial_hash, summary)
     return summary
