@@ -387,8 +387,9 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
                                f"({' '.join(str(e).split())[:300]})") from None
             attn = model.config._attn_implementation
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            first = encoded.pairs[mine[0]["start"] : mine[0]["stop"]][:4]
-            mode = choose_mode(model, cfg.batching, first, pad_id, log)
+            shard = encoded.pairs[mine[0]["start"] : mine[0]["stop"]]
+            probe = sorted(shard, key=lambda p: len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids))[:2]
+            mode = choose_mode(model, cfg.batching, probe, pad_id, log)  # checked on the 2 shortest pairs: cheap
             stats = {**_score_shards(model, encoded, mine, out, stamps, cfg, pad_id, mode, dist.rank == 0), "mode": mode}
         if dist.world > 1:
             box = [None] * dist.world
