@@ -375,7 +375,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
         mine = todo[dist.rank :: dist.world]  # shards go round-robin to ranks; each rank writes its own
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
-        stats = {"tokens": 0, "processed": 0, "slots": 0, "mode": cfg.batching}
+        stats = {"tokens": 0, "processed": 0, "slots": 0, "mode": cfg.batching, "written": {}}
         attn = cfg.attn_implementation
         if mine:
             log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
@@ -395,10 +395,13 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
             box = [None] * dist.world
             torch.distributed.all_gather_object(box, stats)  # also the barrier before the manifest
             modes = {b["mode"] for b in box if b["slots"]} or {stats["mode"]}
-            stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")}, "mode": modes.pop()}
+            stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")}, "mode": modes.pop(),
+                     "written": {f: e for b in box for f, e in b["written"].items()}}
         if dist.rank != 0:
             return {"rank": dist.rank, "shards_scored": len(mine)}
-        entries = [fmt.shard_entry(out / s["file"], s["stop"] - s["start"], s["mask_checksum"]) for s in plan]
+        # Shards written now come with their entries; only those kept from an earlier run are hashed here.
+        entries = [stats["written"].get(s["file"]) or fmt.shard_entry(out / s["file"], s["stop"] - s["start"],
+                                                                       s["mask_checksum"]) for s in plan]
         _write_skipped(out, encoded)
         wall = time.perf_counter() - t0
         manifest = {
@@ -458,7 +461,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
 def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, show_progress: bool) -> dict:
     from tqdm.auto import tqdm
 
-    total = {"tokens": 0, "processed": 0, "slots": 0}
+    total = {"tokens": 0, "processed": 0, "slots": 0, "written": {}}
     t0 = time.perf_counter()
     bar = tqdm(total=sum(s["stop"] - s["start"] for s in todo), unit="row", disable=not (cfg.progress and show_progress),
                file=sys.stderr)
@@ -476,8 +479,9 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, show_pro
             [p.prompt_ids for p in pairs], [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs],
             chosen, rejected,
         )
-        fmt.write_shard(out / shard["file"], table, model_hash=stamps["model_hash"],
-                        tokenizer_hash=stamps["tokenizer_hash"], encoding=cfg.encoding)
+        total["written"][shard["file"]] = fmt.write_shard(
+            out / shard["file"], table, model_hash=stamps["model_hash"], tokenizer_hash=stamps["tokenizer_hash"],
+            encoding=cfg.encoding)
         for key in stats:
             total[key] += stats[key]
     bar.close()

@@ -251,9 +251,9 @@ class Cache:
                 + ", ".join(missing[:5]),
                 remedy="precompute these rows too: re-run precompute-ref over the full data into a new --out",
             )
-        where = _row_locations(self)
         for rid, checksum in expected.items():
             if cached[rid] != checksum:
+                where = _row_locations(self)  # only to name the place in the error
                 raise StampMismatch(
                     "mask_checksum",
                     f"mask checksum mismatch for row {rid!r}: its token ids differ from the cached ones (data edited, "
