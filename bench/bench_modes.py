@@ -1,9 +1,12 @@
 """Part 7: precompute batching modes side by side: full_forward (the plain padded forward, refcache's previous
-behaviour), shared_prompt (each prompt once, one pair per row) and packed (each prompt once, pairs packed into
-rows), on a long-prompt case (prompt 512, completions 128) and the standard case (synthetic_pairs lengths).
+behaviour), shared_prompt (each prompt once, one pair per row, tree mask), packed (each prompt once, pairs packed
+into rows, tree mask), kv_cache (each prompt once, completions continue from its key/value cache) and, with flash
+attention on CUDA, varlen (no padding); on a long-prompt case (prompt 512, completions 128) and the standard case
+(synthetic_pairs lengths).
 
-Each mode scores the same encoded pairs with precompute.job.score_pairs on the same loaded model, round-robin in
-this one process; the per-token difference of every mode against full_forward is reported alongside.
+Each mode scores the same encoded pairs with precompute.modes.score_pairs on the same loaded model, round-robin in
+this one process; the per-token difference of every mode against full_forward is reported alongside, with the
+work estimated_cost predicts (the basis of the auto choice) and the mode auto picks.
 
     .venv/bin/python bench/bench_modes.py [--quick]
 """
@@ -13,10 +16,10 @@ from __future__ import annotations
 import common
 from common import np, torch
 
-from precompute.job import score_pairs
+from precompute.modes import choose_mode, estimated_cost, score_pairs
 from schemas.encoding import EncodedPair
 
-MODES = ("full_forward", "shared_prompt", "packed")
+MODES = ("full_forward", "shared_prompt", "packed", "kv_cache")
 
 
 def long_prompt_pairs(n: int, vocab: int, prompt: int, completion: int, seed: int = 0) -> list[EncodedPair]:
@@ -34,21 +37,30 @@ def standard_pairs(n: int, vocab: int, seq: int, seed: int = 0) -> list[EncodedP
     return out
 
 
-def run_case(name: str, model, pairs: list[EncodedPair], token_budget: int, reps: int) -> dict:
-    results = {m: score_pairs(model, pairs, 0, token_budget, m) for m in MODES}
+def run_case(name: str, model, pairs: list[EncodedPair], token_budget: int, reps: int, modes=MODES) -> dict:
+    results = {m: score_pairs(model, pairs, 0, token_budget, m) for m in modes}
     reference = np.concatenate(results["full_forward"][0] + results["full_forward"][1])
     diffs = {m: float(np.abs(np.concatenate(r[0] + r[1]) - reference).max()) for m, r in results.items()}
-    times = common.interleaved({m: (lambda m=m: score_pairs(model, pairs, 0, token_budget, m)) for m in MODES},
+    times = common.interleaved({m: (lambda m=m: score_pairs(model, pairs, 0, token_budget, m)) for m in modes},
                                reps=reps)
     tokens = results["full_forward"][2]["tokens"]
-    case = {"name": name, "pairs": len(pairs), "tokens": tokens, "token_budget": token_budget, "modes": {}}
-    for m in MODES:
+    hidden = model.config.hidden_size
+    cost = {m: estimated_cost(pairs, m, token_budget, hidden) for m in modes}
+    longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
+    log = []
+    auto = choose_mode(model, "auto", pairs, longest, 0, token_budget, log.append)
+    fastest = min(modes, key=lambda m: times[m]["median"])
+    case = {"name": name, "pairs": len(pairs), "tokens": tokens, "token_budget": token_budget, "auto": auto,
+            "auto_log": log, "fastest": fastest, "auto_is_fastest": auto == fastest,
+            "auto_vs_fastest": common.ratio(times[fastest], times[auto]), "modes": {}}
+    for m in modes:
         st = results[m][2]
         case["modes"][m] = {
             "time": times[m], "tokens_per_s": tokens / times[m]["median"],
             "speedup_vs_full_forward": common.ratio(times["full_forward"], times[m]),
             "max_abs_diff_vs_full_forward": diffs[m],
             "padding_fraction": 1 - st["processed"] / st["slots"], "processed_tokens": st["processed"],
+            "estimated_speedup": cost["full_forward"] / cost[m],
         }
     return case
 
@@ -59,21 +71,36 @@ def main():
     dev = common.device()
     spec = "5M" if dev.type == "cpu" else "35M"
     model = common.build_llama(spec, vocab=common.MODELS[spec]["vocab"]).to(dev, common.torch_dtype(dev))
+    modes = MODES
+    if dev.type == "cuda" and flash_available():
+        model.set_attn_implementation("flash_attention_2")
+        modes = ("full_forward", "varlen", "kv_cache")  # the tree mask needs sdpa or eager
     vocab = common.MODELS[spec]["vocab"]
     n_long, n_std, reps = (8, 48, 2) if args.quick else (24, 128, 3)
     cases = [
-        run_case("long prompt (512 + 128/128)", model, long_prompt_pairs(n_long, vocab, 512, 128), 8192, reps),
-        run_case("standard (synthetic, seq 256)", model, standard_pairs(n_std, vocab, 256), 8192, reps),
+        run_case("long prompt (512 + 128/128)", model, long_prompt_pairs(n_long, vocab, 512, 128), 8192, reps, modes),
+        run_case("standard (synthetic, seq 256)", model, standard_pairs(n_std, vocab, 256), 8192, reps, modes),
     ]
-    result = {"model": spec, "params": common.n_params(model), "dtype": common.dtype_name(dev), "cases": cases}
+    result = {"model": spec, "params": common.n_params(model), "dtype": common.dtype_name(dev),
+              "attn_implementation": model.config._attn_implementation, "cases": cases}
     path = common.save("modes", result, args.quick)
     for case in cases:
         print(f"{case['name']}: {case['pairs']} pairs, {case['tokens']:,} tokens")
         for m, r in case["modes"].items():
             print(f"  {m:14s} {common.fmt_s(r['time'])}  {r['tokens_per_s']:,.0f} tok/s  "
                   f"x{r['speedup_vs_full_forward']:.2f} vs full_forward  max diff {r['max_abs_diff_vs_full_forward']:.1e}"
-                  f"  padding {r['padding_fraction']:.1%}")
+                  f"  padding {r['padding_fraction']:.1%}  estimated x{r['estimated_speedup']:.2f}")
+        print(f"  auto picks {case['auto']}; fastest measured {case['fastest']} "
+              f"(auto at {case['auto_vs_fastest']:.2f}x its speed)")
     print(f"wrote {path}")
+
+
+def flash_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

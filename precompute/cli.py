@@ -8,6 +8,7 @@ import traceback
 
 import click
 
+from precompute import MODES
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig
 
 EXIT_FAILED, EXIT_REFUSED = 1, 2
@@ -85,10 +86,13 @@ def encoding_from(max_length, truncation_mode, chat_template, base: EncodingConf
               help="Reference precision; auto is bfloat16 on CUDA and float32 on CPU.")
 @click.option("--device", default="auto", help="auto (CUDA device LOCAL_RANK if present, else CPU), cpu, cuda, cuda:N.")
 @click.option("--attn-implementation", default="sdpa", help="Attention kernel: sdpa, eager, flash_attention_2.")
-@click.option("--batching", default="auto", type=click.Choice(["auto", "packed", "shared_prompt", "full_forward"]),
-              help="packed: each prompt computed once and pairs packed into rows without padding; shared_prompt: "
-                   "prompt once, one pair per row; full_forward: [prompt|chosen] and [prompt|rejected] as separate "
-                   "rows. auto picks packed where the attention supports it (checked on the first pairs).")
+@click.option("--batching", default="auto", type=click.Choice(("auto",) + MODES),
+              help="How pairs go through the model (same numbers either way). kv_cache: each prompt once, chosen "
+                   "and rejected continue from its key/value cache; packed: prompt once, pairs packed into rows with "
+                   "a tree mask; shared_prompt: the same, one pair per row; varlen: sequences packed without padding "
+                   "(flash attention); full_forward: [prompt|chosen] and [prompt|rejected] as padded rows. auto "
+                   "estimates the work of each mode the attention supports on the first shard, takes the cheapest "
+                   "and checks it against full_forward on two pairs.")
 @click.option("--resume/--overwrite", default=True,
               help="Resume: keep finished shards of this same job. Overwrite: delete the existing cache first.")
 @click.option("--on-bad-row", default="error", type=click.Choice(["error", "skip"]),

@@ -27,8 +27,7 @@ from schemas.encoding import EncodedPair, EncodingConfig
 from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash, weight_files
 
 from .data import Encoded, encode_rows, load_rows
-from .logprobs import completion_logps, pad_sequences, token_logps
-from .packing import length_batches, pack_rows, row_batches, tree_batch
+from .modes import DESCRIPTIONS, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
 
 
 class JobError(RuntimeError):
@@ -47,7 +46,7 @@ class PrecomputeConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere
     device: str = "auto"
     attn_implementation: str = "sdpa"
-    batching: str = "auto"  # auto | packed | shared_prompt | full_forward
+    batching: str = "auto"  # auto or one of modes.MODES
     overwrite: bool = False
     on_bad_row: str = "error"
     trust_remote_code: bool = False
@@ -118,73 +117,6 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: s
         model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, attn_implementation=attn
     )
     return model.to(device).eval().requires_grad_(False)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# scoring
-
-
-@torch.no_grad()
-def score_pairs(model, pairs: list[EncodedPair], pad_id: int, token_budget: int, mode: str = "full_forward",
-                on_batch=None):
-    """Reference log-probs per completion token for each pair: (chosen list, rejected list, stats).
-
-    mode: full_forward scores [prompt | chosen] and [prompt | rejected] as separate right-padded rows, in
-    length-sorted batches; shared_prompt and packed run each prompt once (see packing.py).
-    stats: tokens (of the plain sequences: the work done, whatever the mode), processed (real tokens through the
-    model), slots (tokens including padding).
-    """
-    device = next(model.parameters()).device
-    values: list = [None] * (2 * len(pairs))  # chosen of pair i at 2i, rejected at 2i + 1
-    stats = {"tokens": 0, "processed": 0, "slots": 0}
-    seqs = [(p.prompt_ids, c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
-    if mode == "full_forward":
-        batches = length_batches([len(a) + len(b) for a, b in seqs], token_budget)
-    else:
-        lengths = [len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs]
-        batches = row_batches(pack_rows(lengths, mode == "packed"), lengths, token_budget)
-    for batch in batches:
-        if mode == "full_forward":
-            order = batch
-            ids, mask = pad_sequences([seqs[i][0] + seqs[i][1] for i in order], pad_id, device)
-            plen = torch.tensor([len(seqs[i][0]) for i in order])
-            clen = torch.tensor([len(seqs[i][1]) for i in order])
-            flat = completion_logps(model, ids, mask, plen, clen)
-            processed, slots = int(mask.sum()), mask.numel()
-        else:
-            order = [2 * i + k for row in batch for i in row for k in (0, 1)]
-            inputs, rows, sources, targets = tree_batch(pairs, batch, pad_id, model.dtype, device)
-            flat = token_logps(model, inputs, rows, sources, targets)
-            clen = torch.tensor([len(seqs[i][1]) for i in order])
-            processed = sum(len(seqs[i][1]) + (len(seqs[i][0]) if i % 2 == 0 else 0) for i in order)
-            slots = inputs["input_ids"].numel()
-        for i, part in zip(order, np.split(flat.cpu().numpy(), np.cumsum(clen.numpy())[:-1])):
-            values[i] = part
-        tokens = sum(len(seqs[i][0]) + len(seqs[i][1]) for i in order)
-        stats = {"tokens": stats["tokens"] + tokens, "processed": stats["processed"] + processed,
-                 "slots": stats["slots"] + slots}
-        if on_batch:
-            on_batch(len(order) / 2, tokens)
-    return values[0::2], values[1::2], stats
-
-
-def choose_mode(model, requested: str, probe: list[EncodedPair], pad_id: int, log) -> str:
-    """The fastest correct mode: packed where the attention honours a custom 4-D mask, checked on real pairs."""
-    attn = model.config._attn_implementation
-    mode = requested if requested != "auto" else ("packed" if attn in ("sdpa", "eager") else "full_forward")
-    if mode == "full_forward":
-        if requested == "auto":
-            log(f"batching: full_forward ({attn} attention cannot take the shared-prompt mask)")
-        return mode
-    ref_c, ref_r, _ = score_pairs(model, probe, pad_id, 1 << 30, "full_forward")
-    got_c, got_r, _ = score_pairs(model, probe, pad_id, 1 << 30, mode)
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref_c + ref_r, got_c + got_r))
-    tolerance = 1e-4 if model.dtype == torch.float32 else 0.25
-    if diff > tolerance:
-        log(f"batching: {mode} differs from the plain forward by {diff:.2e} on this model; using full_forward")
-        return "full_forward"
-    log(f"batching: {mode} (each prompt computed once; max difference to the plain forward {diff:.1e})")
-    return mode
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -387,9 +319,10 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
                                f"({' '.join(str(e).split())[:300]})") from None
             attn = model.config._attn_implementation
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            shard = encoded.pairs[mine[0]["start"] : mine[0]["stop"]]
-            probe = sorted(shard, key=lambda p: len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids))[:2]
-            mode = choose_mode(model, cfg.batching, probe, pad_id, log)  # checked on the 2 shortest pairs: cheap
+            # Decided on the job's first shard (not this rank's), so every rank and every resumed run agrees.
+            first = encoded.pairs[plan[0]["start"] : plan[0]["stop"]]
+            longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in encoded.pairs)
+            mode = choose_mode(model, cfg.batching, first, longest, pad_id, cfg.token_budget, log)
             stats = {**_score_shards(model, encoded, mine, out, stamps, cfg, pad_id, mode, dist.rank == 0), "mode": mode}
         if dist.world > 1:
             box = [None] * dist.world
@@ -417,10 +350,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
                 "attn_implementation": attn,
                 "token_budget": cfg.token_budget,
                 "rows_per_shard": cfg.rows_per_shard,
-                "batching": {"full_forward": "length-sorted sequences within each shard, right padding",
-                             "shared_prompt": "one [prompt|chosen|rejected] row per pair with a tree attention mask",
-                             "packed": "pairs packed into rows no longer than the longest pair, tree attention "
-                                       "mask"}.get(stats["mode"], stats["mode"]),
+                "batching": DESCRIPTIONS.get(stats["mode"], stats["mode"]),
             },
             "software": software_versions(),
             "source": {

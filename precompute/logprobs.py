@@ -40,13 +40,15 @@ def _chunk_logps(inner, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int = CHUNK_ELEMENTS,
+                return_output: bool = False):
     """Log-prob of `targets[i]` predicted from position (rows[i], sources[i]) of a forward over `inputs`.
 
     The call goes through the outer module, so DDP/FSDP/DeepSpeed see a normal forward (`logits_to_keep=1` keeps
     the model's own logits to one position per row); the scoring runs in a hook on the base model's output, i.e.
     still inside that forward, where sharded output weights are materialised. Returns float32, differentiable
-    when grad is enabled.
+    when grad is enabled; with return_output, also the model's output (e.g. the key/value cache when `inputs`
+    sets use_cache).
     """
     inner = unwrap(model)
     step = max(1, chunk_elements // inner.get_output_embeddings().weight.shape[0])
@@ -67,10 +69,10 @@ def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int
 
     handle = inner.base_model.register_forward_hook(score)
     try:
-        model(**inputs, logits_to_keep=1, use_cache=False)
+        output = model(**{"use_cache": False, **inputs}, logits_to_keep=1)
     finally:
         handle.remove()
-    return captured["logps"]
+    return (captured["logps"], output) if return_output else captured["logps"]
 
 
 def completion_logps(

@@ -9,7 +9,7 @@ token is scored from the prompt's last position, like the first chosen token.
 
 Packing puts several such segments in one row (segments never see each other), up to the length of the longest
 pair, so short pairs fill the room that would otherwise be padding. This needs an attention implementation that honours a custom 4-D mask (sdpa, eager);
-`score_pairs` checks the equality on its first batch and falls back to the plain forward otherwise.
+modes.choose_mode checks the equality on real pairs and falls back to the plain forward otherwise.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import torch
 from schemas.encoding import EncodedPair
 
 from .logprobs import token_logps
-
-MODES = ("full_forward", "shared_prompt", "packed")
 
 
 def pack_rows(lengths: list[int], pack: bool) -> list[list[int]]:

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import pref_rows, write_jsonl
-from precompute import job, packing
+from precompute import kvcache, modes, packing
 from precompute.data import encode_rows, load_rows
 from precompute.job import PrecomputeConfig, choose_mode, run_precompute, score_pairs
-from schemas.encoding import EncodingConfig
+from schemas.encoding import EncodedPair, EncodingConfig
 
 
 def plain_logps(model, pair) -> tuple[np.ndarray, np.ndarray]:
@@ -39,7 +39,7 @@ def scored(request, tmp_path_factory):
     return model, pairs, tok.pad_token_id
 
 
-@pytest.mark.parametrize("mode", ["shared_prompt", "packed", "full_forward"])
+@pytest.mark.parametrize("mode", ["shared_prompt", "packed", "kv_cache", "varlen", "full_forward"])
 def test_modes_equal_plain_forward(scored, mode):
     model, pairs, pad = scored
     chosen, rejected, stats = score_pairs(model, pairs, pad, token_budget=256, mode=mode)
@@ -52,8 +52,14 @@ def test_modes_equal_plain_forward(scored, mode):
     prompts = sum(len(p.prompt_ids) for p in pairs)
     completions = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
     assert stats["tokens"] == 2 * prompts + completions  # the plain sequences' tokens, whatever the mode
-    expected_processed = stats["tokens"] if mode == "full_forward" else prompts + completions
-    assert stats["processed"] == expected_processed  # shared modes run each prompt once
+    if mode in ("full_forward", "varlen"):
+        assert stats["processed"] == stats["tokens"]
+    elif mode == "kv_cache":  # each prompt once; a completion's last token is never an input
+        assert stats["processed"] == prompts + completions - 2 * len(pairs)
+    else:
+        assert stats["processed"] == prompts + completions  # the tree runs each prompt once
+    if mode == "varlen":
+        assert stats["slots"] == stats["processed"]  # no padding at all
     if mode == "packed":
         assert stats["slots"] - stats["processed"] < 0.2 * stats["slots"]
 
@@ -88,40 +94,118 @@ def test_tree_mask_sees_prompt_and_own_branch_only(scored):
     assert len(targets) == C + R + len(pairs[1].chosen_ids) + len(pairs[1].rejected_ids)
 
 
-def test_unsupported_mask_falls_back_once(scored, monkeypatch):
-    model, pairs, pad = scored
-    real = packing.tree_batch
-
+def _broken_tree(real):
     def ignores_branches(*args, **kwargs):  # as if the attention ignored the custom mask
         inputs, *rest = real(*args, **kwargs)
         width = inputs["input_ids"].shape[1]
         causal = torch.full((width, width), torch.finfo(torch.float32).min).triu(1)
         return {**inputs, "attention_mask": causal.expand_as(inputs["attention_mask"])}, *rest
+    return ignores_branches
 
-    monkeypatch.setattr(job, "tree_batch", ignores_branches)
+
+def test_unsupported_mask_falls_back_once(scored, monkeypatch):
+    model, pairs, pad = scored
+    monkeypatch.setattr(modes, "tree_batch", _broken_tree(packing.tree_batch))
     messages = []
-    assert choose_mode(model, "auto", pairs[:4], pad, messages.append) == "full_forward"
-    assert len(messages) == 1 and "using full_forward" in messages[0]
-    monkeypatch.setattr(job, "tree_batch", real)
+    assert choose_mode(model, "packed", pairs, 99, pad, 4096, messages.append) == "full_forward"
+    assert len(messages) == 1 and "packed: differs from the plain forward" in messages[0]
+    monkeypatch.setattr(modes, "kv_cache_batch", _raises)
     messages.clear()
-    assert choose_mode(model, "auto", pairs[:4], pad, messages.append) == "packed"
+    assert choose_mode(model, "auto", pairs, 99, pad, 4096, messages.append) == "full_forward"
+    assert len(messages) == 1
+    assert "packed: differs" in messages[0] and "kv_cache: not supported by this model (TypeError" in messages[0]
+    monkeypatch.undo()
+    messages.clear()
+    assert choose_mode(model, "auto", pairs, 99, pad, 4096, messages.append) in ("packed", "kv_cache")
+    assert len(messages) == 1 and "matches the plain forward" in messages[0]
+
+
+def _raises(*args, **kwargs):
+    raise TypeError("forward() got an unexpected keyword argument 'cache'")
+
+
+def test_auto_takes_the_cheapest_mode(scored, monkeypatch):
+    model, _pairs, pad = scored
+    long_prompts = [EncodedPair([1] + [7] * 299, [8] * 20 + [2], [9] * 15 + [2]) for _ in range(4)]
+    hidden = model.config.get_text_config().hidden_size
+    cost = {m: modes.estimated_cost(long_prompts, m, 4096, hidden) for m in modes.MODES}
+    assert min(cost, key=cost.get) == "kv_cache" and cost["full_forward"] > 1.6 * cost["kv_cache"]
+    assert choose_mode(model, "auto", long_prompts, 321, pad, 4096, lambda m: None) == "kv_cache"
+    # Short prompts, long completions of mixed lengths: packing removes more work than sharing the prompt.
+    short = [EncodedPair([1, 5], [8] * n + [2], [9] * (60 - n) + [2]) for n in range(5, 55, 3)]
+    cost = {m: modes.estimated_cost(short, m, 4096, hidden) for m in modes.candidates("sdpa")}
+    assert min(cost, key=cost.get) == "packed"
+    assert choose_mode(model, "auto", short, 63, pad, 4096, lambda m: None) == "packed"
+    # Flash attention: the tree mask is not a candidate, varlen is.
+    assert modes.candidates("flash_attention_2") == ("kv_cache", "varlen", "full_forward")
+
+
+def test_estimated_cost_by_hand():
+    pairs = [EncodedPair([1, 2, 3, 4], [5, 6, 2], [7, 2])] * 2  # P 4, C 3, R 2; sequences 7, 6, 7, 6
+    h = 10
+    assert modes.estimated_cost(pairs, "full_forward", 1000, h) == 4 * 7 + 4 * 49 / 60
+    assert modes.estimated_cost(pairs, "varlen", 1000, h) == 26 + (49 + 36 + 49 + 36) / 2 / 60
+    # kv_cache: 2 prompts of 4, then 2 x 2 continuations of 2 inputs attending to 4 + 2 keys.
+    assert modes.estimated_cost(pairs, "kv_cache", 1000, h) == 2 * (4 + 2 * 2) + 2 * (16 + 2 * 2 * 6) / 60
+    assert modes.estimated_cost(pairs, "shared_prompt", 1000, h) == 2 * 9 + 2 * 81 / 60
+    assert modes.estimated_cost(pairs, "packed", 1000, h) == 2 * 9 + 2 * 81 / 60  # two 9-token pairs never fit in 9
+
+
+def test_sliding_window_models_keep_the_plain_forward(scored, monkeypatch):
+    model, pairs, pad = scored
+    monkeypatch.setattr(model.config, "sliding_window", 16, raising=False)
+    monkeypatch.setattr(model.config, "layer_types", ["sliding_attention"] * 2, raising=False)
+    assert modes.unsupported("kv_cache", model, 40).startswith("sliding-window attention (window 16")
+    assert modes.unsupported("packed", model, 40) is not None
+    assert modes.unsupported("kv_cache", model, 16) is None  # every sequence fits the window
+    messages = []
+    assert choose_mode(model, "auto", pairs, 40, pad, 4096, messages.append) == "full_forward"
+    assert "sliding-window" in messages[0]
+
+
+def test_kv_and_varlen_batches_fit_the_budget():
+    rng = np.random.default_rng(0)
+    pairs = [EncodedPair([1] * int(rng.integers(1, 60)), [2] * int(rng.integers(1, 30)), [3] * int(rng.integers(1, 30)))
+             for _ in range(200)]
+    batches = kvcache.kv_batches(pairs, 600)
+    assert sorted(i for b in batches for i in b) == list(range(200))
+    for b in batches:
+        p = max(len(pairs[i].prompt_ids) for i in b)
+        c = max(max(len(pairs[i].chosen_ids), len(pairs[i].rejected_ids)) for i in b)
+        assert len(b) == 1 or len(b) * (p + 2 * c) <= 600
+    lengths = [int(x) for x in rng.integers(1, 100, size=300)]
+    batches = kvcache.varlen_batches(lengths, 500)
+    assert sorted(i for b in batches for i in b) == list(range(300))
+    assert all(len(b) == 1 or sum(lengths[i] for i in b) <= 500 for b in batches)
+
+
+@pytest.mark.parametrize("mode", ["kv_cache", "packed"])
+def test_bfloat16_within_the_recorded_dtype_tolerance(scored, mode):
+    model, pairs, pad = scored
+    half = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.bfloat16).eval()
+    want_c, want_r, _ = score_pairs(half, pairs, pad, 256, "full_forward")
+    got_c, got_r, _ = score_pairs(half, pairs, pad, 256, mode)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(want_c + want_r, got_c + got_r))
+    assert diff <= 5e-2  # audit-ref's per-token replay tolerance for half precision
 
 
 def test_mode_recorded_and_stamps_unchanged(llama_dir, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", pref_rows(20, seed=4, fmt="conversational"))
     manifests, values = {}, {}
-    for mode in ("full_forward", "packed"):
+    for mode in ("full_forward", "packed", "kv_cache"):
         out = tmp_path / mode
         run_precompute(PrecomputeConfig(model=str(llama_dir), data=str(data), out=str(out), batching=mode,
                                         progress=False), log=lambda m: None)
         manifests[mode] = json.loads((out / "manifest.json").read_text())
         values[mode] = pl.read_parquet(out / "shard-00000.parquet")
-    assert manifests["packed"]["computation"]["mode"] == "packed"
-    assert manifests["full_forward"]["computation"]["mode"] == "full_forward"
-    assert manifests["packed"]["stamps"] == manifests["full_forward"]["stamps"]
-    a, b = values["full_forward"], values["packed"]
-    assert a["id"].to_list() == b["id"].to_list()
-    assert a["mask_checksum"].to_list() == b["mask_checksum"].to_list()
-    for col in ("chosen_logps", "rejected_logps"):
-        diff = np.abs(np.concatenate(a[col].to_list()) - np.concatenate(b[col].to_list()))
-        assert diff.max() < 1e-5
+    a = values["full_forward"]
+    for mode in ("packed", "kv_cache"):
+        assert manifests[mode]["computation"]["mode"] == mode
+        assert manifests[mode]["computation"]["batching"] == modes.DESCRIPTIONS[mode]
+        assert manifests[mode]["stamps"] == manifests["full_forward"]["stamps"]
+        b = values[mode]
+        assert a["id"].to_list() == b["id"].to_list()
+        assert a["mask_checksum"].to_list() == b["mask_checksum"].to_list()
+        for col in ("chosen_logps", "rejected_logps"):
+            diff = np.abs(np.concatenate(a[col].to_list()) - np.concatenate(b[col].to_list()))
+            assert diff.max() < 1e-5

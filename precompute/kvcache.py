@@ -1,0 +1,136 @@
+"""Scoring pairs by continuing from the prompt's key/value cache, and padding-free (varlen) batches.
+
+kv_cache: one forward runs a batch of prompts (right-padded) and keeps their key/value cache. The cache is
+repeated once per completion and a second forward runs [chosen, rejected] for every prompt on top of it, with
+position ids continuing at each prompt's own length and the attention mask hiding the prompts' padding. The first
+token of both completions is scored from the prompt's last position in the first forward. Causal attention keeps
+its fast path for the prompts, and any attention implementation that supports a cache and a padding mask works
+(sdpa, eager, flash attention).
+
+varlen: [prompt | completion] sequences concatenated into a single row per batch, position ids restarting at 0 for
+each sequence and no attention mask, which transformers turns into varlen flash attention (cu_seqlens): no padding
+at all. Only flash attention makes this cheap; sdpa and eager would build a dense mask over the whole row.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+from schemas.encoding import EncodedPair
+
+from .logprobs import token_logps, unwrap
+
+FLASH = ("flash_attention_2", "flash_attention_3")
+
+
+def kv_batches(pairs: list[EncodedPair], token_budget: int) -> list[list[int]]:
+    """Pairs sorted by prompt length (longest first), cut so that prompt slots plus both completions' slots fit
+    token_budget: len(batch) * (longest prompt + 2 * longest completion)."""
+    order = sorted(range(len(pairs)), key=lambda i: (-len(pairs[i].prompt_ids), -_completion(pairs[i]), i))
+    batches, current, prompt, completion = [], [], 0, 0
+    for i in order:
+        p, c = len(pairs[i].prompt_ids), _completion(pairs[i])
+        if current and (len(current) + 1) * (max(prompt, p) + 2 * max(completion, c)) > token_budget:
+            batches.append(current)
+            current, prompt, completion = [], 0, 0
+        current.append(i)
+        prompt, completion = max(prompt, p), max(completion, c)
+    return batches + ([current] if current else [])
+
+
+def varlen_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices sorted by length (longest first) and cut so that each batch's total length fits token_budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, current, total = [], [], 0
+    for i in order:
+        if current and total + lengths[i] > token_budget:
+            batches.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += lengths[i]
+    return batches + ([current] if current else [])
+
+
+def _completion(pair: EncodedPair) -> int:
+    return max(len(pair.chosen_ids), len(pair.rejected_ids))
+
+
+def _cache_kwarg(model) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); use whichever this version's forward takes."""
+    params = inspect.signature(unwrap(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _right_pad(seqs: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    width = max(1, max(len(s) for s in seqs))
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = s
+        mask[b, : len(s)] = 1
+    return ids, mask
+
+
+def kv_cache_batch(model, pairs: list[EncodedPair], batch: list[int], pad_id: int) -> tuple[list[np.ndarray], dict]:
+    """Per-token log-probs of chosen and rejected for the pairs in `batch`, in the order
+    [chosen of batch[0], rejected of batch[0], chosen of batch[1], ...], plus token counts."""
+    device = next(model.parameters()).device
+    prompts = [pairs[i].prompt_ids for i in batch]
+    completions = [c for i in batch for c in (pairs[i].chosen_ids, pairs[i].rejected_ids)]
+    plen = np.array([len(p) for p in prompts])
+    ids, mask = _right_pad(prompts, pad_id)
+    ids_t, mask_t = torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device)
+    last = torch.as_tensor(plen - 1, device=device).repeat_interleave(2)  # each prompt scores both first tokens
+    firsts = torch.as_tensor([c[0] for c in completions], device=device)
+    rows = torch.arange(len(batch), device=device).repeat_interleave(2)
+    key = _cache_kwarg(model)
+    first, out = token_logps(model, {"input_ids": ids_t, "attention_mask": mask_t, "use_cache": True},
+                             rows, last, firsts, return_output=True)
+    first = first.cpu().numpy()
+    rest = [c[1:] for c in completions]  # input c[:-1] predicts c[1:]
+    slots = ids.size
+    if any(rest):
+        cache = getattr(out, key)
+        cache.batch_repeat_interleave(2)
+        cont, cont_mask = _right_pad([c[:-1] for c in completions], pad_id)
+        width = cont.shape[1]
+        full_mask = np.concatenate([mask.repeat(2, axis=0), cont_mask], axis=1)
+        positions = plen.repeat(2)[:, None] + np.arange(width)[None, :]
+        lens = np.array([len(r) for r in rest])
+        r_rows, r_cols = np.nonzero(np.arange(width)[None, :] < lens[:, None])  # row-major: row order, then position
+        cont_t = torch.as_tensor(cont, device=device)
+        inputs = {"input_ids": cont_t, "attention_mask": torch.as_tensor(full_mask, device=device),
+                  "position_ids": torch.as_tensor(positions, device=device), key: cache, "use_cache": True}
+        r_rows_t, r_cols_t = torch.as_tensor(r_rows, device=device), torch.as_tensor(r_cols, device=device)
+        targets = torch.as_tensor(np.concatenate([np.asarray(r, dtype=np.int64) for r in rest]), device=device)
+        flat = token_logps(model, inputs, r_rows_t, r_cols_t, targets).cpu().numpy()
+        slots += cont.size
+        parts = np.split(flat, np.cumsum(lens)[:-1])
+    else:
+        parts = [np.zeros(0, dtype=np.float32)] * len(completions)
+    values = [np.concatenate([first[k : k + 1], parts[k]]) for k in range(len(completions))]
+    processed = int(plen.sum()) + sum(len(c) for c in completions) - len(completions)
+    return values, {"processed": processed, "slots": slots}
+
+
+def varlen_batch(model, seqs: list[tuple[list[int], list[int]]], batch: list[int]) -> tuple[np.ndarray, dict]:
+    """Flattened completion log-probs of the (prompt, completion) sequences in `batch`, packed into one row."""
+    device = next(model.parameters()).device
+    ids, positions, sources, targets = [], [], [], []
+    for i in batch:
+        prompt, completion = seqs[i]
+        start = len(ids)
+        ids += prompt + completion
+        positions += range(len(prompt) + len(completion))
+        at = start + len(prompt) + np.arange(len(completion))
+        sources.append(at - 1)
+        targets.append(at)
+    ids_t = torch.as_tensor([ids], device=device)
+    src = torch.as_tensor(np.concatenate(sources), device=device)
+    inputs = {"input_ids": ids_t, "position_ids": torch.as_tensor([positions], device=device)}
+    flat = token_logps(model, inputs, torch.zeros_like(src), src, ids_t[0, torch.as_tensor(np.concatenate(targets),
+                                                                                              device=device)])
+    return flat.cpu().numpy(), {"processed": len(ids), "slots": len(ids)}
