@@ -81,11 +81,23 @@ def main():
         run_case("long prompt (512 + 128/128)", model, long_prompt_pairs(n_long, vocab, 512, 128), 8192, reps, modes),
         run_case("standard (synthetic, seq 256)", model, standard_pairs(n_std, vocab, 256), 8192, reps, modes),
     ]
+    for case in cases:
+        case.update(model=spec, params=common.n_params(model))
+    if not args.quick:  # a model 7x larger: attention is a smaller share of the work, the prompt a larger one
+        big = "35M" if dev.type == "cpu" else "350M"
+        del model
+        model = common.build_llama(big, vocab=common.MODELS[big]["vocab"]).to(dev, common.torch_dtype(dev))
+        if modes != MODES:
+            model.set_attn_implementation("flash_attention_2")
+        case = run_case(f"long prompt (512 + 128/128), {big}", model,
+                        long_prompt_pairs(12, common.MODELS[big]["vocab"], 512, 128), 8192, 2,
+                        tuple(m for m in modes if m != "shared_prompt"))
+        cases.append({**case, "model": big, "params": common.n_params(model)})
     result = {"model": spec, "params": common.n_params(model), "dtype": common.dtype_name(dev),
               "attn_implementation": model.config._attn_implementation, "cases": cases}
     path = common.save("modes", result, args.quick)
     for case in cases:
-        print(f"{case['name']}: {case['pairs']} pairs, {case['tokens']:,} tokens")
+        print(f"{case['name']}: {case['model']} model, {case['pairs']} pairs, {case['tokens']:,} tokens")
         for m, r in case["modes"].items():
             print(f"  {m:14s} {common.fmt_s(r['time'])}  {r['tokens_per_s']:,.0f} tok/s  "
                   f"x{r['speedup_vs_full_forward']:.2f} vs full_forward  max diff {r['max_abs_diff_vs_full_forward']:.1e}"

@@ -322,15 +322,24 @@ def render_scaling(S: dict) -> list[str]:
 
 
 def render_modes(M: dict) -> list[str]:
-    L = [f"{M['model']} model ({M['params'] / 1e6:.1f}M parameters, {M['dtype']}); precompute.job.score_pairs in each "
-         "mode on the same pairs and the same loaded model, round-robin (bench/bench_modes.py).", "",
-         "| case | pairs | tokens | mode | time | tokens/s | vs full_forward | padding | max abs diff vs full_forward |",
-         "|---|---|---|---|---|---|---|---|---|"]
+    L = [f"Models of bench/common.py ({M['dtype']}, {M.get('attn_implementation', 'sdpa')} attention); "
+         "precompute.modes.score_pairs in each mode on the same pairs and the same loaded model, round-robin (`{M['command']}`, {M['machine']['date']}). Estimated: the "
+         "full_forward/mode ratio of precompute.modes.estimated_cost, on which `--batching auto` decides.", "",
+         "| case | model | pairs | tokens | mode | time | tokens/s | vs full_forward | estimated | padding | "
+         "max abs diff vs full_forward |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in M["cases"]:
+        model = f"{c.get('model', M['model'])} ({c.get('params', M['params']) / 1e6:.1f}M)"
         for mode, r in c["modes"].items():
-            L.append(f"| {c['name']} | {c['pairs']} | {c['tokens']:,} | {mode} | {sec(r['time'])} | "
-                     f"{r['tokens_per_s']:,.0f} | {x(r['speedup_vs_full_forward'])} | {r['padding_fraction']:.1%} | "
+            L.append(f"| {c['name']} | {model} | {c['pairs']} | {c['tokens']:,} | {mode} | {sec(r['time'])} | "
+                     f"{r['tokens_per_s']:,.0f} | {x(r['speedup_vs_full_forward'])} | "
+                     f"{x(r['estimated_speedup']) if 'estimated_speedup' in r else '-'} | {r['padding_fraction']:.1%} | "
                      f"{r['max_abs_diff_vs_full_forward']:.1e} |")
+    L.append("")
+    for c in M["cases"]:
+        if "auto" in c:
+            L.append(f"- {c['name']}: auto picks **{c['auto']}**; fastest measured {c['fastest']}; auto runs at "
+                     f"{x(c['auto_vs_fastest'])} the fastest mode's speed.")
     return L
 
 
@@ -363,8 +372,8 @@ def render_analysis(R: dict) -> list[str]:
                      f"precompute loop; refcache's whole job {t['refcache']['median']:.3f} s, {probe:.3f} s of it in the "
                      f"mode probe. Without the probe the ratio would be "
                      f"{t['trl']['median'] / max(1e-9, t['refcache']['median'] - probe):.2f}x.")
-        L += ["", "The probe (precompute.job.choose_mode) scores a few pairs of the first shard twice, plain and "
-                 "packed, before the real work (the 2 shortest since commit 5e6e93d, the first 4 before): a fixed "
+        L += ["", "The probe (precompute.modes.choose_mode) scores a few pairs of the first shard twice, plain and "
+                 "in the chosen mode, before the real work (the 2 shortest since commit 5e6e93d, the first 4 before): a fixed "
                  "cost, visible against a bench of a dozen pairs and negligible against a real data set.", ""]
         if head and head.get("profile"):
             L += [f"<details><summary>torch.profiler, one run_precompute on {head['case']} (top ops by self "

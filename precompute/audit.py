@@ -351,8 +351,9 @@ def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, 
 
 def replay(root: Path, manifest: dict, index: pl.DataFrame, model_dir: str, tokenizer, *, sample, seed, tolerance,
            trust_remote_code) -> Check:
-    """Score a seeded sample of cached rows again (`score_pairs`, the recorded dtype, this machine's device) and
-    compare per token with the cached values. `sample=None` replays every row."""
+    """Score a seeded sample of cached rows again with the plain forward (`score_pairs` in full_forward mode,
+    whatever mode made the cache), in the recorded dtype on this machine's device, and compare per token with the
+    cached values. `sample=None` replays every row."""
     from .job import load_model, preserved_rng, resolve_device, resolve_dtype, score_pairs
 
     t0 = time.perf_counter()

@@ -100,7 +100,8 @@ def estimated_cost(pairs: list[EncodedPair], mode: str, token_budget: int, hidde
     """Work of scoring `pairs` in `mode`, in token equivalents: every slot that runs through the layers (padding
     included) plus the attention scores the kernel computes, each weighted 1 / (6 * hidden) of a token (a layer's
     linear maps cost about 24 h^2 FLOPs per token, attention about 4 h per score). Masked scores count: a custom
-    or padding mask makes the kernel compute them anyway; flash attention skips them (varlen)."""
+    or padding mask makes the kernel compute them anyway; causal attention without padding skips the upper
+    triangle, as flash attention does per sequence (varlen)."""
     P = np.array([len(p.prompt_ids) for p in pairs])
     C = np.array([len(p.chosen_ids) for p in pairs])
     R = np.array([len(p.rejected_ids) for p in pairs])
@@ -108,18 +109,23 @@ def estimated_cost(pairs: list[EncodedPair], mode: str, token_budget: int, hidde
     for batch in plan_batches(pairs, mode, token_budget):
         if mode == "full_forward":
             L = np.array([P[i // 2] + (C, R)[i % 2][i // 2] for i in batch])
-            slots, scores = slots + len(L) * L.max(), scores + len(L) * L.max() ** 2
+            slots, scores = slots + len(L) * L.max(), scores + len(L) * L.max() ** 2 * _causal(L)
         elif mode == "varlen":
             L = np.array([P[i // 2] + (C, R)[i % 2][i // 2] for i in batch], dtype=float)
             slots, scores = slots + L.sum(), scores + (L**2).sum() / 2
         elif mode == "kv_cache":
             p, c = P[batch].max(), np.maximum(C[batch], R[batch]).max() - 1
             slots += len(batch) * (p + 2 * c)
-            scores += len(batch) * (p**2 + 2 * c * (p + c))
+            scores += len(batch) * (p**2 * _causal(P[batch]) + 2 * c * (p + c))
         else:
             width = max(sum(P[i] + C[i] + R[i] for i in row) for row in batch)
             slots, scores = slots + len(batch) * width, scores + len(batch) * width**2
     return float(slots + scores / (6 * hidden))
+
+
+def _causal(lengths: np.ndarray) -> float:
+    """Share of the score matrix computed: without padding transformers lets the kernel skip the upper triangle."""
+    return 0.5 if (lengths == lengths[0]).all() else 1.0
 
 
 def _sliding_window(config) -> int | None:

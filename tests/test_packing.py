@@ -146,7 +146,10 @@ def test_estimated_cost_by_hand():
     assert modes.estimated_cost(pairs, "full_forward", 1000, h) == 4 * 7 + 4 * 49 / 60
     assert modes.estimated_cost(pairs, "varlen", 1000, h) == 26 + (49 + 36 + 49 + 36) / 2 / 60
     # kv_cache: 2 prompts of 4, then 2 x 2 continuations of 2 inputs attending to 4 + 2 keys.
-    assert modes.estimated_cost(pairs, "kv_cache", 1000, h) == 2 * (4 + 2 * 2) + 2 * (16 + 2 * 2 * 6) / 60
+    # Prompts of equal length need no padding mask, so the kernel skips the upper triangle.
+    assert modes.estimated_cost(pairs, "kv_cache", 1000, h) == 2 * (4 + 2 * 2) + 2 * (16 / 2 + 2 * 2 * 6) / 60
+    same = [EncodedPair([1, 2, 3, 4], [5, 2], [7, 2])] * 2  # four sequences of 6: causal without a mask
+    assert modes.estimated_cost(same, "full_forward", 1000, h) == 4 * 6 + 4 * 36 / 2 / 60
     assert modes.estimated_cost(pairs, "shared_prompt", 1000, h) == 2 * 9 + 2 * 81 / 60
     assert modes.estimated_cost(pairs, "packed", 1000, h) == 2 * 9 + 2 * 81 / 60  # two 9-token pairs never fit in 9
 
