@@ -149,6 +149,9 @@ def unsupported(mode: str, model, longest: int) -> str | None:
         return f"{attn} attention cannot take the tree mask"
     if mode == "kv_cache" and getattr(model.config, "is_encoder_decoder", False):
         return "encoder-decoder model"
+    layers = set(getattr(model.config.get_text_config(), "layer_types", None) or ())
+    if mode == "kv_cache" and layers - {"full_attention", "sliding_attention"}:
+        return f"layers other than attention ({', '.join(sorted(layers))}) keep state a padded prompt would corrupt"
     return None
 
 
@@ -173,7 +176,10 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
         order = sorted(cost, key=lambda m: (cost[m], m != "full_forward"))
     else:
         cost, order = {}, [requested]
-    probe = sorted(sample, key=lambda p: len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids))[:2]
+    if requested == "varlen" and attn not in FLASH:
+        log(f"warning: varlen with {attn} attention builds a dense mask over each batch's whole row (slow); it is "
+            "meant for flash attention")
+    probe = probe_pairs(sample)
     rejected = []
     for mode in order:
         if mode == "full_forward":
@@ -187,6 +193,16 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
     why = "; ".join(rejected) or ("the cheapest for this data" if cost else "requested")
     log(f"batching: full_forward ({why})")
     return "full_forward"
+
+
+def probe_pairs(sample: list[EncodedPair]) -> list[EncodedPair]:
+    """The shortest pair and the shortest whose prompt length differs from it, so that the probe also runs a
+    padded prompt batch (a model whose cache or mask handling breaks with padding shows it there)."""
+    by_length = sorted(sample, key=lambda p: len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids))
+    if not by_length:
+        return []
+    other = next((p for p in by_length if len(p.prompt_ids) != len(by_length[0].prompt_ids)), None)
+    return [by_length[0], other] if other is not None else by_length[:2]
 
 
 def _disagrees(model, mode: str, probe: list[EncodedPair], pad_id: int) -> str | None:

@@ -166,6 +166,15 @@ def test_sliding_window_models_keep_the_plain_forward(scored, monkeypatch):
     assert "sliding-window" in messages[0]
 
 
+def test_probe_includes_a_padded_prompt_and_recurrent_layers_refuse_the_cache(scored, monkeypatch):
+    model, _pairs, _pad = scored
+    sample = [EncodedPair([1] * n, [2] * 3, [3] * 2) for n in (9, 4, 4, 5, 30)]
+    assert [len(p.prompt_ids) for p in modes.probe_pairs(sample)] == [4, 5]
+    assert [len(p.prompt_ids) for p in modes.probe_pairs(sample[1:3])] == [4, 4]
+    monkeypatch.setattr(model.config, "layer_types", ["full_attention", "linear_attention"], raising=False)
+    assert "linear_attention" in modes.unsupported("kv_cache", model, 10)
+
+
 def test_kv_and_varlen_batches_fit_the_budget():
     rng = np.random.default_rng(0)
     pairs = [EncodedPair([1] * int(rng.integers(1, 60)), [2] * int(rng.integers(1, 30)), [3] * int(rng.integers(1, 30)))
