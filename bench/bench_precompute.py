@@ -121,7 +121,8 @@ def phase_timer(totals: dict):
 def bare_batches(model_dir, data, split, encoding, token_budget, rows_per_shard, dev):
     """The padded batches score_pairs forms (per shard, length-sorted, same token budget), built once."""
     from precompute.data import encode_rows, load_rows
-    from precompute.job import length_batches, load_tokenizer
+    from precompute.job import load_tokenizer
+    from precompute.packing import length_batches
     from precompute.logprobs import pad_sequences
 
     tok = load_tokenizer(str(model_dir))

@@ -589,7 +589,8 @@ def render(report: dict) -> str:
            f"  made {made.get('created_at')} by refcache {sw.get('refcache')} (" +
            ", ".join(f"{k} {v}" for k, v in sw.items() if k != "refcache") + ")",
            f"  reference {(made.get('model') or {}).get('name')} in {comp.get('dtype')} on {comp.get('device_type')} "
-           f"({comp.get('attn_implementation')}); data {src.get('data')} split {src.get('split')}; "
+           f"({comp.get('attn_implementation')} attention, {comp.get('mode')} batching); data {src.get('data')} split "
+           f"{src.get('split')}; "
            f"{report['stats']['rows']:,} rows, {report['stats']['bytes'] / 2**20:.2f} MiB", ""]
     by_name = {c["name"]: c for c in report["checks"]}
     titles = {"cache": "Cache integrity", "model": "Reference model (--model)", "data": "Data (--data)",
