@@ -323,7 +323,8 @@ def render_scaling(S: dict) -> list[str]:
 
 def render_modes(M: dict) -> list[str]:
     L = [f"Models of bench/common.py ({M['dtype']}, {M.get('attn_implementation', 'sdpa')} attention); "
-         "precompute.modes.score_pairs in each mode on the same pairs and the same loaded model, round-robin (`{M['command']}`, {M['machine']['date']}). Estimated: the "
+         "precompute.modes.score_pairs in each mode on the same pairs and the same loaded model, round-robin "
+         f"(`{M['command']}`, {M['machine']['date']}). Estimated: the "
          "full_forward/mode ratio of precompute.modes.estimated_cost, on which `--batching auto` decides.", "",
          "| case | model | pairs | tokens | mode | time | tokens/s | vs full_forward | estimated | padding | "
          "max abs diff vs full_forward |",
@@ -360,7 +361,7 @@ def render_analysis(R: dict) -> list[str]:
                      f"batching-mode probe {probe:.3f} s ({probe / ph['total']:.0%}) + everything else "
                      f"{fixed - probe:.3f} s ({(fixed - probe) / ph['total']:.0%}; encode {ph['encode']:.3f} s, load "
                      f"model {ph['load model']:.3f} s, write+hash shards "
-                     f"{ph['write shard'] + ph['hash shard'] + ph['build table']:.3f} s); bare forward "
+                     f"{ph['write shard'] + ph.get('hash shard', 0.0) + ph['build table']:.3f} s); bare forward "
                      f"{c['times']['bare']['median']:.3f} s, so forward+gather alone ({c.get('mode', 'full_forward')}) "
                      f"runs at {x(c['ratio_refcache_compute_vs_bare'])} the bare forward's speed")
         head = next((c for c in P["cases"] if c.get("headline")), None)

@@ -195,14 +195,29 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
     return "full_forward"
 
 
-def probe_pairs(sample: list[EncodedPair]) -> list[EncodedPair]:
-    """The shortest pair and the shortest whose prompt length differs from it, so that the probe also runs a
-    padded prompt batch (a model whose cache or mask handling breaks with padding shows it there)."""
+def probe_pairs(sample: list[EncodedPair], prompt_cap: int = 24, completion_cap: int = 8) -> list[EncodedPair]:
+    """Two real pairs cut to a few tokens: the shortest, and the shortest whose prompt length differs from it
+    (cut to differ still), so the probe also runs a padded batch of prompts and of completions. Short keeps the
+    probe cheap; what it checks (masks, cache continuation, positions) does not depend on the length, and the
+    length limits that do (sliding windows) are checked by `unsupported`."""
     by_length = sorted(sample, key=lambda p: len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids))
     if not by_length:
         return []
-    other = next((p for p in by_length if len(p.prompt_ids) != len(by_length[0].prompt_ids)), None)
-    return [by_length[0], other] if other is not None else by_length[:2]
+    first = by_length[0]
+    other = next((p for p in by_length if len(p.prompt_ids) != len(first.prompt_ids)), None)
+    other = other if other is not None else (by_length[1] if len(by_length) > 1 else None)
+
+    def cut(pair: EncodedPair, n: int) -> EncodedPair:  # rejected one token shorter: completions are padded too
+        return EncodedPair(pair.prompt_ids[:n], pair.chosen_ids[:completion_cap],
+                           pair.rejected_ids[: completion_cap - 1])
+
+    probe = [cut(first, prompt_cap)]
+    if other is not None:
+        n = min(len(other.prompt_ids), prompt_cap)
+        if n == len(probe[0].prompt_ids) and n > 1:
+            n -= 1
+        probe.append(cut(other, n))
+    return probe
 
 
 def _disagrees(model, mode: str, probe: list[EncodedPair], pad_id: int) -> str | None:

@@ -170,7 +170,11 @@ def test_probe_includes_a_padded_prompt_and_recurrent_layers_refuse_the_cache(sc
     model, _pairs, _pad = scored
     sample = [EncodedPair([1] * n, [2] * 3, [3] * 2) for n in (9, 4, 4, 5, 30)]
     assert [len(p.prompt_ids) for p in modes.probe_pairs(sample)] == [4, 5]
-    assert [len(p.prompt_ids) for p in modes.probe_pairs(sample[1:3])] == [4, 4]
+    assert [len(p.prompt_ids) for p in modes.probe_pairs(sample[1:3])] == [4, 3]  # cut to differ
+    long = [EncodedPair(list(range(1, 400)), [5] * 90, [6] * 70), EncodedPair(list(range(1, 300)), [5] * 99, [6] * 9)]
+    probe = modes.probe_pairs(long)  # cheap whatever the data: a few tokens of real pairs, prompts still padded
+    assert [(len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)) for p in probe] == [(24, 8, 7), (23, 8, 7)]
+    assert probe[0].prompt_ids == long[1].prompt_ids[:24]
     monkeypatch.setattr(model.config, "layer_types", ["full_attention", "linear_attention"], raising=False)
     assert "linear_attention" in modes.unsupported("kv_cache", model, 10)
 
