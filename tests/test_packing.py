@@ -225,3 +225,31 @@ def test_mode_recorded_and_stamps_unchanged(llama_dir, tmp_path):
         for col in ("chosen_logps", "rejected_logps"):
             diff = np.abs(np.concatenate(a[col].to_list()) - np.concatenate(b[col].to_list()))
             assert diff.max() < 1e-5
+
+
+def test_cli_logs_and_records_the_choice(llama_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from precompute.cli import main
+
+    rows = pref_rows(12, seed=5)
+    for r in rows:  # a long shared context, short answers: sharing the prompt is the cheapest
+        r["prompt"] = " ".join([r["prompt"]] * 12)
+    data = write_jsonl(tmp_path / "long.jsonl", rows)
+    runs = {}
+    for batching in ("auto", "full_forward"):
+        out = tmp_path / batching
+        result = CliRunner().invoke(main, ["--model", str(llama_dir), "--data", str(data), "--out", str(out),
+                                           "--batching", batching, "--no-progress"], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        choice = [line for line in result.output.splitlines() if line.startswith("batching: ")]
+        assert len(choice) == 1  # said once
+        runs[batching] = (choice[0], json.loads((out / "manifest.json").read_text()))
+    line, manifest = runs["auto"]
+    mode = line.split()[1]
+    assert mode in ("packed", "kv_cache")  # both share the prompt; which is cheaper depends on the model's width
+    assert line.startswith(f"batching: {mode} (sdpa attention; estimated ") and "matches the plain forward" in line
+    assert manifest["computation"]["mode"] == mode
+    assert runs["full_forward"][0] == "batching: full_forward (requested)"
+    assert runs["full_forward"][1]["computation"]["mode"] == "full_forward"
+    assert manifest["stamps"] == runs["full_forward"][1]["stamps"]
