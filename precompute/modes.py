@@ -139,12 +139,28 @@ def _sliding_window(config) -> int | None:
     return window if getattr(config, "use_sliding_window", True) else None
 
 
+def _length_dependent_rope(config) -> tuple[str, int] | None:
+    """(type, length) for RoPE whose frequencies depend on the longest position of a forward (dynamic NTK,
+    longrope): a forward over a prompt alone would then rotate it differently from the plain forward."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return None
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind not in ("dynamic", "longrope"):
+        return None
+    return kind, int(rope.get("original_max_position_embeddings") or config.max_position_embeddings)
+
+
 def unsupported(mode: str, model, longest: int) -> str | None:
     """Why `mode` cannot run on this model, or None. `longest`: the longest prompt + completion of the job."""
     attn = model.config._attn_implementation
     window = _sliding_window(model.config)
     if mode in ("shared_prompt", "packed", "kv_cache") and window and longest > window:
         return f"sliding-window attention (window {window}, sequences up to {longest} tokens)"
+    rope = _length_dependent_rope(model.config)
+    if mode in ("shared_prompt", "packed", "kv_cache") and rope and longest > rope[1]:
+        return f"{rope[0]} RoPE changes its frequencies past {rope[1]} positions (sequences up to {longest} tokens)"
     if mode in ("shared_prompt", "packed") and attn not in ("sdpa", "eager"):
         return f"{attn} attention cannot take the tree mask"
     if mode == "kv_cache" and getattr(model.config, "is_encoder_decoder", False):

@@ -166,6 +166,16 @@ def test_sliding_window_models_keep_the_plain_forward(scored, monkeypatch):
     assert "sliding-window" in messages[0]
 
 
+def test_length_dependent_rope_keeps_the_plain_forward(llama_dir, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    monkeypatch.setattr(model.config, "rope_parameters",
+                        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, raising=False)
+    monkeypatch.setattr(model.config, "max_position_embeddings", 64, raising=False)
+    assert modes.unsupported("kv_cache", model, 65).startswith("dynamic RoPE changes its frequencies past 64")
+    assert modes.unsupported("packed", model, 65) is not None
+    assert modes.unsupported("kv_cache", model, 64) is None
+
+
 def test_probe_includes_a_padded_prompt_and_recurrent_layers_refuse_the_cache(scored, monkeypatch):
     model, _pairs, _pad = scored
     sample = [EncodedPair([1] * n, [2] * 3, [3] * 2) for n in (9, 4, 4, 5, 30)]
