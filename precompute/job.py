@@ -16,14 +16,14 @@ import platform
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from schemas import format as fmt
-from schemas.encoding import EncodedPair, EncodingConfig
+from schemas.encoding import EncodingConfig
 from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash, weight_files
 
 from .data import Encoded, encode_rows, load_rows

@@ -21,7 +21,7 @@ import torch
 
 from schemas.encoding import EncodedPair
 
-from .logprobs import token_logps, unwrap
+from .logprobs import pad_sequences, token_logps, unwrap
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 
@@ -64,55 +64,38 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _right_pad(seqs: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    width = max(1, max(len(s) for s in seqs))
-    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(seqs), width), dtype=np.int64)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)] = s
-        mask[b, : len(s)] = 1
-    return ids, mask
-
-
 def kv_cache_batch(model, pairs: list[EncodedPair], batch: list[int], pad_id: int) -> tuple[list[np.ndarray], dict]:
     """Per-token log-probs of chosen and rejected for the pairs in `batch`, in the order
     [chosen of batch[0], rejected of batch[0], chosen of batch[1], ...], plus token counts."""
     device = next(model.parameters()).device
-    prompts = [pairs[i].prompt_ids for i in batch]
     completions = [c for i in batch for c in (pairs[i].chosen_ids, pairs[i].rejected_ids)]
-    plen = np.array([len(p) for p in prompts])
-    ids, mask = _right_pad(prompts, pad_id)
-    ids_t, mask_t = torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device)
-    last = torch.as_tensor(plen - 1, device=device).repeat_interleave(2)  # each prompt scores both first tokens
-    firsts = torch.as_tensor([c[0] for c in completions], device=device)
-    rows = torch.arange(len(batch), device=device).repeat_interleave(2)
+    ids, mask = pad_sequences([pairs[i].prompt_ids for i in batch], pad_id, device)
+    plen = mask.sum(1).repeat_interleave(2)  # one row per completion from here on
     key = _cache_kwarg(model)
-    first, out = token_logps(model, {"input_ids": ids_t, "attention_mask": mask_t, "use_cache": True},
-                             rows, last, firsts, return_output=True)
-    first = first.cpu().numpy()
+    first, out = token_logps(model, {"input_ids": ids, "attention_mask": mask, "use_cache": True},
+                             torch.arange(len(batch), device=device).repeat_interleave(2), plen - 1,
+                             torch.as_tensor([c[0] for c in completions], device=device), return_output=True)
+    first = first.cpu().numpy()  # each prompt's last position scores the first token of both completions
     rest = [c[1:] for c in completions]  # input c[:-1] predicts c[1:]
-    slots = ids.size
+    slots = ids.numel()
     if any(rest):
         cache = getattr(out, key)
         cache.batch_repeat_interleave(2)
-        cont, cont_mask = _right_pad([c[:-1] for c in completions], pad_id)
+        cont, cont_mask = pad_sequences([c[:-1] or [pad_id] for c in completions], pad_id, device)
+        cont_mask[:, 0] = torch.as_tensor([len(r) > 0 for r in rest], device=device)  # a 1-token completion: no input
         width = cont.shape[1]
-        full_mask = np.concatenate([mask.repeat(2, axis=0), cont_mask], axis=1)
-        positions = plen.repeat(2)[:, None] + np.arange(width)[None, :]
-        lens = np.array([len(r) for r in rest])
-        r_rows, r_cols = np.nonzero(np.arange(width)[None, :] < lens[:, None])  # row-major: row order, then position
-        cont_t = torch.as_tensor(cont, device=device)
-        inputs = {"input_ids": cont_t, "attention_mask": torch.as_tensor(full_mask, device=device),
-                  "position_ids": torch.as_tensor(positions, device=device), key: cache, "use_cache": True}
-        r_rows_t, r_cols_t = torch.as_tensor(r_rows, device=device), torch.as_tensor(r_cols, device=device)
-        targets = torch.as_tensor(np.concatenate([np.asarray(r, dtype=np.int64) for r in rest]), device=device)
-        flat = token_logps(model, inputs, r_rows_t, r_cols_t, targets).cpu().numpy()
-        slots += cont.size
-        parts = np.split(flat, np.cumsum(lens)[:-1])
+        lens = torch.as_tensor([len(r) for r in rest], device=device)
+        rows, cols = (torch.arange(width, device=device) < lens[:, None]).nonzero(as_tuple=True)  # row-major
+        inputs = {"input_ids": cont, "attention_mask": torch.cat([mask.repeat_interleave(2, 0), cont_mask], 1),
+                  "position_ids": plen[:, None] + torch.arange(width, device=device), key: cache, "use_cache": True}
+        targets = torch.as_tensor([t for r in rest for t in r], device=device)
+        flat = token_logps(model, inputs, rows, cols, targets).cpu().numpy()
+        slots += cont.numel()
+        parts = np.split(flat, np.cumsum(lens.cpu().numpy())[:-1])
     else:
         parts = [np.zeros(0, dtype=np.float32)] * len(completions)
     values = [np.concatenate([first[k : k + 1], parts[k]]) for k in range(len(completions))]
-    processed = int(plen.sum()) + sum(len(c) for c in completions) - len(completions)
+    processed = int(mask.sum()) + sum(len(c) for c in completions) - len(completions)
     return values, {"processed": processed, "slots": slots}
 
 

@@ -8,7 +8,6 @@ those positions, so peak memory is bounded by `chunk_elements` whatever the voca
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 CHUNK_ELEMENTS = 2**25  # logits held at once (~128 MiB in float32)

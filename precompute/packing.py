@@ -19,8 +19,6 @@ import torch
 
 from schemas.encoding import EncodedPair
 
-from .logprobs import token_logps
-
 
 def pack_rows(lengths: list[int], pack: bool) -> list[list[int]]:
     """First-fit decreasing: pair indices grouped into rows no longer than the longest pair, so packing removes

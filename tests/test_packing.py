@@ -64,6 +64,20 @@ def test_modes_equal_plain_forward(scored, mode):
         assert stats["slots"] - stats["processed"] < 0.2 * stats["slots"]
 
 
+@pytest.mark.parametrize("mode", ["kv_cache", "packed", "varlen"])
+def test_one_token_completions(scored, mode):
+    model, pairs, pad = scored
+    one = lambda ids: ids[:1]  # noqa: E731
+    mixed = [EncodedPair(p.prompt_ids, one(p.chosen_ids), p.rejected_ids) for p in pairs[:6]]
+    only = [EncodedPair(p.prompt_ids, one(p.chosen_ids), one(p.rejected_ids)) for p in pairs[6:9]]
+    for group in (mixed + only, only):  # one-token completions beside longer ones, and alone in a batch
+        chosen, rejected, _ = score_pairs(model, group, pad, token_budget=4096, mode=mode)
+        for pair, c, r in zip(group, chosen, rejected):
+            pc, pr = plain_logps(model, pair)
+            assert c.shape == pc.shape and r.shape == pr.shape
+            assert max(np.abs(c - pc).max(), np.abs(r - pr).max()) < 1e-5
+
+
 def test_pack_rows_fits_and_covers():
     lengths = [50, 7, 30, 30, 12, 90, 5, 5]
     rows = packing.pack_rows(lengths, True)
