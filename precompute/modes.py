@@ -105,13 +105,14 @@ def estimated_cost(pairs: list[EncodedPair], mode: str, token_budget: int, hidde
     P = np.array([len(p.prompt_ids) for p in pairs])
     C = np.array([len(p.chosen_ids) for p in pairs])
     R = np.array([len(p.rejected_ids) for p in pairs])
+    seqs = np.stack([P + C, P + R], axis=1).ravel().astype(float)  # sequence 2i chosen, 2i + 1 rejected
     slots = scores = 0.0
     for batch in plan_batches(pairs, mode, token_budget):
         if mode == "full_forward":
-            L = np.array([P[i // 2] + (C, R)[i % 2][i // 2] for i in batch])
+            L = seqs[batch]
             slots, scores = slots + len(L) * L.max(), scores + len(L) * L.max() ** 2 * _causal(L)
         elif mode == "varlen":
-            L = np.array([P[i // 2] + (C, R)[i % 2][i // 2] for i in batch], dtype=float)
+            L = seqs[batch]
             slots, scores = slots + L.sum(), scores + (L**2).sum() / 2
         elif mode == "kv_cache":
             p, c = P[batch].max(), np.maximum(C[batch], R[batch]).max() - 1
@@ -129,7 +130,6 @@ def _causal(lengths: np.ndarray) -> float:
 
 
 def _sliding_window(config) -> int | None:
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
@@ -142,7 +142,6 @@ def _sliding_window(config) -> int | None:
 def _length_dependent_rope(config) -> tuple[str, int] | None:
     """(type, length) for RoPE whose frequencies depend on the longest position of a forward (dynamic NTK,
     longrope): a forward over a prompt alone would then rotate it differently from the plain forward."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not isinstance(rope, dict):
         return None
@@ -154,18 +153,18 @@ def _length_dependent_rope(config) -> tuple[str, int] | None:
 
 def unsupported(mode: str, model, longest: int) -> str | None:
     """Why `mode` cannot run on this model, or None. `longest`: the longest prompt + completion of the job."""
-    attn = model.config._attn_implementation
-    window = _sliding_window(model.config)
+    attn, config = model.config._attn_implementation, model.config.get_text_config()
+    window = _sliding_window(config)
     if mode in ("shared_prompt", "packed", "kv_cache") and window and longest > window:
         return f"sliding-window attention (window {window}, sequences up to {longest} tokens)"
-    rope = _length_dependent_rope(model.config)
+    rope = _length_dependent_rope(config)
     if mode in ("shared_prompt", "packed", "kv_cache") and rope and longest > rope[1]:
         return f"{rope[0]} RoPE changes its frequencies past {rope[1]} positions (sequences up to {longest} tokens)"
     if mode in ("shared_prompt", "packed") and attn not in ("sdpa", "eager"):
         return f"{attn} attention cannot take the tree mask"
-    if mode == "kv_cache" and getattr(model.config, "is_encoder_decoder", False):
+    if mode == "kv_cache" and getattr(model.config, "is_encoder_decoder", False):  # the outer config says so
         return "encoder-decoder model"
-    layers = set(getattr(model.config.get_text_config(), "layer_types", None) or ())
+    layers = set(getattr(config, "layer_types", None) or ())
     if mode == "kv_cache" and layers - {"full_attention", "sliding_attention"}:
         return f"layers other than attention ({', '.join(sorted(layers))}) keep state a padded prompt would corrupt"
     return None
