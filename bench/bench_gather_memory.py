@@ -5,7 +5,7 @@ A Llama with a tiny hidden size (64, 2 layers) and a big vocabulary, so the outp
 CPU via VmHWM, reset before every repetition; torch.cuda.max_memory_allocated on CUDA), median over repetitions
 after a warm-up, reported above the memory held before the call (weights and inputs):
   hidden    the model up to its final hidden states (model.model): the activations the model needs anyway
-  chunked   precompute.logprobs.completion_logps: projection + log-softmax over chunks of completion positions
+  chunked   runtime.logprobs.completion_logps: projection + log-softmax over chunks of completion positions
   naive     model(...).logits, then log_softmax over the full [batch, seq, vocab] and a gather
 Each child runs with a fixed glibc mmap threshold so that freed tensors go back to the OS between repetitions.
 
@@ -27,7 +27,7 @@ SEQ = 1024
 
 
 def child(vocab: int, method: str, batch: int, reps: int) -> dict:
-    from precompute.logprobs import completion_logps
+    from runtime.logprobs import completion_logps
 
     dev = common.device()
     spec = dict(hidden=64, layers=2, heads=4, kv=2, inter=128)

@@ -120,10 +120,10 @@ def phase_timer(totals: dict):
 
 def bare_batches(model_dir, data, split, encoding, token_budget, rows_per_shard, dev):
     """The padded batches score_pairs forms (per shard, length-sorted, same token budget), built once."""
-    from precompute.data import encode_rows, load_rows
-    from precompute.job import load_tokenizer
-    from precompute.packing import length_batches
-    from precompute.logprobs import pad_sequences
+    from runtime.data import encode_rows, load_rows
+    from runtime.checkpoint import load_tokenizer
+    from runtime.packing import length_batches
+    from runtime.logprobs import pad_sequences
 
     tok = load_tokenizer(str(model_dir))
     encoded = encode_rows(load_rows(str(data), split), tok, encoding)

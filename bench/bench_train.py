@@ -114,7 +114,7 @@ def run_policy(a, timer, out: str) -> dict:
 
     from dpo.trainer import DPOTrainer, PairCollator, disable_dropout
     from dpo.verify import encode_only
-    from precompute.job import load_tokenizer
+    from runtime.checkpoint import load_tokenizer
     from schemas.encoding import EncodingConfig
 
     class PolicyOnly(DPOTrainer):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from precompute.cli import quiet_libraries, run_cli
+from runtime.cli import quiet_libraries, run_cli
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES
 
 from .losses import LOSS_TYPES

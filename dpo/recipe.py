@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from precompute.job import JobError, check_checkpoint, load_tokenizer, software_versions
+from runtime.checkpoint import check_checkpoint, load_tokenizer, software_versions
+from runtime.errors import JobError
 from schemas.encoding import EncodingConfig
 from schemas.stamps import file_sha256, model_hash
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 
-from precompute.logprobs import completion_logps, pad_sequences
+from runtime.logprobs import completion_logps, pad_sequences
 
 from .losses import LossConfig, dpo_loss
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import polars as pl
 import pyarrow as pa
 
-from precompute.data import Encoded, encode_rows, load_rows
+from runtime.data import Encoded, encode_rows, load_rows
 from schemas.encoding import EncodingConfig
 from schemas.format import CacheError, Cache, StampMismatch, open_cache, read_columns, RERUN
 from schemas.stamps import model_hash, tokenizer_hash

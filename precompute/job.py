@@ -12,26 +12,23 @@ import datetime
 import fcntl
 import json
 import os
-import platform
-import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from runtime.checkpoint import (  # noqa: F401  (re-exported: part of this module's API)
+    check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device, resolve_dtype, software_versions)
+from runtime.data import Encoded, encode_rows, load_rows
+from runtime.distributed import Dist, distributed
+from runtime.errors import JobError
 from schemas import format as fmt
 from schemas.encoding import EncodingConfig
-from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash, weight_files
+from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash
 
-from .data import Encoded, encode_rows, load_rows
 from .modes import DESCRIPTIONS, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
-
-
-class JobError(RuntimeError):
-    """A refusal the user can act on (exit code 2)."""
 
 
 @dataclass
@@ -51,72 +48,6 @@ class PrecomputeConfig:
     on_bad_row: str = "error"
     trust_remote_code: bool = False
     progress: bool = True
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# loading
-
-
-def resolve_device(device: str) -> torch.device:
-    if device != "auto":
-        try:
-            resolved = torch.device(device)
-        except RuntimeError as e:
-            raise JobError(f"--device {device}: {e}; use auto, cpu, cuda or cuda:N") from None
-        if resolved.type == "cuda" and not torch.cuda.is_available():
-            raise JobError(f"--device {device}: CUDA is not available on this machine; use --device cpu or auto")
-        return resolved
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def check_checkpoint(model_dir: str, trust_remote_code: bool) -> None:
-    """Refuse checkpoints we will not load, before any expensive work."""
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise JobError(f"{model_dir}: not a Hugging Face checkpoint folder (no config.json)")
-    weight_files(path)  # raises WeightsError for pickle-only or missing weights
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except ValueError as e:  # also UnicodeDecodeError
-        raise JobError(f"{path / 'config.json'}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise JobError(f"{path / 'config.json'}: not a JSON object")
-    if config.get("auto_map") and not trust_remote_code:
-        raise JobError(
-            f"{model_dir}: this model needs custom code from its folder (auto_map in config.json); refcache does not "
-            "run it unless you pass --trust-remote-code"
-        )
-
-
-def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except Exception as e:  # transformers and tokenizers raise many types here (OSError, ValueError, plain Exception)
-        detail = " ".join(str(e).split())[:300]
-        raise JobError(f"{model_dir}: its tokenizer cannot be loaded ({type(e).__name__}: {detail})") from None
-    if getattr(tokenizer, "backend_tokenizer", None) is None:
-        raise JobError(f"{model_dir}: {type(tokenizer).__name__} is not a fast (tokenizers-backed) tokenizer; refcache "
-                       "needs a tokenizer.json")
-    return tokenizer
-
-
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: str, trust_remote_code: bool = False):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, attn_implementation=attn
-    )
-    return model.to(device).eval().requires_grad_(False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -182,32 +113,6 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
     return done
 
 
-def software_versions() -> dict:
-    import datasets
-    import pyarrow
-    import transformers
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ours = version("refcache")
-    except PackageNotFoundError:
-        ours = "unknown"
-    return {"refcache": ours, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "datasets": datasets.__version__, "pyarrow": pyarrow.__version__}
-
-
-@contextlib.contextmanager
-def preserved_rng():
-    """Leave the caller's global RNG state (python, numpy, torch CPU and CUDA) as it was."""
-    py, npy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
-        try:
-            yield
-        finally:
-            random.setstate(py)
-            np.random.set_state(npy)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # the job
 
@@ -225,48 +130,6 @@ def plan_shards(encoded: Encoded, rows_per_shard: int, encoding: EncodingConfig)
 def run_precompute(cfg: PrecomputeConfig, log=print) -> dict:
     with preserved_rng(), distributed() as dist:
         return _run(cfg, log, dist)
-
-
-class Dist:
-    """This process's place in a torchrun job (world 1 without torchrun)."""
-
-    def __init__(self):
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-
-    def share(self, make):
-        """Run `make` on rank 0 and give every rank its result, or its exception re-raised as a JobError."""
-        result = None
-        if self.rank == 0:
-            try:
-                result = ("ok", make())
-            except Exception as e:  # every rank must learn of the failure, or the others would wait forever
-                result = ("error", e if isinstance(e, JobError) else JobError(f"rank 0: {e}"))
-        if self.world > 1:
-            box = [result]
-            torch.distributed.broadcast_object_list(box, src=0)
-            result = box[0]
-        if result[0] == "error":
-            raise result[1]
-        return result[1]
-
-    def barrier(self):
-        if self.world > 1:
-            torch.distributed.barrier()
-
-
-@contextlib.contextmanager
-def distributed():
-    """Join the torchrun process group for the job's duration (gloo: only small objects cross it)."""
-    dist = Dist()
-    started = dist.world > 1 and not torch.distributed.is_initialized()
-    if started:
-        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=12))
-    try:
-        yield dist
-    finally:
-        if started:
-            torch.distributed.destroy_process_group()
 
 
 def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:

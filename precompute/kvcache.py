@@ -21,7 +21,7 @@ import torch
 
 from schemas.encoding import EncodedPair
 
-from .logprobs import pad_sequences, token_logps, unwrap
+from runtime.logprobs import pad_sequences, token_logps, unwrap
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 

@@ -21,8 +21,8 @@ from schemas.encoding import EncodedPair
 
 from . import MODES
 from .kvcache import FLASH, kv_batches, kv_cache_batch, varlen_batch, varlen_batches
-from .logprobs import completion_logps, pad_sequences, token_logps
-from .packing import length_batches, pack_rows, row_batches, tree_batch
+from runtime.logprobs import completion_logps, pad_sequences, token_logps
+from runtime.packing import length_batches, pack_rows, row_batches, tree_batch
 
 DESCRIPTIONS = {
     "full_forward": "length-sorted sequences within each shard, right padding",

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import DATA, build_llama, pref_rows, save_checkpoint, write_jsonl
-from precompute.audit import SECTIONS, main
+from audit.cli import SECTIONS, main
 from precompute.job import PrecomputeConfig, run_precompute
 from schemas import format as fmt
 from schemas.stamps import file_sha256, model_hash

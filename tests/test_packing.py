@@ -11,8 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import pref_rows, write_jsonl
-from precompute import kvcache, modes, packing
-from precompute.data import encode_rows, load_rows
+from precompute import kvcache, modes
+from runtime import packing
+from runtime.data import encode_rows, load_rows
 from precompute.job import PrecomputeConfig, choose_mode, run_precompute, score_pairs
 from schemas.encoding import EncodedPair, EncodingConfig
 

@@ -549,7 +549,7 @@ def test_run_precompute_leaves_global_rng_and_checkpoint_unchanged(llama_dir, tm
 def test_scoring_leaves_the_model_parameters_unchanged(llama_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from precompute.data import Source, encode_rows
+    from runtime.data import Source, encode_rows
     from precompute.job import score_pairs
     from schemas.encoding import EncodingConfig
 

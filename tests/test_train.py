@@ -126,7 +126,7 @@ def test_output_is_a_loadable_checkpoint_with_changed_weights(runs, llama_dir):
 
 
 def test_run_manifest(runs, llama_dir, dpo_data, dpo_cache):
-    from precompute.data import load_rows
+    from runtime.data import load_rows
 
     out, summary, _ = runs["cached"]
     m = json.loads((out / "run-manifest.json").read_text())

@@ -142,7 +142,7 @@ def run(command, args):
         patch_train()
         from dpo.cli import main as cli
     elif command == "audit-ref":
-        from precompute.audit import main as cli
+        from audit.cli import main as cli
     else:
         sys.exit(f"fault_launcher: unknown command {command!r}")
     cli(args=args, prog_name=command)
@@ -158,7 +158,7 @@ def zygote(spec_path):
     import dpo.cli  # noqa: F401
     import dpo.recipe  # noqa: F401
     import dpo.trainer  # noqa: F401
-    import precompute.audit  # noqa: F401
+    import audit.cli  # noqa: F401
     import precompute.cli  # noqa: F401
     import precompute.job  # noqa: F401
 

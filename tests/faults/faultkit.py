@@ -59,7 +59,7 @@ def train(*args):
 
 def audit(cache, *args, json_path=None):
     """audit-ref in process: (exit code, JSON report or None, output)."""
-    from precompute.audit import main
+    from audit.cli import main
 
     json_path = Path(json_path or Path(cache).parent / f"audit-{Path(cache).name}.json")
     json_path.unlink(missing_ok=True)

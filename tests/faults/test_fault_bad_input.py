@@ -530,7 +530,7 @@ def test_audit_bad_input(llama_dir, dpo_data, dpo_cache, models, tmp_path, case)
         damage(cache)
     fill = {"tmp": tmp_path, "cache": cache, "data": dpo_data, "llama": llama_dir}
     from faultkit import invoke
-    from precompute.audit import main
+    from audit.cli import main
 
     result = invoke(main, [a.format(**fill) for a in args])
     parts = [p.format(**fill) for p in parts]
@@ -542,7 +542,7 @@ def test_audit_bad_input(llama_dir, dpo_data, dpo_cache, models, tmp_path, case)
 
 def test_audit_json_into_a_missing_folder(dpo_cache, tmp_path):
     from faultkit import invoke
-    from precompute.audit import main
+    from audit.cli import main
 
     target = tmp_path / "no-such-folder" / "report.json"
     result = invoke(main, [dpo_cache, "--json", target])

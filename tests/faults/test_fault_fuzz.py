@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from conftest import build_tokenizer, pref_rows, write_jsonl
 from faultkit import edit_manifest, restamp, rewrite_rows
-from precompute.data import DataError, Source, encode_rows
+from runtime.data import DataError, Source, encode_rows
 from schemas import format as fmt
 from schemas.encoding import (CHAT_TEMPLATE_MODES, ROLES, TRUNCATION_MODES, BadRowError, EncodedPair, EncodingConfig,
                               encode_pair, row_mask_checksum)
@@ -276,7 +276,7 @@ def reads_or_refuses(small_cache, root: Path):
     """train-dpo's whole read path: a CacheError, or rows whose checks all passed (never another exception; a
     polars panic, which is not even an Exception, would escape `except Exception` and fail the test)."""
     from dpo.verify import verify_and_join
-    from precompute.job import load_tokenizer
+    from runtime.checkpoint import load_tokenizer
 
     try:
         verify_and_join(tokenizer=_tokenizer(small_cache["model"], load_tokenizer), model_dir=str(small_cache["model"]),
@@ -330,7 +330,7 @@ def test_forged_values_never_reach_training_unchecked(small_cache, row, side, va
     import numpy as np
 
     from dpo.verify import verify_and_join
-    from precompute.job import load_tokenizer
+    from runtime.checkpoint import load_tokenizer
 
     tokenizer = _tokenizer(small_cache["model"], load_tokenizer)
     with Scratch(small_cache["cache"]) as root:

@@ -337,7 +337,7 @@ def test_audit_ref_fails_the_check_that_owns_it(world, case_cache, case, _, outc
 def test_clean_cache_passes_both(world, case_cache, tmp_path):
     """The baseline the matrix departs from: the untouched copy verifies and audits clean."""
     from dpo.verify import verify_and_join
-    from precompute.job import load_tokenizer
+    from runtime.checkpoint import load_tokenizer
 
     verified = verify_and_join(tokenizer=load_tokenizer(str(world["llama"])), model_dir=str(world["llama"]),
                                data=str(world["data"]), split="train", cache_dir=case_cache, log=lambda m: None)
@@ -350,7 +350,7 @@ def test_consistent_value_forgery_passes_train_dpo_and_fails_the_audit_replay(wo
     """A log-prob edited together with its sum, file hash and manifest is internally consistent: train-dpo, which
     never runs the reference, cannot see it (documented limit); audit-ref's replay of the reference does."""
     from dpo.verify import verify_and_join
-    from precompute.job import load_tokenizer
+    from runtime.checkpoint import load_tokenizer
 
     def edit(rows):
         rows[2]["chosen_logps"][0] -= 0.5
@@ -376,7 +376,7 @@ def test_audit_survives_metadata_that_is_not_utf8(world, case_cache):
     rewrite_rows(case_cache, S0, lambda rows: rows, metadata_edit=lambda meta: meta.__setitem__(b"\xcc\x01", b"x"))
     restamp(case_cache, S0)
     from dpo.verify import verify_and_join
-    from precompute.job import load_tokenizer
+    from runtime.checkpoint import load_tokenizer
 
     verify_and_join(tokenizer=load_tokenizer(str(world["llama"])), model_dir=str(world["llama"]),
                     data=str(world["data"]), split="train", cache_dir=case_cache, log=lambda m: None)

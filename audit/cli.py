@@ -30,7 +30,7 @@ from schemas import format as fmt
 from schemas.encoding import EncodedPair, EncodingConfig, row_mask_checksum
 from schemas.stamps import WeightsError, combined_mask_checksum, file_sha256, model_hash, tokenizer_hash
 
-from .cli import quiet_libraries, run_cli
+from runtime.cli import quiet_libraries, run_cli
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 EXIT_OK, EXIT_CHECK_FAILED = 0, 1
@@ -323,7 +323,7 @@ def _skipped_counts(root: Path, manifest: dict) -> Check:
 def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, sample: int | None, seed: int,
                 tolerance: float | None, trust_remote_code: bool):
     """Model and tokenizer hash checks and the replay; returns (checks, tokenizer, tokenizer_ok)."""
-    from .job import check_checkpoint, load_tokenizer
+    from runtime.checkpoint import check_checkpoint, load_tokenizer
 
     check_checkpoint(model_dir, trust_remote_code)
     stamps = manifest["stamps"]
@@ -354,7 +354,8 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, model_dir: str, toke
     """Score a seeded sample of cached rows again with the plain forward (`score_pairs` in full_forward mode,
     whatever mode made the cache), in the recorded dtype on this machine's device, and compare per token with the
     cached values. `sample=None` replays every row."""
-    from .job import load_model, preserved_rng, resolve_device, resolve_dtype, score_pairs
+    from precompute.modes import score_pairs  # the mode registry, for replay in full_forward
+    from runtime.checkpoint import load_model, preserved_rng, resolve_device, resolve_dtype
 
     t0 = time.perf_counter()
     comp = manifest.get("computation") or {}
@@ -417,7 +418,7 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, model_dir: str, toke
 
 def audit_data(manifest: dict, scan: CacheScan, data: str, tokenizer) -> Check:
     """Re-encode the data with the recorded encoding and compare every row's mask checksum with the cached one."""
-    from .data import encode_rows, load_rows
+    from runtime.data import encode_rows, load_rows
 
     source = load_rows(data, (manifest.get("source") or {}).get("split", "train"))
     encoded = encode_rows(source, tokenizer, EncodingConfig.from_dict(manifest["encoding"]), on_bad_row="skip")

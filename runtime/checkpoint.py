@@ -1,0 +1,107 @@
+"""Checkpoint folders: refuse what we will not load, then load the tokenizer and the model; device, dtype, RNG."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from schemas.stamps import weight_files
+
+from .errors import JobError
+
+
+def resolve_device(device: str) -> torch.device:
+    if device != "auto":
+        try:
+            resolved = torch.device(device)
+        except RuntimeError as e:
+            raise JobError(f"--device {device}: {e}; use auto, cpu, cuda or cuda:N") from None
+        if resolved.type == "cuda" and not torch.cuda.is_available():
+            raise JobError(f"--device {device}: CUDA is not available on this machine; use --device cpu or auto")
+        return resolved
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def check_checkpoint(model_dir: str, trust_remote_code: bool) -> None:
+    """Refuse checkpoints we will not load, before any expensive work."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise JobError(f"{model_dir}: not a Hugging Face checkpoint folder (no config.json)")
+    weight_files(path)  # raises WeightsError for pickle-only or missing weights
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except ValueError as e:  # also UnicodeDecodeError
+        raise JobError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise JobError(f"{path / 'config.json'}: not a JSON object")
+    if config.get("auto_map") and not trust_remote_code:
+        raise JobError(
+            f"{model_dir}: this model needs custom code from its folder (auto_map in config.json); refcache does not "
+            "run it unless you pass --trust-remote-code"
+        )
+
+
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers and tokenizers raise many types here (OSError, ValueError, plain Exception)
+        detail = " ".join(str(e).split())[:300]
+        raise JobError(f"{model_dir}: its tokenizer cannot be loaded ({type(e).__name__}: {detail})") from None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise JobError(f"{model_dir}: {type(tokenizer).__name__} is not a fast (tokenizers-backed) tokenizer; refcache "
+                       "needs a tokenizer.json")
+    return tokenizer
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: str, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, attn_implementation=attn
+    )
+    return model.to(device).eval().requires_grad_(False)
+
+
+def software_versions() -> dict:
+    import datasets
+    import pyarrow
+    import transformers
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("refcache")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return {"refcache": ours, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "datasets": datasets.__version__, "pyarrow": pyarrow.__version__}
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Leave the caller's global RNG state (python, numpy, torch CPU and CUDA) as it was."""
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+
+
