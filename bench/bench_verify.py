@@ -53,18 +53,21 @@ def build_cache(root: Path, shards: int, seed: int = 0) -> dict:
     checks = base.column("mask_checksum").to_pylist()
     encoding = EncodingConfig()
     stamps = {"model_hash": "a" * 64, "tokenizer_hash": "b" * 64}
+    computation = {"dtype": "float32", "device_type": "cpu", "mode": "full_forward", "attn_implementation": "sdpa"}
     root.mkdir(parents=True, exist_ok=True)
     entries, expected = [], {}
     for s in range(shards):
         row_ids = [f"shard{s:05d}-row{i:05d}" for i in range(n)]
         table = base.set_column(0, "id", pa.array(row_ids, pa.string()))
-        entries.append(fmt.write_shard(root / f"shard-{s:05d}.parquet", table, encoding=encoding, **stamps))
+        entries.append(fmt.write_shard(root / f"shard-{s:05d}.parquet", table, encoding=encoding,
+                                       computation=computation, **stamps))
         expected.update(zip(row_ids, checks))
     manifest = {
         "format_version": fmt.FORMAT_VERSION,
         "stamps": {**stamps, "mask_checksum": combined_mask_checksum(checks * shards, encoding.to_json())},
         "encoding": encoding.to_dict(),
         "rows": n * shards,
+        "computation": computation,
         "shards": entries,
     }
     fmt.write_manifest(root, manifest)

@@ -15,7 +15,8 @@ import pyarrow as pa
 
 from runtime.data import Encoded, encode_rows, load_rows
 from schemas.encoding import EncodingConfig
-from schemas.format import CacheError, Cache, StampMismatch, open_cache, read_columns, RERUN
+from schemas.format import Cache, StampMismatch, open_cache, read_columns
+from schemas.rules import value_findings
 from schemas.stamps import model_hash, tokenizer_hash
 
 
@@ -51,10 +52,6 @@ def check_encoding(cache: Cache, requested: dict) -> EncodingConfig:
     return recorded
 
 
-def _sum64(column: str) -> pl.Expr:
-    return pl.col(column).list.eval(pl.element().cast(pl.Float64)).list.sum()
-
-
 def check_values(cache: Cache, ids: list[str]) -> pa.Table:
     """Read the cached values of `ids` and check them: one value per completion token, sums equal to the
     per-token values, every value finite and <= 0."""
@@ -69,25 +66,8 @@ def check_values(cache: Cache, ids: list[str]) -> pa.Table:
         shard = shard.with_row_index("row").with_columns(pl.lit(path.name).alias("shard"))
         frames.append(shard.join(want, on="id", how="inner"))
     values = pl.concat(frames).sort("order")
-    valid = (pl.element().is_finite() & (pl.element() <= 0)).fill_null(False)  # a null value is not a log-prob
-    bad = values.filter((
-        (pl.col("chosen_logps").list.len() != pl.col("chosen_input_ids").list.len())
-        | (pl.col("rejected_logps").list.len() != pl.col("rejected_input_ids").list.len())
-        | ((_sum64("chosen_logps") - pl.col("chosen_logp")).abs() > 1e-6)
-        | ((_sum64("rejected_logps") - pl.col("rejected_logp")).abs() > 1e-6)
-        | ~pl.col("chosen_logps").list.eval(valid).list.all()
-        | ~pl.col("rejected_logps").list.eval(valid).list.all()
-    ).fill_null(True))  # a null list or sum (a forged file) is damage too, not a row that slips through
-    if bad.height:
-        first = bad.row(0, named=True)
-        raise CacheError(
-            "values",
-            f"cached log-probs of row {first['id']!r} are inconsistent (wrong count, sum differing from the per-token "
-            "values, or a NaN, infinite, positive or missing log-prob): the cache was edited or damaged",
-            remedy=RERUN,
-            shard=first["shard"],
-            row=first["row"],
-        )
+    for finding in value_findings(values):  # the value rules of schemas/rules.py; the first one found is raised
+        raise finding.error()
     return values.select(
         pl.col("chosen_logps").alias("ref_chosen_logps"), pl.col("rejected_logps").alias("ref_rejected_logps")
     ).to_arrow()

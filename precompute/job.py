@@ -24,11 +24,14 @@ from runtime.checkpoint import (  # noqa: F401  (re-exported: part of this modul
 from runtime.data import Encoded, encode_rows, load_rows
 from runtime.distributed import Dist, distributed
 from runtime.errors import JobError
+from runtime.paths import check_apart
 from schemas import format as fmt
+from schemas import rules
 from schemas.encoding import EncodingConfig
-from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash
+from schemas.stamps import combined_mask_checksum, ids_checksum, model_hash, tokenizer_hash
 
 from .modes import DESCRIPTIONS, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
+from .resume import Resume, clear_cache_dir, finished_shards  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -74,47 +77,30 @@ def exclusive(out: Path):
         yield
 
 
-def clear_cache_dir(out: Path) -> None:
-    (out / fmt.MANIFEST).unlink(missing_ok=True)  # first: from here on the directory reads as incomplete
-    for p in list(out.glob("*.parquet")) + [out / fmt.SKIPPED]:
-        p.unlink(missing_ok=True)
-
-
-def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: EncodingConfig) -> set[str]:
-    """Shards already written by an earlier run of this same job; refuse anything from a different job."""
-    for tmp in out.glob(".*.tmp-*"):
-        tmp.unlink()
-    refuse = f"{out} already holds a different cache; use --overwrite to replace it, or choose another --out"
-    if (out / fmt.MANIFEST).exists():
-        try:
-            manifest = fmt.read_manifest(out)
-        except fmt.CacheError as e:
-            raise JobError(f"{out} holds an unreadable cache ({e.message}); use --overwrite to replace it") from None
-        for key in fmt.STAMPS:
-            if manifest["stamps"][key] != stamps[key]:
-                raise JobError(f"{refuse}\n  {key}: existing {manifest['stamps'][key]}, this job {stamps[key]}")
-        if manifest["encoding"] != encoding.to_dict():
-            raise JobError(f"{refuse}\n  encoding: existing {manifest['encoding']}, this job {encoding.to_dict()}")
-    planned = {s["file"]: s for s in plan}
-    done = set()
-    for path in sorted(out.glob("*.parquet")):
-        want = planned.get(path.name)
-        try:
-            meta = fmt.read_shard_metadata(path)
-        except Exception:
-            meta = None
-        if meta is None or want is None:
-            raise JobError(f"{refuse}\n  {path.name} is not a shard of this job (other data or --rows-per-shard?)")
-        for key, value in (("model_hash", stamps["model_hash"]), ("tokenizer_hash", stamps["tokenizer_hash"]),
-                           ("mask_checksum", want["mask_checksum"]), ("encoding", encoding.to_json())):
-            if meta.get(key) != value:
-                raise JobError(f"{refuse}\n  {path.name}: {key} is {meta.get(key)}, this job has {value}")
-        done.add(path.name)
-    return done
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# the job
+# the job, in four steps: plan, resume, score, finish
+
+
+@dataclass
+class Job:
+    """Everything decided before the model is loaded."""
+
+    out: Path
+    tokenizer: object
+    source: object
+    encoded: Encoded
+    stamps: dict
+    plan: list[dict]
+    device: torch.device
+    dtype: torch.dtype
+
+    def claimed(self, cfg: PrecomputeConfig) -> dict:
+        """The computation values known before loading: what a resume compares first."""
+        # The requested attention and batching are recorded beside what they resolved to (known after loading), so
+        # a rerun with other options is refused before loading, even where they would resolve the same way.
+        return {"dtype": str(self.dtype).removeprefix("torch."), "device_type": self.device.type,
+                "token_budget": cfg.token_budget, "rows_per_shard": cfg.rows_per_shard,
+                "requested_attn_implementation": cfg.attn_implementation, "requested_batching": cfg.batching}
 
 
 def plan_shards(encoded: Encoded, rows_per_shard: int, encoding: EncodingConfig) -> list[dict]:
@@ -123,7 +109,8 @@ def plan_shards(encoded: Encoded, rows_per_shard: int, encoding: EncodingConfig)
     for n, start in enumerate(range(0, len(checks), rows_per_shard)):
         stop = min(start + rows_per_shard, len(checks))
         plan.append({"file": f"shard-{n:05d}.parquet", "start": start, "stop": stop,
-                     "mask_checksum": combined_mask_checksum(checks[start:stop], encoding.to_json())})
+                     "mask_checksum": combined_mask_checksum(checks[start:stop], encoding.to_json()),
+                     "ids_checksum": ids_checksum(encoded.ids[start:stop])})
     return plan
 
 
@@ -134,10 +121,23 @@ def run_precompute(cfg: PrecomputeConfig, log=print) -> dict:
 
 def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     t0 = time.perf_counter()
-    out = Path(cfg.out)
     log = log if dist.rank == 0 else (lambda _m: None)
+    job = _plan(cfg, log, dist)
+    with contextlib.ExitStack() as lock:
+        resume = dist.share(lambda: _resume(cfg, job, lock, log))  # rank 0 holds the lock for the whole job
+        scored = _score(cfg, job, resume, log, dist)
+        if dist.rank != 0:
+            return {"rank": dist.rank, "shards_scored": scored["mine"]}
+        entries = _finish(cfg, job, scored)
+    return _summary(job, resume, scored, entries, time.perf_counter() - t0)
+
+
+def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
+    """Read and encode the data, compute the stamps and cut the rows into shards; nothing is written yet."""
+    out = Path(cfg.out)
     check_checkpoint(cfg.model, cfg.trust_remote_code)
-    resolve_device(cfg.device)  # a bad --device is refused before any work
+    check_apart(out, "--out", {"--model": cfg.model, "--data": cfg.data})
+    device = resolve_device(cfg.device)  # a bad --device is refused before any work
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     source = load_rows(cfg.data, cfg.split)
     encoded = encode_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row)
@@ -153,105 +153,127 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
         "mask_checksum": combined_mask_checksum([p.mask_checksum for p in encoded.pairs], cfg.encoding.to_json()),
     }
     plan = plan_shards(encoded, cfg.rows_per_shard, cfg.encoding)
-    lock = contextlib.ExitStack()
-    with lock:
-        def prepare():
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-                lock.enter_context(exclusive(out))  # rank 0 holds the lock for the whole job
-            except OSError as e:
-                raise JobError(f"--out {out}: cannot write the cache directory there ({e.strerror or e})") from None
-            if cfg.overwrite:
-                clear_cache_dir(out)
-            return finished_shards(out, plan, stamps, cfg.encoding)
+    return Job(out, tokenizer, source, encoded, stamps, plan, device, resolve_dtype(cfg.dtype, device))
 
-        done = dist.share(prepare)
-        todo = [s for s in plan if s["file"] not in done]
-        mine = todo[dist.rank :: dist.world]  # shards go round-robin to ranks; each rank writes its own
-        device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, device)
-        stats = {"tokens": 0, "processed": 0, "slots": 0, "mode": cfg.batching, "written": {}}
-        attn = cfg.attn_implementation
-        if mine:
-            log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
-                f"({len(done)} already done) on {dist.world} x {device.type} in {str(dtype).removeprefix('torch.')}")
-            try:
-                model = load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code)
-            except (ImportError, ValueError) as e:  # e.g. an --attn-implementation this install does not have
-                raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {attn} "
-                               f"({' '.join(str(e).split())[:300]})") from None
-            attn = model.config._attn_implementation
-            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            # Decided on the job's first shard (not this rank's), so every rank and every resumed run agrees.
-            first = encoded.pairs[plan[0]["start"] : plan[0]["stop"]]
-            longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in encoded.pairs)
-            mode = choose_mode(model, cfg.batching, first, longest, pad_id, cfg.token_budget, log)
-            stats = {**_score_shards(model, encoded, mine, out, stamps, cfg, pad_id, mode, dist.rank == 0), "mode": mode}
-        if dist.world > 1:
-            box = [None] * dist.world
-            torch.distributed.all_gather_object(box, stats)  # also the barrier before the manifest
-            modes = {b["mode"] for b in box if b["slots"]} or {stats["mode"]}
-            stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")}, "mode": modes.pop(),
-                     "written": {f: e for b in box for f, e in b["written"].items()}}
-        if dist.rank != 0:
-            return {"rank": dist.rank, "shards_scored": len(mine)}
-        # Shards written now come with their entries; only those kept from an earlier run are hashed here.
-        entries = [stats["written"].get(s["file"]) or fmt.shard_entry(out / s["file"], s["stop"] - s["start"],
-                                                                       s["mask_checksum"]) for s in plan]
-        _write_skipped(out, encoded)
-        wall = time.perf_counter() - t0
-        manifest = {
-            "format_version": fmt.FORMAT_VERSION,
-            "stamps": stamps,
-            "encoding": cfg.encoding.to_dict(),
-            "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)},
-            "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
-            "computation": {
-                "mode": stats["mode"],
-                "dtype": str(dtype).removeprefix("torch."),
-                "device_type": device.type,
-                "attn_implementation": attn,
-                "token_budget": cfg.token_budget,
-                "rows_per_shard": cfg.rows_per_shard,
-                "batching": DESCRIPTIONS.get(stats["mode"], stats["mode"]),
-            },
-            "software": software_versions(),
-            "source": {
-                "data": str(cfg.data),
-                "split": cfg.split,
-                "files": source.files,
-                "fingerprint": source.fingerprint,
-                "rows_in": len(source.rows),
-                "skipped": len(encoded.skipped),
-                "skipped_by_reason": encoded.skipped_by_reason,
-                "identical_pairs": encoded.identical,
-            },
-            "rows": len(encoded.pairs),
-            "shards": entries,
-            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
-        fmt.write_manifest(out, manifest)
+
+def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) -> Resume:
+    """Take the directory (lock; --overwrite clears it) and judge what an earlier run left there."""
+    try:
+        job.out.mkdir(parents=True, exist_ok=True)
+        lock.enter_context(exclusive(job.out))
+    except OSError as e:
+        raise JobError(f"--out {job.out}: cannot write the cache directory there ({e.strerror or e})") from None
+    if cfg.overwrite:
+        clear_cache_dir(job.out)
+    resume = finished_shards(job.out, job.plan, job.stamps, cfg.encoding, job.claimed(cfg))
+    for name, reason in resume.rescore:
+        log(f"{name} is damaged ({reason}); scoring it again")
+    return resume
+
+
+def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist) -> dict:
+    """Load the model (only when this rank has shards to score), check the computation it actually gives against
+    what the kept shards record, and score this rank's shards."""
+    todo = [s for s in job.plan if s["file"] not in resume.done]
+    mine = todo[dist.rank :: dist.world]  # shards go round-robin to ranks; each rank writes its own
+    stats = {"tokens": 0, "processed": 0, "slots": 0, "written": {}, "computation": None}
+    if mine:
+        log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
+            f"({len(resume.done)} already done) on {dist.world} x {job.device.type} in "
+            f"{str(job.dtype).removeprefix('torch.')}")
+        model, computation, mode, pad_id = _load(cfg, job, log)
+        if resume.computation is not None:  # compared after load, before any row is scored
+            differs = rules.computation_findings(resume.computation, computation, where=str(job.out))
+            if differs:
+                raise JobError(f"{differs[0].message}; {differs[0].remedy}")
+        stats = {**_score_shards(model, job.encoded, mine, job.out, job.stamps, cfg, pad_id, mode, computation,
+                                 dist.rank == 0), "computation": computation}
+    if dist.world > 1:
+        box = [None] * dist.world
+        torch.distributed.all_gather_object(box, stats)  # also the barrier before the manifest
+        made = [b["computation"] for b in box if b["computation"] is not None]
+        stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")},
+                 "computation": made[0] if made else None,
+                 "written": {f: e for b in box for f, e in b["written"].items()}}
+    stats["computation"] = stats["computation"] or resume.computation
+    return {**stats, "mine": len(mine), "todo": todo}
+
+
+def _load(cfg: PrecomputeConfig, job: Job, log):
+    attn = cfg.attn_implementation
+    try:
+        model = load_model(cfg.model, job.dtype, job.device, attn, cfg.trust_remote_code)
+    except (ImportError, ValueError) as e:  # e.g. an --attn-implementation this install does not have
+        raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {attn} "
+                       f"({' '.join(str(e).split())[:300]})") from None
+    tokenizer, encoded, plan = job.tokenizer, job.encoded, job.plan
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # Decided on the job's first shard (not this rank's), so every rank and every resumed run agrees.
+    first = encoded.pairs[plan[0]["start"] : plan[0]["stop"]]
+    longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in encoded.pairs)
+    mode = choose_mode(model, cfg.batching, first, longest, pad_id, cfg.token_budget, log)
+    computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
+                   "batching": DESCRIPTIONS.get(mode, mode)}
+    return model, computation, mode, pad_id
+
+
+def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
+    """skipped.jsonl, then the manifest (last: its presence means the cache is complete)."""
+    out, encoded = job.out, job.encoded
+    # Shards written now come with their entries; only those kept from an earlier run are hashed here.
+    entries = [scored["written"].get(s["file"]) or fmt.shard_entry(out / s["file"], s["stop"] - s["start"],
+                                                                    s["mask_checksum"], s["ids_checksum"])
+               for s in job.plan]
+    _write_skipped(out, encoded)
+    manifest = {
+        "format_version": fmt.FORMAT_VERSION,
+        "stamps": job.stamps,
+        "encoding": cfg.encoding.to_dict(),
+        "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)},
+        "tokenizer": {"class": type(job.tokenizer).__name__, "size": len(job.tokenizer)},
+        "computation": scored["computation"],  # what scored the rows (the recorded one when nothing was left)
+        "software": software_versions(),
+        "source": {
+            "data": str(cfg.data),
+            "split": cfg.split,
+            "files": job.source.files,
+            "fingerprint": job.source.fingerprint,
+            "rows_in": len(job.source.rows),
+            "skipped": len(encoded.skipped),
+            "skipped_by_reason": encoded.skipped_by_reason,
+            "identical_pairs": encoded.identical,
+        },
+        "rows": len(encoded.pairs),
+        "shards": entries,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    fmt.write_manifest(out, manifest)
+    return entries
+
+
+def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: float) -> dict:
+    encoded = job.encoded
     size = sum(e["bytes"] for e in entries)
     completion_tokens = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs)
     return {
-        "out": str(out.resolve()),
+        "out": str(job.out.resolve()),
         "rows": len(encoded.pairs),
-        "rows_scored": sum(s["stop"] - s["start"] for s in plan if s["file"] not in done),
+        "rows_scored": sum(s["stop"] - s["start"] for s in scored["todo"]),
         "skipped": len(encoded.skipped),
         "skipped_by_reason": encoded.skipped_by_reason,
         "identical_pairs": encoded.identical,
         "shards": len(entries),
-        "tokens": stats["tokens"],
-        "padding_fraction": 1 - stats["processed"] / stats["slots"] if stats["slots"] else 0.0,
-        "mode": stats["mode"],
+        "tokens": scored["tokens"],
+        "padding_fraction": 1 - scored["processed"] / scored["slots"] if scored["slots"] else 0.0,
+        "mode": scored["computation"]["mode"],
         "wall_s": wall,
-        "tokens_per_s": stats["tokens"] / wall if wall else 0.0,
+        "tokens_per_s": scored["tokens"] / wall if wall else 0.0,
         "bytes": size,
         "bytes_per_completion_token": size / completion_tokens,
     }
 
 
-def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, show_progress: bool) -> dict:
+def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computation, show_progress: bool) -> dict:
     from tqdm.auto import tqdm
 
     total = {"tokens": 0, "processed": 0, "slots": 0, "written": {}}
@@ -274,7 +296,7 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, show_pro
         )
         total["written"][shard["file"]] = fmt.write_shard(
             out / shard["file"], table, model_hash=stamps["model_hash"], tokenizer_hash=stamps["tokenizer_hash"],
-            encoding=cfg.encoding)
+            encoding=cfg.encoding, computation=computation)
         for key in stats:
             total[key] += stats[key]
     bar.close()

@@ -17,13 +17,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .encoding import EncodingConfig, row_mask_checksum
-from .stamps import combined_mask_checksum, file_sha256
+from .findings import RERUN, CacheError, StampMismatch  # noqa: F401  (re-exported)
+from .stamps import canonical_json, combined_mask_checksum, file_sha256, ids_checksum
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SKIPPED = "skipped.jsonl"
 LOCK = ".refcache.lock"
 STAMPS = ("model_hash", "tokenizer_hash", "mask_checksum")
+SHARD_ENTRY = ("file", "rows", "bytes", "sha256", "mask_checksum", "ids_checksum")
 META_PREFIX = "refcache."
 SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.parquet$")
 
@@ -42,29 +44,6 @@ SHARD_SCHEMA = pa.schema(
 )
 
 
-class CacheError(Exception):
-    """A cache that must not be used. `kind` is a stable key (tests and audit-ref match on it)."""
-
-    def __init__(self, kind, message, *, remedy, expected=None, found=None, shard=None, row=None):
-        self.kind, self.message, self.remedy = kind, message, remedy
-        self.expected, self.found, self.shard, self.row = expected, found, shard, row
-        super().__init__(str(self))
-
-    def __str__(self):
-        lines = [self.message]
-        if self.expected is not None or self.found is not None:
-            lines += [f"  expected: {self.expected}", f"  found:    {self.found}"]
-        if self.shard is not None:
-            lines.append(f"  where:    shard {self.shard}" + (f", row {self.row}" if self.row is not None else ""))
-        lines.append(f"  remedy:   {self.remedy}")
-        return "\n".join(lines)
-
-
-class StampMismatch(CacheError):
-    """One of the three stamps differs; `kind` names it (model_hash, tokenizer_hash, mask_checksum, encoding)."""
-
-
-RERUN = "re-run precompute-ref with the same --model, --data and encoding options into a fresh --out directory"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -117,31 +96,38 @@ def shard_table(ids, prompt_ids, chosen_ids, rejected_ids, chosen_logps, rejecte
     return pa.Table.from_arrays(columns, schema=SHARD_SCHEMA)
 
 
-def shard_metadata(model_hash, tokenizer_hash, encoding: EncodingConfig, shard_checksum: str) -> dict[bytes, bytes]:
+def shard_metadata(model_hash, tokenizer_hash, encoding: EncodingConfig, shard_checksum: str, ids_sum: str,
+                   computation: dict) -> dict[bytes, bytes]:
     meta = {
         "format_version": str(FORMAT_VERSION),
         "model_hash": model_hash,
         "tokenizer_hash": tokenizer_hash,
         "mask_checksum": shard_checksum,
+        "ids_checksum": ids_sum,
         "encoding": encoding.to_json(),
+        "computation": canonical_json(computation),
     }
     return {(META_PREFIX + k).encode(): v.encode() for k, v in meta.items()}
 
 
-def write_shard(path: Path, table: pa.Table, *, model_hash, tokenizer_hash, encoding: EncodingConfig) -> dict:
-    """Write one shard atomically and return its manifest entry."""
+def write_shard(path: Path, table: pa.Table, *, model_hash, tokenizer_hash, encoding: EncodingConfig,
+                computation: dict) -> dict:
+    """Write one shard atomically and return its manifest entry. `computation` is what scored it (the manifest's
+    `computation`), carried in the footer so a resumed run can compare it before the manifest exists."""
     checksum = combined_mask_checksum(table.column("mask_checksum").to_pylist(), encoding.to_json())
-    table = table.replace_schema_metadata(shard_metadata(model_hash, tokenizer_hash, encoding, checksum))
+    ids_sum = ids_checksum(table.column("id").to_pylist())
+    table = table.replace_schema_metadata(shard_metadata(model_hash, tokenizer_hash, encoding, checksum, ids_sum,
+                                                         computation))
     # Dictionary encoding helps the token ids but not the log-prob floats (its fallback costs more than plain).
     ids = [f"{c}.list.element" for c in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")]
     atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd", use_dictionary=ids))
-    return shard_entry(path, table.num_rows, checksum)
+    return shard_entry(path, table.num_rows, checksum, ids_sum)
 
 
-def shard_entry(path: Path, rows: int, mask_checksum: str) -> dict:
+def shard_entry(path: Path, rows: int, mask_checksum: str, ids_sum: str) -> dict:
     """A shard's line in the manifest."""
     return {"file": path.name, "rows": rows, "bytes": path.stat().st_size, "sha256": file_sha256(path),
-            "mask_checksum": mask_checksum}
+            "mask_checksum": mask_checksum, "ids_checksum": ids_sum}
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
@@ -307,126 +293,25 @@ def read_manifest(root: Path) -> dict:
     except (TypeError, ValueError) as e:
         raise CacheError("manifest", f"{path}: bad encoding config ({e})", remedy=RERUN) from None
     for s in manifest["shards"]:
-        if not isinstance(s, dict) or not {"file", "rows", "bytes", "sha256", "mask_checksum"} <= set(s):
+        if not isinstance(s, dict) or not set(SHARD_ENTRY) <= set(s):
             raise CacheError("manifest", f"{path}: malformed shard entry {s!r}", remedy=RERUN)
         counts_ok = all(isinstance(s[k], int) and not isinstance(s[k], bool) and s[k] >= 0 for k in ("rows", "bytes"))
-        if not counts_ok or not all(isinstance(s[k], str) for k in ("sha256", "mask_checksum")):
+        if not counts_ok or not all(isinstance(s[k], str) for k in ("sha256", "mask_checksum", "ids_checksum")):
             # (the file name is judged per shard, kind shard_path)
-            raise CacheError("manifest", f"{path}: shard entry {s!r} has a field of the wrong type (sha256 and "
-                             "mask_checksum are strings; rows and bytes are counts)", remedy=RERUN)
+            raise CacheError("manifest", f"{path}: shard entry {s!r} has a field of the wrong type (sha256, mask_checksum "
+                             "and ids_checksum are strings; rows and bytes are counts)", remedy=RERUN)
     return manifest
 
 
 def open_cache(root, *, verify_files: bool = True) -> Cache:
-    """Open a cache and check it against its own manifest: names, presence, sizes, sha256 (unless
-    verify_files=False), each shard's metadata stamps and row count, and the per-row checksums."""
+    """Open a cache and check it against its own manifest (schemas/rules.py, `cache_findings`); raise the first
+    finding as a CacheError. verify_files=False skips the shards' sha256 (--fast-verify)."""
+    from .rules import cache_findings
+
     root = Path(root)
     if not root.is_dir():
         raise CacheError("incomplete", f"{root} is not a directory", remedy="pass the --out directory of precompute-ref")
-    manifest = read_manifest(root)
-    cache = Cache(root, manifest)
-    listed = set()
-    for entry in manifest["shards"]:
-        path = _shard_path(root, entry["file"])
-        listed.add(entry["file"])
-        _check_shard(cache, entry, path, verify_files)
-    unlisted = sorted(p.name for p in root.glob("*.parquet") if p.name not in listed)
-    if unlisted:
-        raise CacheError(
-            "shard_unlisted",
-            f"{root} holds shard files the manifest does not list: {', '.join(unlisted[:5])}",
-            remedy="remove the stray files, or " + RERUN,
-            shard=unlisted[0],
-        )
-    _check_row_checksums(cache)
+    cache = Cache(root, read_manifest(root))
+    for finding in cache_findings(root, cache.manifest, hash_files=verify_files):
+        raise finding.error()
     return cache
-
-
-def _check_shard(cache: Cache, entry: dict, path: Path, verify_files: bool) -> None:
-    name = entry["file"]
-    if not path.is_file():
-        raise CacheError("shard_missing", f"shard {name} listed in the manifest is missing", remedy=RERUN, shard=name)
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise CacheError(
-            "shard_size", f"shard {name} has the wrong size", remedy=RERUN, expected=entry["bytes"], found=size, shard=name
-        )
-    if verify_files:
-        digest = file_sha256(path)
-        if digest != entry["sha256"]:
-            raise CacheError(
-                "shard_hash",
-                f"shard {name} content differs from the manifest (file sha256)",
-                remedy=RERUN,
-                expected=entry["sha256"],
-                found=digest,
-                shard=name,
-            )
-    try:
-        meta = read_shard_metadata(path)
-        rows = pq.ParquetFile(path).metadata.num_rows
-        schema = pq.read_schema(path)
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise CacheError("shard_unreadable", f"shard {name} is not a readable Parquet file ({e})", remedy=RERUN, shard=name) from None
-    if not schema.equals(SHARD_SCHEMA, check_metadata=False):
-        raise CacheError(
-            "shard_unreadable",
-            f"shard {name} does not have the columns of a format version {FORMAT_VERSION} shard (found "
-            + ", ".join(f"{f.name}: {f.type}" for f in schema) + ")",
-            remedy=RERUN,
-            shard=name,
-        )
-    expected = {**cache.stamps, "format_version": str(FORMAT_VERSION), "encoding": EncodingConfig.from_dict(
-        cache.manifest["encoding"]).to_json(), "mask_checksum": entry["mask_checksum"]}
-    for key, want in expected.items():
-        if meta.get(key) != want:
-            raise StampMismatch(
-                key if key in STAMPS else "shard_metadata",
-                f"shard {name}: metadata '{META_PREFIX}{key}' differs from the manifest",
-                remedy=RERUN,
-                expected=want,
-                found=meta.get(key),
-                shard=name,
-            )
-    if rows != entry["rows"]:
-        raise CacheError("shard_rows", f"shard {name} row count differs", remedy=RERUN, expected=entry["rows"], found=rows, shard=name)
-
-
-def _check_row_checksums(cache: Cache) -> None:
-    """Recompute each shard's and the whole cache's mask checksum from the stored per-row checksums and ids."""
-    enc = cache.encoding.to_json()
-    everything, seen = [], {}
-    for entry, path in zip(cache.manifest["shards"], cache.shard_paths):
-        table = read_columns(path, ["id", "mask_checksum"])
-        checks = table.column("mask_checksum").to_pylist()
-        try:
-            shard_sum = combined_mask_checksum(checks, enc)
-        except (ValueError, TypeError):
-            shard_sum = None
-        if shard_sum != entry["mask_checksum"]:
-            raise StampMismatch(
-                "mask_checksum",
-                f"shard {entry['file']}: its rows' mask checksums do not add up to the shard's (rows edited, "
-                "reordered or moved)",
-                remedy=RERUN,
-                expected=entry["mask_checksum"],
-                found=shard_sum,
-                shard=entry["file"],
-            )
-        for i, rid in enumerate(table.column("id").to_pylist()):
-            if rid in seen:
-                raise CacheError(
-                    "duplicate_id", f"row id {rid!r} appears twice (also in shard {seen[rid]})", remedy=RERUN,
-                    shard=entry["file"], row=i,
-                )
-            seen[rid] = entry["file"]
-        everything.extend(checks)
-    total = combined_mask_checksum(everything, enc)
-    if total != cache.stamps["mask_checksum"]:
-        raise StampMismatch(
-            "mask_checksum",
-            "the shards' rows do not add up to the manifest's mask checksum (rows moved between shards?)",
-            remedy=RERUN,
-            expected=cache.stamps["mask_checksum"],
-            found=total,
-        )

@@ -37,8 +37,12 @@ class WeightsError(ValueError):
     """A checkpoint whose weights cannot be hashed (no safetensors, a broken header, a path leaving the folder)."""
 
 
+def canonical_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
 def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return canonical_json(obj).encode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -69,26 +73,55 @@ def tokenizer_hash(tokenizer) -> str:
 # model hash
 
 
+def _loaded_weights_file(root: Path) -> tuple[Path | None, bool]:
+    """The file `from_pretrained(root, use_safetensors=True)` opens and whether it is an index, by transformers' own
+    resolution order (transformers 5.x `_get_resolved_checkpoint_files`, local folder, no variant): the config's
+    `transformers_weights` if set, else `model.safetensors`, which wins over `model.safetensors.index.json`."""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+    explicit = None
+    config = root / "config.json"
+    if config.is_file():
+        try:
+            explicit = json.loads(config.read_text(encoding="utf-8")).get("transformers_weights")
+        except (ValueError, AttributeError):
+            explicit = None  # model_config_fingerprint reports a broken config.json
+    if isinstance(explicit, str):
+        if not explicit.endswith((".safetensors", ".safetensors.index.json")):
+            raise WeightsError(f"{root}: config.json transformers_weights {explicit!r} is not a safetensors file")
+        return _inside(root, explicit, root / "config.json"), explicit.endswith(".index.json")
+    for name, is_index in ((SAFE_WEIGHTS_NAME, False), (SAFE_WEIGHTS_INDEX_NAME, True)):
+        if (root / name).is_file():
+            return root / name, is_index
+    return None, False
+
+
+def _inside(root: Path, name: str, source: Path) -> Path:
+    # Judge the names as written, without following symlinks: a Hugging Face hub snapshot holds every file as a
+    # symlink into ../../blobs, which is fine; a name such as '../x' or '/abs/x' is not.
+    path = Path(os.path.normpath(root / name))
+    if path.parent != root:
+        raise WeightsError(f"{source}: weight file {name!r} is outside the checkpoint folder")
+    if not path.is_file():
+        raise WeightsError(f"{source}: names {name!r}, which does not exist")
+    return path
+
+
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The checkpoint's safetensors files, refusing pickle-only checkpoints and paths that leave the folder."""
+    """Exactly the safetensors files transformers loads from this folder (see `_loaded_weights_file`); refuses
+    pickle-only checkpoints and names that leave the folder."""
     root = Path(model_dir).resolve()
     if not root.is_dir():
         raise WeightsError(f"{model_dir}: not a directory holding a Hugging Face checkpoint")
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        # Judge the names as written, without following symlinks: a Hugging Face hub snapshot holds every file as a
-        # symlink into ../../blobs, which is fine; a name such as '../x' or '/abs/x' is not.
-        files = [Path(os.path.normpath(root / n)) for n in names]
-        for n, f in zip(names, files):
-            if f.parent != root:
-                raise WeightsError(f"{index}: weight file {n!r} is outside the checkpoint folder")
-            if not f.is_file():
-                raise WeightsError(f"{index}: lists {n!r}, which does not exist")
-        return files
-    files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
-    if files:
-        return files
+    loaded, is_index = _loaded_weights_file(root)
+    if loaded is not None and not is_index:
+        return [loaded]
+    if loaded is not None:
+        try:
+            names = sorted(set(json.loads(loaded.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WeightsError(f"{loaded}: not a safetensors index ({e})") from None
+        return [_inside(root, n, loaded) for n in names]
     pickles = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
     if pickles:
         raise WeightsError(
@@ -96,7 +129,9 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
             "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)` in a trusted "
             "environment."
         )
-    raise WeightsError(f"{model_dir}: no *.safetensors weight files found")
+    others = sorted(p.name for p in root.glob("*.safetensors"))
+    raise WeightsError(f"{model_dir}: no model.safetensors or model.safetensors.index.json, which is what "
+                       "transformers loads" + (f" (found {', '.join(others[:3])})" if others else ""))
 
 
 def _read_header(f, path: Path) -> tuple[dict, int]:
@@ -172,6 +207,16 @@ def combined_mask_checksum(row_checksums, encoding_json: str) -> str:
     h.update(encoding_json.encode("utf-8"))
     for c in row_checksums:
         h.update(bytes.fromhex(c))
+    return h.hexdigest()
+
+
+def ids_checksum(ids) -> str:
+    """Checksum of a shard's row ids in order (the mask checksums cover the tokens, not the names of the rows)."""
+    raw = [str(i).encode("utf-8", "surrogatepass") for i in ids]
+    h = hashlib.sha256(b"refcache-ids-v1")
+    h.update(struct.pack("<Q", len(raw)))
+    h.update(struct.pack(f"<{len(raw)}Q", *map(len, raw)))
+    h.update(b"".join(raw))
     return h.hexdigest()
 
 

@@ -28,9 +28,10 @@ from schemas.format import (
     write_manifest,
     write_shard,
 )
-from schemas.stamps import combined_mask_checksum
+from schemas.stamps import combined_mask_checksum, ids_checksum
 
 ENC = EncodingConfig(max_length=96)
+COMP = {"dtype": "float32", "device_type": "cpu", "mode": "full_forward", "attn_implementation": "sdpa"}
 MODEL_HASH = hashlib.sha256(b"a model").hexdigest()
 TOKENIZER_HASH = hashlib.sha256(b"a tokenizer").hexdigest()
 SHARDS = 3
@@ -71,13 +72,14 @@ def write_cache(root: Path, rows, shards=SHARDS, model_hash=MODEL_HASH, tokenize
     for i in range(shards):
         part = rows[i * per : (i + 1) * per]
         entries.append(write_shard(root / f"shard-{i:05d}.parquet", table_of(part), model_hash=model_hash,
-                                   tokenizer_hash=tokenizer_hash, encoding=ENC))
+                                   tokenizer_hash=tokenizer_hash, encoding=ENC, computation=COMP))
         checks += [r["checksum"] for r in part]
     manifest = {
         "format_version": FORMAT_VERSION,
         "stamps": {"model_hash": model_hash, "tokenizer_hash": tokenizer_hash,
                    "mask_checksum": combined_mask_checksum(checks, ENC.to_json())},
         "encoding": ENC.to_dict(),
+        "computation": COMP,
         "shards": entries,
     }
     write_manifest(root, manifest)
@@ -129,7 +131,8 @@ def refused(root: Path, kind: str, cls=CacheError, **kwargs) -> CacheError:
 def test_shard_round_trip(tmp_path, encoded):
     rows = encoded[:5]
     path = tmp_path / "shard-00000.parquet"
-    entry = write_shard(path, table_of(rows), model_hash=MODEL_HASH, tokenizer_hash=TOKENIZER_HASH, encoding=ENC)
+    entry = write_shard(path, table_of(rows), model_hash=MODEL_HASH, tokenizer_hash=TOKENIZER_HASH, encoding=ENC,
+                        computation=COMP)
     back = pq.read_table(path)
     assert back.schema.remove_metadata() == SHARD_SCHEMA
     assert back.column("id").to_pylist() == [r["id"] for r in rows]
@@ -155,7 +158,10 @@ def test_shard_round_trip(tmp_path, encoded):
     assert read_shard_metadata(path)["encoding"] == ENC.to_json()
 
     assert entry == {"file": path.name, "rows": 5, "bytes": path.stat().st_size,
-                     "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "mask_checksum": shard_sum}
+                     "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "mask_checksum": shard_sum,
+                     "ids_checksum": ids_checksum([r["id"] for r in rows])}
+    assert raw[b"refcache.ids_checksum"].decode() == entry["ids_checksum"]
+    assert json.loads(raw[b"refcache.computation"]) == COMP
     assert pq.ParquetFile(path).metadata.row_group(0).column(1).compression == "ZSTD"
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp file left behind
     assert os.stat(path).st_size > 0
@@ -175,13 +181,14 @@ def test_sums_are_of_the_stored_float32_values(tmp_path):
 
 def test_same_table_writes_identical_bytes(tmp_path, encoded):
     table = table_of(encoded[:4])
-    a = write_shard(tmp_path / "a.parquet", table, model_hash=MODEL_HASH, tokenizer_hash=TOKENIZER_HASH, encoding=ENC)
+    a = write_shard(tmp_path / "a.parquet", table, model_hash=MODEL_HASH, tokenizer_hash=TOKENIZER_HASH, encoding=ENC,
+                    computation=COMP)
     b = write_shard(tmp_path / "b.parquet", table_of(encoded[:4]), model_hash=MODEL_HASH,
-                    tokenizer_hash=TOKENIZER_HASH, encoding=ENC)
+                    tokenizer_hash=TOKENIZER_HASH, encoding=ENC, computation=COMP)
     assert (tmp_path / "a.parquet").read_bytes() == (tmp_path / "b.parquet").read_bytes()
     assert {**a, "file": None} == {**b, "file": None}
     c = write_shard(tmp_path / "c.parquet", table, model_hash=TOKENIZER_HASH, tokenizer_hash=TOKENIZER_HASH,
-                    encoding=ENC)
+                    encoding=ENC, computation=COMP)
     assert c["sha256"] != a["sha256"]  # the stamps are in the file
 
 

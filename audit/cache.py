@@ -1,0 +1,128 @@
+"""audit-ref's scan of a cache against itself: every rule of schemas/rules.py over every shard and row, each
+corruption reported once, by the rule that owns it. A shard that fails `shard_files` is left out of the row checks
+(its content may not even parse) and the cache checksum waits for every shard checksum."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from schemas import format as fmt
+from schemas import rules
+from schemas.encoding import EncodingConfig
+
+from .checks import FAIL, PASS, SKIP, Check, from_findings
+
+INDEX_SCHEMA = {"id": pl.String, "shard": pl.String, "row": pl.UInt32, "mask_checksum": pl.String,
+                "prompt_tokens": pl.UInt32, "chosen_tokens": pl.UInt32, "rejected_tokens": pl.UInt32}
+WHAT = {
+    "shard_files": ("shard", "sizes, sha256, schema and row counts match the manifest"),
+    "shard_stamps": ("shard", "metadata stamps, encoding, computation and format version match the manifest"),
+    "shard_checksums": ("shard", "the rows' mask checksums and ids add up to each shard's"),
+    "row_checksums": ("row", "mask checksums recomputed from the stored ids match"),
+    "unique_ids": ("row", "ids unique across shards"),
+    **{n: ("row", w) for n, w in rules.VALUE_WHAT.items()},
+}
+
+
+@dataclass
+class CacheScan:
+    checks: list[Check]
+    index: pl.DataFrame  # one row per cached row of the verified shards: id, shard, row, mask_checksum, lengths
+    logprob_stats: list[dict]
+    unverified: int  # shards that failed shard_files
+
+
+def _logprob_stats(df: pl.DataFrame, shard: str) -> dict:
+    values = df.select(pl.col("chosen_logps").explode().append(pl.col("rejected_logps").explode()).alias("v"))
+    values = values.drop_nulls().filter(pl.col("v").is_finite())
+    stats = values.select(
+        tokens=pl.len(), mean=pl.col("v").mean(), p5=pl.col("v").quantile(0.05), p50=pl.col("v").median(),
+        p95=pl.col("v").quantile(0.95), min=pl.col("v").min(), max=pl.col("v").max(),
+    ).row(0, named=True)
+    sequences = df.select(
+        mean_chosen_logp=pl.col("chosen_logp").mean(), mean_rejected_logp=pl.col("rejected_logp").mean(),
+        chosen_higher=(pl.col("chosen_logp") > pl.col("rejected_logp")).mean(),
+    ).row(0, named=True)
+    return {"shard": shard, "rows": df.height, **stats, **sequences}
+
+
+def _shard(root: Path, manifest: dict, entry: dict, found: dict, checked: dict) -> pl.DataFrame | None:
+    """One listed shard through every rule; its rows as a frame, or None when it failed shard_files."""
+    checked["shard_files"] += 1
+    path, problems = rules.shard_file_findings(root, entry)
+    if not problems:
+        want = rules.expected_footer(manifest["stamps"], EncodingConfig.from_dict(manifest["encoding"]), entry,
+                                     manifest.get("computation"))
+        problems = rules.shard_footer_findings(path, want, entry["rows"])[1]
+        if not problems:
+            try:
+                table = fmt.read_columns(path).replace_schema_metadata(None)
+            except fmt.CacheError as e:
+                problems = [rules.Finding("shard_files", e.kind, e.message, shard=entry["file"])]
+    files = [f for f in problems if f.rule == "shard_files"]
+    found["shard_files"] += files
+    if files:
+        return None
+    checked["shard_stamps"] += 1
+    found["shard_stamps"] += problems[:1]  # one per shard: the first key that differs
+    name = entry["file"]
+    df = pl.from_arrow(table).with_row_index("row").with_columns(pl.lit(name).alias("shard"))
+    checked["shard_checksums"] += 1
+    found["shard_checksums"] += rules.shard_checksum_findings(name, entry, df["mask_checksum"].to_list(),
+                                                              df["id"].to_list(), EncodingConfig.from_dict(
+                                                                  manifest["encoding"]).to_json())[:1]
+    for rule_findings in (rules.row_checksum_findings(df, name), rules.value_findings(df, name)):
+        for f in rule_findings:
+            found[f.rule].append(f)
+    for rule in ("row_checksums", *rules.VALUE_RULES):
+        checked[rule] += df.height
+    return df
+
+
+def audit_cache(root: Path, manifest: dict) -> CacheScan:
+    found, checked = defaultdict(list), defaultdict(int)
+    frames, stats, ids_by_shard = [], [], []
+    for entry in manifest["shards"]:
+        df = _shard(root, manifest, entry, found, checked)
+        if df is None:
+            continue
+        frames.append(df)
+        ids_by_shard.append((entry["file"], df["id"].to_list()))
+        stats.append(_logprob_stats(df, entry["file"]))
+    unlisted = rules.unlisted_findings(root, [e["file"] for e in manifest["shards"]])
+    found["shard_files"] += unlisted
+    checked["shard_files"] += sum(f.count for f in unlisted)
+    unverified = len(manifest["shards"]) - len(frames)
+    manifest_problems = rules.manifest_findings(manifest)
+    checks = [Check("manifest", FAIL, "; ".join(f.message for f in manifest_problems)) if manifest_problems else
+              Check("manifest", PASS, f"format version {manifest['format_version']}, {len(manifest['shards'])} "
+                    f"shard(s), {sum(e['rows'] for e in manifest['shards']):,} rows")]
+    result = lambda n: from_findings(n, found[n], checked[n], *WHAT[n], unchecked_shards=unverified)  # noqa: E731
+    checks += [result("shard_files"), result("shard_stamps"), result("row_checksums"), result("shard_checksums")]
+    if unverified or found["shard_checksums"]:
+        checks.append(Check("cache_checksum", SKIP, "needs every shard to pass shard_files and shard_checksums"))
+    else:
+        every = [c for df in frames for c in df["mask_checksum"].to_list()]
+        bad = rules.cache_checksum_findings(every, manifest)
+        checks.append(Check("cache_checksum", FAIL, bad[0].message) if bad else
+                      Check("cache_checksum", PASS, "the shards' rows add up to the manifest's mask_checksum stamp"))
+    found["unique_ids"] = rules.unique_id_findings(ids_by_shard)
+    checked["unique_ids"] = sum(len(ids) for _, ids in ids_by_shard)
+    checks += [result(n) for n in ("unique_ids", *rules.VALUE_RULES)]
+    listed, skipped = rules.skipped_findings(root, manifest)
+    checks.append(Check("skipped_counts", FAIL, skipped[0].message) if skipped else Check(
+        "skipped_counts", PASS, f"{listed} skipped row(s), {(manifest.get('source') or {}).get('rows_in')} rows in = "
+        f"{manifest.get('rows')} cached + {listed} skipped"))
+    index = pl.concat([_index(df) for df in frames]) if frames else pl.DataFrame(schema=INDEX_SCHEMA)
+    return CacheScan(checks, index, stats, unverified)
+
+
+def _index(df: pl.DataFrame) -> pl.DataFrame:
+    return df.select("id", "shard", "row", "mask_checksum",
+                     pl.col("prompt_input_ids").list.len().alias("prompt_tokens"),
+                     pl.col("chosen_input_ids").list.len().alias("chosen_tokens"),
+                     pl.col("rejected_input_ids").list.len().alias("rejected_tokens")).cast(INDEX_SCHEMA)

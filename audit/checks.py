@@ -1,0 +1,46 @@
+"""What an audit check is: a named result (PASS, FAIL or SKIP), the sections of the report, and how a rule's
+findings (schemas/rules.py) become one check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+SECTIONS = {
+    "cache": ("manifest", "shard_files", "shard_stamps", "row_checksums", "shard_checksums", "cache_checksum",
+              "unique_ids", "list_lengths", "sums", "logprob_values", "skipped_counts"),
+    "model": ("model_hash", "tokenizer_hash", "replay"),
+    "data": ("data_rows",),
+    "run": ("run_cache", "run_final_hash"),
+}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    shard: str | None = None
+    row: int | None = None  # row index inside `shard`
+    info: dict = field(default_factory=dict)
+
+
+def short(h) -> str:
+    return f"{h[:12]}…" if isinstance(h, str) and len(h) > 12 else repr(h)
+
+
+def from_findings(name: str, findings: list, checked: int, unit: str, what: str, unchecked_shards: int = 0) -> Check:
+    """One check from the findings of its rule over `checked` shards or rows: FAIL naming the first, PASS, or SKIP
+    when nothing could be checked."""
+    units = lambda n: f"{n:,} {unit}{'s' if n != 1 else ''}"  # noqa: E731
+    if findings:
+        first = findings[0]
+        failed = sum(f.count for f in findings)
+        detail = first.message
+        if first.expected is not None or first.found is not None:
+            detail += f" (expected {short(first.expected)}, found {short(first.found)})"
+        return Check(name, FAIL, f"{failed:,} of {units(max(checked, failed))}: {detail}", first.shard, first.row)
+    if not checked:
+        return Check(name, SKIP, "nothing to check: no shard passed shard_files")
+    note = f"; {unchecked_shards} shard(s) not checked (failed shard_files)" if unchecked_shards else ""
+    return Check(name, PASS, f"{units(checked)}: {what}{note}")

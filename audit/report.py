@@ -1,0 +1,93 @@
+"""audit-ref's report: token statistics, the text rendering and strict JSON."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import polars as pl
+
+from .checks import FAIL, PASS, SECTIONS, SKIP
+
+
+def token_stats(index: pl.DataFrame) -> list[dict]:
+    lengths = index.select("prompt_tokens", "chosen_tokens", "rejected_tokens").cast(pl.Int64)
+    long = pl.concat([
+        lengths.unpivot(variable_name="part", value_name="n"),
+        lengths.select("chosen_tokens", "rejected_tokens").unpivot(value_name="n").select(
+            pl.lit("completion_tokens").alias("part"), "n"),
+    ])
+    return long.group_by("part", maintain_order=True).agg(
+        total=pl.col("n").sum(), mean=pl.col("n").mean().round(2),
+        p50=pl.col("n").quantile(0.5, "nearest").cast(pl.Int64),
+        p95=pl.col("n").quantile(0.95, "nearest").cast(pl.Int64), max=pl.col("n").max(),
+    ).with_columns(pl.col("part").str.strip_suffix("_tokens")).to_dicts()
+
+
+def _jsonable(v):
+    """Strict JSON: NaN and infinities (a damaged cache's values) become strings."""
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float) and not np.isfinite(v):
+        return str(v)
+    return v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return "" if v is None else str(v)
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[_cell(v) for v in r] for r in rows]
+    numeric = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    right = [bool(rows) and all(numeric(r[i]) for r in rows) for i in range(len(headers))]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values):
+        return "  " + "  ".join(v.rjust(w) if a else v.ljust(w) for v, w, a in zip(values, widths, right)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def render(report: dict) -> str:
+    made = report["made"]
+    sw = made.get("software") or {}
+    comp = made.get("computation") or {}
+    src = made.get("source") or {}
+    out = [f"audit-ref {report['cache']}",
+           f"  made {made.get('created_at')} by refcache {sw.get('refcache')} (" +
+           ", ".join(f"{k} {v}" for k, v in sw.items() if k != "refcache") + ")",
+           f"  reference {(made.get('model') or {}).get('name')} in {comp.get('dtype')} on {comp.get('device_type')} "
+           f"({comp.get('attn_implementation')} attention, {comp.get('mode')} batching); data {src.get('data')} split "
+           f"{src.get('split')}; "
+           f"{report['stats']['rows']:,} rows, {report['stats']['bytes'] / 2**20:.2f} MiB", ""]
+    by_name = {c["name"]: c for c in report["checks"]}
+    titles = {"cache": "Cache integrity", "model": "Reference model (--model)", "data": "Data (--data)",
+              "run": "Training run (--run)"}
+    for section, names in SECTIONS.items():
+        rows = []
+        for n in names:
+            c = by_name[n]
+            where = " ".join(x for x in (c["shard"], None if c["row"] is None else f"row {c['row']}") if x)
+            rows.append([n, c["status"], where, c["detail"]])
+        out += [titles[section], table(["check", "status", "where", "detail"], rows), ""]
+    tok = report["stats"]["tokens"]
+    out += ["Tokens", table(["tokens", "total", "mean", "p50", "p95", "max"],
+                            [[t["part"], t["total"], t["mean"], t["p50"], t["p95"], t["max"]] for t in tok]), ""]
+    lp = report["stats"]["logprobs_per_shard"]
+    out += ["Log-probs per shard (per token; mean sequence sums; share of pairs the reference prefers chosen)",
+            table(["shard", "rows", "tokens", "mean", "p5", "p50", "p95", "min", "max", "chosen_logp", "rejected_logp",
+                   "chosen_higher"],
+                  [[s["shard"], s["rows"], s["tokens"], s["mean"], s["p5"], s["p50"], s["p95"], s["min"], s["max"],
+                    s["mean_chosen_logp"], s["mean_rejected_logp"], s["chosen_higher"]] for s in lp]), ""]
+    counts = Counter(c["status"] for c in report["checks"])
+    verdict = f"FAIL: {', '.join(report['failed'])}" if report["failed"] else "PASS"
+    out.append(f"{verdict} ({counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped) in "
+               f"{report['timing']['total_s']:.2f} s")
+    return "\n".join(out)

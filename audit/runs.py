@@ -1,0 +1,72 @@
+"""audit-ref --data (the data re-encoded and compared row by row) and --run (a train-dpo output names this cache and
+holds the weights it recorded; the run manifest format is schemas/run_manifest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import polars as pl
+
+from schemas import run_manifest
+from schemas.encoding import EncodingConfig
+from schemas.stamps import WeightsError, model_hash
+
+from .cache import CacheScan
+from .checks import FAIL, PASS, Check
+from .checks import short as _short
+
+
+def audit_data(manifest: dict, scan: CacheScan, data: str, tokenizer) -> Check:
+    """Re-encode the data with the recorded encoding and compare every row's mask checksum with the cached one."""
+    from runtime.data import encode_rows, load_rows
+
+    source = load_rows(data, (manifest.get("source") or {}).get("split", "train"))
+    encoded = encode_rows(source, tokenizer, EncodingConfig.from_dict(manifest["encoding"]), on_bad_row="skip")
+    now = pl.DataFrame({"id": encoded.ids, "now": [p.mask_checksum for p in encoded.pairs]},
+                       schema={"id": pl.String, "now": pl.String})
+    joined = scan.index.select("id", "shard", "row", "mask_checksum").join(now, on="id", how="full", coalesce=True)
+    added = joined.filter(pl.col("mask_checksum").is_null())
+    removed = joined.filter(pl.col("now").is_null())
+    changed = joined.filter(pl.col("mask_checksum").is_not_null() & pl.col("now").is_not_null()
+                            & (pl.col("mask_checksum") != pl.col("now")))
+    skipped_now = {s["id"]: s["reason"] for s in encoded.skipped}
+    info = {"rows_encoded": len(encoded.ids), "rows_skipped": len(encoded.skipped),
+            "fingerprint_matches": source.fingerprint == (manifest.get("source") or {}).get("fingerprint"),
+            "added": added["id"].to_list(), "removed": removed["id"].to_list(), "changed": changed["id"].to_list(),
+            "removed_now_skipped": {i: skipped_now[i] for i in removed["id"].to_list() if i in skipped_now}}
+    if not (added.height or removed.height or changed.height):
+        return Check("data_rows", PASS, f"{len(encoded.ids):,} rows re-encoded with the cache's encoding: all match "
+                     f"({len(encoded.skipped)} skipped as at precompute)", info=info)
+    listing = "; ".join(f"{kind} {len(ids)}: {', '.join(map(repr, ids[:5]))}{' …' if len(ids) > 5 else ''}"
+                        for kind, ids in (("changed", info["changed"]), ("removed", info["removed"]),
+                                          ("added", info["added"])) if ids)
+    where = (changed if changed.height else removed).row(0, named=True) if changed.height or removed.height else {}
+    return Check("data_rows", FAIL, f"the data differs from the cached rows: {listing}", where.get("shard"),
+                 where.get("row"), info)
+
+
+def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
+    try:
+        run = run_manifest.read_run_manifest(run_dir)
+    except run_manifest.RunManifestError as e:
+        raise click.BadParameter(str(e), param_hint="--run")
+    role, problems = run_manifest.run_cache_findings(run, root, manifest["stamps"])
+    if problems:
+        checks = [Check("run_cache", FAIL, f"{run_dir}: {problems[0].message}")]
+    else:
+        checks = [Check("run_cache", PASS, f"{run_dir}: trained on this cache as its "
+                        f"{'train' if role == 'cache' else 'eval'} cache (manifest sha256 and stamps match)")]
+    recorded = run.get("final_model_hash")
+    try:
+        final = model_hash(run_dir)
+    except (WeightsError, OSError, ValueError) as e:
+        checks.append(Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} cannot be hashed: {e}"))
+        return checks
+    if final == recorded:
+        checks.append(Check("run_final_hash", PASS, f"the checkpoint in {run_dir} matches final_model_hash "
+                            f"{_short(final)}"))
+    else:
+        checks.append(Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} hashes to {_short(final)}, the run "
+                            f"recorded {_short(recorded)}"))
+    return checks
