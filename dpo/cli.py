@@ -44,6 +44,7 @@ HELP = {
     "report_to": "Comma-separated trackers (tensorboard, wandb, ...) or none.",
     "trust_remote_code": "Allow custom model code from checkpoint folders.",
     "plot": "Write metrics.png at the end.",
+    "overwrite_output_dir": "Train into an --output-dir that already holds files (a previous run's).",
     "config": "YAML or JSON file with any of these options (snake_case or kebab-case keys).",
 }
 CHOICES = {"loss_type": LOSS_TYPES, "truncation_mode": TRUNCATION_MODES, "chat_template": CHAT_TEMPLATE_MODES,

@@ -4,19 +4,17 @@ run manifest. With a cache the reference model is never constructed in this proc
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.checkpoint import check_checkpoint, load_tokenizer, software_versions
+from runtime.checkpoint import check_checkpoint, load_tokenizer
 from runtime.errors import JobError
 from schemas.encoding import EncodingConfig
-from schemas.stamps import file_sha256, model_hash
+from schemas.stamps import model_hash
 
 from .losses import LossConfig
+from .outdir import check_output_dir, prepare_metrics
 from .verify import encode_only, reference_hash, verify_and_join
 
 
@@ -77,6 +75,7 @@ class TrainConfig:
     # ours
     trust_remote_code: bool = False
     plot: bool = True
+    overwrite_output_dir: bool = False
 
     def loss_config(self) -> LossConfig:
         return LossConfig(self.beta, self.loss_type, self.label_smoothing, self.rpo_alpha, self.ld_alpha)
@@ -162,7 +161,8 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .trainer import DPOTrainer, MetricsFile, PairCollator, disable_dropout, plot_metrics
+    from .provenance import RecordReference, check_resume_reference, reference_record
+    from .trainer import DPOTrainer, MetricsFile, PairCollator, disable_dropout
 
     if cfg.ref_cache is None and cfg.ref_model is None:
         raise JobError("give --ref-cache DIR (cached reference) or --ref-model PATH (live reference)")
@@ -178,7 +178,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     except ValueError as e:  # transformers' own checks of the training options
         raise JobError(f"invalid training options: {' '.join(str(e).split())}") from None
     out = Path(cfg.output_dir)
-    check_output_dir(out)
+    check_output_dir(cfg)
     check_resume(cfg.resume_from_checkpoint)
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     t0 = time.perf_counter()
@@ -192,6 +192,9 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     if cfg.eval_data:
         evaluation = _rows(cfg, tokenizer, cfg.eval_data, cfg.eval_split, cfg.eval_ref_cache or cfg.ref_cache,
                            reference, log)
+    record = reference_record(cfg, train, evaluation)
+    if cfg.resume_from_checkpoint:
+        check_resume_reference(cfg.resume_from_checkpoint, record)  # before any model is loaded
     verify_s = time.perf_counter() - t0
 
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -206,6 +209,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         ref_model.eval().requires_grad_(False).to(args.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out.mkdir(parents=True, exist_ok=True)
+    seen = prepare_metrics(out / "metrics.jsonl", cfg.resume_from_checkpoint) if _rank()[0] == 0 else set()
     trainer = DPOTrainer(
         model=policy,
         args=args,
@@ -213,12 +217,10 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         train_dataset=datasets.Dataset(train.table),
         eval_dataset=datasets.Dataset(evaluation.table) if evaluation else None,
         processing_class=tokenizer,
-        callbacks=[MetricsFile(out / "metrics.jsonl")],
+        callbacks=[MetricsFile(out / "metrics.jsonl", seen), RecordReference(record)],
         loss_config=loss_config,
         ref_model=ref_model,
     )
-    if trainer.is_world_process_zero() and not cfg.resume_from_checkpoint:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
     t_train = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     train_s = time.perf_counter() - t_train
@@ -231,19 +233,8 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     summary = {"eval_start": first[0] if first else {}, "output_dir": str(out.resolve()), "steps": result.global_step,
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": verify_s, "eval": final_eval}
     if trainer.is_world_process_zero():
-        _finish(cfg, out, train, evaluation, initial_hash, summary)
+        _finish(cfg, out, train, record, initial_hash, summary)
     return summary
-
-
-def check_output_dir(out: Path) -> None:
-    """Refuse an --output-dir that cannot be made, before any verification or training (nothing is created here)."""
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise JobError(f"--output-dir {out}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise JobError(f"--output-dir {out}: {existing} is not writable")
 
 
 def check_resume(checkpoint: str | None) -> None:
@@ -256,27 +247,11 @@ def check_resume(checkpoint: str | None) -> None:
         raise JobError(f"--resume-from-checkpoint {checkpoint}: {reason}; resume from a complete checkpoint-N folder")
 
 
-def _finish(cfg, out: Path, train, evaluation, initial_hash: str, summary: dict) -> None:
+def _finish(cfg, out: Path, train, record: dict, initial_hash: str, summary: dict) -> None:
+    from .provenance import write_run_manifest
     from .trainer import plot_metrics
 
     if cfg.plot and (out / "metrics.jsonl").exists():
         plot_metrics(out / "metrics.jsonl", out / "metrics.png")
-    cache = None
-    if cfg.ref_cache:
-        cache = {"path": str(cfg.ref_cache), "manifest_sha256": file_sha256(Path(cfg.ref_cache) / "manifest.json"),
-                 "stamps": train.report["stamps"], "verification": train.report}
-    manifest = {
-        "kind": "refcache-train-dpo-run",
-        "initial_model": {"path": cfg.model, "model_hash": initial_hash},
-        "reference": {"cache": cache, "live_model": cfg.ref_model if not cfg.ref_cache else None},
-        "data": {"path": cfg.data, "split": cfg.split, "fingerprint": train.fingerprint, "rows": train.table.num_rows},
-        "eval_data": {"path": cfg.eval_data, "fingerprint": evaluation.fingerprint} if evaluation else None,
-        "config": dataclasses.asdict(cfg),
-        "seed": cfg.seed,
-        "software": software_versions(),
-        "result": {k: summary[k] for k in ("steps", "train_loss", "train_s", "verify_s")} | {"eval": summary["eval"]},
-        "final_model_hash": model_hash(out),
-        "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    (out / "run-manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
+    manifest = write_run_manifest(cfg, out, record, train, initial_hash, summary)
     summary["final_model_hash"] = manifest["final_model_hash"]

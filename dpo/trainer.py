@@ -93,14 +93,19 @@ class DPOTrainer(Trainer):
 
 
 class MetricsFile(TrainerCallback):
-    """Append every log record (train and eval) to metrics.jsonl in the output directory."""
+    """Append every log record (train and eval) to metrics.jsonl in the output directory, once per (step, kind):
+    a resumed run does not repeat the records its checkpoint's run already wrote (`seen`)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, seen: set = frozenset()):
+        self.path, self.seen = path, set(seen)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             record = {"step": state.global_step, "epoch": state.epoch, **logs}
+            key = (state.global_step, "eval" if any(k.startswith("eval_") for k in logs) else "train")
+            if key in self.seen:
+                return
+            self.seen.add(key)
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 

@@ -54,7 +54,7 @@ def read_run_manifest(run_dir) -> dict:
     try:
         run = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise RunManifestError(f"{path} is missing or not JSON ({e})") from None
+        raise RunManifestError(f"{path} is missing or not a train-dpo run manifest ({e})") from None
     if not isinstance(run, dict) or run.get("kind") != RUN_KIND or not isinstance(run.get("reference"), dict):
         raise RunManifestError(f"{path} is not a train-dpo run manifest (kind {RUN_KIND!r} with a reference)")
     return run

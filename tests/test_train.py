@@ -145,7 +145,8 @@ def test_run_manifest(runs, llama_dir, dpo_data, dpo_cache):
     assert m["result"]["steps"] == 20
 
     live = json.loads((runs["live"][0] / "run-manifest.json").read_text())
-    assert live["reference"] == {"cache": None, "live_model": str(llama_dir)}
+    assert live["reference"]["cache"] is None and live["reference"]["eval_cache"] is None
+    assert live["reference"]["live_model"] == {"path": str(llama_dir), "model_hash": model_hash(llama_dir)}
     assert live["initial_model"]["model_hash"] == m["initial_model"]["model_hash"]
 
 

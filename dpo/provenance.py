@@ -1,0 +1,68 @@
+"""What a train-dpo run was trained against, recorded in every checkpoint and in the run manifest (format:
+schemas/run_manifest.py); a resume against another reference or other data is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from pathlib import Path
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from runtime.checkpoint import software_versions
+from runtime.errors import JobError
+from schemas import run_manifest as rm
+from schemas.stamps import model_hash
+
+
+def reference_record(cfg, train, evaluation) -> dict:
+    """This run's record, from the verification reports (cache stamps) and the data fingerprints."""
+    eval_cache = cfg.eval_ref_cache or cfg.ref_cache
+    live = {"path": str(cfg.ref_model), "model_hash": model_hash(cfg.ref_model)} if not cfg.ref_cache else None
+    return rm.reference_record(
+        train_cache=rm.cache_record(cfg.ref_cache, train.report["stamps"]) if cfg.ref_cache else None,
+        eval_cache=rm.cache_record(eval_cache, evaluation.report["stamps"]) if evaluation and eval_cache else None,
+        live_model=live, data_fingerprint=train.fingerprint,
+        eval_data_fingerprint=evaluation.fingerprint if evaluation else None)
+
+
+def check_resume_reference(checkpoint: str, record: dict) -> None:
+    try:
+        recorded = rm.read_checkpoint_record(checkpoint)
+    except rm.RunManifestError as e:
+        raise JobError(f"--resume-from-checkpoint {checkpoint}: {e}") from None
+    found = rm.reference_findings(recorded, record)
+    if found:
+        f = found[0]
+        raise JobError(f"--resume-from-checkpoint {checkpoint}: {f.message}\n  checkpoint: {f.expected}\n"
+                       f"  this run:   {f.found}\n  remedy:     {f.remedy}")
+
+
+class RecordReference(TrainerCallback):
+    """Write the reference record into each checkpoint folder as it is saved."""
+
+    def __init__(self, record: dict):
+        self.record = record
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if state.is_world_process_zero and folder.is_dir():
+            rm.write_json(folder / rm.CHECKPOINT_RECORD, self.record)
+
+
+def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, summary: dict) -> dict:
+    manifest = rm.build_run_manifest(
+        reference=record | {"verification": train.report},
+        initial_model={"path": cfg.model, "model_hash": initial_hash},
+        data={"path": cfg.data, "split": cfg.split, "fingerprint": train.fingerprint, "rows": train.table.num_rows},
+        eval_data={"path": cfg.eval_data, "split": cfg.eval_split, "fingerprint": record["eval_data_fingerprint"]}
+        if cfg.eval_data else None,
+        config=dataclasses.asdict(cfg),
+        software=software_versions(),
+        result={k: summary[k] for k in ("steps", "train_loss", "train_s", "verify_s")} | {"eval": summary["eval"]},
+        final_model_hash=model_hash(out),
+        finished_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+    rm.write_json(out / rm.RUN_MANIFEST, manifest)
+    return manifest
