@@ -7,9 +7,6 @@ import dataclasses
 import datetime
 from pathlib import Path
 
-from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
 from runtime.checkpoint import software_versions
 from runtime.errors import JobError
 from schemas import run_manifest as rm
@@ -39,16 +36,9 @@ def check_resume_reference(checkpoint: str, record: dict) -> None:
                        f"  this run:   {f.found}\n  remedy:     {f.remedy}")
 
 
-class RecordReference(TrainerCallback):
-    """Write the reference record into each checkpoint folder as it is saved."""
-
-    def __init__(self, record: dict):
-        self.record = record
-
-    def on_save(self, args, state, control, **kwargs):
-        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        if state.is_world_process_zero and folder.is_dir():
-            rm.write_json(folder / rm.CHECKPOINT_RECORD, self.record)
+def record_in(folder: Path, record: dict) -> None:
+    """Write the reference record into a folder the weights were saved to (each checkpoint-N)."""
+    rm.write_json(Path(folder) / rm.CHECKPOINT_RECORD, record)
 
 
 def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, summary: dict) -> dict:

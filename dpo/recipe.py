@@ -161,7 +161,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .provenance import RecordReference, check_resume_reference, reference_record
+    from .provenance import check_resume_reference, record_in, reference_record
     from .trainer import DPOTrainer, MetricsFile, PairCollator, disable_dropout
 
     if cfg.ref_cache is None and cfg.ref_model is None:
@@ -217,9 +217,10 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         train_dataset=datasets.Dataset(train.table),
         eval_dataset=datasets.Dataset(evaluation.table) if evaluation else None,
         processing_class=tokenizer,
-        callbacks=[MetricsFile(out / "metrics.jsonl", seen), RecordReference(record)],
+        callbacks=[MetricsFile(out / "metrics.jsonl", seen)],
         loss_config=loss_config,
         ref_model=ref_model,
+        save_with=lambda folder: record_in(folder, record),
     )
     t_train = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)

@@ -50,12 +50,19 @@ def disable_dropout(model) -> None:
 
 
 class DPOTrainer(Trainer):
-    def __init__(self, *args, loss_config: LossConfig, ref_model=None, **kwargs):
+    def __init__(self, *args, loss_config: LossConfig, ref_model=None, save_with=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.save_with = save_with  # called with each folder the weights are saved to (checkpoints included)
         self.loss_config = loss_config
         self.ref_model = ref_model  # live-reference mode only; None with a cache
         self.model_accepts_loss_kwargs = False  # our loss is a per-batch mean; let the Trainer scale for accumulation
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        super().save_model(output_dir, _internal_call)
+        # Inside _save_checkpoint this runs before trainer_state.json, which marks a checkpoint complete.
+        if self.save_with is not None and self.args.should_save:
+            self.save_with(Path(output_dir or self.args.output_dir))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         lengths = inputs["completion_lens"]
