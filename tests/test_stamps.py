@@ -543,6 +543,8 @@ def test_broken_safetensors_are_refused(llama_dir, tmp_path):
 def test_tensor_in_two_files_is_refused(tmp_path):
     _write_config(tmp_path)
     save_file({"w": torch.zeros(2)}, tmp_path / "a.safetensors")
-    save_file({"w": torch.ones(2)}, tmp_path / "b.safetensors")
+    save_file({"w": torch.ones(2), "v": torch.ones(2)}, tmp_path / "b.safetensors")
+    index = {"weight_map": {"w": "a.safetensors", "v": "b.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(WeightsError, match="also appears"):
         model_hash(tmp_path)
