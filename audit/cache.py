@@ -58,12 +58,12 @@ def _shard(root: Path, manifest: dict, entry: dict, found: dict, checked: dict) 
         want = rules.expected_footer(manifest["stamps"], EncodingConfig.from_dict(manifest["encoding"]), entry,
                                      manifest.get("computation"))
         problems = rules.shard_footer_findings(path, want, entry["rows"])[1]
-        if not problems:
-            try:
-                table = fmt.read_columns(path).replace_schema_metadata(None)
-            except fmt.CacheError as e:
-                problems = [rules.Finding("shard_files", e.kind, e.message, shard=entry["file"])]
     files = [f for f in problems if f.rule == "shard_files"]
+    if not files:
+        try:
+            table = fmt.read_columns(path).replace_schema_metadata(None)
+        except fmt.CacheError as e:
+            files = [rules.Finding("shard_files", e.kind, e.message, shard=entry["file"])]
     found["shard_files"] += files
     if files:
         return None

@@ -102,8 +102,13 @@ def shard_footer_findings(path: Path, want: dict, rows: int) -> tuple[dict, list
     for key, value in want.items():
         if meta.get(key) != value:
             kind = key if key in fmt.STAMPS or key in ("ids_checksum", "computation") else "shard_metadata"
+            expected, got = value, meta.get(key)
+            if key == "computation":  # name the settings that differ, not two JSON blobs
+                diff = computation_findings(json.loads(value), footer_computation(meta) or {})
+                expected = {k: v for f in diff for k, v in f.expected.items()}
+                got = {k: v for f in diff for k, v in f.found.items()}
             out.append(Finding("shard_stamps", kind, f"shard {name}: metadata '{fmt.META_PREFIX}{key}' differs from "
-                               "the manifest", expected=value, found=meta.get(key), shard=name))
+                               "the manifest", expected=expected, found=got, shard=name))
     if count != rows:
         out.append(Finding("shard_files", "shard_rows", f"shard {name} row count differs", expected=rows, found=count,
                            shard=name))
@@ -252,7 +257,8 @@ def computation_findings(recorded: dict, now: dict, *, partial: bool = False, wh
             continue
         if recorded.get(key) != now.get(key):
             out.append(Finding("computation", "computation", f"{where} was computed with {key}={recorded.get(key)!r}, "
-                               f"this run uses {key}={now.get(key)!r}", expected=recorded.get(key), found=now.get(key),
+                               f"this run uses {key}={now.get(key)!r}", expected={key: recorded.get(key)},
+                               found={key: now.get(key)},
                                remedy="run with the recorded settings to resume, or pass --overwrite to start over"))
     return out
 
