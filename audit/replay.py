@@ -104,6 +104,7 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, model_dir: str, toke
     stat = lambda a, f: float(f(a)) if a.size else 0.0  # noqa: E731
     info = {"rows": count, "tokens": int(tokens.size), "dtype": dtype, "device": str(device),
             "recorded_device_type": comp.get("device_type"), "tolerance": tol, "seed": seed,
+            "sampled": index[picks]["id"].to_list(),
             "token_max_abs_diff": stat(tokens, np.max), "token_mean_abs_diff": stat(tokens, np.mean),
             "sequence_max_abs_diff": stat(seqs, np.max), "sequence_mean_abs_diff": stat(seqs, np.mean),
             "tokens_beyond_tolerance": beyond, "sequences_not_comparable": uncomparable,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -343,9 +344,14 @@ def test_replay_on_data_passes_in_float32_and_finds_a_1e_3_change(data_cache, tm
 
 def test_replay_sample_is_seeded(data_cache):
     runs = [audit(data_cache, "--model", DATA / "sft-model", "--sample", 5, "--seed", s,
-                  json_path=data_cache.parent / f"a{i}.json")[1] for i, s in enumerate((7, 7))]
+                  json_path=data_cache.parent / f"a{i}.json")[1] for i, s in enumerate((7, 7, 8))]
     infos = [check(r, "replay")["info"] for r in runs]
-    assert infos[0]["rows"] == 5 and infos[0]["tokens"] == infos[1]["tokens"]
+    assert infos[0]["rows"] == 5 and len(set(infos[0]["sampled"])) == 5
+    assert infos[0]["sampled"] == infos[1]["sampled"] and infos[0]["sampled"] != infos[2]["sampled"]
+    cached = {r["id"]: r for r in pl.read_parquet(sorted(data_cache.glob("*.parquet"))).to_dicts()}
+    for info in infos:  # the rows named are the rows replayed: their completion tokens add up to the replayed count
+        assert info["tokens"] == sum(len(cached[i]["chosen_input_ids"]) + len(cached[i]["rejected_input_ids"])
+                                     for i in info["sampled"])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -187,6 +187,38 @@ def opens_or_refuses(root: Path):
         fmt.open_cache(root)
     except fmt.CacheError as e:
         assert e.kind and e.remedy and str(e)
+        return
+    assert_sound(root)
+
+
+def assert_sound(root: Path):
+    """A cache that opened passed every check open_cache claims, re-checked here in plain Python without
+    schemas/rules.py: the listed files and only they, sizes and sha256, each footer's stamps, checksums, encoding and
+    computation against the manifest, row counts, shard and cache checksums from the stored rows, unique ids."""
+    from schemas.stamps import combined_mask_checksum, ids_checksum
+
+    m = json.loads((root / fmt.MANIFEST).read_text(encoding="utf-8"))
+    enc = EncodingConfig.from_dict(m["encoding"]).to_json()
+    assert sorted(p.name for p in root.glob("*.parquet")) == sorted(e["file"] for e in m["shards"])
+    every, ids = [], []
+    for e in m["shards"]:
+        data = (root / e["file"]).read_bytes()
+        assert len(data) == e["bytes"] and hashlib.sha256(data).hexdigest() == e["sha256"]
+        table = pq.read_table(root / e["file"])
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        assert meta["refcache.format_version"] == str(m["format_version"]) == "1"
+        for stamp in ("model_hash", "tokenizer_hash"):
+            assert meta[f"refcache.{stamp}"] == m["stamps"][stamp]
+        assert (meta["refcache.mask_checksum"], meta["refcache.ids_checksum"]) == (e["mask_checksum"], e["ids_checksum"])
+        assert meta["refcache.encoding"] == enc and json.loads(meta["refcache.computation"]) == m["computation"]
+        rows = table.column("id").to_pylist()
+        checks = table.column("mask_checksum").to_pylist()
+        assert len(rows) == e["rows"]
+        assert combined_mask_checksum(checks, enc) == e["mask_checksum"] and ids_checksum(rows) == e["ids_checksum"]
+        every += checks
+        ids += rows
+    assert len(set(ids)) == len(ids)
+    assert combined_mask_checksum(every, enc) == m["stamps"]["mask_checksum"]
 
 
 SHARD = "shard-00000.parquet"
@@ -279,10 +311,30 @@ def reads_or_refuses(small_cache, root: Path):
     from runtime.checkpoint import load_tokenizer
 
     try:
-        verify_and_join(tokenizer=_tokenizer(small_cache["model"], load_tokenizer), model_dir=str(small_cache["model"]),
-                        data=str(small_cache["data"]), split="train", cache_dir=root, log=lambda m: None)
+        verified = verify_and_join(tokenizer=_tokenizer(small_cache["model"], load_tokenizer),
+                                   model_dir=str(small_cache["model"]), data=str(small_cache["data"]), split="train",
+                                   cache_dir=root, log=lambda m: None)
     except fmt.CacheError:
-        pass
+        return
+    assert_sound(root)
+    assert_values_sound(root, verified.table)
+
+
+def assert_values_sound(root: Path, rows):
+    """Every row handed to training carries the values its cache row stores, and those pass the value checks
+    (one finite log-prob <= 0 per completion token, sums within 1e-6), recomputed here with plain Python."""
+    import numpy as np
+
+    m = json.loads((root / fmt.MANIFEST).read_text(encoding="utf-8"))
+    cached = {r["id"]: r for e in m["shards"] for r in pq.read_table(root / e["file"]).to_pylist()}
+    for r in rows.to_pylist():
+        c = cached[r["id"]]
+        for side in ("chosen", "rejected"):
+            values = r[f"ref_{side}_logps"]
+            assert values == c[f"{side}_logps"] and len(values) == len(r[f"{side}_ids"]) == len(c[f"{side}_input_ids"])
+            assert all(v is not None and math.isfinite(v) and v <= 0 for v in values)
+            total = float(np.sum(np.asarray(values, np.float32).astype(np.float64)))
+            assert abs(total - c[f"{side}_logp"]) <= 1e-6
 
 
 _tokenizers = {}
