@@ -152,7 +152,8 @@ def models(tmp_path_factory, llama_dir) -> dict:
 
     variant("truncated_weights", truncated_weights)
 
-    def index_outside(p):
+    def index_outside(p):  # the index is what transformers loads only without model.safetensors
+        (p / "model.safetensors").unlink()
         (p / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../elsewhere.safetensors"}}))
 
     variant("index_outside", index_outside)
@@ -161,7 +162,7 @@ def models(tmp_path_factory, llama_dir) -> dict:
 
 
 MODEL_CASES = {  # variant -> message parts ({model} is its path)
-    "no_weights": ["{model}: no *.safetensors weight files found"],
+    "no_weights": ["{model}: no model.safetensors or model.safetensors.index.json, which is what transformers loads"],
     "pickle_only": ["{model}: only pickle weights (pytorch_model.bin); refcache loads safetensors only"],
     "remote_code": ["{model}: this model needs custom code from its folder (auto_map in config.json)",
                     "--trust-remote-code"],
