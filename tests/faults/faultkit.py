@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from schemas import format as fmt
 from schemas.encoding import EncodingConfig
-from schemas.stamps import combined_mask_checksum, file_sha256
+from schemas.stamps import combined_mask_checksum, file_sha256, ids_checksum
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -181,7 +181,7 @@ def edit_manifest(root: Path, edit):
 
 def restamp(root: Path, *names, rows=False, checksums=False):
     """Rewrite the manifest entries of shards to match their files: size and sha256, and optionally the row count and
-    the shard mask checksum (from the shard's own mask_checksum column)."""
+    the shard mask and ids checksums (from the shard's own mask_checksum and id columns)."""
     root = Path(root)
     m = manifest_of(root)
     enc = EncodingConfig.from_dict(m["encoding"]).to_json()
@@ -192,8 +192,9 @@ def restamp(root: Path, *names, rows=False, checksums=False):
             if rows:
                 entry["rows"] = pq.ParquetFile(path).metadata.num_rows
             if checksums:
-                entry["mask_checksum"] = combined_mask_checksum(
-                    pq.read_table(path, columns=["mask_checksum"]).column("mask_checksum").to_pylist(), enc)
+                table = pq.read_table(path, columns=["id", "mask_checksum"])
+                entry["mask_checksum"] = combined_mask_checksum(table.column("mask_checksum").to_pylist(), enc)
+                entry["ids_checksum"] = ids_checksum(table.column("id").to_pylist())
     write_manifest(root, m)
 
 

@@ -381,7 +381,8 @@ TRAIN_ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, 
                                                                      "remedy:   pass the --out directory of "
                                                                      "precompute-ref"]),
     "ref_cache_is_a_file": ({"--ref-cache": "{tmp}/a-file"}, False, ["error: {tmp}/a-file is not a directory"]),
-    "ref_cache_without_manifest": ({"--ref-cache": "{tmp}"}, False, ["error: {tmp} has no manifest.json: the cache is "
+    "ref_cache_without_manifest": ({"--ref-cache": "{tmp}/no-manifest"}, False, ["error: {tmp}/no-manifest has no "
+                                                                                 "manifest.json: the cache is "
                                                                      "incomplete"]),
     "no_reference_at_all": ({"--ref-cache": None}, False, ["error: give --ref-cache DIR (cached reference) or "
                                                            "--ref-model PATH (live reference)"]),
@@ -418,6 +419,7 @@ def test_train_bad_arguments(llama_dir, dpo_data, dpo_cache, tmp_path, case):
     (tmp_path / "prefs.txt").write_text("x")
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "partial").mkdir()
+    (tmp_path / "no-manifest").mkdir()
     shutil.copy(llama_dir / "model.safetensors", tmp_path / "partial")  # weights saved, the rest never written
     (tmp_path / "bad.json").write_text('{"beta": 0.2,')
     (tmp_path / "bad.yaml").write_text("beta: [0.2\n")

@@ -77,7 +77,7 @@ def world(tmp_path_factory, llama_dir, dpo_data, dpo_cache):
     runs["bad_row_debug"] = ("precompute-ref", ["--model", llama_dir, "--data", bad, "--out", base / "bad-out-2",
                                                 "--debug"], {})
     runs["train_incomplete"] = ("train-dpo", ["--model", llama_dir, "--data", dpo_data, "--ref-cache", base,
-                                              "--output-dir", base / "never", *TRAIN], {})
+                                              "--output-dir", base.parent / f"{base.name}-never", *TRAIN], {})
     runs["audit_incomplete"] = ("audit-ref", [base], {})
     w["procs"] = zygote = Zygote(base / "procs", runs)
     try:

@@ -120,13 +120,15 @@ def rows_reordered(w, cache):
 
 
 def row_moved_between_shards(w, cache):
-    """Row 0 of shard 0 moved to the end of shard 1, with both shards' checksums, metadata, row counts and file
-    hashes rewritten to match: only the whole-cache checksum (row order across shards) is left to notice."""
+    """Row 0 of shard 0 moved to the end of shard 1, with both shards' checksums (mask and ids), metadata, row counts
+    and file hashes rewritten to match: only the whole-cache checksum (row order across shards) is left to notice."""
     moved = {}
 
     def take(rows):
         moved["row"] = rows[0]
         return rows[1:]
+
+    from schemas.stamps import ids_checksum
 
     def shard_checksum(rows):
         from schemas.stamps import combined_mask_checksum
@@ -137,8 +139,9 @@ def row_moved_between_shards(w, cache):
     for name, edit in ((S0, take), (S1, lambda rows: [*rows, moved["row"]])):
         new = {}
         rewrite_rows(cache, name, lambda rows: new.setdefault("rows", edit(rows)),
-                     metadata_edit=lambda meta: meta.__setitem__(b"refcache.mask_checksum",
-                                                                 shard_checksum(new["rows"])))
+                     metadata_edit=lambda meta: meta.update({
+                         b"refcache.mask_checksum": shard_checksum(new["rows"]),
+                         b"refcache.ids_checksum": ids_checksum([r["id"] for r in new["rows"]]).encode()}))
     restamp(cache, S0, S1, rows=True, checksums=True)
 
 
