@@ -381,9 +381,8 @@ TRAIN_ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, 
                                                                      "remedy:   pass the --out directory of "
                                                                      "precompute-ref"]),
     "ref_cache_is_a_file": ({"--ref-cache": "{tmp}/a-file"}, False, ["error: {tmp}/a-file is not a directory"]),
-    "ref_cache_without_manifest": ({"--ref-cache": "{tmp}/no-manifest"}, False, ["error: {tmp}/no-manifest has no "
-                                                                                 "manifest.json: the cache is "
-                                                                     "incomplete"]),
+    "ref_cache_without_manifest": ({"--ref-cache": "{tmp}/no-manifest"}, False,
+                                   ["error: {tmp}/no-manifest has no manifest.json: the cache is incomplete"]),
     "no_reference_at_all": ({"--ref-cache": None}, False, ["error: give --ref-cache DIR (cached reference) or "
                                                            "--ref-model PATH (live reference)"]),
     "ref_model_hash_without_cache": ({"--ref-cache": None, "--ref-model": "{llama}", "--ref-model-hash": "0" * 64}, False,
