@@ -70,7 +70,8 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
         entry = listed.get(path.name)
         damage = rules.shard_file_findings(out, entry)[1] if entry else []
         if not damage:
-            meta, found = rules.shard_footer_findings(path, rules.expected_footer(stamps, encoding, want, None),
+            meta, found = rules.shard_footer_findings(path, rules.expected_footer(stamps, encoding, want, None,
+                                                                            with_computation=False),
                                                       want["stop"] - want["start"])
             damage = [f for f in found if f.rule == "shard_files"]
             if not damage:
@@ -89,6 +90,7 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
 def _agreed(previous: dict | None, computations: dict[str, dict]) -> dict | None:
     """The one computation every kept shard (and the previous manifest) records; refuse a mix."""
     recorded = previous.get("computation") if previous else None
+    recorded = recorded if isinstance(recorded, dict) else None  # a manifest without one: judged by the shards
     for name, comp in computations.items():
         if recorded is None:
             recorded = comp

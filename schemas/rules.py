@@ -72,13 +72,15 @@ def shard_file_findings(root: Path, entry: dict, *, hash_files: bool = True) -> 
     return path, []
 
 
-def expected_footer(stamps: dict, encoding: EncodingConfig, entry: dict, computation: dict | None) -> dict:
-    """The footer metadata a shard must carry: the cache's stamps, its own checksums, the encoding and (when given)
-    the computation that scored it."""
+def expected_footer(stamps: dict, encoding: EncodingConfig, entry: dict, computation, *,
+                    with_computation: bool = True) -> dict:
+    """The footer metadata a shard must carry: the cache's stamps, its own checksums, the encoding and the
+    computation that scored it (the manifest's; a manifest without one matches no shard). Resume compares the
+    computation key by key instead (with_computation=False)."""
     want = {"format_version": str(fmt.FORMAT_VERSION), "model_hash": stamps["model_hash"],
             "tokenizer_hash": stamps["tokenizer_hash"], "mask_checksum": entry["mask_checksum"],
             "ids_checksum": entry["ids_checksum"], "encoding": encoding.to_json()}
-    if computation is not None:
+    if with_computation:
         want["computation"] = canonical_json(computation)
     return want
 
@@ -104,7 +106,9 @@ def shard_footer_findings(path: Path, want: dict, rows: int) -> tuple[dict, list
             kind = key if key in fmt.STAMPS or key in ("ids_checksum", "computation") else "shard_metadata"
             expected, got = value, meta.get(key)
             if key == "computation":  # name the settings that differ, not two JSON blobs
-                diff = computation_findings(json.loads(value), footer_computation(meta) or {})
+                recorded = json.loads(value)
+                diff = computation_findings(recorded if isinstance(recorded, dict) else {"computation": recorded},
+                                            footer_computation(meta) or {})
                 expected = {k: v for f in diff for k, v in f.expected.items()}
                 got = {k: v for f in diff for k, v in f.found.items()}
             out.append(Finding("shard_stamps", kind, f"shard {name}: metadata '{fmt.META_PREFIX}{key}' differs from "
