@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 
 from runtime.checkpoint import (  # noqa: F401  (re-exported: part of this module's API)
-    check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device, resolve_dtype, software_versions)
+    check_adapter, check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device, resolve_dtype,
+    software_versions)
 from runtime.data import Encoded, encode_rows, load_rows
 from runtime.distributed import Dist, distributed
 from runtime.errors import JobError
 from schemas import format as fmt
 from schemas.encoding import EncodingConfig
-from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash
+from schemas.stamps import combined_mask_checksum, reference_model_hash, tokenizer_hash
 
 from .modes import DESCRIPTIONS, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
 
@@ -36,6 +37,7 @@ class PrecomputeConfig:
     model: str
     data: str
     out: str = "ref-cache"
+    adapter: str | None = None  # a peft adapter merged into the model: the reference is base + adapter
     split: str = "train"
     encoding: EncodingConfig = field(default_factory=EncodingConfig)
     token_budget: int = 16384  # padded tokens per forward batch
@@ -137,6 +139,8 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     out = Path(cfg.out)
     log = log if dist.rank == 0 else (lambda _m: None)
     check_checkpoint(cfg.model, cfg.trust_remote_code)
+    if cfg.adapter is not None:
+        check_adapter(cfg.adapter)
     resolve_device(cfg.device)  # a bad --device is refused before any work
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     source = load_rows(cfg.data, cfg.split)
@@ -148,7 +152,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     if encoded.identical:
         log(f"warning: {encoded.identical} pairs have identical chosen and rejected completions")
     stamps = {
-        "model_hash": dist.share(lambda: model_hash(cfg.model)),  # hashed once, not once per rank
+        "model_hash": dist.share(lambda: reference_model_hash(cfg.model, cfg.adapter)),  # once, not once per rank
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "mask_checksum": combined_mask_checksum([p.mask_checksum for p in encoded.pairs], cfg.encoding.to_json()),
     }
@@ -176,7 +180,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
             log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
                 f"({len(done)} already done) on {dist.world} x {device.type} in {str(dtype).removeprefix('torch.')}")
             try:
-                model = load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code)
+                model = load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code, cfg.adapter)
             except (ImportError, ValueError) as e:  # e.g. an --attn-implementation this install does not have
                 raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {attn} "
                                f"({' '.join(str(e).split())[:300]})") from None
@@ -204,7 +208,8 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
             "format_version": fmt.FORMAT_VERSION,
             "stamps": stamps,
             "encoding": cfg.encoding.to_dict(),
-            "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)},
+            "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)}
+            | ({"adapter": str(cfg.adapter)} if cfg.adapter else {}),
             "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
             "computation": {
                 "mode": stats["mode"],
