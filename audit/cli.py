@@ -28,7 +28,8 @@ import pyarrow as pa
 
 from schemas import format as fmt
 from schemas.encoding import EncodedPair, EncodingConfig, row_mask_checksum
-from schemas.stamps import WeightsError, combined_mask_checksum, file_sha256, model_hash, tokenizer_hash
+from schemas.stamps import (WeightsError, adapter_config_fingerprint, adapter_fields, adapter_hash,
+                            combined_mask_checksum, file_sha256, merged_model_hash, model_hash, tokenizer_hash)
 
 from runtime.cli import quiet_libraries, run_cli
 
@@ -39,7 +40,7 @@ SECTIONS = {
               "unique_ids", "list_lengths", "sums", "logprob_values", "skipped_counts"),
     "model": ("model_hash", "tokenizer_hash", "replay"),
     "data": ("data_rows",),
-    "run": ("run_cache", "run_final_hash"),
+    "run": ("run_cache", "run_final_hash", "run_peft"),
 }
 DEFAULT_SAMPLE = 100
 SUM_TOLERANCE = 1e-6  # stored float64 sums vs the sum of the stored float32 values
@@ -466,6 +467,9 @@ def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
             problems.append(f"its stamps {', '.join(wrong)} differ from this cache's")
         detail = "; ".join(problems) or f"trained on this cache (manifest sha256 {_short(sha)} and stamps match)"
         checks = [Check("run_cache", FAIL if problems else PASS, f"{run_dir}: {detail}")]
+    if run.get("peft"):
+        return checks + _audit_peft(run_dir, run["peft"], manifest)
+    checks.append(Check("run_peft", SKIP, "not a LoRA run"))
     recorded = run.get("final_model_hash")
     try:
         final = model_hash(run_dir)
@@ -478,6 +482,45 @@ def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
     else:
         checks.append(Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} hashes to {_short(final)}, the run "
                             f"recorded {_short(recorded)}"))
+    return checks
+
+
+def _audit_peft(run_dir: str, peft: dict, manifest: dict) -> list[Check]:
+    """A LoRA run: its reference is the base (or base + init adapter) the cache was made from, and the adapter (and
+    merged model, if written) in run_dir are the ones it recorded."""
+    problems = []
+    init = peft.get("init_adapter") or {}
+    base = peft.get("base_model_hash")
+    expected = merged_model_hash(base, init.get("adapter_hash")) if init else base
+    if peft.get("reference_model_hash") != expected:
+        problems.append(f"its reference hash {_short(peft.get('reference_model_hash'))} is not "
+                        f"{'base + init adapter' if init else 'the base'} ({_short(expected)})")
+    if peft.get("reference_model_hash") != manifest["stamps"]["model_hash"]:
+        problems.append(f"its reference {_short(peft.get('reference_model_hash'))} is not the cache's model "
+                        f"{_short(manifest['stamps']['model_hash'])}")
+    try:
+        final = adapter_hash(run_dir)
+        if final != peft.get("final_adapter_hash"):
+            problems.append(f"the adapter in {run_dir} hashes to {_short(final)}, the run recorded "
+                            f"{_short(peft.get('final_adapter_hash'))}")
+        if adapter_config_fingerprint(run_dir) != adapter_fields(peft.get("adapter_config") or {}):
+            problems.append(f"{run_dir}/adapter_config.json differs from the recorded adapter_config")
+    except (WeightsError, OSError) as e:
+        problems.append(f"the adapter cannot be hashed: {e}")
+    checks = [Check("run_peft", FAIL if problems else PASS, "; ".join(problems) or
+                    f"LoRA run: reference {_short(expected)} = {'base + init adapter' if init else 'base'} = the "
+                    f"cache's model; adapter matches final_adapter_hash {_short(peft.get('final_adapter_hash'))}")]
+    merged = peft.get("merged_model_hash")
+    if not merged:
+        checks.insert(0, Check("run_final_hash", SKIP, "LoRA run without --merge-adapter (the adapter: run_peft)"))
+        return checks
+    try:
+        got = model_hash(Path(run_dir) / "merged")
+    except (WeightsError, OSError, ValueError) as e:
+        got = f"unhashable ({e})"
+    checks.insert(0, Check("run_final_hash", PASS if got == merged else FAIL,
+                           f"{run_dir}/merged " + ("matches" if got == merged else f"hashes to {_short(got)}, not")
+                           + f" the recorded merged_model_hash {_short(merged)}"))
     return checks
 
 

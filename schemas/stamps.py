@@ -191,7 +191,16 @@ def adapter_config_fingerprint(adapter_dir: str | os.PathLike) -> dict:
         raise WeightsError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise WeightsError(f"{path}: not a JSON object")
-    return {k: v for k, v in config.items() if k not in ADAPTER_FIELDS_IGNORED}
+    return adapter_fields(config)
+
+
+def adapter_fields(config: dict) -> dict:
+    """The behavioural part of an adapter config, canonical (module lists are sets, saved in no fixed order)."""
+    kept = {k: v for k, v in config.items() if k not in ADAPTER_FIELDS_IGNORED}
+    for key in ("target_modules", "exclude_modules", "modules_to_save"):
+        if isinstance(kept.get(key), list):
+            kept[key] = sorted(kept[key])
+    return kept
 
 
 def adapter_hash(adapter_dir: str | os.PathLike) -> str:
