@@ -63,7 +63,7 @@ HELP = {
 }
 
 
-def check_options(opts: LoraOptions, *, bf16: bool = False) -> None:
+def check_options(opts: LoraOptions) -> None:
     """Refuse inconsistent LoRA options and platforms that cannot run them, before any expensive work."""
     if not opts.use_peft:
         given = [f"--{n.replace('_', '-')}" for n in ("load_in_4bit", "load_in_8bit", "init_adapter", "merge_adapter")
@@ -80,6 +80,14 @@ def check_options(opts: LoraOptions, *, bf16: bool = False) -> None:
         check_adapter(opts.init_adapter)
     if opts.load_in_4bit or opts.load_in_8bit:
         _check_quantization(opts)
+
+
+def notes(opts: LoraOptions, cached: bool) -> list[str]:
+    """What the user should know about this LoRA setup before training starts."""
+    if cached and opts.use_peft and (opts.load_in_4bit or opts.load_in_8bit):
+        return ["note: the cache holds the unquantized reference, the policy starts from the quantized base: the "
+                "step-0 loss differs from ln 2 by the quantization error"]
+    return []
 
 
 def _check_quantization(opts: LoraOptions) -> None:

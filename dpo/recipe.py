@@ -172,6 +172,8 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
     check_checkpoint(cfg.model, cfg.trust_remote_code)
     lora.check_options(cfg.lora)
+    for note in lora.notes(cfg.lora, cached=cfg.ref_cache is not None):
+        log(note)
     loss_config = cfg.loss_config()
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(cfg, name) < 1:

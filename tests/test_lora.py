@@ -74,6 +74,11 @@ def test_lora_cached_and_live_give_the_same_loss_and_metrics(data_runs):
     compared = 0
     for a, b in zip(cached, live):
         for key, value in a.items():
+            # While the policy is the reference (eval at step 0, train step 1) every margin is a tie, exactly 0 live
+            # and +-1e-8 against the cache (the cache's batching differs in the last bits): the accuracy counts
+            # the sign of that noise, so there the margins are compared instead.
+            if key.endswith("rewards/accuracies") and a["step"] <= 1:
+                continue
             if key.removeprefix("eval_") in COMPARED:
                 assert_close(value, b[key], f"step {a['step']} {key}")
                 compared += 1
