@@ -157,8 +157,11 @@ def check_live_reference(model: str, ref_model: str, base_hash: str) -> None:
                        "--ref-cache made from the other reference")
 
 
-def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool):
-    """The base (with --init-adapter merged in) wrapped with a fresh, trainable LoRA adapter."""
+def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: int):
+    """The base (with --init-adapter merged in) wrapped with a fresh, trainable LoRA adapter, its random lora_A drawn
+    from `seed` (the Trainer seeds only after the model is built; without this the run would not be reproducible)."""
+    import torch
+
     peft = require_peft("--use-peft")
     if opts.init_adapter is not None:
         model = merge_adapter(model, opts.init_adapter)
@@ -172,7 +175,9 @@ def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool):
         target_modules=targets or DEFAULT_TARGETS,
     )
     try:
-        return peft.get_peft_model(model, config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return peft.get_peft_model(model, config)
     except ValueError as e:  # e.g. target modules not found in the model
         raise JobError(f"--lora-target-modules: {' '.join(str(e).split())[:300]}") from None
 

@@ -209,7 +209,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     disable_dropout(policy)
     ref_model = None
     if cfg.lora.use_peft:
-        policy = lora.wrap_policy(policy, cfg.lora, cfg.gradient_checkpointing)
+        policy = lora.wrap_policy(policy, cfg.lora, cfg.gradient_checkpointing, cfg.seed)
         ref_model = lora.AdapterDisabled(policy) if cfg.ref_cache is None else None
     elif cfg.ref_cache is None:
         check_checkpoint(cfg.ref_model, cfg.trust_remote_code)
