@@ -175,7 +175,7 @@ def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: in
         target_modules=targets or DEFAULT_TARGETS,
     )
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # QLoRA: on the GPU
             torch.manual_seed(seed)
             return peft.get_peft_model(model, config)
     except ValueError as e:  # e.g. target modules not found in the model
