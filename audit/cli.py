@@ -40,7 +40,7 @@ SECTIONS = {
               "unique_ids", "list_lengths", "sums", "logprob_values", "skipped_counts"),
     "model": ("model_hash", "tokenizer_hash", "replay"),
     "data": ("data_rows",),
-    "run": ("run_cache", "run_final_hash", "run_peft"),
+    "run": ("run_cache", "run_final_hash"),
 }
 DEFAULT_SAMPLE = 100
 SUM_TOLERANCE = 1e-6  # stored float64 sums vs the sum of the stored float32 values
@@ -467,9 +467,8 @@ def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
             problems.append(f"its stamps {', '.join(wrong)} differ from this cache's")
         detail = "; ".join(problems) or f"trained on this cache (manifest sha256 {_short(sha)} and stamps match)"
         checks = [Check("run_cache", FAIL if problems else PASS, f"{run_dir}: {detail}")]
-    if run.get("peft"):
-        return checks + _audit_peft(run_dir, run["peft"], manifest)
-    checks.append(Check("run_peft", SKIP, "not a LoRA run"))
+    if run.get("peft"):  # the checkpoint is an adapter (train-dpo --use-peft)
+        return checks + [_audit_peft(run_dir, run["peft"], manifest)]
     recorded = run.get("final_model_hash")
     try:
         final = model_hash(run_dir)
@@ -485,18 +484,18 @@ def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
     return checks
 
 
-def _audit_peft(run_dir: str, peft: dict, manifest: dict) -> list[Check]:
-    """A LoRA run: its reference is the base (or base + init adapter) the cache was made from, and the adapter (and
-    merged model, if written) in run_dir are the ones it recorded."""
+def _audit_peft(run_dir: str, peft: dict, manifest: dict) -> Check:
+    """run_final_hash of a LoRA run: its reference is the base (or base + init adapter) the cache was made from, and
+    the adapter (and merged model, if written) in run_dir are the ones it recorded."""
     problems = []
     init = peft.get("init_adapter") or {}
-    base = peft.get("base_model_hash")
+    base, reference = peft.get("base_model_hash"), peft.get("reference_model_hash")
     expected = merged_model_hash(base, init.get("adapter_hash")) if init else base
-    if peft.get("reference_model_hash") != expected:
-        problems.append(f"its reference hash {_short(peft.get('reference_model_hash'))} is not "
+    if reference != expected:
+        problems.append(f"its reference hash {_short(reference)} is not "
                         f"{'base + init adapter' if init else 'the base'} ({_short(expected)})")
-    if peft.get("reference_model_hash") != manifest["stamps"]["model_hash"]:
-        problems.append(f"its reference {_short(peft.get('reference_model_hash'))} is not the cache's model "
+    if reference != manifest["stamps"]["model_hash"]:
+        problems.append(f"its reference {_short(reference)} is not the cache's model "
                         f"{_short(manifest['stamps']['model_hash'])}")
     try:
         final = adapter_hash(run_dir)
@@ -505,23 +504,16 @@ def _audit_peft(run_dir: str, peft: dict, manifest: dict) -> list[Check]:
                             f"{_short(peft.get('final_adapter_hash'))}")
         if adapter_config_fingerprint(run_dir) != adapter_fields(peft.get("adapter_config") or {}):
             problems.append(f"{run_dir}/adapter_config.json differs from the recorded adapter_config")
-    except (WeightsError, OSError) as e:
-        problems.append(f"the adapter cannot be hashed: {e}")
-    checks = [Check("run_peft", FAIL if problems else PASS, "; ".join(problems) or
-                    f"LoRA run: reference {_short(expected)} = {'base + init adapter' if init else 'base'} = the "
-                    f"cache's model; adapter matches final_adapter_hash {_short(peft.get('final_adapter_hash'))}")]
-    merged = peft.get("merged_model_hash")
-    if not merged:
-        checks.insert(0, Check("run_final_hash", SKIP, "LoRA run without --merge-adapter (the adapter: run_peft)"))
-        return checks
-    try:
-        got = model_hash(Path(run_dir) / "merged")
+        merged = peft.get("merged_model_hash")
+        if merged and model_hash(Path(run_dir) / "merged") != merged:
+            problems.append(f"{run_dir}/merged does not hash to the recorded merged_model_hash {_short(merged)}")
     except (WeightsError, OSError, ValueError) as e:
-        got = f"unhashable ({e})"
-    checks.insert(0, Check("run_final_hash", PASS if got == merged else FAIL,
-                           f"{run_dir}/merged " + ("matches" if got == merged else f"hashes to {_short(got)}, not")
-                           + f" the recorded merged_model_hash {_short(merged)}"))
-    return checks
+        problems.append(f"cannot be hashed: {e}")
+    detail = "; ".join(problems) or (
+        f"LoRA run: the adapter in {run_dir} matches final_adapter_hash {_short(peft.get('final_adapter_hash'))}"
+        + (" and merged/ its merged_model_hash" if peft.get("merged_model_hash") else "")
+        + f"; reference = {'base + init adapter' if init else 'base'} = the cache's model {_short(expected)}")
+    return Check("run_final_hash", FAIL if problems else PASS, detail)
 
 
 # ---------------------------------------------------------------------------------------------------------------

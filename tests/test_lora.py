@@ -311,14 +311,24 @@ def test_merge_adapter_writes_the_merged_model_and_audit_checks_the_run(tmp_path
 
     code, checks = audit(out)
     assert code == 0, checks
-    assert checks["run_peft"]["status"] == "PASS" and checks["run_final_hash"]["status"] == "PASS"
+    assert checks["run_cache"]["status"] == "PASS" and checks["run_final_hash"]["status"] == "PASS"
+    assert "matches final_adapter_hash" in checks["run_final_hash"]["detail"] and "merged/" in checks[
+        "run_final_hash"]["detail"]
+    path = out / "run-manifest.json"
+    original = path.read_text()
+    forged = json.loads(original)
+    forged["peft"]["reference_model_hash"] = "0" * 64  # a run that claims another reference than its base
+    path.write_text(json.dumps(forged))
+    code, checks = audit(out)
+    assert code == 1 and "is not the base" in checks["run_final_hash"]["detail"]
+    path.write_text(original)
     tensors = load_file(out / "adapter_model.safetensors")
     key = next(k for k in tensors if "lora_B" in k)
     tensors[key] = tensors[key] + 1e-3
     save_file(tensors, out / "adapter_model.safetensors")
     code, checks = audit(out)
     assert code == 1
-    assert checks["run_peft"]["status"] == "FAIL" and "hashes to" in checks["run_peft"]["detail"]
+    assert checks["run_final_hash"]["status"] == "FAIL" and "hashes to" in checks["run_final_hash"]["detail"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
