@@ -105,8 +105,8 @@ def _check_quantization(opts: LoraOptions) -> None:
         raise JobError(f"{flag} needs the bitsandbytes package, which is not installed: pip install 'refcache[qlora]'")
     if opts.init_adapter is not None:
         raise JobError(f"--init-adapter with {flag}: the initial adapter would be merged into quantized weights, "
-                       "which changes the reference; merge it in full precision first (precompute-ref --adapter "
-                       "uses the unquantized merge) or drop the quantization")
+                       "which is not the reference precompute-ref --adapter computes; merge it into the base in full "
+                       "precision, save that checkpoint and use it as --model (and as precompute-ref's --model)")
 
 
 def load_kwargs(opts: LoraOptions, dtype) -> dict:
