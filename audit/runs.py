@@ -10,7 +10,8 @@ import polars as pl
 
 from schemas import run_manifest
 from schemas.encoding import EncodingConfig
-from schemas.stamps import WeightsError, model_hash
+from schemas.stamps import (WeightsError, adapter_config_fingerprint, adapter_fields, adapter_hash, merged_model_hash,
+                            model_hash)
 
 from .cache import CacheScan
 from .checks import FAIL, PASS, Check
@@ -57,6 +58,8 @@ def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
     else:
         checks = [Check("run_cache", PASS, f"{run_dir}: trained on this cache as its "
                         f"{'train' if role == 'cache' else 'eval'} cache (manifest sha256 and stamps match)")]
+    if run.get("peft"):  # the checkpoint is an adapter (train-dpo --use-peft)
+        return checks + [_audit_peft(run_dir, run["peft"], manifest)]
     recorded = run.get("final_model_hash")
     try:
         final = model_hash(run_dir)
@@ -70,3 +73,35 @@ def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
         checks.append(Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} hashes to {_short(final)}, the run "
                             f"recorded {_short(recorded)}"))
     return checks
+
+
+def _audit_peft(run_dir: str, peft: dict, manifest: dict) -> Check:
+    """run_final_hash of a LoRA run: its reference is the base (or base + init adapter) the cache was made from, and
+    the adapter (and merged model, if written) in run_dir are the ones it recorded."""
+    problems = []
+    init = peft.get("init_adapter") or {}
+    base, reference = peft.get("base_model_hash"), peft.get("reference_model_hash")
+    expected = merged_model_hash(base, init.get("adapter_hash")) if init else base
+    if reference != expected:
+        problems.append(f"its reference hash {_short(reference)} is not "
+                        f"{'base + init adapter' if init else 'the base'} ({_short(expected)})")
+    if reference != manifest["stamps"]["model_hash"]:
+        problems.append(f"its reference {_short(reference)} is not the cache's model "
+                        f"{_short(manifest['stamps']['model_hash'])}")
+    try:
+        final = adapter_hash(run_dir)
+        if final != peft.get("final_adapter_hash"):
+            problems.append(f"the adapter in {run_dir} hashes to {_short(final)}, the run recorded "
+                            f"{_short(peft.get('final_adapter_hash'))}")
+        if adapter_config_fingerprint(run_dir) != adapter_fields(peft.get("adapter_config") or {}):
+            problems.append(f"{run_dir}/adapter_config.json differs from the recorded adapter_config")
+        merged = peft.get("merged_model_hash")
+        if merged and model_hash(Path(run_dir) / "merged") != merged:
+            problems.append(f"{run_dir}/merged does not hash to the recorded merged_model_hash {_short(merged)}")
+    except (WeightsError, OSError, ValueError) as e:
+        problems.append(f"cannot be hashed: {e}")
+    detail = "; ".join(problems) or (
+        f"LoRA run: the adapter in {run_dir} matches final_adapter_hash {_short(peft.get('final_adapter_hash'))}"
+        + (" and merged/ its merged_model_hash" if peft.get("merged_model_hash") else "")
+        + f"; reference = {'base + init adapter' if init else 'base'} = the cache's model {_short(expected)}")
+    return Check("run_final_hash", FAIL if problems else PASS, detail)

@@ -14,6 +14,7 @@ import click
 from runtime.cli import quiet_libraries, run_cli
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES
 
+from .lora import HELP as LORA_HELP, LoraOptions
 from .losses import LOSS_TYPES
 from .recipe import TrainConfig
 
@@ -46,17 +47,23 @@ HELP = {
     "plot": "Write metrics.png at the end.",
     "overwrite_output_dir": "Train into an --output-dir that already holds files (a previous run's).",
     "config": "YAML or JSON file with any of these options (snake_case or kebab-case keys).",
+    **LORA_HELP,
 }
 CHOICES = {"loss_type": LOSS_TYPES, "truncation_mode": TRUNCATION_MODES, "chat_template": CHAT_TEMPLATE_MODES,
            "on_bad_row": ("error", "skip")}
 REQUIRED = ("model", "data", "output_dir")
 
 
+def option_fields() -> list[dataclasses.Field]:
+    """TrainConfig's fields with its nested LoraOptions flattened into them (--use-peft, --lora-r, ...)."""
+    return [f for f in dataclasses.fields(TrainConfig) if f.name != "lora"] + list(dataclasses.fields(LoraOptions))
+
+
 def _click_type(field: dataclasses.Field):
     if field.name in CHOICES:
         return click.Choice(CHOICES[field.name])
     hint = str(field.type)
-    if field.name.endswith(("_dir", "_cache", "_data")) or field.name in ("model", "data", "ref_model"):
+    if field.name.endswith(("_dir", "_cache", "_data")) or field.name in ("model", "data", "ref_model", "init_adapter"):
         return click.Path()
     for name, kind in (("bool", bool), ("int", int), ("float", float)):
         if hint.startswith(name):
@@ -66,7 +73,7 @@ def _click_type(field: dataclasses.Field):
 
 def config_options(f):
     """One click option per TrainConfig field, default None so file values and real defaults can be merged."""
-    for field in reversed(dataclasses.fields(TrainConfig)):
+    for field in reversed(option_fields()):
         flag = "--" + field.name.replace("_", "-")
         default = "" if field.name in REQUIRED else f" [default: {field.default}]"
         text = HELP.get(field.name, f"transformers.TrainingArguments.{field.name}.") + default
@@ -89,7 +96,7 @@ def load_config_file(path: str) -> dict:
     if not isinstance(data, dict):
         raise click.UsageError(f"{path}: expected a mapping of option names to values")
     data = {k.replace("-", "_"): v for k, v in data.items()}
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    fields = {f.name: f for f in option_fields()}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise click.UsageError(f"{path}: unknown option(s) {', '.join(unknown)}")
@@ -110,7 +117,8 @@ def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
     missing = [f"--{k.replace('_', '-')}" for k in REQUIRED if not values.get(k)]
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
-    return TrainConfig(**values)
+    lora = {f.name: values.pop(f.name) for f in dataclasses.fields(LoraOptions) if f.name in values}
+    return TrainConfig(**values, lora=LoraOptions(**lora))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

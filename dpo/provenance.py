@@ -41,7 +41,10 @@ def record_in(folder: Path, record: dict) -> None:
     rm.write_json(Path(folder) / rm.CHECKPOINT_RECORD, record)
 
 
-def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, summary: dict) -> dict:
+def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, summary: dict, *,
+                       final_model_hash: str | None, **sections) -> dict:
+    """`final_model_hash`: of the saved model (None: a LoRA run that wrote no merged model); `sections`: further
+    sections (e.g. `peft`)."""
     manifest = rm.build_run_manifest(
         reference=record | {"verification": train.report},
         initial_model={"path": cfg.model, "model_hash": initial_hash},
@@ -51,8 +54,9 @@ def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, s
         config=dataclasses.asdict(cfg),
         software=software_versions(),
         result={k: summary[k] for k in ("steps", "train_loss", "train_s", "verify_s")} | {"eval": summary["eval"]},
-        final_model_hash=model_hash(out),
+        final_model_hash=final_model_hash,
         finished_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **sections,
     )
     rm.write_json(out / rm.RUN_MANIFEST, manifest)
     return manifest

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.checkpoint import check_checkpoint, load_tokenizer
@@ -13,6 +13,7 @@ from runtime.errors import JobError
 from schemas.encoding import EncodingConfig
 from schemas.stamps import model_hash
 
+from . import lora
 from .losses import LossConfig
 from .outdir import check_output_dir, prepare_metrics
 from .verify import encode_only, reference_hash, verify_and_join
@@ -76,6 +77,7 @@ class TrainConfig:
     trust_remote_code: bool = False
     plot: bool = True
     overwrite_output_dir: bool = False
+    lora: lora.LoraOptions = field(default_factory=lora.LoraOptions)  # --use-peft and the LoRA options (dpo/lora.py)
 
     def loss_config(self) -> LossConfig:
         return LossConfig(self.beta, self.loss_type, self.label_smoothing, self.rpo_alpha, self.ld_alpha)
@@ -169,6 +171,9 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     if cfg.ref_model_hash and cfg.ref_cache is None:
         raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
     check_checkpoint(cfg.model, cfg.trust_remote_code)
+    lora.check_options(cfg.lora)
+    for note in lora.notes(cfg.lora, cached=cfg.ref_cache is not None):
+        log(note)
     loss_config = cfg.loss_config()
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(cfg, name) < 1:
@@ -186,12 +191,15 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     reference = None  # the model hash the cache must carry (hashed once, for train and eval caches alike)
     if cfg.ref_cache is not None:
         reference = cfg.ref_model_hash or (reference_hash(cfg.model, cfg.ref_model, None) if cfg.ref_model
-                                           else initial_hash)
-    train = _rows(cfg, tokenizer, cfg.data, cfg.split, cfg.ref_cache, reference, log)
-    evaluation = None
-    if cfg.eval_data:
-        evaluation = _rows(cfg, tokenizer, cfg.eval_data, cfg.eval_split, cfg.eval_ref_cache or cfg.ref_cache,
-                           reference, log)
+                                           else lora.reference_hash(cfg.lora, initial_hash))
+    elif cfg.lora.use_peft:
+        lora.check_live_reference(cfg.model, cfg.ref_model, initial_hash)
+    with lora.explained_reference(cfg.lora, cfg.model, initial_hash):
+        train = _rows(cfg, tokenizer, cfg.data, cfg.split, cfg.ref_cache, reference, log)
+        evaluation = None
+        if cfg.eval_data:
+            evaluation = _rows(cfg, tokenizer, cfg.eval_data, cfg.eval_split, cfg.eval_ref_cache or cfg.ref_cache,
+                               reference, log)
     record = reference_record(cfg, train, evaluation)
     if cfg.resume_from_checkpoint:
         check_resume_reference(cfg.resume_from_checkpoint, record)  # before any model is loaded
@@ -199,10 +207,14 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
 
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32 if cfg.fp16 else dtype,
-                                                  use_safetensors=True, trust_remote_code=cfg.trust_remote_code)
+                                                  use_safetensors=True, trust_remote_code=cfg.trust_remote_code,
+                                                  **lora.load_kwargs(cfg.lora, dtype))
     disable_dropout(policy)
     ref_model = None
-    if cfg.ref_cache is None:
+    if cfg.lora.use_peft:
+        policy = lora.wrap_policy(policy, cfg.lora, cfg.gradient_checkpointing, cfg.seed)
+        ref_model = lora.AdapterDisabled(policy) if cfg.ref_cache is None else None
+    elif cfg.ref_cache is None:
         check_checkpoint(cfg.ref_model, cfg.trust_remote_code)
         ref_model = AutoModelForCausalLM.from_pretrained(cfg.ref_model, dtype=dtype, use_safetensors=True,
                                                          trust_remote_code=cfg.trust_remote_code)
@@ -230,11 +242,13 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         last = [r for r in trainer.state.log_history if "eval_loss" in r]
         final_eval = last[-1] if last and last[-1].get("step") == result.global_step else trainer.evaluate()
     trainer.save_model(str(out))
+    if cfg.lora.use_peft and trainer.is_world_process_zero():
+        lora.save_outputs(trainer.model, out, cfg.lora, tokenizer)
     first = [r for r in trainer.state.log_history if "eval_loss" in r and r.get("step") == 0]
     summary = {"eval_start": first[0] if first else {}, "output_dir": str(out.resolve()), "steps": result.global_step,
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": verify_s, "eval": final_eval}
     if trainer.is_world_process_zero():
-        _finish(cfg, out, train, record, initial_hash, summary)
+        _finish(cfg, out, train, record, initial_hash, summary, reference)
     return summary
 
 
@@ -248,11 +262,16 @@ def check_resume(checkpoint: str | None) -> None:
         raise JobError(f"--resume-from-checkpoint {checkpoint}: {reason}; resume from a complete checkpoint-N folder")
 
 
-def _finish(cfg, out: Path, train, record: dict, initial_hash: str, summary: dict) -> None:
+def _finish(cfg, out: Path, train, record: dict, initial_hash: str, summary: dict, reference: str | None) -> None:
     from .provenance import write_run_manifest
     from .trainer import plot_metrics
 
     if cfg.plot and (out / "metrics.jsonl").exists():
         plot_metrics(out / "metrics.jsonl", out / "metrics.png")
-    manifest = write_run_manifest(cfg, out, record, train, initial_hash, summary)
+    if cfg.lora.use_peft:  # the checkpoint is an adapter: its own hash, and the merged model's if written
+        peft = lora.manifest_section(cfg.lora, out, initial_hash, reference or lora.reference_hash(cfg.lora, initial_hash))
+        sections = {"final_model_hash": peft["merged_model_hash"], "peft": peft}
+    else:
+        sections = {"final_model_hash": model_hash(out)}
+    manifest = write_run_manifest(cfg, out, record, train, initial_hash, summary, **sections)
     summary["final_model_hash"] = manifest["final_model_hash"]

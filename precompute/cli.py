@@ -13,6 +13,9 @@ from runtime.cli import encoding_from, encoding_options, quiet_libraries, run_cl
               help="Reference checkpoint folder (safetensors weights, config.json, tokenizer).")
 @click.option("--data", required=True, type=click.Path(exists=True),
               help="Preference data: a .jsonl/.json/.parquet/.csv file, a folder of them, or a save_to_disk folder.")
+@click.option("--adapter", type=click.Path(exists=True, file_okay=False),
+              help="peft LoRA adapter folder merged into --model: the reference is base + adapter (e.g. an SFT LoRA "
+                   "that train-dpo --init-adapter starts from); the model hash covers both.")
 @click.option("--out", default="ref-cache", type=click.Path(file_okay=False), help="Cache directory to write.")
 @click.option("--split", default="train", help="Split to read from a folder or a DatasetDict.")
 @encoding_options
@@ -37,7 +40,7 @@ from runtime.cli import encoding_from, encoding_options, quiet_libraries, run_cl
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom model code from the checkpoint folder.")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def main(model, data, out, split, max_length, truncation_mode, chat_template, token_budget, rows_per_shard, dtype,
+def main(model, adapter, data, out, split, max_length, truncation_mode, chat_template, token_budget, rows_per_shard, dtype,
          device, attn_implementation, batching, resume, on_bad_row, trust_remote_code, no_progress, debug):
     """Run the frozen reference model once over preference pairs and write per-token log-probs to a stamped,
     resumable Parquet cache for train-dpo."""
@@ -48,7 +51,7 @@ def main(model, data, out, split, max_length, truncation_mode, chat_template, to
 
         quiet_libraries()
         cfg = PrecomputeConfig(
-            model=model, data=data, out=out, split=split,
+            model=model, adapter=adapter, data=data, out=out, split=split,
             encoding=encoding_from(max_length, truncation_mode, chat_template),
             token_budget=token_budget, rows_per_shard=rows_per_shard, dtype=dtype, device=device,
             attn_implementation=attn_implementation, batching=batching, overwrite=not resume, on_bad_row=on_bad_row,

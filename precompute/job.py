@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from runtime.checkpoint import (  # noqa: F401  (re-exported: part of this module's API)
-    check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device, resolve_dtype, software_versions)
+    check_adapter, check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device, resolve_dtype,
+    software_versions)
 from runtime.data import Encoded, encode_rows, load_rows
 from runtime.distributed import Dist, distributed
 from runtime.errors import JobError
@@ -28,7 +29,7 @@ from runtime.paths import check_apart
 from schemas import format as fmt
 from schemas import rules
 from schemas.encoding import EncodingConfig
-from schemas.stamps import combined_mask_checksum, ids_checksum, model_hash, tokenizer_hash
+from schemas.stamps import combined_mask_checksum, ids_checksum, reference_model_hash, tokenizer_hash
 
 from .modes import DESCRIPTIONS, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
 from .resume import Resume, clear_cache_dir, finished_shards  # noqa: F401  (re-exported)
@@ -39,6 +40,7 @@ class PrecomputeConfig:
     model: str
     data: str
     out: str = "ref-cache"
+    adapter: str | None = None  # a peft adapter merged into the model: the reference is base + adapter
     split: str = "train"
     encoding: EncodingConfig = field(default_factory=EncodingConfig)
     token_budget: int = 16384  # padded tokens per forward batch
@@ -136,7 +138,9 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     """Read and encode the data, compute the stamps and cut the rows into shards; nothing is written yet."""
     out = Path(cfg.out)
     check_checkpoint(cfg.model, cfg.trust_remote_code)
-    check_apart(out, "--out", {"--model": cfg.model, "--data": cfg.data})
+    if cfg.adapter is not None:
+        check_adapter(cfg.adapter)
+    check_apart(out, "--out", {"--model": cfg.model, "--data": cfg.data, "--adapter": cfg.adapter})
     device = resolve_device(cfg.device)  # a bad --device is refused before any work
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     source = load_rows(cfg.data, cfg.split)
@@ -148,7 +152,7 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     if encoded.identical:
         log(f"warning: {encoded.identical} pairs have identical chosen and rejected completions")
     stamps = {
-        "model_hash": dist.share(lambda: model_hash(cfg.model)),  # hashed once, not once per rank
+        "model_hash": dist.share(lambda: reference_model_hash(cfg.model, cfg.adapter)),  # once, not once per rank
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "mask_checksum": combined_mask_checksum([p.mask_checksum for p in encoded.pairs], cfg.encoding.to_json()),
     }
@@ -202,7 +206,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist) -> 
 def _load(cfg: PrecomputeConfig, job: Job, log):
     attn = cfg.attn_implementation
     try:
-        model = load_model(cfg.model, job.dtype, job.device, attn, cfg.trust_remote_code)
+        model = load_model(cfg.model, job.dtype, job.device, attn, cfg.trust_remote_code, cfg.adapter)
     except (ImportError, ValueError) as e:  # e.g. an --attn-implementation this install does not have
         raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {attn} "
                        f"({' '.join(str(e).split())[:300]})") from None
@@ -229,7 +233,8 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
         "format_version": fmt.FORMAT_VERSION,
         "stamps": job.stamps,
         "encoding": cfg.encoding.to_dict(),
-        "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)},
+        "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)}
+        | ({"adapter": str(cfg.adapter)} if cfg.adapter else {}),
         "tokenizer": {"class": type(job.tokenizer).__name__, "size": len(job.tokenizer)},
         "computation": scored["computation"],  # what scored the rows (the recorded one when nothing was left)
         "software": software_versions(),

@@ -70,13 +70,51 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: str, trust_remote_code: bool = False):
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: str, trust_remote_code: bool = False,
+               adapter: str | None = None):
+    """The checkpoint, frozen, on `device`; with `adapter` (a peft LoRA folder) that adapter merged into it."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, attn_implementation=attn
     )
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device)
+    if adapter is not None:
+        model = merge_adapter(model, adapter)
+    return model.eval().requires_grad_(False)
+
+
+def require_peft(what: str):
+    """The peft module, or a one-line refusal naming the extra that installs it."""
+    try:
+        import peft
+    except ImportError:
+        raise JobError(f"{what} needs the peft package, which is not installed: pip install 'refcache[peft]'") from None
+    return peft
+
+
+def check_adapter(adapter_dir: str) -> None:
+    from schemas.stamps import WeightsError, adapter_hash
+
+    try:
+        adapter_hash(adapter_dir)  # refuses a folder without adapter_config.json or safetensors weights
+    except (WeightsError, OSError) as e:
+        raise JobError(f"--adapter {adapter_dir}: {e}") from None
+
+
+def merge_adapter(model, adapter_dir: str):
+    """`model` with the peft adapter in `adapter_dir` merged into its weights (a plain transformers model again).
+
+    precompute-ref and train-dpo both merge through here, on the device and dtype they run in, so a reference
+    "base + adapter" is the same weights in both jobs."""
+    peft = require_peft(f"the adapter {adapter_dir}")
+    check_adapter(adapter_dir)
+    try:
+        wrapped = peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
+    except (ValueError, KeyError, RuntimeError) as e:  # adapter made for another architecture or shape
+        detail = " ".join(str(e).split())[:300]
+        raise JobError(f"--adapter {adapter_dir}: cannot be applied to this model ({detail})") from None
+    return wrapped.merge_and_unload()
 
 
 def software_versions() -> dict:

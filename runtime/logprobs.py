@@ -14,10 +14,11 @@ CHUNK_ELEMENTS = 2**25  # logits held at once (~128 MiB in float32)
 
 
 def unwrap(model):
-    """The Hugging Face model inside DDP/FSDP/compile wrappers."""
+    """The Hugging Face model inside DDP/FSDP/compile wrappers and a peft model (whose layers carry the adapter)."""
     while hasattr(model, "module"):
         model = model.module
-    return getattr(model, "_orig_mod", model)
+    model = getattr(model, "_orig_mod", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _project(inner, hidden: torch.Tensor) -> torch.Tensor:

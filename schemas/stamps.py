@@ -169,17 +169,14 @@ def model_hash(model_dir: str | os.PathLike) -> str:
     Streams the safetensors files through mmap; the model is never built, and how the checkpoint is split into
     files does not matter.
     """
-    tensors = {}  # name -> (file, dtype, shape, begin, end)
-    for path in weight_files(model_dir):
-        with open(path, "rb") as f:
-            header, data_start = _read_header(f, path)
-        for name, info in header.items():
-            if name in tensors:
-                raise WeightsError(f"{path}: tensor {name!r} also appears in {tensors[name][0].name}")
-            begin, end = info["data_offsets"]
-            tensors[name] = (path, info["dtype"], info["shape"], data_start + begin, data_start + end)
+    tensors = _tensor_index(weight_files(model_dir))
     h = hashlib.sha256(b"refcache-model-v1")
     h.update(_canonical(model_config_fingerprint(model_dir)))
+    _hash_tensors(h, tensors)
+    return h.hexdigest()
+
+
+def _hash_tensors(h, tensors: dict) -> None:
     maps: dict[Path, mmap.mmap] = {}
     try:
         for name in sorted(tensors):
@@ -194,7 +191,77 @@ def model_hash(model_dir: str | os.PathLike) -> str:
     finally:
         for m in maps.values():
             m.close()
+
+
+def _tensor_index(files: list[Path]) -> dict:
+    tensors = {}  # name -> (file, dtype, shape, begin, end)
+    for path in files:
+        with open(path, "rb") as f:
+            header, data_start = _read_header(f, path)
+        for name, info in header.items():
+            if name in tensors:
+                raise WeightsError(f"{path}: tensor {name!r} also appears in {tensors[name][0].name}")
+            begin, end = info["data_offsets"]
+            tensors[name] = (path, info["dtype"], info["shape"], data_start + begin, data_start + end)
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# adapters (peft LoRA): a reference "base + adapter" is its own model with its own hash
+
+# adapter_config.json fields that name files or the runtime, not what the adapter computes.
+ADAPTER_FIELDS_IGNORED = frozenset({"base_model_name_or_path", "revision", "inference_mode", "peft_version",
+                                    "auto_mapping", "runtime_config"})
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_config_fingerprint(adapter_dir: str | os.PathLike) -> dict:
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise WeightsError(f"{adapter_dir}: not a peft adapter folder (no {ADAPTER_CONFIG})")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise WeightsError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise WeightsError(f"{path}: not a JSON object")
+    return adapter_fields(config)
+
+
+def adapter_fields(config: dict) -> dict:
+    """The behavioural part of an adapter config, canonical (module lists are sets, saved in no fixed order)."""
+    kept = {k: v for k, v in config.items() if k not in ADAPTER_FIELDS_IGNORED}
+    for key in ("target_modules", "exclude_modules", "modules_to_save"):
+        if isinstance(kept.get(key), list):
+            kept[key] = sorted(kept[key])
+    return kept
+
+
+def adapter_hash(adapter_dir: str | os.PathLike) -> str:
+    """sha256 over a peft adapter's behavioural config and its tensors (as model_hash does for a checkpoint)."""
+    weights = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        pickles = [p.name for p in Path(adapter_dir).glob("adapter_model.bin")]
+        raise WeightsError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}" + (f" (only pickle weights {pickles[0]}; refcache "
+                                                                      "loads safetensors only)" if pickles else ""))
+    h = hashlib.sha256(b"refcache-adapter-v1")
+    h.update(_canonical(adapter_config_fingerprint(adapter_dir)))
+    _hash_tensors(h, _tensor_index([weights]))
     return h.hexdigest()
+
+
+def merged_model_hash(base_hash: str, adapter_hash_: str) -> str:
+    """The model hash of "base checkpoint + adapter merged into it": a hash of the two hashes, so it is known
+    without merging, differs from the base's, and differs from the hash of a merged checkpoint saved to disk (whose
+    weights are hashed directly: use one form for both precompute-ref and train-dpo)."""
+    return hashlib.sha256(b"refcache-model-adapter-v1" + _canonical([base_hash, adapter_hash_])).hexdigest()
+
+
+def reference_model_hash(model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None = None) -> str:
+    """model_hash of a checkpoint, or with an adapter the hash of that checkpoint with the adapter merged in."""
+    base = model_hash(model_dir)
+    return base if adapter_dir is None else merged_model_hash(base, adapter_hash(adapter_dir))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,218 @@
+"""LoRA / QLoRA policies (peft): options, the policy wrapper, the reference a LoRA run must be checked against, the
+adapter-disabled live reference and the outputs.
+
+What the reference is:
+- with a cache: the cache, whose model hash must be the base checkpoint's (the new adapter starts as identity, so
+  at step 0 the policy is the base and the loss is ln 2);
+- with --init-adapter A: A is merged into the base in memory and a fresh adapter trained on top, so the reference
+  is "base + A" and the cache must have been made with `precompute-ref --model BASE --adapter A` (its model hash is
+  schemas.stamps.merged_model_hash(base, A));
+- live (--ref-model, no cache): the same model with the adapter disabled, no second model (TRL's convention).
+
+Dropout: the base model's dropout is disabled (as in full DPO); --lora-dropout acts only on the adapter branch's
+input, lora_B(lora_A(dropout(x))). lora_B starts at zero, so at step 0 that branch adds exactly zero with or without
+dropout and the step-0 loss is ln 2; from step 1 on the policy's forward is stochastic in the adapter branch only
+(as in TRL, which also keeps LoRA dropout). The reference (cache or disabled adapter) never sees dropout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.checkpoint import check_adapter, merge_adapter, require_peft
+from runtime.errors import JobError
+from schemas.format import StampMismatch
+from schemas.stamps import ADAPTER_CONFIG, adapter_hash, merged_model_hash, model_hash
+
+DEFAULT_TARGETS = "all-linear"  # peft: every linear layer of the blocks (attention and MLP projections), not the head
+MERGED_DIR = "merged"
+
+
+@dataclass
+class LoraOptions:
+    """train-dpo's LoRA options; names and defaults as TRL's ModelConfig."""
+
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: str | None = None  # comma-separated module names; default: all-linear
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    init_adapter: str | None = None
+    merge_adapter: bool = False
+
+
+HELP = {
+    "use_peft": "Train a LoRA adapter (peft) instead of the full model; the reference is the base model.",
+    "lora_r": "LoRA rank.",
+    "lora_alpha": "LoRA alpha (the adapter's output is scaled by alpha / r).",
+    "lora_dropout": "Dropout on the adapter branch's input only (base-model dropout stays off; the step-0 loss is "
+                    "still ln 2 because the adapter starts at zero).",
+    "lora_target_modules": "Comma-separated module names to adapt (None: all-linear, i.e. every attention and MLP "
+                           "projection, not the output head).",
+    "load_in_4bit": "QLoRA: load the base in 4 bits (bitsandbytes, CUDA only).",
+    "load_in_8bit": "Load the base in 8 bits (bitsandbytes, CUDA only).",
+    "init_adapter": "Start from this adapter (e.g. an SFT LoRA): it is merged into the base and a new adapter is "
+                    "trained on top; the reference is base + this adapter (cache: precompute-ref --adapter).",
+    "merge_adapter": f"Also write the base with the trained adapter merged in to OUTPUT_DIR/{MERGED_DIR}.",
+}
+
+
+def check_options(opts: LoraOptions) -> None:
+    """Refuse inconsistent LoRA options and platforms that cannot run them, before any expensive work."""
+    if not opts.use_peft:
+        given = [f"--{n.replace('_', '-')}" for n in ("load_in_4bit", "load_in_8bit", "init_adapter", "merge_adapter")
+                 if getattr(opts, n)]
+        if given:
+            raise JobError(f"{', '.join(given)} only apply to a LoRA policy; add --use-peft")
+        return
+    require_peft("--use-peft")
+    if opts.lora_r < 1:
+        raise JobError(f"--lora-r must be at least 1, got {opts.lora_r}")
+    if not 0 <= opts.lora_dropout < 1:
+        raise JobError(f"--lora-dropout must be in [0, 1), got {opts.lora_dropout}")
+    if opts.init_adapter is not None:
+        check_adapter(opts.init_adapter)
+    if opts.load_in_4bit or opts.load_in_8bit:
+        _check_quantization(opts)
+
+
+def notes(opts: LoraOptions, cached: bool) -> list[str]:
+    """What the user should know about this LoRA setup before training starts."""
+    if cached and opts.use_peft and (opts.load_in_4bit or opts.load_in_8bit):
+        return ["note: the cache holds the unquantized reference, the policy starts from the quantized base: the "
+                "step-0 loss differs from ln 2 by the quantization error"]
+    return []
+
+
+def _check_quantization(opts: LoraOptions) -> None:
+    import importlib.util
+
+    import torch
+
+    flag = "--load-in-4bit" if opts.load_in_4bit else "--load-in-8bit"
+    if opts.load_in_4bit and opts.load_in_8bit:
+        raise JobError("--load-in-4bit and --load-in-8bit exclude each other; choose one")
+    if not torch.cuda.is_available():
+        raise JobError(f"{flag} needs a CUDA GPU: bitsandbytes quantized layers have no CPU training path, and this "
+                       "machine has no CUDA device; drop the option (plain LoRA in full precision)")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise JobError(f"{flag} needs the bitsandbytes package, which is not installed: pip install 'refcache[qlora]'")
+    if opts.init_adapter is not None:
+        raise JobError(f"--init-adapter with {flag}: the initial adapter would be merged into quantized weights, "
+                       "which is not the reference precompute-ref --adapter computes; merge it into the base in full "
+                       "precision, save that checkpoint and use it as --model (and as precompute-ref's --model)")
+
+
+def load_kwargs(opts: LoraOptions, dtype) -> dict:
+    """Extra from_pretrained arguments for a quantized base (QLoRA)."""
+    if not (opts.use_peft and (opts.load_in_4bit or opts.load_in_8bit)):
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    if opts.load_in_8bit:
+        return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True)}
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)}
+
+
+def reference_hash(opts: LoraOptions, base_hash: str) -> str:
+    """The model hash a LoRA run's cache must carry: the base's, or with --init-adapter the merged base + adapter's."""
+    if opts.use_peft and opts.init_adapter is not None:
+        return merged_model_hash(base_hash, adapter_hash(opts.init_adapter))
+    return base_hash
+
+
+@contextlib.contextmanager
+def explained_reference(opts: LoraOptions, model: str, base_hash: str):
+    """Re-word a model-hash mismatch so a LoRA user knows which reference the cache must hold and how to make it."""
+    try:
+        yield
+    except StampMismatch as e:
+        if not opts.use_peft or e.kind != "model_hash":
+            raise
+        if opts.init_adapter is None:
+            e.message = (f"model_hash mismatch: with --use-peft the reference is the base checkpoint --model {model} "
+                         f"(the adapter starts as identity), but the cache {e.message.split('the cache ')[-1]}")
+            e.remedy = (f"make the cache from the base (precompute-ref --model {model}); if it was made with "
+                        "--adapter A, pass --init-adapter A")
+        else:
+            held = " (it holds the base without the adapter)" if e.found == base_hash else ""
+            e.message = (f"model_hash mismatch: with --init-adapter {opts.init_adapter} the reference is --model "
+                         f"{model} with that adapter merged in, and the cache was not computed from it{held}")
+            e.remedy = f"make the cache with precompute-ref --model {model} --adapter {opts.init_adapter}"
+        raise
+
+
+def check_live_reference(model: str, ref_model: str, base_hash: str) -> None:
+    """Live LoRA: the reference is --model with the adapter disabled, so --ref-model must be that checkpoint."""
+    if Path(ref_model).resolve() != Path(model).resolve() and model_hash(ref_model) != base_hash:
+        raise JobError(f"--ref-model {ref_model} differs from --model: with --use-peft the live reference is --model "
+                       "with the adapter disabled (no second model); pass --ref-model equal to --model, or use a "
+                       "--ref-cache made from the other reference")
+
+
+def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: int):
+    """The base (with --init-adapter merged in) wrapped with a fresh, trainable LoRA adapter, its random lora_A drawn
+    from `seed` (the Trainer seeds only after the model is built; without this the run would not be reproducible)."""
+    import torch
+
+    peft = require_peft("--use-peft")
+    if opts.init_adapter is not None:
+        model = merge_adapter(model, opts.init_adapter)
+    if opts.load_in_4bit or opts.load_in_8bit:
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        model.enable_input_require_grads()  # the frozen embeddings' output must carry grad through checkpoints
+    targets = [t.strip() for t in opts.lora_target_modules.split(",") if t.strip()] if opts.lora_target_modules else []
+    config = peft.LoraConfig(
+        r=opts.lora_r, lora_alpha=opts.lora_alpha, lora_dropout=opts.lora_dropout, bias="none", task_type="CAUSAL_LM",
+        target_modules=targets or DEFAULT_TARGETS,
+    )
+    try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # QLoRA: on the GPU
+            torch.manual_seed(seed)
+            return peft.get_peft_model(model, config)
+    except ValueError as e:  # e.g. target modules not found in the model
+        raise JobError(f"--lora-target-modules: {' '.join(str(e).split())[:300]}") from None
+
+
+class AdapterDisabled:
+    """Live reference of a LoRA policy: the policy's own forward with the adapter switched off."""
+
+    def __init__(self, policy):
+        self.module = policy  # runtime.logprobs.unwrap finds the model through `.module`
+
+    def __call__(self, **inputs):
+        with self.module.disable_adapter():
+            return self.module(**inputs)
+
+
+def save_outputs(policy, out: Path, opts: LoraOptions, tokenizer) -> None:
+    """The adapter is in `out` already (Trainer.save_model); with --merge-adapter also the merged model."""
+    if opts.merge_adapter:
+        merged = policy.merge_and_unload()
+        merged.save_pretrained(out / MERGED_DIR, safe_serialization=True)
+        tokenizer.save_pretrained(out / MERGED_DIR)
+
+
+def manifest_section(opts: LoraOptions, out: Path, base_hash: str, reference: str) -> dict:
+    """The run manifest's `peft` section: what audit-ref --run checks."""
+    init = None
+    if opts.init_adapter is not None:
+        init = {"path": opts.init_adapter, "adapter_hash": adapter_hash(opts.init_adapter)}
+    section = {
+        "base_model_hash": base_hash,
+        "init_adapter": init,
+        "reference_model_hash": reference,
+        "adapter_config": json.loads((out / ADAPTER_CONFIG).read_text(encoding="utf-8")),
+        "final_adapter_hash": adapter_hash(out),
+        "merged_model_hash": model_hash(out / MERGED_DIR) if opts.merge_adapter else None,
+        "options": dataclasses.asdict(opts),
+    }
+    return section
