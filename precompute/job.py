@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.cli import field_help
 from runtime.checkpoint import (  # noqa: F401  (re-exported: part of this module's API)
     check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device, resolve_dtype, software_versions)
 from runtime.data import Encoded, encode_rows, load_rows
@@ -28,26 +29,49 @@ from schemas import format as fmt
 from schemas.encoding import EncodingConfig
 from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash
 
-from .modes import DESCRIPTIONS, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
+from .modes import DESCRIPTIONS, MODES, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
 
 
 @dataclass
 class PrecomputeConfig:
-    model: str
-    data: str
-    out: str = "ref-cache"
-    split: str = "train"
-    encoding: EncodingConfig = field(default_factory=EncodingConfig)
-    token_budget: int = 16384  # padded tokens per forward batch
-    rows_per_shard: int = 2048
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere
-    device: str = "auto"
-    attn_implementation: str = "sdpa"
-    batching: str = "auto"  # auto or one of modes.MODES
-    overwrite: bool = False
-    on_bad_row: str = "error"
-    trust_remote_code: bool = False
-    progress: bool = True
+    """Every field is a precompute-ref option (precompute/cli.py generates them); the metadata is its --help text."""
+
+    model: str = field(metadata=field_help(
+        "Reference checkpoint: a folder (safetensors weights, config.json, tokenizer) or a hub id in the local "
+        "Hugging Face cache.", "Model", required=True))
+    data: str = field(metadata=field_help(
+        "Preference data: a .jsonl/.json/.parquet/.csv file, a folder of them, a save_to_disk folder, or a hub "
+        "data set id in the local Hugging Face cache.", "Data", required=True))
+    out: str = field(default="ref-cache", metadata=field_help("Cache directory to write.", "Output"))
+    split: str = field(default="train", metadata=field_help(
+        "Split to read: a file or folder named after it (train, test/eval, validation, as datasets.load_dataset "
+        "resolves them) or a DatasetDict split.", "Data"))
+    encoding: EncodingConfig = field(default_factory=EncodingConfig, metadata={"cli": False})  # its own options
+    token_budget: int = field(default=16384, metadata=field_help(
+        "Padded tokens per forward batch (batch size x longest sequence).", "Computation", min=1))
+    rows_per_shard: int = field(default=2048, metadata=field_help("Pairs per Parquet shard.", "Output", min=1))
+    dtype: str = field(default="auto", metadata=field_help(
+        "Reference precision; auto is bfloat16 on CUDA and float32 on CPU.", "Computation",
+        choices=("auto", "float32", "bfloat16", "float16")))
+    device: str = field(default="auto", metadata=field_help(
+        "auto (CUDA device LOCAL_RANK if present, else CPU), cpu, cuda, cuda:N.", "Computation"))
+    attn_implementation: str = field(default="sdpa", metadata=field_help(
+        "Attention kernel: sdpa, eager, flash_attention_2.", "Computation"))
+    batching: str = field(default="auto", metadata=field_help(
+        "How pairs go through the model (same numbers either way). kv_cache: each prompt once, chosen and rejected "
+        "continue from its key/value cache; packed: prompt once, pairs packed into rows with a tree mask; "
+        "shared_prompt: the same, one pair per row; varlen: sequences packed without padding (flash attention); "
+        "full_forward: [prompt|chosen] and [prompt|rejected] as padded rows. auto estimates the work of each mode "
+        "the attention supports on the first shard, takes the cheapest and checks it against full_forward on two "
+        "pairs.", "Computation", choices=("auto",) + MODES))
+    overwrite: bool = field(default=False, metadata=field_help(
+        "Delete the existing cache first (default: resume, keeping finished shards of this same job).", "Output"))
+    on_bad_row: str = field(default="error", metadata=field_help(
+        "error: stop at the first bad row (exit 2). skip: leave it out and list it in skipped.jsonl.", "Data",
+        choices=("error", "skip")))
+    trust_remote_code: bool = field(default=False, metadata=field_help(
+        "Allow custom model code from the checkpoint folder.", "Model"))
+    progress: bool = field(default=True, metadata=field_help("Show the progress bar.", "Output"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -47,11 +47,17 @@ class BadRowError(ValueError):
 class EncodingConfig:
     """How rows become ids. Recorded in every cache; training must use the same values."""
 
-    max_length: int = 1024  # prompt + completion tokens, per sequence
-    truncation_mode: str = "keep_start"  # keep_start: cut completion ends; keep_end: cut prompt starts; error
-    chat_template: str = "auto"  # auto: template conversational rows only; on: also wrap plain strings; off
-    add_bos: bool | str = "tokenizer"  # one of BOS_MODES; see the module docstring
-    add_eos: bool = True  # end each completion with EOS unless it already does
+    max_length: int = dataclasses.field(default=1024, metadata={
+        "help": "Maximum prompt + completion tokens per sequence.", "min": 2})
+    truncation_mode: str = dataclasses.field(default="keep_start", metadata={
+        "choices": TRUNCATION_MODES, "help": "Over-long pairs: keep_start cuts completion ends, keep_end cuts the "
+                                             "prompt start, error rejects the row."})
+    chat_template: str = dataclasses.field(default="auto", metadata={
+        "choices": CHAT_TEMPLATE_MODES, "help": "Apply the tokenizer's chat template: auto (conversational rows "
+                                                "only), on (also wrap plain strings), off."})
+    # one of BOS_MODES (see the module docstring); not an option: "tokenizer" is what the SFT model saw
+    add_bos: bool | str = dataclasses.field(default="tokenizer", metadata={"cli": False})
+    add_eos: bool = dataclasses.field(default=True, metadata={"cli": False})  # end completions with EOS
 
     def __post_init__(self):
         if self.max_length < 2:
