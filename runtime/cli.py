@@ -88,6 +88,7 @@ class GroupedCommand(click.Command):
             record = param.get_help_record(ctx)
             if record:
                 groups.setdefault(getattr(param, "group", None) or "Other", []).append(record)
+        groups["Other"] = groups.pop("Other", [])  # --config, --debug, --help last
         for name, records in groups.items():
             with formatter.section(f"{name} options"):
                 formatter.write_dl(records)
@@ -135,6 +136,7 @@ def _help_text(fld: dataclasses.Field) -> str:
 
 
 def dataclass_options(cls, *, group: str | None = None, skip=(), names: list | None = None, enforce_required=True):
+    """(enforce_required=False: required fields are checked by the caller, e.g. after merging a config file.)"""
     """A decorator adding one click option per init field of dataclass `cls`, in both spellings (--learning-rate and
     --learning_rate), default None so that only given values are collected (the dataclass keeps its defaults).
     `names`, when given, receives the field names added, to tell this dataclass's values from others'."""
@@ -151,7 +153,8 @@ def dataclass_options(cls, *, group: str | None = None, skip=(), names: list | N
                 kind = (click.IntRange if kind is int else click.FloatRange)(min=fld.metadata["min"])
             kebab, snake = "--" + fld.name.replace("_", "-"), "--" + fld.name
             where = fld.metadata.get("group", group) if "group" in fld.metadata else group
-            common = {"default": None, "help": _help_text(fld), "group": where, "cls": GroupedOption,
+            text = _help_text(fld) + (" [required]" if fld.metadata.get("required") and not enforce_required else "")
+            common = {"default": None, "help": text, "group": where, "cls": GroupedOption,
                       "required": bool(fld.metadata.get("required")) and enforce_required}
             if kind is bool:
                 decls = [f"{kebab}/--no-{kebab[2:]}"] + ([f"{snake}/--no_{snake[2:]}"] if snake != kebab else [])
