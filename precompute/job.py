@@ -27,7 +27,7 @@ from runtime.distributed import Dist, distributed
 from runtime.errors import JobError
 from schemas import format as fmt
 from schemas.encoding import EncodingConfig
-from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash
+from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash, tokenizer_parts
 
 from .modes import DESCRIPTIONS, MODES, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
 
@@ -229,7 +229,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
             "stamps": stamps,
             "encoding": cfg.encoding.to_dict(),
             "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)},
-            "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
+            "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer), "parts": tokenizer_parts(tokenizer)},
             "computation": {
                 "mode": stats["mode"],
                 "dtype": str(dtype).removeprefix("torch."),
@@ -249,6 +249,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
                 "skipped": len(encoded.skipped),
                 "skipped_by_reason": encoded.skipped_by_reason,
                 "identical_pairs": encoded.identical,
+                "formats": dict(sorted(encoded.formats.items())),
             },
             "rows": len(encoded.pairs),
             "shards": entries,

@@ -195,6 +195,12 @@ class Encoded:
     pairs: list[EncodedPair]
     skipped: list[dict] = field(default_factory=list)  # {"file", "row", "id", "reason", "detail"}
     identical: int = 0  # pairs whose chosen and rejected completions encode identically
+    formats: Counter = field(default_factory=Counter)  # standard / conversational / implicit rows encoded
+
+    @property
+    def templated(self) -> bool | None:
+        """Whether the rows are conversational (rendered with the chat template under chat_template=auto)."""
+        return None if not self.formats else self.formats.get("conversational", 0) > 0
 
     @property
     def skipped_by_reason(self) -> dict[str, int]:
@@ -204,6 +210,13 @@ class Encoded:
 def _clean(row: dict) -> dict:
     """Drop null extra columns; a null prompt/chosen/rejected stays, to be reported as missing."""
     return {k: v for k, v in row.items() if v is not None or k in ("prompt", "chosen", "rejected")}
+
+
+def row_format(row: dict) -> str:
+    """TRL's name for a row's format."""
+    if isinstance(row.get("chosen"), list):
+        return "conversational"
+    return "standard" if "prompt" in row else "implicit"
 
 
 def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: str = "error") -> Encoded:
@@ -226,6 +239,7 @@ def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: s
             out.skipped.append({"file": file, "row": n, "id": rid, "reason": e.reason, "detail": e.detail})
             continue
         seen[rid] = (file, n)
+        out.formats[row_format(row)] += 1
         out.ids.append(rid)
         out.pairs.append(pair)
         out.identical += pair.chosen_ids == pair.rejected_ids
