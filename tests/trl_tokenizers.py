@@ -5,7 +5,7 @@ text (a template post-processor) and the chat template starts with the BOS token
 
 from __future__ import annotations
 
-from tests.conftest import build_tokenizer
+from conftest import build_tokenizer
 
 LLAMA_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
