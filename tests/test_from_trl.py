@@ -169,8 +169,10 @@ def _hub_snapshot(kind: str, repo: str, files: dict[str, Path]) -> Path:
     snap.mkdir(parents=True, exist_ok=True)
     (root / "refs").mkdir(exist_ok=True)
     (root / "refs" / "main").write_text(commit)
-    for name, src in files.items():
-        shutil.copy(src, snap / name)
+    (root / "blobs").mkdir(exist_ok=True)
+    for i, (name, src) in enumerate(files.items()):  # as the hub lays it out: snapshot files link into blobs/
+        shutil.copy(src, root / "blobs" / f"blob{i}")
+        (snap / name).symlink_to(Path("..", "..", "blobs", f"blob{i}"))
     return snap
 
 
