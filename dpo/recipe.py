@@ -74,9 +74,9 @@ class TrainConfig:
     warmup_steps: float = _f(0, "Linear warmup steps (a float < 1 is a fraction of the total).", "Training")
     num_train_epochs: float = _f(1.0, "Epochs over --data.", "Training")
     max_steps: int = _f(-1, "Total optimizer steps; overrides --num-train-epochs when > 0.", "Training")
-    per_device_train_batch_size: int = _f(8, "Pairs per device per step.", "Training", min=1)
-    per_device_eval_batch_size: int = _f(8, "Pairs per device per eval step.", "Training", min=1)
-    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", "Training", min=1)
+    per_device_train_batch_size: int = _f(8, "Pairs per device per step.", "Training")
+    per_device_eval_batch_size: int = _f(8, "Pairs per device per eval step.", "Training")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", "Training")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.", "Training")
     weight_decay: float = _f(0.0, "AdamW weight decay.", "Training")
     optim: str = _f("adamw_torch", "Optimizer (transformers OptimizerNames).", "Training")
@@ -212,6 +212,9 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     cfg.model, cfg.ref_model = resolve_model(cfg.model), resolve_model(cfg.ref_model)
     check_checkpoint(cfg.model, cfg.trust_remote_code)
     loss_config = cfg.loss_config()
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(cfg, name) < 1:  # from the command line or --config
+            raise JobError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     try:
         args = cfg.training_arguments()
     except ValueError as e:  # transformers' own checks of the training options

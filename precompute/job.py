@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import click
 import torch
 
 from runtime.cli import field_help
+from runtime.hub import resolve_model
 from runtime.checkpoint import (  # noqa: F401  (re-exported: part of this module's API)
     check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device, resolve_dtype, software_versions)
 from runtime.data import Encoded, encode_rows, load_rows
@@ -42,7 +44,8 @@ class PrecomputeConfig:
     data: str = field(metadata=field_help(
         "Preference data: a .jsonl/.json/.parquet/.csv file, a folder of them, a save_to_disk folder, or a hub "
         "data set id in the local Hugging Face cache.", "Data", required=True))
-    out: str = field(default="ref-cache", metadata=field_help("Cache directory to write.", "Output"))
+    out: str = field(default="ref-cache", metadata=field_help("Cache directory to write.", "Output",
+                                                              click_type=click.Path(file_okay=False)))
     split: str = field(default="train", metadata=field_help(
         "Split to read: a file or folder named after it (train, test/eval, validation, as datasets.load_dataset "
         "resolves them) or a DatasetDict split.", "Data"))
@@ -160,6 +163,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     t0 = time.perf_counter()
     out = Path(cfg.out)
     log = log if dist.rank == 0 else (lambda _m: None)
+    cfg.model = resolve_model(cfg.model)  # a hub id in the local Hugging Face cache -> its snapshot folder
     check_checkpoint(cfg.model, cfg.trust_remote_code)
     resolve_device(cfg.device)  # a bad --device is refused before any work
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)

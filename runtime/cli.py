@@ -69,7 +69,8 @@ def encoding_from(max_length, truncation_mode, chat_template, base: EncodingConf
 
 def field_help(help: str, group: str | None = None, **extra) -> dict:
     """Metadata for a config field: its --help text, its section in --help, and optionally `choices`,
-    `cli=False` (not an option), `required=True`, `show_default` (a text instead of the default's value)."""
+    `cli=False` (not an option), `required=True`, `show_default` (a text instead of the default's value), `min`,
+    `click_type` (a click type that checks more, e.g. click.Path(file_okay=False))."""
     return {"help": help, "group": group, **extra}
 
 
@@ -149,6 +150,8 @@ def dataclass_options(cls, *, group: str | None = None, skip=(), names: list | N
             kind, multiple = click_type(hints[fld.name])
             if "choices" in fld.metadata:
                 kind = click.Choice([str(c) for c in fld.metadata["choices"]])
+            if "click_type" in fld.metadata:
+                kind = fld.metadata["click_type"]
             if "min" in fld.metadata:
                 kind = (click.IntRange if kind is int else click.FloatRange)(min=fld.metadata["min"])
             kebab, snake = "--" + fld.name.replace("_", "-"), "--" + fld.name
