@@ -1,87 +1,86 @@
-"""Command line of train-dpo. Every TrainConfig field is an option (`--learning-rate`, `--max-steps`, ...) and a key
-of the optional --config file (YAML or JSON); options given on the command line override the file."""
+"""Command line of train-dpo, generated: every TrainConfig field is an option, and so is every
+`transformers.TrainingArguments` field it does not define (new transformers options appear by themselves). Both
+spellings work (--learning-rate, --learning_rate). --config takes a YAML or JSON file of the same keys, or a TRL
+`DPOConfig` / `trl dpo` YAML; options given on the command line override the file."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import typing
 from pathlib import Path
 
 import click
+import transformers
 
-from runtime.cli import quiet_libraries, run_cli
-from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES
+from runtime.cli import GroupedCommand, click_type, dataclass_options, given_values, quiet_libraries, run_cli
 
-from .lora import HELP as LORA_HELP, LoraOptions
-from .losses import LOSS_TYPES
+from .lora import LoraOptions
 from .recipe import TrainConfig
 
-HELP = {
-    "model": "Policy checkpoint to start from (in standard DPO also the reference the cache was computed with).",
-    "data": "Training preference data (file, folder or save_to_disk folder), encoded exactly as the cache was.",
-    "output_dir": "Where checkpoints, metrics.jsonl, metrics.png and run-manifest.json go.",
-    "ref_cache": "Cache written by precompute-ref; verified before use.",
-    "ref_model": "Reference checkpoint: with --ref-cache it is only hashed (never loaded); without, live-reference mode.",
-    "ref_model_hash": "Model hash the cache must carry, when the reference differs from --model and is not at hand.",
-    "split": "Split of --data to train on.",
-    "eval_data": "Evaluation preference data.",
-    "eval_split": "Split of --eval-data.",
-    "eval_ref_cache": "Cache holding the eval rows [default: --ref-cache].",
-    "max_length": f"Must agree with the cache's value [default: the cache's].",
-    "truncation_mode": f"One of {', '.join(TRUNCATION_MODES)}; must agree with the cache [default: the cache's].",
-    "chat_template": f"One of {', '.join(CHAT_TEMPLATE_MODES)}; must agree with the cache [default: the cache's].",
-    "on_bad_row": "error or skip rows the encoder rejects.",
-    "fast_verify": "Skip the shard file sha256 check (stamps, rows and values are still verified).",
-    "beta": "DPO beta (strength of the pull towards the reference).",
-    "loss_type": f"One of {', '.join(LOSS_TYPES)}.",
-    "label_smoothing": "Label noise e for sigmoid (cDPO) and robust losses.",
-    "rpo_alpha": "Weight of the SFT (NLL) term on chosen completions (RPO); 0 disables it.",
-    "ld_alpha": "LD-DPO: weight of tokens past the shorter completion's length; 1 disables it.",
-    "fsdp": "FSDP mode for transformers.TrainingArguments, e.g. 'full_shard auto_wrap' (under torchrun).",
-    "fsdp_config": "FSDP config JSON file (transformers.TrainingArguments.fsdp_config).",
-    "deepspeed": "DeepSpeed config JSON file (needs the deepspeed package; under torchrun or deepspeed).",
-    "report_to": "Comma-separated trackers (tensorboard, wandb, ...) or none.",
-    "trust_remote_code": "Allow custom model code from checkpoint folders.",
-    "plot": "Write metrics.png at the end.",
-    "overwrite_output_dir": "Train into an --output-dir that already holds files (a previous run's).",
-    "config": "YAML or JSON file with any of these options (snake_case or kebab-case keys).",
-    **LORA_HELP,
-}
-CHOICES = {"loss_type": LOSS_TYPES, "truncation_mode": TRUNCATION_MODES, "chat_template": CHAT_TEMPLATE_MODES,
-           "on_bad_row": ("error", "skip")}
-REQUIRED = ("model", "data", "output_dir")
+LORA = {f.name: f for f in dataclasses.fields(LoraOptions)}
+OURS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli") is not False} | LORA
+# TrainingArguments fields that are not options: ours under the same name, the ones the recipe must set itself,
+# and `debug` (our --debug shows tracebacks).
+NOT_TRAINER_OPTIONS = set(OURS) | {"remove_unused_columns", "debug"}
+TRAINER = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)
+           if f.init and f.name not in NOT_TRAINER_OPTIONS and not f.name.startswith("_")}
+REQUIRED = tuple(name for name, f in OURS.items() if f.metadata.get("required"))
+# `trl dpo` YAML keys (its ScriptArguments / ModelConfig) that name one of our options
+TRL_ALIASES = {"model_name_or_path": "model", "dataset_name": "data", "dataset_train_split": "split",
+               "dataset_test_split": "eval_split"}
 
 
-def option_fields() -> list[dataclasses.Field]:
-    """TrainConfig's fields with its nested LoraOptions flattened into them (--use-peft, --lora-r, ...)."""
-    return [f for f in dataclasses.fields(TrainConfig) if f.name != "lora"] + list(dataclasses.fields(LoraOptions))
+def _value_type(name: str):
+    import typing
+
+    if name in OURS:
+        f = OURS[name]
+        if "choices" in f.metadata:
+            return click.Choice([str(c) for c in f.metadata["choices"]]), False
+        return click_type(typing.get_type_hints(LoraOptions if name in LORA else TrainConfig)[name])
+    return click_type(typing.get_type_hints(transformers.TrainingArguments)[name])
 
 
-def _click_type(field: dataclasses.Field):
-    if field.name in CHOICES:
-        return click.Choice(CHOICES[field.name])
-    hint = str(field.type)
-    if field.name.endswith(("_dir", "_cache", "_data")) or field.name in ("model", "data", "ref_model", "init_adapter"):
-        return click.Path()
-    for name, kind in (("bool", bool), ("int", int), ("float", float)):
-        if hint.startswith(name):
-            return kind
-    return str
+def _convert(path: str, key: str, value):
+    """A file value converted and checked as the command line does (YAML 1.1 reads `1e-6` as a string)."""
+    kind, multiple = _value_type(key)
+    if value is None:
+        return None
+    try:
+        if multiple:
+            values = value if isinstance(value, list) else [value]
+            return [click.types.convert_type(kind).convert(v, None, None) for v in values]
+        if isinstance(value, (dict, list)) and kind is str:
+            return value  # a dict/list-valued TrainingArguments option (fsdp_config, lr_scheduler_kwargs, ...)
+        return click.types.convert_type(kind).convert(value, None, None)
+    except click.BadParameter as e:
+        raise click.UsageError(f"{path}: {key}: {e.message}") from None
 
 
-def config_options(f):
-    """One click option per TrainConfig field, default None so file values and real defaults can be merged."""
-    for field in reversed(option_fields()):
-        flag = "--" + field.name.replace("_", "-")
-        default = "" if field.name in REQUIRED else f" [default: {field.default}]"
-        text = HELP.get(field.name, f"transformers.TrainingArguments.{field.name}.") + default
-        if _click_type(field) is bool:
-            f = click.option(f"{flag}/--no-{flag[2:]}", field.name, default=None, help=text)(f)
-        else:
-            f = click.option(flag, field.name, type=_click_type(field), default=None, help=text)(f)
-    return f
+def _from_trl(path: str, data: dict) -> dict:
+    """Map TRL's spellings onto ours; refuse DPOConfig keys we do not support unless they hold TRL's default."""
+    data = {TRL_ALIASES.get(k, k): v for k, v in data.items()}
+    for key in ("loss_type", "ld_alpha"):  # TRL 1.16 takes lists (one loss, or several with loss_weights)
+        if isinstance(data.get(key), list) and len(data[key]) == 1:
+            data[key] = data[key][0]
+    unknown = sorted(set(data) - set(OURS) - set(TRAINER))
+    if not unknown:
+        return data
+    try:
+        from trl import DPOConfig
+
+        defaults = {f.name: f.default for f in dataclasses.fields(DPOConfig) if f.default is not dataclasses.MISSING}
+    except ImportError:
+        defaults = {}
+    inert = [k for k in unknown if k in defaults and data[k] == defaults[k]]
+    unsupported = [k for k in unknown if k not in inert]
+    if unsupported:
+        raise click.UsageError(
+            f"{path}: unknown option(s) {', '.join(unsupported)} (refcache does not support these DPOConfig / trl "
+            "keys, or they are misspelt; see `train-dpo --help` and README 'Coming from TRL')")
+    click.echo(f"note: {path}: ignoring DPOConfig keys at TRL's default: {', '.join(inert)}", err=True)
+    return {k: v for k, v in data.items() if k not in inert}
 
 
 def load_config_file(path: str) -> dict:
@@ -95,35 +94,42 @@ def load_config_file(path: str) -> dict:
         raise click.UsageError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'} ({detail})") from None
     if not isinstance(data, dict):
         raise click.UsageError(f"{path}: expected a mapping of option names to values")
-    data = {k.replace("-", "_"): v for k, v in data.items()}
-    fields = {f.name: f for f in option_fields()}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise click.UsageError(f"{path}: unknown option(s) {', '.join(unknown)}")
-    # Convert and check values as the command line does: YAML 1.1 reads `1e-6` as a string, and a wrong type or an
-    # unknown choice should be a usage error here, not a TypeError deep inside training.
-    for key, value in data.items():
-        if value is not None:
-            try:
-                data[key] = click.types.convert_type(_click_type(fields[key])).convert(value, None, None)
-            except click.BadParameter as e:
-                raise click.UsageError(f"{path}: {key}: {e.message}") from None
-    return data
+    data = _from_trl(path, {k.replace("-", "_"): v for k, v in data.items()})
+    return {key: _convert(path, key, value) for key, value in data.items() if value is not None}
 
 
 def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
     values = load_config_file(config_file) if config_file else {}
-    values.update({k: v for k, v in given.items() if v is not None})
+    values.update(given_values(given))
     missing = [f"--{k.replace('_', '-')}" for k in REQUIRED if not values.get(k)]
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
-    lora = {f.name: values.pop(f.name) for f in dataclasses.fields(LoraOptions) if f.name in values}
-    return TrainConfig(**values, lora=LoraOptions(**lora))
+    trainer = {k: values.pop(k) for k in list(values) if k in TRAINER}
+    lora = {k: values.pop(k) for k in list(values) if k in LORA}
+    return TrainConfig(**values, training_args=trainer, lora=LoraOptions(**lora))
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help=HELP["config"])
-@config_options
+def summary_text(s: dict) -> str:
+    acc = s["eval"].get("eval_rewards/accuracies")
+    out = Path(s["output_dir"])
+    return (
+        f"trained {s['steps']} steps in {s['train_s']:.1f} s (verification {s['verify_s']:.1f} s); "
+        f"train loss {s['train_loss']:.4f}"
+        + (f"; eval reward accuracy {acc:.3f} (share of eval pairs whose implicit reward beta*log(pi/ref) "
+           "ranks chosen above rejected)" if acc is not None else "")
+        + f"\n  checkpoint: {out}\n  metrics:    {out / 'metrics.jsonl'}\n  plot:       {out / 'metrics.png'}"
+        f"\n  manifest:   {out / 'run-manifest.json'}"
+    )
+
+
+@click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
+              help="YAML or JSON file of these options (snake_case or kebab-case keys), or a TRL DPOConfig / "
+                   "`trl dpo` YAML; the command line overrides it.")
+@dataclass_options(TrainConfig, enforce_required=False)
+@dataclass_options(LoraOptions)
+@dataclass_options(transformers.TrainingArguments, group="Training (every other transformers.TrainingArguments)",
+                   skip=NOT_TRAINER_OPTIONS)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def main(config_file, debug, **given):
     """Train a policy with DPO against a verified reference cache (the reference model is never loaded), or
@@ -135,17 +141,7 @@ def main(config_file, debug, **given):
 
         quiet_libraries()
         cfg = resolve_config(config_file, given)
-        s = run_train(cfg, log=lambda m: click.echo(m, err=True))
-        acc = s["eval"].get("eval_rewards/accuracies")
-        start = s.get("eval_start", {}).get("eval_logps/accuracies")
-        out = Path(s["output_dir"])
-        click.echo(
-            f"trained {s['steps']} steps in {s['train_s']:.1f} s (verification {s['verify_s']:.1f} s); "
-            f"train loss {s['train_loss']:.4f}" + (f"; eval preference accuracy {acc:.3f}" if acc is not None else "")
-            + (f" (at the start the policy preferred chosen on {start:.3f} of eval pairs)" if start is not None else "")
-            + f"\n  checkpoint: {out}\n  metrics:    {out / 'metrics.jsonl'}\n  plot:       {out / 'metrics.png'}"
-            f"\n  manifest:   {out / 'run-manifest.json'}"
-        )
+        click.echo(summary_text(run_train(cfg, log=lambda m: click.echo(m, err=True))))
 
     run_cli(body, debug)
 

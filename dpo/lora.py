@@ -20,10 +20,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.checkpoint import check_adapter, merge_adapter, require_peft
+from runtime.cli import field_help
 from runtime.errors import JobError
 from schemas.format import StampMismatch
 from schemas.stamps import ADAPTER_CONFIG, adapter_hash, merged_model_hash, model_hash
@@ -32,35 +33,29 @@ DEFAULT_TARGETS = "all-linear"  # peft: every linear layer of the blocks (attent
 MERGED_DIR = "merged"
 
 
+def _f(default, help, **extra):
+    return field(default=default, metadata=field_help(help, "LoRA", **extra))
+
+
 @dataclass
 class LoraOptions:
-    """train-dpo's LoRA options; names and defaults as TRL's ModelConfig."""
+    """train-dpo's LoRA options (generated as --use-peft, --lora-r, ...); names and defaults as TRL's ModelConfig."""
 
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: str | None = None  # comma-separated module names; default: all-linear
-    load_in_4bit: bool = False
-    load_in_8bit: bool = False
-    init_adapter: str | None = None
-    merge_adapter: bool = False
-
-
-HELP = {
-    "use_peft": "Train a LoRA adapter (peft) instead of the full model; the reference is the base model.",
-    "lora_r": "LoRA rank.",
-    "lora_alpha": "LoRA alpha (the adapter's output is scaled by alpha / r).",
-    "lora_dropout": "Dropout on the adapter branch's input only (base-model dropout stays off; the step-0 loss is "
-                    "still ln 2 because the adapter starts at zero).",
-    "lora_target_modules": "Comma-separated module names to adapt (None: all-linear, i.e. every attention and MLP "
-                           "projection, not the output head).",
-    "load_in_4bit": "QLoRA: load the base in 4 bits (bitsandbytes, CUDA only).",
-    "load_in_8bit": "Load the base in 8 bits (bitsandbytes, CUDA only).",
-    "init_adapter": "Start from this adapter (e.g. an SFT LoRA): it is merged into the base and a new adapter is "
-                    "trained on top; the reference is base + this adapter (cache: precompute-ref --adapter).",
-    "merge_adapter": f"Also write the base with the trained adapter merged in to OUTPUT_DIR/{MERGED_DIR}.",
-}
+    use_peft: bool = _f(False, "Train a LoRA adapter (peft) instead of the full model; the reference is the base "
+                               "model.")
+    lora_r: int = _f(16, "LoRA rank.", min=1)
+    lora_alpha: int = _f(32, "LoRA alpha (the adapter's output is scaled by alpha / r).")
+    lora_dropout: float = _f(0.05, "Dropout on the adapter branch's input only (base-model dropout stays off; the "
+                                   "step-0 loss is still ln 2 because the adapter starts at zero).")
+    lora_target_modules: str | None = _f(None, "Comma-separated module names to adapt (default: all-linear, i.e. "
+                                               "every attention and MLP projection, not the output head).")
+    load_in_4bit: bool = _f(False, "QLoRA: load the base in 4 bits (bitsandbytes, CUDA only).")
+    load_in_8bit: bool = _f(False, "Load the base in 8 bits (bitsandbytes, CUDA only).")
+    init_adapter: str | None = _f(None, "Start from this adapter (e.g. an SFT LoRA): it is merged into the base and a "
+                                        "new adapter is trained on top; the reference is base + this adapter (cache: "
+                                        "precompute-ref --adapter).")
+    merge_adapter: bool = _f(False, f"Also write the base with the trained adapter merged in to "
+                                    f"OUTPUT_DIR/{MERGED_DIR}.")
 
 
 def check_options(opts: LoraOptions) -> None:

@@ -14,6 +14,13 @@ s+ = lp+ - r+, s- = lp- - r-, d = s+ - s-, b = beta, e = label smoothing, |y| th
   apo_down      sig(b s+) + (1 - sig(b d))                       APO-down
   sigmoid_norm  -log sig(b (s+/|y+| - s-/|y-|))                  length-normalised DPO
 
+Lengths are clamped to 1 token in the per-token means (the encoder already refuses an empty completion).
+
+Metrics: rewards/* are b*s per pair and rewards/accuracies the share of pairs where the implicit reward ranks chosen
+above rejected (TRL's meaning); logps/accuracies the share where the policy's own log-prob does. logratio/chosen and
+logratio/rejected are the mean per-token log(pi/ref) over the dataset's completion tokens. They are not a KL
+estimate: KL(pi||ref) estimators (k1, k3) need tokens sampled from the policy, and these are the dataset's.
+
 Modifiers: rpo_alpha adds w * mean per-token NLL of the chosen completion (RPO); ld_alpha < 1 (LD-DPO) weights
 the tokens past the shorter completion's length by ld_alpha in both policy and reference sums.
 """
@@ -77,14 +84,15 @@ def pair_loss(s_pos, s_neg, len_pos, len_neg, cfg: LossConfig) -> torch.Tensor:
     raise ValueError(t)
 
 
-def token_weights(lengths: torch.Tensor, n_pairs: int, ld_alpha: float) -> torch.Tensor:
+def token_weights(lengths: torch.Tensor, n_pairs: int, ld_alpha: float, dtype=torch.float32) -> torch.Tensor:
     """Flat per-token weights: 1 up to the shorter completion of each pair, ld_alpha after it (LD-DPO)."""
     pos_in_seq = torch.arange(int(lengths.sum()), device=lengths.device) - torch.repeat_interleave(
         torch.cumsum(lengths, 0) - lengths, lengths
     )
     shorter = torch.minimum(lengths[:n_pairs], lengths[n_pairs:]).repeat(2)
     limit = torch.repeat_interleave(shorter, lengths)
-    return torch.where(pos_in_seq < limit, 1.0, ld_alpha)
+    one, alpha = torch.tensor(1.0, dtype=dtype), torch.tensor(ld_alpha, dtype=dtype)  # 0.3 in the values' own dtype
+    return torch.where(pos_in_seq < limit, one.to(lengths.device), alpha.to(lengths.device))
 
 
 def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig):
@@ -95,7 +103,8 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig):
     """
     n = len(lengths) // 2
     seq = torch.repeat_interleave(torch.arange(2 * n, device=lengths.device), lengths)
-    w = token_weights(lengths, n, cfg.ld_alpha) if cfg.ld_alpha < 1 else torch.ones_like(policy_logps)
+    w = (token_weights(lengths, n, cfg.ld_alpha, policy_logps.dtype) if cfg.ld_alpha < 1
+         else torch.ones_like(policy_logps))
 
     def sums(values):
         return torch.zeros(2 * n, dtype=values.dtype, device=values.device).index_add(0, seq, values)
@@ -103,14 +112,13 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig):
     policy = sums(policy_logps * w)
     ref = sums(ref_logps.to(policy_logps) * w)
     s = policy - ref
-    lens = lengths.to(policy.dtype)
+    lens = lengths.clamp(min=1).to(policy.dtype)  # a per-token mean over no tokens is 0, not a division by zero
     losses = pair_loss(s[:n], s[n:], lens[:n], lens[n:], cfg)
     if cfg.rpo_alpha:
         nll_chosen = -sums(policy_logps)[:n] / lens[:n]
         losses = losses + cfg.rpo_alpha * nll_chosen
     with torch.no_grad():
         ratio = (policy_logps - ref_logps.to(policy_logps)).detach()  # per token, log(pi / ref)
-        k3 = torch.expm1(-ratio) + ratio  # k3 estimate of KL(pi || ref) on the dataset's tokens
         tok = lambda v: sums(v)[: 2 * n] / lens  # per-sequence token means
         rewards = cfg.beta * s.detach()
         metrics = {
@@ -123,9 +131,7 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig):
             "logps/rejected": policy.detach()[n:],
             "logratio/chosen": tok(ratio)[:n],
             "logratio/rejected": tok(ratio)[n:],
-            "kl_k3/chosen": tok(k3)[:n],
-            "kl_k3/rejected": tok(k3)[n:],
-            "lengths/chosen": lens[:n],
-            "lengths/rejected": lens[n:],
+            "lengths/chosen": lengths[:n].to(policy.dtype),
+            "lengths/rejected": lengths[n:].to(policy.dtype),
         }
     return losses.mean(), metrics

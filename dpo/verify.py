@@ -15,9 +15,9 @@ import pyarrow as pa
 
 from runtime.data import Encoded, encode_rows, load_rows
 from schemas.encoding import EncodingConfig
-from schemas.format import Cache, StampMismatch, open_cache, read_columns
+from schemas.format import Cache, CacheError, StampMismatch, open_cache, read_columns
 from schemas.rules import value_findings
-from schemas.stamps import model_hash, tokenizer_hash
+from schemas.stamps import model_hash, tokenizer_hash, tokenizer_parts
 
 
 @dataclass
@@ -82,6 +82,28 @@ def encoded_table(encoded: Encoded) -> pa.Table:
     })
 
 
+def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded) -> CacheError:
+    """Rows missing or differing: say why when the cache's record shows it (another split, another data format)."""
+    source = cache.manifest.get("source") or {}
+    hints = []
+    if source.get("split") not in (None, split):
+        hints.append(f"the cache holds split {source['split']!r}" + (" (the eval split's cache)" if source["split"] in (
+            "test", "eval", "validation") else "") + f", not {split!r}: pass it as --eval-ref-cache, and the cache of "
+            f"split {split!r} as --ref-cache")
+    formats = source.get("formats")
+    if isinstance(formats, dict) and formats and encoded.formats:
+        cached_templated = formats.get("conversational", 0) > 0
+        if cached_templated != encoded.templated:
+            hints.append("the chat-template rendering differs: the cache's rows are "
+                         f"{', '.join(sorted(formats))} and these are {', '.join(sorted(encoded.formats))} "
+                         "(conversational rows are rendered with the chat template, standard ones are not); use the "
+                         "data the cache was made from")
+    if not hints:
+        return error
+    return type(error)(error.kind, error.message + "; " + "; ".join(hints), remedy=error.remedy,
+                       expected=error.expected, found=error.found, shard=error.shard, row=error.row)
+
+
 def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
                     expected_model_hash=None,
                     encoding_request=None, on_bad_row="error", verify_files=True, log=print) -> Verified:
@@ -90,10 +112,17 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
     t_files = time.perf_counter() - t0
     expected_model = expected_model_hash or reference_hash(model_dir, ref_model, ref_model_hash)
     encoding = check_encoding(cache, encoding_request or {})
-    cache.check_stamps(model_hash=expected_model, tokenizer_hash=tokenizer_hash(tokenizer), encoding=encoding)
+    cache.check_stamps(model_hash=expected_model, tokenizer_hash=tokenizer_hash(tokenizer), encoding=encoding,
+                       tokenizer_parts=tokenizer_parts(tokenizer))
+    if encoding.add_bos is True:
+        log(f"note: {cache.root} was made with BOS always prepended (before refcache followed the tokenizer); "
+            "training uses the same ids")
     source = load_rows(data, split)
     encoded = encode_rows(source, tokenizer, encoding, on_bad_row)
-    cache.check_rows(dict(zip(encoded.ids, (p.mask_checksum for p in encoded.pairs))))
+    try:
+        cache.check_rows(dict(zip(encoded.ids, (p.mask_checksum for p in encoded.pairs))))
+    except CacheError as e:
+        raise _explained(e, cache, split, encoded) from None
     table = encoded_table(encoded)
     for name, column in zip(("ref_chosen_logps", "ref_rejected_logps"), check_values(cache, encoded.ids).columns):
         table = table.append_column(name, column)

@@ -5,58 +5,25 @@ from __future__ import annotations
 import os
 import click
 
-from precompute import MODES
-from runtime.cli import encoding_from, encoding_options, quiet_libraries, run_cli
+from precompute.job import PrecomputeConfig
+from runtime.cli import GroupedCommand, dataclass_options, encoding_from, encoding_options, given_values, quiet_libraries, run_cli
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Reference checkpoint folder (safetensors weights, config.json, tokenizer).")
-@click.option("--data", required=True, type=click.Path(exists=True),
-              help="Preference data: a .jsonl/.json/.parquet/.csv file, a folder of them, or a save_to_disk folder.")
-@click.option("--adapter", type=click.Path(exists=True, file_okay=False),
-              help="peft LoRA adapter folder merged into --model: the reference is base + adapter (e.g. an SFT LoRA "
-                   "that train-dpo --init-adapter starts from); the model hash covers both.")
-@click.option("--out", default="ref-cache", type=click.Path(file_okay=False), help="Cache directory to write.")
-@click.option("--split", default="train", help="Split to read from a folder or a DatasetDict.")
+@click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@dataclass_options(PrecomputeConfig)
 @encoding_options
-@click.option("--token-budget", default=16384, type=click.IntRange(min=1),
-              help="Padded tokens per forward batch (batch size x longest sequence).")
-@click.option("--rows-per-shard", default=2048, type=click.IntRange(min=1), help="Pairs per Parquet shard.")
-@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-              help="Reference precision; auto is bfloat16 on CUDA and float32 on CPU.")
-@click.option("--device", default="auto", help="auto (CUDA device LOCAL_RANK if present, else CPU), cpu, cuda, cuda:N.")
-@click.option("--attn-implementation", default="sdpa", help="Attention kernel: sdpa, eager, flash_attention_2.")
-@click.option("--batching", default="auto", type=click.Choice(("auto",) + MODES),
-              help="How pairs go through the model (same numbers either way). kv_cache: each prompt once, chosen "
-                   "and rejected continue from its key/value cache; packed: prompt once, pairs packed into rows with "
-                   "a tree mask; shared_prompt: the same, one pair per row; varlen: sequences packed without padding "
-                   "(flash attention); full_forward: [prompt|chosen] and [prompt|rejected] as padded rows. auto "
-                   "estimates the work of each mode the attention supports on the first shard, takes the cheapest "
-                   "and checks it against full_forward on two pairs.")
-@click.option("--resume/--overwrite", default=True,
-              help="Resume: keep finished shards of this same job. Overwrite: delete the existing cache first.")
-@click.option("--on-bad-row", default="error", type=click.Choice(["error", "skip"]),
-              help="error: stop at the first bad row (exit 2). skip: leave it out and list it in skipped.jsonl.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow custom model code from the checkpoint folder.")
-@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def main(model, adapter, data, out, split, max_length, truncation_mode, chat_template, token_budget, rows_per_shard, dtype,
-         device, attn_implementation, batching, resume, on_bad_row, trust_remote_code, no_progress, debug):
+def main(debug, **options):
     """Run the frozen reference model once over preference pairs and write per-token log-probs to a stamped,
     resumable Parquet cache for train-dpo."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     def body():
-        from .job import PrecomputeConfig, run_precompute
+        from .job import run_precompute
 
         quiet_libraries()
-        cfg = PrecomputeConfig(
-            model=model, adapter=adapter, data=data, out=out, split=split,
-            encoding=encoding_from(max_length, truncation_mode, chat_template),
-            token_budget=token_budget, rows_per_shard=rows_per_shard, dtype=dtype, device=device,
-            attn_implementation=attn_implementation, batching=batching, overwrite=not resume, on_bad_row=on_bad_row,
-            trust_remote_code=trust_remote_code, progress=not no_progress,
-        )
+        given = given_values(options)
+        encoding = {k: given.pop(k, None) for k in ("max_length", "truncation_mode", "chat_template")}
+        cfg = PrecomputeConfig(**given, encoding=encoding_from(**encoding))
         s = run_precompute(cfg, log=lambda m: click.echo(m, err=True))
         if "rank" in s:  # torchrun: rank 0 prints the summary
             return

@@ -17,8 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import click
 import torch
 
+from runtime.cli import field_help
+from runtime.hub import resolve_model
 from runtime.checkpoint import (  # noqa: F401  (re-exported: part of this module's API)
     check_adapter, check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device, resolve_dtype,
     software_versions)
@@ -29,30 +32,57 @@ from runtime.paths import check_apart
 from schemas import format as fmt
 from schemas import rules
 from schemas.encoding import EncodingConfig
-from schemas.stamps import combined_mask_checksum, ids_checksum, reference_model_hash, tokenizer_hash
+from schemas.stamps import combined_mask_checksum, ids_checksum, reference_model_hash, tokenizer_hash, tokenizer_parts
 
-from .modes import DESCRIPTIONS, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
+from .modes import DESCRIPTIONS, MODES, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
 from .resume import Resume, clear_cache_dir, finished_shards  # noqa: F401  (re-exported)
 
 
 @dataclass
 class PrecomputeConfig:
-    model: str
-    data: str
-    out: str = "ref-cache"
-    adapter: str | None = None  # a peft adapter merged into the model: the reference is base + adapter
-    split: str = "train"
-    encoding: EncodingConfig = field(default_factory=EncodingConfig)
-    token_budget: int = 16384  # padded tokens per forward batch
-    rows_per_shard: int = 2048
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere
-    device: str = "auto"
-    attn_implementation: str = "sdpa"
-    batching: str = "auto"  # auto or one of modes.MODES
-    overwrite: bool = False
-    on_bad_row: str = "error"
-    trust_remote_code: bool = False
-    progress: bool = True
+    """Every field is a precompute-ref option (precompute/cli.py generates them); the metadata is its --help text."""
+
+    model: str = field(metadata=field_help(
+        "Reference checkpoint: a folder (safetensors weights, config.json, tokenizer) or a hub id in the local "
+        "Hugging Face cache.", "Model", required=True))
+    data: str = field(metadata=field_help(
+        "Preference data: a .jsonl/.json/.parquet/.csv file, a folder of them, a save_to_disk folder, or a hub "
+        "data set id in the local Hugging Face cache.", "Data", required=True))
+    out: str = field(default="ref-cache", metadata=field_help("Cache directory to write.", "Output",
+                                                              click_type=click.Path(file_okay=False)))
+    adapter: str | None = field(default=None, metadata=field_help(
+        "peft LoRA adapter folder merged into --model: the reference is base + adapter (e.g. an SFT LoRA that "
+        "train-dpo --init-adapter starts from); the model hash covers both.", "Model",
+        click_type=click.Path(exists=True, file_okay=False)))
+    split: str = field(default="train", metadata=field_help(
+        "Split to read: a file or folder named after it (train, test/eval, validation, as datasets.load_dataset "
+        "resolves them) or a DatasetDict split.", "Data"))
+    encoding: EncodingConfig = field(default_factory=EncodingConfig, metadata={"cli": False})  # its own options
+    token_budget: int = field(default=16384, metadata=field_help(
+        "Padded tokens per forward batch (batch size x longest sequence).", "Computation", min=1))
+    rows_per_shard: int = field(default=2048, metadata=field_help("Pairs per Parquet shard.", "Output", min=1))
+    dtype: str = field(default="auto", metadata=field_help(
+        "Reference precision; auto is bfloat16 on CUDA and float32 on CPU.", "Computation",
+        choices=("auto", "float32", "bfloat16", "float16")))
+    device: str = field(default="auto", metadata=field_help(
+        "auto (CUDA device LOCAL_RANK if present, else CPU), cpu, cuda, cuda:N.", "Computation"))
+    attn_implementation: str = field(default="sdpa", metadata=field_help(
+        "Attention kernel: sdpa, eager, flash_attention_2.", "Computation"))
+    batching: str = field(default="auto", metadata=field_help(
+        "How pairs go through the model (same numbers either way). kv_cache: each prompt once, chosen and rejected "
+        "continue from its key/value cache; packed: prompt once, pairs packed into rows with a tree mask; "
+        "shared_prompt: the same, one pair per row; varlen: sequences packed without padding (flash attention); "
+        "full_forward: [prompt|chosen] and [prompt|rejected] as padded rows. auto estimates the work of each mode "
+        "the attention supports on the first shard, takes the cheapest and checks it against full_forward on two "
+        "pairs.", "Computation", choices=("auto",) + MODES))
+    overwrite: bool = field(default=False, metadata=field_help(
+        "Delete the existing cache first (default: resume, keeping finished shards of this same job).", "Output"))
+    on_bad_row: str = field(default="error", metadata=field_help(
+        "error: stop at the first bad row (exit 2). skip: leave it out and list it in skipped.jsonl.", "Data",
+        choices=("error", "skip")))
+    trust_remote_code: bool = field(default=False, metadata=field_help(
+        "Allow custom model code from the checkpoint folder.", "Model"))
+    progress: bool = field(default=True, metadata=field_help("Show the progress bar.", "Output"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -137,6 +167,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
 def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     """Read and encode the data, compute the stamps and cut the rows into shards; nothing is written yet."""
     out = Path(cfg.out)
+    cfg.model = resolve_model(cfg.model)  # a hub id in the local Hugging Face cache -> its snapshot folder
     check_checkpoint(cfg.model, cfg.trust_remote_code)
     if cfg.adapter is not None:
         check_adapter(cfg.adapter)
@@ -235,7 +266,8 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
         "encoding": cfg.encoding.to_dict(),
         "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)}
         | ({"adapter": str(cfg.adapter)} if cfg.adapter else {}),
-        "tokenizer": {"class": type(job.tokenizer).__name__, "size": len(job.tokenizer)},
+        "tokenizer": {"class": type(job.tokenizer).__name__, "size": len(job.tokenizer),
+                      "parts": tokenizer_parts(job.tokenizer)},
         "computation": scored["computation"],  # what scored the rows (the recorded one when nothing was left)
         "software": software_versions(),
         "source": {
@@ -247,6 +279,7 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
             "skipped": len(encoded.skipped),
             "skipped_by_reason": encoded.skipped_by_reason,
             "identical_pairs": encoded.identical,
+            "formats": dict(sorted(encoded.formats.items())),
         },
         "rows": len(encoded.pairs),
         "shards": entries,

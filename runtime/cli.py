@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import traceback
+import typing
 
 import click
 
-from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig
+from schemas.encoding import EncodingConfig
 
 EXIT_FAILED, EXIT_REFUSED = 1, 2
 
@@ -51,19 +53,125 @@ def quiet_libraries() -> None:
 
 
 def encoding_options(f):
-    """Encoding options shared by every command that encodes data (defaults are the schema's)."""
-    d = EncodingConfig()
-    f = click.option("--chat-template", type=click.Choice(CHAT_TEMPLATE_MODES), default=None,
-                     help=f"Apply the tokenizer's chat template: auto (conversational rows only), on, off. [default: {d.chat_template}]")(f)
-    f = click.option("--truncation-mode", type=click.Choice(TRUNCATION_MODES), default=None,
-                     help=f"Over-long pairs: keep_start cuts completion ends, keep_end cuts the prompt start, error "
-                          f"rejects the row. [default: {d.truncation_mode}]")(f)
-    f = click.option("--max-length", type=click.IntRange(min=2), default=None,
-                     help=f"Maximum prompt + completion tokens per sequence. [default: {d.max_length}]")(f)
-    return f
+    """Encoding options shared by every command that encodes data (generated from EncodingConfig)."""
+    return dataclass_options(EncodingConfig, group="Encoding")(f)
 
 
 def encoding_from(max_length, truncation_mode, chat_template, base: EncodingConfig | None = None) -> EncodingConfig:
     base = base or EncodingConfig()
     given = {"max_length": max_length, "truncation_mode": truncation_mode, "chat_template": chat_template}
     return EncodingConfig(**{**base.to_dict(), **{k: v for k, v in given.items() if v is not None}})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# options generated from config dataclasses: a field is an option, its metadata the help text
+
+
+def field_help(help: str, group: str | None = None, **extra) -> dict:
+    """Metadata for a config field: its --help text, its section in --help, and optionally `choices`,
+    `cli=False` (not an option), `required=True`, `show_default` (a text instead of the default's value), `min`,
+    `click_type` (a click type that checks more, e.g. click.Path(file_okay=False))."""
+    return {"help": help, "group": group, **extra}
+
+
+class GroupedOption(click.Option):
+    def __init__(self, *args, group: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+
+class GroupedCommand(click.Command):
+    """--help lists options under their group's heading, groups in the order they first appear."""
+
+    def format_options(self, ctx, formatter):
+        groups: dict[str, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record:
+                groups.setdefault(getattr(param, "group", None) or "Other", []).append(record)
+        groups["Other"] = groups.pop("Other", [])  # --config, --debug, --help last
+        for name, records in groups.items():
+            with formatter.section(f"{name} options"):
+                formatter.write_dl(records)
+
+
+def click_type(tp) -> tuple[object, bool]:
+    """(click type, multiple) for a dataclass field's type: Optional[X] is X, Literal and Enum are choices, list[X]
+    is a repeatable option, anything mixed (Union[dict, str], ...) is passed through as text for the dataclass to
+    parse, as transformers' own argument parser does."""
+    import enum
+    import types
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return click_type(rest[0]) if len(rest) == 1 else (str, False)
+    if origin is typing.Literal:
+        return click.Choice([str(a) for a in args]), False
+    if origin in (list, tuple):
+        inner = click_type(args[0])[0] if args else str
+        return (inner if inner in (int, float, str) or isinstance(inner, click.Choice) else str), True
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return click.Choice([str(e.value) for e in tp]), False
+    return (tp if tp in (bool, int, float, str) else str), False
+
+
+def _default_text(fld: dataclasses.Field) -> str | None:
+    if "show_default" in fld.metadata:
+        return fld.metadata["show_default"]
+    if fld.default is not dataclasses.MISSING:
+        value = fld.default
+    elif fld.default_factory is not dataclasses.MISSING:
+        value = fld.default_factory()
+    else:
+        return None
+    value = getattr(value, "value", value)  # enums
+    return None if value in (None, "", [], {}) else str(value)
+
+
+def _help_text(fld: dataclasses.Field) -> str:
+    text = " ".join(str(fld.metadata.get("help") or "").split()) or f"See {fld.name}."
+    default = _default_text(fld)
+    return text + (f" [default: {default}]" if default is not None and not fld.metadata.get("required") else "")
+
+
+def dataclass_options(cls, *, group: str | None = None, skip=(), names: list | None = None, enforce_required=True):
+    """(enforce_required=False: required fields are checked by the caller, e.g. after merging a config file.)"""
+    """A decorator adding one click option per init field of dataclass `cls`, in both spellings (--learning-rate and
+    --learning_rate), default None so that only given values are collected (the dataclass keeps its defaults).
+    `names`, when given, receives the field names added, to tell this dataclass's values from others'."""
+    hints = typing.get_type_hints(cls)
+
+    def decorate(f):
+        for fld in reversed(dataclasses.fields(cls)):
+            if not fld.init or fld.name in skip or fld.metadata.get("cli") is False:
+                continue
+            kind, multiple = click_type(hints[fld.name])
+            if "choices" in fld.metadata:
+                kind = click.Choice([str(c) for c in fld.metadata["choices"]])
+            if "click_type" in fld.metadata:
+                kind = fld.metadata["click_type"]
+            if "min" in fld.metadata:
+                kind = (click.IntRange if kind is int else click.FloatRange)(min=fld.metadata["min"])
+            kebab, snake = "--" + fld.name.replace("_", "-"), "--" + fld.name
+            where = fld.metadata.get("group", group) if "group" in fld.metadata else group
+            text = _help_text(fld) + (" [required]" if fld.metadata.get("required") and not enforce_required else "")
+            common = {"default": None, "help": text, "group": where, "cls": GroupedOption,
+                      "required": bool(fld.metadata.get("required")) and enforce_required}
+            if kind is bool:
+                decls = [f"{kebab}/--no-{kebab[2:]}"] + ([f"{snake}/--no_{snake[2:]}"] if snake != kebab else [])
+                f = click.option(*decls, fld.name, **common)(f)
+            else:
+                decls = [kebab] + ([snake] if snake != kebab else [])
+                f = click.option(*decls, fld.name, type=kind, multiple=multiple, **common)(f)
+            if names is not None:
+                names.append(fld.name)
+        return f
+
+    return decorate
+
+
+def given_values(values: dict) -> dict:
+    """The options actually given (None and empty repeatable options are 'not given')."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if v is not None and v != ()}

@@ -43,17 +43,50 @@ class Source:
 
 
 def _data_files(path: Path, split: str) -> list[Path]:
+    """The files of `split`, resolved by `datasets`' own rules (file and folder names such as train / test / eval /
+    validation, or everything as `train` when no name says otherwise). An unknown split is an error listing the
+    available ones, never every file."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
     if path.is_file():
         if path.suffix not in SUFFIXES:
             raise DataError(path, None, f"unsupported file type {path.suffix!r}; use .jsonl, .json, .parquet or .csv")
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
-    named = [p for p in files if p.stem == split or p.stem.startswith(split + "-") or p.parent.name == split]
-    if named:
-        return named
-    if not files:
+    try:
+        patterns = get_data_patterns(str(path))
+        splits = DataFilesDict.from_patterns(patterns, base_path=str(path), allowed_extensions=list(SUFFIXES))
+    except FileNotFoundError:
+        splits = {}
+    splits = {str(name): [Path(f) for f in files if Path(f).suffix in SUFFIXES] for name, files in splits.items()}
+    splits = {name: files for name, files in splits.items() if files}
+    if not splits:
         raise DataError(path, None, "no .jsonl, .json, .parquet or .csv files found")
-    return files
+    if split not in splits:
+        raise DataError(path, None, f"no split {split!r}; available: {', '.join(sorted(splits))} (split names follow "
+                                    "the file and folder names, as in datasets.load_dataset)")
+    return sorted(splits[split])
+
+
+def _check_utf8(path: Path) -> None:
+    """Name the first line of a text file that is not UTF-8 (the loaders only say that generation failed)."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(path, None, f"line {n} is not valid UTF-8 ({e.reason}: byte 0x{raw[e.start]:02x} at "
+                                         f"column {e.start + 1}); save the file as UTF-8") from None
+
+
+def _csv_features(path: Path):
+    """Every CSV column read as text: '4' is an answer, not a number."""
+    import csv
+
+    import datasets
+
+    with open(path, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
 
 
 @dataclass(frozen=True)
@@ -88,7 +121,7 @@ def _read_json_lines(path: Path) -> tuple[list, list[int]]:
             try:
                 rows.append(json.loads(raw.decode("utf-8")))
             except UnicodeDecodeError as e:
-                rows.append(Unparsable(f"invalid UTF-8 ({e.reason} at byte {e.start})"))
+                rows.append(Unparsable(f"invalid UTF-8 ({e.reason} at byte {e.start} of the line)"))
             except ValueError as e:
                 rows.append(Unparsable(f"unparsable JSON ({e})"))
             numbers.append(n)
@@ -102,8 +135,11 @@ def _load_file(path: Path) -> tuple[list, list[int]]:
 
     kind = SUFFIXES[path.suffix]
     json_lines = kind == "json" and _is_json_lines(path)
+    if kind == "csv":
+        _check_utf8(path)
     try:
-        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        extra = {"features": _csv_features(path)} if kind == "csv" else {}
+        ds = datasets.load_dataset(kind, data_files=str(path), split="train", **extra)
     except Exception as e:  # datasets wraps parser errors in several types; locate the row ourselves when we can
         if json_lines:
             return _read_json_lines(path)
@@ -127,7 +163,9 @@ def load_rows(path, split: str = "train") -> Source:
     """Rows from a file, a directory of files, or a `datasets.save_to_disk` directory."""
     import datasets
 
-    path = Path(path)
+    from .hub import resolve_data
+
+    path = Path(resolve_data(str(path)))
     if not path.exists():
         raise DataError(path, None, "no such file or directory")
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
@@ -157,6 +195,12 @@ class Encoded:
     pairs: list[EncodedPair]
     skipped: list[dict] = field(default_factory=list)  # {"file", "row", "id", "reason", "detail"}
     identical: int = 0  # pairs whose chosen and rejected completions encode identically
+    formats: Counter = field(default_factory=Counter)  # standard / conversational / implicit rows encoded
+
+    @property
+    def templated(self) -> bool | None:
+        """Whether the rows are conversational (rendered with the chat template under chat_template=auto)."""
+        return None if not self.formats else self.formats.get("conversational", 0) > 0
 
     @property
     def skipped_by_reason(self) -> dict[str, int]:
@@ -166,6 +210,13 @@ class Encoded:
 def _clean(row: dict) -> dict:
     """Drop null extra columns; a null prompt/chosen/rejected stays, to be reported as missing."""
     return {k: v for k, v in row.items() if v is not None or k in ("prompt", "chosen", "rejected")}
+
+
+def row_format(row: dict) -> str:
+    """TRL's name for a row's format."""
+    if isinstance(row.get("chosen"), list):
+        return "conversational"
+    return "standard" if "prompt" in row else "implicit"
 
 
 def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: str = "error") -> Encoded:
@@ -188,6 +239,7 @@ def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: s
             out.skipped.append({"file": file, "row": n, "id": rid, "reason": e.reason, "detail": e.detail})
             continue
         seen[rid] = (file, n)
+        out.formats[row_format(row)] += 1
         out.ids.append(rid)
         out.pairs.append(pair)
         out.identical += pair.chosen_ids == pair.rejected_ids

@@ -11,6 +11,11 @@ Accepted rows follow TRL's preference formats:
 Prompt and completion are tokenized separately and concatenated (never tokenized as one string), so prompt
 ids are always a prefix of the full sequence even where BPE would merge across the boundary. A completion is
 scored from its first token through the final EOS; nothing after that EOS is kept.
+
+BOS follows the tokenizer and the template, as the SFT model saw it (and as TRL does): plain text gets the special
+tokens the tokenizer itself puts before a text (none for GPT-2/Pythia style tokenizers), chat-templated text gets
+exactly what the template renders. Caches made before this rule record `add_bos: true` (always prepend BOS) and are
+still encoded that way, so they verify unchanged.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 TRUNCATION_MODES = ("keep_start", "keep_end", "error")
+# "tokenizer": follow the tokenizer's own special tokens for plain text and the template for templated text.
+# True / False: always / never prepend BOS (True is what every cache written before the "tokenizer" rule records).
+BOS_MODES = ("tokenizer", True, False)
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -39,11 +47,17 @@ class BadRowError(ValueError):
 class EncodingConfig:
     """How rows become ids. Recorded in every cache; training must use the same values."""
 
-    max_length: int = 1024  # prompt + completion tokens, per sequence
-    truncation_mode: str = "keep_start"  # keep_start: cut completion ends; keep_end: cut prompt starts; error
-    chat_template: str = "auto"  # auto: template conversational rows only; on: also wrap plain strings; off
-    add_bos: bool = True  # prepend BOS to the prompt unless it already starts with it
-    add_eos: bool = True  # end each completion with EOS unless it already does
+    max_length: int = dataclasses.field(default=1024, metadata={
+        "help": "Maximum prompt + completion tokens per sequence.", "min": 2})
+    truncation_mode: str = dataclasses.field(default="keep_start", metadata={
+        "choices": TRUNCATION_MODES, "help": "Over-long pairs: keep_start cuts completion ends, keep_end cuts the "
+                                             "prompt start, error rejects the row."})
+    chat_template: str = dataclasses.field(default="auto", metadata={
+        "choices": CHAT_TEMPLATE_MODES, "help": "Apply the tokenizer's chat template: auto (conversational rows "
+                                                "only), on (also wrap plain strings), off."})
+    # one of BOS_MODES (see the module docstring); not an option: "tokenizer" is what the SFT model saw
+    add_bos: bool | str = dataclasses.field(default="tokenizer", metadata={"cli": False})
+    add_eos: bool = dataclasses.field(default=True, metadata={"cli": False})  # end completions with EOS
 
     def __post_init__(self):
         if self.max_length < 2:
@@ -52,6 +66,8 @@ class EncodingConfig:
             raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {self.truncation_mode!r}")
         if self.chat_template not in CHAT_TEMPLATE_MODES:
             raise ValueError(f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}")
+        if not any(self.add_bos is m or self.add_bos == m and isinstance(m, str) for m in BOS_MODES):
+            raise ValueError(f"add_bos must be 'tokenizer', true or false, got {self.add_bos!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -65,6 +81,9 @@ class EncodingConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown encoding config fields: {sorted(unknown)}")
+        if "add_bos" not in d:  # its default changed: a missing value cannot be told apart, so never assume one
+            raise ValueError("no add_bos recorded, so the BOS rule the ids were made with is unknown; re-run "
+                             "precompute-ref with this version of refcache")
         return cls(**d)
 
 
@@ -193,9 +212,13 @@ def parse_row(row: dict):
 # tokenization
 
 
+def _uses_template(conversational: bool, config: EncodingConfig) -> bool:
+    return config.chat_template == "on" or (config.chat_template == "auto" and conversational)
+
+
 def _render(tokenizer, prompt, completion, conversational: bool, config: EncodingConfig) -> tuple[str, str]:
     """Return (prompt_text, completion_text) with the chat template applied where the config says so."""
-    use_template = config.chat_template == "on" or (config.chat_template == "auto" and conversational)
+    use_template = _uses_template(conversational, config)
     if conversational and not use_template:
         raise BadRowError("needs_chat_template", "conversational row but the encoding config has chat_template=off")
     if not use_template:
@@ -219,6 +242,29 @@ def _tokenize(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def special_prefix(tokenizer) -> list[int]:
+    """The special tokens the tokenizer itself puts before a text (`tokenizer(text)` with its default
+    add_special_tokens=True): [bos] for Llama-style tokenizers, [] for GPT-2/Pythia-style ones."""
+    probe = "a"
+    plain = _tokenize(tokenizer, probe)
+    full = list(tokenizer(probe)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start]
+    return []
+
+
+def _bos_prefix(tokenizer, prompt_ids: list[int], templated: bool, config: EncodingConfig) -> list[int]:
+    """What goes before the prompt's own tokens (see BOS_MODES)."""
+    bos = tokenizer.bos_token_id
+    if config.add_bos is True:  # as every cache made before the "tokenizer" rule
+        return [bos] if bos is not None and prompt_ids[:1] != [bos] else []
+    if config.add_bos is False or templated:  # a template renders its own BOS, or none
+        return []
+    prefix = special_prefix(tokenizer)
+    return [] if prefix and prompt_ids[: len(prefix)] == prefix else prefix
+
+
 def _finish_completion(ids: list[int], eos_id, config: EncodingConfig) -> list[int]:
     if eos_id is not None and eos_id in ids:
         last = len(ids) - 1 - ids[::-1].index(eos_id)
@@ -236,8 +282,7 @@ def encode_pair(row: dict, tokenizer, config: EncodingConfig) -> EncodedPair:
     assert p_text == p_text_r
     prompt_ids = _tokenize(tokenizer, p_text)
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    if config.add_bos and bos is not None and prompt_ids[:1] != [bos]:
-        prompt_ids = [bos] + prompt_ids
+    prompt_ids = _bos_prefix(tokenizer, prompt_ids, _uses_template(conversational, config), config) + prompt_ids
     chosen_ids = _finish_completion(_tokenize(tokenizer, c_text), eos, config)
     rejected_ids = _finish_completion(_tokenize(tokenizer, r_text), eos, config)
     if not prompt_ids:

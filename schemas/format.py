@@ -195,7 +195,8 @@ class Cache:
     def read(self, columns=None) -> pa.Table:
         return pa.concat_tables([read_columns(p, columns) for p in self.shard_paths])
 
-    def check_stamps(self, *, model_hash=None, tokenizer_hash=None, encoding: EncodingConfig | None = None):
+    def check_stamps(self, *, model_hash=None, tokenizer_hash=None, encoding: EncodingConfig | None = None,
+                     tokenizer_parts: dict | None = None):
         """Compare the cache's stamps with the caller's; raise StampMismatch naming the first that differs."""
         remedies = {
             "model_hash": "pass the reference the cache was computed from (--ref-model / --ref-model-hash), or "
@@ -211,7 +212,7 @@ class Cache:
                 raise StampMismatch(
                     stamp,
                     f"{stamp} mismatch: the cache {self.root} was not computed with this "
-                    + ("model" if stamp == "model_hash" else "tokenizer"),
+                    + ("model" if stamp == "model_hash" else "tokenizer" + self._tokenizer_difference(tokenizer_parts)),
                     remedy=remedies[stamp],
                     expected=value,
                     found=self.stamps[stamp],
@@ -224,6 +225,15 @@ class Cache:
                 expected=encoding.to_json(),
                 found=self.encoding.to_json(),
             )
+
+    def _tokenizer_difference(self, parts: dict | None) -> str:
+        recorded = (self.manifest.get("tokenizer") or {}).get("parts")
+        if not parts:
+            return ""
+        if not isinstance(recorded, dict):
+            return " (the cache records no per-part tokenizer hashes, so what differs cannot be named)"
+        differ = [k for k in parts if recorded.get(k) != parts[k]]
+        return f"; it differs in: {', '.join(differ)}" if differ else ""
 
     def check_rows(self, expected: dict[str, str]) -> None:
         """Every expected row (id -> mask checksum from the caller's own encoding) must be cached, identically."""
@@ -315,3 +325,13 @@ def open_cache(root, *, verify_files: bool = True) -> Cache:
     for finding in cache_findings(root, cache.manifest, hash_files=verify_files):
         raise finding.error()
     return cache
+
+
+def read_cache(root, *, verify_files: bool = True):
+    """The cache's rows as a polars LazyFrame over its shards in manifest order, after the manifest, shard sizes,
+    sha256s and stamps have been verified (open_cache). Reading the folder directly needs a glob, because manifest.json
+    sits beside the shards: pl.scan_parquet(f"{root}/*.parquet")."""
+    import polars as pl
+
+    cache = open_cache(root, verify_files=verify_files)
+    return pl.scan_parquet([str(p) for p in cache.shard_paths])

@@ -65,6 +65,23 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     }
 
 
+TOKENIZER_PARTS = ("vocab", "merges", "model", "normalizer", "pre_tokenizer", "post_processor", "decoder",
+                   "added_tokens", "special_tokens", "chat_template")
+
+
+def tokenizer_parts(tokenizer) -> dict[str, str]:
+    """A short hash of each part of the fingerprint, recorded beside the tokenizer hash so that a mismatch can say
+    what differs (vocab, merges, special tokens, chat template, normaliser, ...)."""
+    fp = tokenizer_fingerprint(tokenizer)
+    backend = dict(fp["backend"])
+    model = dict(backend.pop("model", None) or {})
+    values = {"vocab": model.pop("vocab", None), "merges": model.pop("merges", None), "model": model,
+              **{k: backend.get(k) for k in ("normalizer", "pre_tokenizer", "post_processor", "decoder",
+                                             "added_tokens")},
+              "special_tokens": fp["special_tokens"], "chat_template": fp["chat_template"]}
+    return {k: hashlib.sha256(_canonical(values[k])).hexdigest()[:16] for k in TOKENIZER_PARTS}
+
+
 def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(b"refcache-tokenizer-v1" + _canonical(tokenizer_fingerprint(tokenizer))).hexdigest()
 

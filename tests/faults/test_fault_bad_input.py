@@ -266,8 +266,6 @@ def test_precompute_bad_model_folder(models, tmp_path, variant):
 
 
 ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, exit code, message parts)
-    "model_path_missing": ({"--model": "{tmp}/nowhere"}, ["Invalid value for '--model'", "does not exist"]),
-    "data_path_missing": ({"--data": "{tmp}/nowhere.jsonl"}, ["Invalid value for '--data'", "does not exist"]),
     "out_is_a_file": ({"--out": "{tmp}/a-file"}, ["Invalid value for '--out'", "is a file"]),
     "max_length_1": (["--max-length", "1"], ["Invalid value for '--max-length'", "1 is not in the range x>=2"]),
     "rows_per_shard_0": (["--rows-per-shard", "0"], ["Invalid value for '--rows-per-shard'"]),
@@ -277,6 +275,11 @@ ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, exit c
     "unknown_option": (["--bogus"], ["No such option '--bogus'"]),
 }
 JOB_ARG_CASES = {  # refusals of ours (exit 2, "error: ...")
+    # --model and --data may be hub ids, so a missing path is judged by the job, not by click
+    "model_path_missing": ({"--model": "{tmp}/nowhere"}, ["error: {tmp}/nowhere: not a Hugging Face checkpoint "
+                                                          "folder (no config.json)"]),
+    "data_path_missing": ({"--data": "{tmp}/nowhere.jsonl"}, ["error: {tmp}/nowhere.jsonl: no such file or "
+                                                              "directory"]),
     "out_under_a_file": ({"--out": "{tmp}/a-file/cache"}, ["error: --out {tmp}/a-file/cache: cannot write the cache "
                                                            "directory there (Not a directory)"]),
     "device_unknown": (["--device", "tpu9"], ["error: --device tpu9: Invalid device string: 'tpu9'"]),
@@ -408,7 +411,10 @@ TRAIN_ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, 
     "config_file_unknown_key": (["--config", "{tmp}/unknown.yaml"], True, ["{tmp}/unknown.yaml: unknown option(s) "
                                                                            "betta"]),
     "max_length_conflict": (["--max-length", "99"], False, ["error: --max-length 99 conflicts with the cache"]),
-    "eval_rows_not_cached": (["--eval-data", "{tmp}/eval.jsonl"], False, ["2 of 2 data rows are not in the cache"]),
+    "eval_rows_not_cached": (["--eval-data", "{tmp}/eval.jsonl"], False, ["needs the reference log-probs of its rows: "
+                                                                          "run `precompute-ref", "--eval-ref-cache"]),
+    "eval_rows_not_in_eval_cache": (["--eval-data", "{tmp}/eval.jsonl", "--eval-ref-cache", "{cache}"], False,
+                                    ["2 of 2 data rows are not in the cache"]),
 }
 
 
@@ -437,7 +443,7 @@ def test_train_bad_arguments(llama_dir, dpo_data, dpo_cache, tmp_path, case):
             else:
                 args[k] = v.format(tmp=tmp_path, llama=llama_dir)
     else:
-        extra = [a.format(tmp=tmp_path) for a in given]
+        extra = [a.format(tmp=tmp_path, cache=dpo_cache) for a in given]
     result = train(*[str(a) for kv in args.items() for a in kv], *TRAIN, *extra)  # the case's values win
     parts = [p.format(tmp=tmp_path) for p in parts]
     if is_usage:

@@ -1,0 +1,35 @@
+"""Models and data sets named by hub id (`org/name`), resolved through the local Hugging Face cache as transformers
+and datasets do. Nothing is downloaded here: a missing one is an error saying how to download it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import JobError
+
+
+def _looks_like_repo_id(name: str) -> bool:
+    parts = str(name).split("/")
+    return len(parts) == 2 and all(parts) and not str(name).startswith((".", "~"))
+
+
+def resolve(name: str, repo_type: str) -> str:
+    """`name` itself when it is a local path; else the snapshot folder of hub repo `name` in the local HF cache."""
+    if Path(name).exists() or not _looks_like_repo_id(name):
+        return str(name)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id=name, repo_type=repo_type, local_files_only=True)
+    except Exception:  # huggingface_hub raises LocalEntryNotFoundError (and friends) for anything not cached
+        flag = " --repo-type dataset" if repo_type == "dataset" else ""
+        raise JobError(f"{name}: no such local path, and the {repo_type} {name} was not found locally in the Hugging "
+                       f"Face cache; download with `hf download {name}{flag}` (or pass a local folder)") from None
+
+
+def resolve_model(name: str | None) -> str | None:
+    return None if name is None else resolve(name, "model")
+
+
+def resolve_data(name: str | None) -> str | None:
+    return None if name is None else resolve(name, "dataset")
