@@ -237,6 +237,8 @@ def value_findings(df: pl.DataFrame, name: str | None = None) -> list[Finding]:
     flags = df.select(*(e.alias(n) for n, e in VALUE_RULES.items()))
     out = []
     for rule in VALUE_RULES:
+        if not flags[rule].any():
+            continue
         bad = df.filter(flags[rule])
         if bad.height:
             r = bad.row(0, named=True)

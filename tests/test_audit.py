@@ -21,7 +21,7 @@ from conftest import DATA, build_llama, pref_rows, save_checkpoint, write_jsonl
 from audit.cli import SECTIONS, main
 from precompute.job import PrecomputeConfig, run_precompute
 from schemas import format as fmt
-from schemas.stamps import file_sha256, model_hash
+from schemas.stamps import file_sha256, ids_checksum, model_hash
 
 ALL_CHECKS = [n for names in SECTIONS.values() for n in names]
 BAD_ROWS = [{"id": "bad-empty", "prompt": "what?", "chosen": "", "rejected": "no"},
@@ -61,18 +61,25 @@ def edit_manifest(cache: Path, edit) -> None:
     fmt.write_manifest(cache, manifest)
 
 
-def rewrite_shard(cache: Path, name: str, edit) -> None:
+def rewrite_shard(cache: Path, name: str, edit, *, ids=False) -> None:
     """Rewrite a shard with edited rows, keeping its schema and refcache metadata, then restamp its manifest entry
-    (size and sha256) so that only the content checks can notice."""
+    (size and sha256; with ids=True also its ids checksum, footer and manifest) so that only the content checks can
+    notice."""
     path = cache / name
     table = pq.read_table(path)
     rows = table.to_pylist()
     edit(rows)
-    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path, compression="zstd")
+    schema = table.schema
+    if ids:
+        ids_sum = ids_checksum([r["id"] for r in rows])
+        schema = schema.with_metadata({**schema.metadata, b"refcache.ids_checksum": ids_sum.encode()})
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, compression="zstd")
 
     def restamp(manifest):
         entry = next(s for s in manifest["shards"] if s["file"] == name)
         entry.update(bytes=path.stat().st_size, sha256=file_sha256(path))
+        if ids:
+            entry["ids_checksum"] = ids_sum
 
     edit_manifest(cache, restamp)
 
@@ -208,7 +215,7 @@ def run_on_other_cache(w, cache):
 
 
 def duplicate_id(w, cache):
-    rewrite_shard(cache, "shard-00002.parquet", lambda rows: rows[1].update(id="r0003"))
+    rewrite_shard(cache, "shard-00002.parquet", lambda rows: rows[1].update(id="r0003"), ids=True)
 
 
 def positive_logprob(w, cache):
