@@ -44,10 +44,12 @@ HELP = {
     "report_to": "Comma-separated trackers (tensorboard, wandb, ...) or none.",
     "trust_remote_code": "Allow custom model code from checkpoint folders.",
     "plot": "Write metrics.png at the end.",
+    "batch_layout": "auto, padded or prefix_shared (each prompt once per pair, pairs packed, tree mask; auto takes it "
+                    "when it is less work and matches the plain forward on a probe).",
     "config": "YAML or JSON file with any of these options (snake_case or kebab-case keys).",
 }
 CHOICES = {"loss_type": LOSS_TYPES, "truncation_mode": TRUNCATION_MODES, "chat_template": CHAT_TEMPLATE_MODES,
-           "on_bad_row": ("error", "skip")}
+           "on_bad_row": ("error", "skip"), "batch_layout": ("auto", "padded", "prefix_shared")}
 REQUIRED = ("model", "data", "output_dir")
 
 

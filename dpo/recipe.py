@@ -77,6 +77,7 @@ class TrainConfig:
     # ours
     trust_remote_code: bool = False
     plot: bool = True
+    batch_layout: str = "auto"  # auto | padded | prefix_shared (dpo/layout.py)
 
     def loss_config(self) -> LossConfig:
         return LossConfig(self.beta, self.loss_type, self.label_smoothing, self.rpo_alpha, self.ld_alpha)
@@ -162,6 +163,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .layout import PrefixSharedCollator
     from .trainer import DPOTrainer, MetricsFile, PairCollator, disable_dropout, plot_metrics
 
     if cfg.ref_cache is None and cfg.ref_model is None:
@@ -205,11 +207,12 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
                                                          trust_remote_code=cfg.trust_remote_code)
         ref_model.eval().requires_grad_(False).to(args.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    layout = _choose_layout(cfg, args, policy, ref_model, train, pad_id, log)
     out.mkdir(parents=True, exist_ok=True)
     trainer = DPOTrainer(
         model=policy,
         args=args,
-        data_collator=PairCollator(pad_id),
+        data_collator=PrefixSharedCollator(pad_id) if layout == "prefix_shared" else PairCollator(pad_id),
         train_dataset=datasets.Dataset(train.table),
         eval_dataset=datasets.Dataset(evaluation.table) if evaluation else None,
         processing_class=tokenizer,
@@ -229,10 +232,26 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     trainer.save_model(str(out))
     first = [r for r in trainer.state.log_history if "eval_loss" in r and r.get("step") == 0]
     summary = {"eval_start": first[0] if first else {}, "output_dir": str(out.resolve()), "steps": result.global_step,
+               "batch_layout": layout,
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": verify_s, "eval": final_eval}
     if trainer.is_world_process_zero():
         _finish(cfg, out, train, evaluation, initial_hash, summary)
     return summary
+
+
+def _choose_layout(cfg: TrainConfig, args, policy, ref_model, train, pad_id: int, log) -> str:
+    """The batch layout (dpo/layout.py), probed where training runs unless the model is sharded."""
+    from .layout import LAYOUTS, choose_layout
+
+    if cfg.batch_layout not in LAYOUTS:
+        raise JobError(f"--batch-layout must be one of {', '.join(LAYOUTS)}, got {cfg.batch_layout!r}")
+    sharded = bool(cfg.fsdp or cfg.deepspeed)
+    if not sharded and cfg.batch_layout != "padded":
+        policy.to(args.device)
+    rank, _ = _rank()
+    return choose_layout(cfg.batch_layout, [m for m in (policy, ref_model) if m is not None], train.table,
+                         cfg.per_device_train_batch_size, pad_id, log if rank == 0 else (lambda _m: None),
+                         can_probe=not sharded)
 
 
 def check_output_dir(out: Path) -> None:
