@@ -195,7 +195,35 @@ def main():
 
     res["load_end"] = round(os.getloadavg()[0], 2)
     print(f"load average {res['load_start']} -> {res['load_end']}")
-    print(f"wrote {common.save('layout', res, args.quick)}")
+    path = common.save("layout", res, args.quick)
+    (common.BENCH / "RESULTS-layout.md").write_text(render(json.loads(path.read_text())))
+    print(f"wrote {path} and bench/RESULTS-layout.md")
+
+
+def render(res: dict) -> str:
+    """bench/RESULTS-layout.md from the saved JSON."""
+    names = {"shared": "cached, prefix_shared", "padded": "cached, padded", "trl": "TRL DPOTrainer, live reference",
+             "trl_pf": "TRL, padding_free"}
+    L = ["# train-dpo batch layouts (bench/bench_layout.py)", "", f"Command: `{res['command']}`; "
+         f"{common.machine_line(res['machine'])}; 1-minute load average {res['load_start']} -> {res['load_end']} "
+         "(2 cores: above ~2 means other processes competed; the configurations ran interleaved, round-robin).", ""]
+    for case, c in res["cases"].items():
+        what = (f"{c['size']['model']} Llama-style model, prompt {LONG['prompt']}, completions {LONG['completion']}"
+                if case == "long" else f"data/ (sft-model, mean prompt {c['mean_prompt']:.0f} tokens)")
+        L += [f"## {case}: {what}, batch {c['size']['batch']} pairs, {c['size']['steps']} timed steps x "
+              f"{len(next(iter(r for r in c['runs'].values() if 'step' in r))['step']['values']) // c['size']['steps']}"
+              " rounds", "", "| configuration | step (median, min-max) | tokens/s | peak RSS MiB | prefix_shared vs it |",
+              "|---|---|---|---|---|"]
+        for mode, r in c["runs"].items():
+            if "error" in r:
+                L.append(f"| {names[mode]} | not run: {r['error']} | | | |")
+                continue
+            vs = c["ratios"].get(f"shared_vs_{mode}")
+            L.append(f"| {names[mode]} | {common.fmt_s(r['step'], 'ms', 1000)} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['maxrss_mb']:,.0f} | {f'{vs:.2f}x' if vs else '-'} |")
+        log = c["runs"].get("shared", {}).get("log")
+        L += ["", f"auto on this data: {log}" if log else "", ""]
+    return "\n".join(L) + "\n"
 
 
 if __name__ == "__main__":

@@ -151,11 +151,11 @@ def choose_layout(requested: str, models: list, table, batch_size: int, pad_id: 
     longest = int((lengths[:, 0] + lengths[:, 1:].max(1)).max())
     reasons = [r for r in (tree_mask_unsupported(m, longest) for m in models) if r]
     ratio = None
-    if requested == "auto" and not reasons:
+    if not reasons:
         hidden = getattr(models[0].config.get_text_config(), "hidden_size", 1024)
         work = estimated_work(lengths, batch_size, hidden)
         ratio = work["padded"] / work["prefix_shared"]
-        if ratio <= 1.0:
+        if requested == "auto" and ratio <= 1.0:
             reasons.append(f"no less work on this data (estimated {ratio:.2f}x)")
     if not reasons and not can_probe:
         reasons.append("the probe needs the whole model on one device (FSDP/DeepSpeed)")

@@ -21,7 +21,9 @@ from precompute.job import PrecomputeConfig, run_precompute
 from schemas.encoding import EncodingConfig
 from schemas.stamps import model_hash
 
-NOT_COMPARED = ("runtime", "per_second", "epoch")  # wall-clock and epoch bookkeeping
+# wall-clock and epoch bookkeeping, and the Trainer's FLOP estimate (it counts input slots, which is what the layout
+# changes: fewer of them)
+NOT_COMPARED = ("runtime", "per_second", "epoch", "total_flos")
 TOL = 1e-5
 
 
@@ -31,7 +33,9 @@ def close(a: float, b: float) -> bool:
 
 def train(model, data, out, **kwargs) -> tuple[dict, list[str]]:
     logs: list[str] = []
-    options = dict(use_cpu=True, learning_rate=1e-3, per_device_train_batch_size=8, logging_steps=1, seed=3,
+    # lr 1e-4: the policy moves (weights by ~1e-3) but stays near the reference; at 1e-3 the k3 KL metric,
+    # exp(-log-ratio) per token, multiplies 1e-7 rounding differences of the log-probs by up to e^5 after 10 steps
+    options = dict(use_cpu=True, learning_rate=1e-4, per_device_train_batch_size=8, logging_steps=1, seed=3,
                    plot=False, max_steps=10)
     summary = run_train(TrainConfig(model=str(model), data=str(data), output_dir=str(out), **{**options, **kwargs}),
                         log=logs.append)
@@ -95,7 +99,8 @@ def test_prefix_shared_batch_gives_each_sequences_own_forward_in_the_padded_orde
     padded = PairCollator(0)(rows)
     assert torch.equal(batch["completion_lens"], padded["completion_lens"])
     assert torch.equal(batch["ref_logps"], padded["ref_logps"])
-    assert float((pair_logps(model, padded) - got).abs().max()) < TOL
+    with torch.no_grad():
+        assert float((pair_logps(model, padded) - got).abs().max()) < TOL
 
 
 def test_gradients_of_the_two_layouts_agree(tokenizer):
@@ -123,7 +128,7 @@ def other_reference(model_dir: Path, out: Path, seed: int) -> tuple[Path, str]:
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+            p.add_(torch.randn_like(p) * 0.003)
     save_checkpoint(model, AutoTokenizer.from_pretrained(model_dir), out)
     return out, model_hash(out)
 
@@ -143,7 +148,7 @@ def shipped_cache(tmp_path_factory) -> dict:
 def test_ten_steps_on_the_shipped_data_equal_the_padded_layout(tmp_path, shipped_cache):
     padded, shared = run_both(DATA / "sft-model", DATA / "prefs", tmp_path, ref_cache=str(shipped_cache["train"]),
                               ref_model_hash=shipped_cache["hash"], eval_data=str(DATA / "prefs"),
-                              eval_ref_cache=str(shipped_cache["eval"]), eval_steps=5, per_device_eval_batch_size=50)
+                              eval_ref_cache=str(shipped_cache["eval"]), eval_steps=10, per_device_eval_batch_size=50)
     assert_same_run(padded, shared, 10, DATA / "sft-model")
     assert any("eval_loss" in r for r in records(shared))
 
