@@ -172,6 +172,8 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
     check_checkpoint(cfg.model, cfg.trust_remote_code)
     loss_config = cfg.loss_config()
+    if cfg.batch_layout not in ("auto", "padded", "prefix_shared"):
+        raise JobError(f"--batch-layout must be auto, padded or prefix_shared, got {cfg.batch_layout!r}")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(cfg, name) < 1:
             raise JobError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
@@ -241,10 +243,8 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
 
 def _choose_layout(cfg: TrainConfig, args, policy, ref_model, train, pad_id: int, log) -> str:
     """The batch layout (dpo/layout.py), probed where training runs unless the model is sharded."""
-    from .layout import LAYOUTS, choose_layout
+    from .layout import choose_layout
 
-    if cfg.batch_layout not in LAYOUTS:
-        raise JobError(f"--batch-layout must be one of {', '.join(LAYOUTS)}, got {cfg.batch_layout!r}")
     sharded = bool(cfg.fsdp or cfg.deepspeed)
     if not sharded and cfg.batch_layout != "padded":
         policy.to(args.device)
@@ -293,7 +293,8 @@ def _finish(cfg, out: Path, train, evaluation, initial_hash: str, summary: dict)
         "config": dataclasses.asdict(cfg),
         "seed": cfg.seed,
         "software": software_versions(),
-        "result": {k: summary[k] for k in ("steps", "train_loss", "train_s", "verify_s")} | {"eval": summary["eval"]},
+        "result": {k: summary[k] for k in ("steps", "train_loss", "train_s", "verify_s", "batch_layout")}
+                  | {"eval": summary["eval"]},
         "final_model_hash": model_hash(out),
         "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -204,6 +204,17 @@ def test_auto_picks_prefix_shared_on_long_prompts_and_says_why(tmp_path, long_pr
     assert summary["batch_layout"] == "prefix_shared"
     line = [m for m in logs if m.startswith("batch layout:")]
     assert len(line) == 1 and "less work than padded" in line[0] and "probe" in line[0]
+    manifest = json.loads((tmp_path / "auto" / "run-manifest.json").read_text())
+    assert manifest["result"]["batch_layout"] == "prefix_shared" and manifest["config"]["batch_layout"] == "auto"
+
+
+def test_unknown_layout_is_refused_before_any_work(tmp_path):
+    from runtime.errors import JobError
+
+    with pytest.raises(JobError, match="--batch-layout must be auto, padded or prefix_shared, got 'tree'"):
+        train(DATA / "sft-model", DATA / "prefs", tmp_path / "out", ref_cache=str(tmp_path / "none"),
+              batch_layout="tree")
+    assert not (tmp_path / "out").exists()
 
 
 def _table(rows):
