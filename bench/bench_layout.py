@@ -222,7 +222,7 @@ def render(res: dict) -> str:
             L.append(f"| {names[mode]} | {common.fmt_s(r['step'], 'ms', 1000)} | {r['tokens_per_s']:,.0f} | "
                      f"{r['maxrss_mb']:,.0f} | {f'{vs:.2f}x' if vs else '-'} |")
         log = c["runs"].get("shared", {}).get("log")
-        L += ["", f"auto on this data: {log}" if log else "", ""]
+        L += ["", f"Log of the prefix_shared run: `{' '.join(log)}`" if log else "", ""]
     return "\n".join(L) + "\n"
 
 
