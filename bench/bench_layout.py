@@ -210,9 +210,9 @@ def render(res: dict) -> str:
     for case, c in res["cases"].items():
         what = (f"{c['size']['model']} Llama-style model, prompt {LONG['prompt']}, completions {LONG['completion']}"
                 if case == "long" else f"data/ (sft-model, mean prompt {c['mean_prompt']:.0f} tokens)")
+        timed = next(r for r in c["runs"].values() if "step" in r)["step"]["n"]
         L += [f"## {case}: {what}, batch {c['size']['batch']} pairs, {c['size']['steps']} timed steps x "
-              f"{len(next(iter(r for r in c['runs'].values() if 'step' in r))['step']['values']) // c['size']['steps']}"
-              " rounds", "", "| configuration | step (median, min-max) | tokens/s | peak RSS MiB | prefix_shared vs it |",
+              f"{timed // c['size']['steps']} rounds", "", "| configuration | step (median, min-max) | tokens/s | peak RSS MiB | prefix_shared vs it |",
               "|---|---|---|---|---|"]
         for mode, r in c["runs"].items():
             if "error" in r:
