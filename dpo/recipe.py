@@ -109,6 +109,9 @@ class TrainConfig:
     plot: bool = _f(True, "Write metrics.png at the end.", "Output")
     overwrite_output_dir: bool = _f(False, "Train into an --output-dir that already holds a run's files (they are "
                                            "overwritten as the Trainer saves).", "Output")
+    batch_layout: str = _f("auto", "padded, prefix_shared (each prompt once per pair, pairs packed with a tree mask) "
+                                   "or auto (prefix_shared when it is less work and matches the plain forward on a "
+                                   "probe; dpo/layout.py).", "Training", choices=("auto", "padded", "prefix_shared"))
     # every other transformers.TrainingArguments option given (generated options; see dpo/cli.py)
     training_args: dict = field(default_factory=dict, metadata={"cli": False})
     lora: lora.LoraOptions = field(default_factory=lora.LoraOptions, metadata={"cli": False})  # dpo/lora.py options
@@ -198,6 +201,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .layout import PrefixSharedCollator
     from .provenance import check_resume_reference, record_in, reference_record
     from .trainer import DPOTrainer, MetricsFile, PairCollator, disable_dropout
 
@@ -218,6 +222,8 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     for note in lora.notes(cfg.lora, cached=cfg.ref_cache is not None):
         log(note)
     loss_config = cfg.loss_config()
+    if cfg.batch_layout not in ("auto", "padded", "prefix_shared"):
+        raise JobError(f"--batch-layout must be auto, padded or prefix_shared, got {cfg.batch_layout!r}")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(cfg, name) < 1:  # from the command line or --config
             raise JobError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
@@ -266,12 +272,13 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
                                                          trust_remote_code=cfg.trust_remote_code)
         ref_model.eval().requires_grad_(False).to(args.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    layout = _choose_layout(cfg, args, policy, ref_model, train, pad_id, log)
     out.mkdir(parents=True, exist_ok=True)
     seen = prepare_metrics(out / "metrics.jsonl", cfg.resume_from_checkpoint) if _rank()[0] == 0 else set()
     trainer = DPOTrainer(
         model=policy,
         args=args,
-        data_collator=PairCollator(pad_id),
+        data_collator=PrefixSharedCollator(pad_id) if layout == "prefix_shared" else PairCollator(pad_id),
         train_dataset=datasets.Dataset(train.table),
         eval_dataset=datasets.Dataset(evaluation.table) if evaluation else None,
         processing_class=tokenizer,
@@ -292,6 +299,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         lora.save_outputs(trainer.model, out, cfg.lora, tokenizer)
     first = [r for r in trainer.state.log_history if "eval_loss" in r and r.get("step") == 0]
     summary = {"eval_start": first[0] if first else {}, "output_dir": str(out.resolve()), "steps": result.global_step,
+               "batch_layout": layout,
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": verify_s, "eval": final_eval}
     if trainer.is_world_process_zero():
         _finish(cfg, out, train, record, initial_hash, summary, reference)
@@ -336,6 +344,19 @@ def latest_checkpoint(value: str | None, out: Path) -> str | None:
     if latest is None:
         raise JobError(f"--resume-from-checkpoint true: no checkpoint-N folder in --output-dir {out}")
     return latest
+def _choose_layout(cfg: TrainConfig, args, policy, ref_model, train, pad_id: int, log) -> str:
+    """The batch layout (dpo/layout.py), probed where training runs unless the model is sharded."""
+    from .layout import choose_layout
+
+    sharded = bool(cfg.fsdp or cfg.deepspeed)
+    if not sharded and cfg.batch_layout != "padded":
+        policy.to(args.device)
+    rank, _ = _rank()
+    return choose_layout(cfg.batch_layout, [m for m in (policy, ref_model) if m is not None], train.table,
+                         cfg.per_device_train_batch_size, pad_id, log if rank == 0 else (lambda _m: None),
+                         can_probe=not sharded)
+
+
 
 
 def check_resume(checkpoint: str | None) -> None:

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 
-from runtime.logprobs import completion_logps, pad_sequences
+from runtime.logprobs import pad_sequences
 
+from .layout import pair_logps
 from .losses import LossConfig, dpo_loss
 
 
@@ -66,11 +67,10 @@ class DPOTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         lengths = inputs["completion_lens"]
-        policy = completion_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["prompt_lens"], lengths)
+        policy = pair_logps(model, inputs)  # either batch layout (layout.py); a live reference runs on the same batch
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = completion_logps(self.ref_model, inputs["input_ids"], inputs["attention_mask"],
-                                       inputs["prompt_lens"], lengths)
+                ref = pair_logps(self.ref_model, inputs)
         else:
             ref = inputs["ref_logps"]
         loss, metrics = dpo_loss(policy, ref, lengths, self.loss_config)

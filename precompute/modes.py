@@ -23,6 +23,7 @@ from . import MODES
 from .kvcache import FLASH, kv_batches, kv_cache_batch, varlen_batch, varlen_batches
 from runtime.logprobs import completion_logps, pad_sequences, token_logps
 from runtime.packing import length_batches, pack_rows, row_batches, tree_batch
+from runtime.packing import length_dependent_rope as _length_dependent_rope, sliding_window as _sliding_window
 
 DESCRIPTIONS = {
     "full_forward": "length-sorted sequences within each shard, right padding",
@@ -127,28 +128,6 @@ def estimated_cost(pairs: list[EncodedPair], mode: str, token_budget: int, hidde
 def _causal(lengths: np.ndarray) -> float:
     """Share of the score matrix computed: without padding transformers lets the kernel skip the upper triangle."""
     return 0.5 if (lengths == lengths[0]).all() else 1.0
-
-
-def _sliding_window(config) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return window if "sliding_attention" in types else None
-    return window if getattr(config, "use_sliding_window", True) else None
-
-
-def _length_dependent_rope(config) -> tuple[str, int] | None:
-    """(type, length) for RoPE whose frequencies depend on the longest position of a forward (dynamic NTK,
-    longrope): a forward over a prompt alone would then rotate it differently from the plain forward."""
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(rope, dict):
-        return None
-    kind = rope.get("rope_type", rope.get("type"))
-    if kind not in ("dynamic", "longrope"):
-        return None
-    return kind, int(rope.get("original_max_position_embeddings") or config.max_position_embeddings)
 
 
 def unsupported(mode: str, model, longest: int) -> str | None:

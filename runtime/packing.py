@@ -78,8 +78,10 @@ def _layout(pairs: list[EncodedPair], row: list[int]):
     return ids, pos, seg, branch, src, tgt
 
 
-def tree_batch(pairs: list[EncodedPair], rows: list[list[int]], pad_id: int, dtype: torch.dtype, device):
-    """Model inputs and scoring indices for a batch of rows of pairs."""
+def tree_inputs(pairs: list[EncodedPair], rows: list[list[int]], pad_id: int, device=None):
+    """Token ids, restarted positions, the boolean tree mask [rows, width, width] (True: may attend) and the
+    scoring indices (row, source position, target id) for a batch of rows of pairs. Scoring order: row by row,
+    pair by pair, chosen tokens then rejected tokens."""
     width = max(sum(len(pairs[i].prompt_ids) + len(pairs[i].chosen_ids) + len(pairs[i].rejected_ids) for i in r)
                 for r in rows)
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
@@ -101,9 +103,59 @@ def tree_batch(pairs: list[EncodedPair], rows: list[list[int]], pad_id: int, dty
         & (pos_t[:, None, :] <= pos_t[:, :, None])
         & ((br_t[:, None, :] == 0) | (br_t[:, None, :] == br_t[:, :, None]))
     )
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
     ids_t = torch.as_tensor(ids, device=device)
     rows_idx = torch.as_tensor(np.concatenate(src_rows), device=device)
-    inputs = {"input_ids": ids_t, "attention_mask": mask[:, None], "position_ids": pos_t}
     targets = ids_t[rows_idx, torch.as_tensor(np.concatenate(tgt_cols), device=device)]
-    return inputs, rows_idx, torch.as_tensor(np.concatenate(src_cols), device=device), targets
+    return ids_t, pos_t, allowed, rows_idx, torch.as_tensor(np.concatenate(src_cols), device=device), targets
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 4-D additive mask [rows, 1, width, width] the model takes, from a boolean tree mask."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def tree_batch(pairs: list[EncodedPair], rows: list[list[int]], pad_id: int, dtype: torch.dtype, device):
+    """Model inputs and scoring indices for a batch of rows of pairs."""
+    ids, pos, allowed, rows_idx, sources, targets = tree_inputs(pairs, rows, pad_id, device)
+    inputs = {"input_ids": ids, "attention_mask": additive_mask(allowed, dtype), "position_ids": pos}
+    return inputs, rows_idx, sources, targets
+
+
+# Architecture limits of the shared-prompt layouts, used by precompute-ref's modes and train-dpo's layout alike.
+
+def sliding_window(config) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def length_dependent_rope(config) -> tuple[str, int] | None:
+    """(type, length) for RoPE whose frequencies depend on the longest position of a forward (dynamic NTK,
+    longrope): a forward over a prompt alone would then rotate it differently from the plain forward."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return None
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind not in ("dynamic", "longrope"):
+        return None
+    return kind, int(rope.get("original_max_position_embeddings") or config.max_position_embeddings)
+
+
+def tree_mask_unsupported(model, longest: int) -> str | None:
+    """Why a [prompt | chosen | rejected] row with the tree mask cannot reproduce the plain forward on this model,
+    or None. `longest`: the longest prompt + completion of the job."""
+    attn, config = model.config._attn_implementation, model.config.get_text_config()
+    window = sliding_window(config)
+    if window and longest > window:
+        return f"sliding-window attention (window {window}, sequences up to {longest} tokens)"
+    rope = length_dependent_rope(config)
+    if rope and longest > rope[1]:
+        return f"{rope[0]} RoPE changes its frequencies past {rope[1]} positions (sequences up to {longest} tokens)"
+    if attn not in ("sdpa", "eager"):
+        return f"{attn} attention cannot take the tree mask"
+    return None
