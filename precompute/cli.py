@@ -13,9 +13,9 @@ from runtime.cli import encoding_from, encoding_options, quiet_libraries, run_cl
               help="Reference checkpoint folder (safetensors weights, config.json, tokenizer).")
 @click.option("--data", required=True, type=click.Path(exists=True),
               help="Preference data: a .jsonl/.json/.parquet/.csv file, a folder of them, or a save_to_disk folder.")
-@click.option("--adapter", type=click.Path(exists=True, file_okay=False),
+@click.option("--adapter", default=None, type=click.Path(exists=True, file_okay=False), show_default=False,
               help="peft LoRA adapter folder merged into --model: the reference is base + adapter (e.g. an SFT LoRA "
-                   "that train-dpo --init-adapter starts from); the model hash covers both.")
+                   "that train-dpo --init-adapter starts from); the model hash covers both.  [default: None]")
 @click.option("--out", default="ref-cache", type=click.Path(file_okay=False), help="Cache directory to write.")
 @click.option("--split", default="train", help="Split to read from a folder or a DatasetDict.")
 @encoding_options
