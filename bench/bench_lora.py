@@ -24,7 +24,7 @@ import bench_train as bt
 import common
 from common import torch
 
-QUICK = dict(model="5M", seq=256, batch=4, warmup=1, steps=3, rounds=2)
+QUICK = dict(model="1M", seq=256, batch=8, warmup=1, steps=4, rounds=2)
 FULL = dict(model="5M", seq=512, batch=4, warmup=1, steps=4, rounds=2)
 GPU = dict(model="350M", seq=1024, batch=8, warmup=3, steps=10, rounds=2)
 MODES = ("cached", "live", "trl")

@@ -367,3 +367,13 @@ def test_live_lora_with_another_reference_is_refused(tmp_path, llama_dir, gpt2_d
     result = cli(["--model", llama_dir, "--data", dpo_data, "--ref-model", gpt2_dir, "--output-dir", tmp_path / "o",
                   "--use-cpu", "--use-peft"])
     assert result.exit_code == 2 and "the live reference is --model with the adapter disabled" in result.output
+
+
+def test_lora_options_come_from_the_command_line_and_config_files(tmp_path):
+    from dpo.cli import resolve_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("use_peft: true\nlora-r: 4\nlora_dropout: 0.1\nlora_target_modules: q_proj,v_proj\n")
+    cfg = resolve_config(str(path), {"model": "m", "data": "d", "output_dir": "o", "lora_r": 8, "lora_alpha": None})
+    assert cfg.lora == LoraOptions(use_peft=True, lora_r=8, lora_dropout=0.1, lora_target_modules="q_proj,v_proj")
+    assert not hasattr(cfg, "lora_r")
