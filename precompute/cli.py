@@ -22,14 +22,17 @@ from runtime.cli import encoding_from, encoding_options, quiet_libraries, run_cl
 @click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="Reference precision; auto is bfloat16 on CUDA and float32 on CPU.")
 @click.option("--device", default="auto", help="auto (CUDA device LOCAL_RANK if present, else CPU), cpu, cuda, cuda:N.")
-@click.option("--attn-implementation", default="sdpa", help="Attention kernel: sdpa, eager, flash_attention_2.")
+@click.option("--attn-implementation", default="auto",
+              help="Attention kernel: auto (what transformers picks for the model), sdpa, eager, flash_attention_2.")
 @click.option("--batching", default="auto", type=click.Choice(("auto",) + MODES),
               help="How pairs go through the model (same numbers either way). kv_cache: each prompt once, chosen "
                    "and rejected continue from its key/value cache; packed: prompt once, pairs packed into rows with "
                    "a tree mask; shared_prompt: the same, one pair per row; varlen: sequences packed without padding "
-                   "(flash attention); full_forward: [prompt|chosen] and [prompt|rejected] as padded rows. auto "
-                   "estimates the work of each mode the attention supports on the first shard, takes the cheapest "
-                   "and checks it against full_forward on two pairs.")
+                   "(flash attention); full_forward: [prompt|chosen] and [prompt|rejected] as padded rows; single: one "
+                   "unpadded sequence per forward. auto estimates the work of each mode the attention supports on the "
+                   "first shard and takes the cheapest. Every mode is first checked against the model's plain "
+                   "forward of single sequences on real pairs (the longest included) and falls back if it differs; "
+                   "models whose numbers depend on batch shape (ALiBi, dynamic/longrope RoPE) run single.")
 @click.option("--resume/--overwrite", default=True,
               help="Resume: keep finished shards of this same job. Overwrite: delete the existing cache first.")
 @click.option("--on-bad-row", default="error", type=click.Choice(["error", "skip"]),
@@ -51,7 +54,7 @@ def main(model, data, out, split, max_length, truncation_mode, chat_template, to
             model=model, data=data, out=out, split=split,
             encoding=encoding_from(max_length, truncation_mode, chat_template),
             token_budget=token_budget, rows_per_shard=rows_per_shard, dtype=dtype, device=device,
-            attn_implementation=attn_implementation, batching=batching, overwrite=not resume, on_bad_row=on_bad_row,
+            attn_implementation=None if attn_implementation == "auto" else attn_implementation, batching=batching, overwrite=not resume, on_bad_row=on_bad_row,
             trust_remote_code=trust_remote_code, progress=not no_progress,
         )
         s = run_precompute(cfg, log=lambda m: click.echo(m, err=True))

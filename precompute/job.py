@@ -20,15 +20,16 @@ from pathlib import Path
 import torch
 
 from runtime.checkpoint import (  # noqa: F401  (re-exported: part of this module's API)
-    check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device, resolve_dtype, software_versions)
+    attention_choices, check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device, resolve_dtype, software_versions)
 from runtime.data import Encoded, encode_rows, load_rows
 from runtime.distributed import Dist, distributed
 from runtime.errors import JobError
+from runtime.head import verified_head
 from schemas import format as fmt
 from schemas.encoding import EncodingConfig
 from schemas.stamps import combined_mask_checksum, model_hash, tokenizer_hash
 
-from .modes import DESCRIPTIONS, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
+from .modes import DESCRIPTIONS, choose_mode, effective_budget, score_pairs  # noqa: F401  (score_pairs: API)
 
 
 @dataclass
@@ -42,7 +43,7 @@ class PrecomputeConfig:
     rows_per_shard: int = 2048
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere
     device: str = "auto"
-    attn_implementation: str = "sdpa"
+    attn_implementation: str | None = None  # None: what transformers picks for the model
     batching: str = "auto"  # auto or one of modes.MODES
     overwrite: bool = False
     on_bad_row: str = "error"
@@ -170,31 +171,36 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
         mine = todo[dist.rank :: dist.world]  # shards go round-robin to ranks; each rank writes its own
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
-        stats = {"tokens": 0, "processed": 0, "slots": 0, "mode": cfg.batching, "written": {}}
-        attn = cfg.attn_implementation
+        stats = {"tokens": 0, "processed": 0, "slots": 0, "mode": None, "head": None, "attn": None, "written": {}}
         if mine:
             log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
                 f"({len(done)} already done) on {dist.world} x {device.type} in {str(dtype).removeprefix('torch.')}")
-            try:
-                model = load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code)
-            except (ImportError, ValueError) as e:  # e.g. an --attn-implementation this install does not have
-                raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {attn} "
-                               f"({' '.join(str(e).split())[:300]})") from None
+            model = load_model_for(cfg, dtype, device)
             attn = model.config._attn_implementation
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            # Decided on the job's first shard (not this rank's), so every rank and every resumed run agrees.
+            # Decided on the job's first shard and longest pairs (not this rank's), so every rank and every resumed
+            # run agrees.
             first = encoded.pairs[plan[0]["start"] : plan[0]["stop"]]
-            longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in encoded.pairs)
-            mode = choose_mode(model, cfg.batching, first, longest, pad_id, cfg.token_budget, log)
-            stats = {**_score_shards(model, encoded, mine, out, stamps, cfg, pad_id, mode, dist.rank == 0), "mode": mode}
+            seq = lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))  # noqa: E731
+            longest_pair = max(encoded.pairs, key=seq)
+            longest = seq(longest_pair)
+            budget = effective_budget(model, cfg.token_budget, longest)
+            mode = choose_mode(model, cfg.batching, first, longest, pad_id, budget, log, long_pairs=[longest_pair])
+            head = verified_head(model)
+            stats = {**_score_shards(model, encoded, mine, out, stamps, cfg, pad_id, mode, dist.rank == 0, budget),
+                     "mode": mode, "head": head, "attn": attn}
         if dist.world > 1:
             box = [None] * dist.world
             torch.distributed.all_gather_object(box, stats)  # also the barrier before the manifest
-            modes = {b["mode"] for b in box if b["slots"]} or {stats["mode"]}
-            stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")}, "mode": modes.pop(),
+            scored = [b for b in box if b["mode"]] or [stats]  # every rank that scored chose the same way
+            stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")},
+                     **{k: scored[0][k] for k in ("mode", "head", "attn")},
                      "written": {f: e for b in box for f, e in b["written"].items()}}
         if dist.rank != 0:
             return {"rank": dist.rank, "shards_scored": len(mine)}
+        if stats["mode"] is None and (out / fmt.MANIFEST).exists():  # nothing left to score: as the earlier run did
+            prior = fmt.read_manifest(out).get("computation") or {}
+            stats.update(mode=prior.get("mode"), head=prior.get("head"), attn=prior.get("attn_implementation"))
         # Shards written now come with their entries; only those kept from an earlier run are hashed here.
         entries = [stats["written"].get(s["file"]) or fmt.shard_entry(out / s["file"], s["stop"] - s["start"],
                                                                        s["mask_checksum"]) for s in plan]
@@ -208,9 +214,10 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
             "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
             "computation": {
                 "mode": stats["mode"],
+                "head": stats["head"],
                 "dtype": str(dtype).removeprefix("torch."),
                 "device_type": device.type,
-                "attn_implementation": attn,
+                "attn_implementation": stats["attn"],
                 "token_budget": cfg.token_budget,
                 "rows_per_shard": cfg.rows_per_shard,
                 "batching": DESCRIPTIONS.get(stats["mode"], stats["mode"]),
@@ -251,7 +258,19 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     }
 
 
-def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, show_progress: bool) -> dict:
+def load_model_for(cfg: PrecomputeConfig, dtype, device):
+    """The reference model with the requested attention implementation (None: transformers' choice); one that
+    cannot use it is refused naming those it can."""
+    try:
+        return load_model(cfg.model, dtype, device, cfg.attn_implementation, cfg.trust_remote_code)
+    except (ImportError, ValueError) as e:  # an implementation the model or this install does not have
+        detail = " ".join(str(e).split())[:300]
+        raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {cfg.attn_implementation} "
+                       f"({detail}); it supports: {', '.join(attention_choices(cfg.model, cfg.trust_remote_code))}, "
+                       "or leave --attn-implementation at auto") from None
+
+
+def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, show_progress: bool, budget: int) -> dict:
     from tqdm.auto import tqdm
 
     total = {"tokens": 0, "processed": 0, "slots": 0, "written": {}}
@@ -266,7 +285,7 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, show_pro
 
     for shard in todo:
         pairs = encoded.pairs[shard["start"] : shard["stop"]]
-        chosen, rejected, stats = score_pairs(model, pairs, pad_id, cfg.token_budget, mode, tick)
+        chosen, rejected, stats = score_pairs(model, pairs, pad_id, budget, mode, tick)
         table = fmt.shard_table(
             encoded.ids[shard["start"] : shard["stop"]],
             [p.prompt_ids for p in pairs], [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs],
