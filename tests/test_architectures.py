@@ -1,0 +1,213 @@
+"""Architecture matrix: every batching mode (and auto) gives the model's own numbers, or falls back / refuses.
+
+The truth is `runtime.logprobs.reference_logps`: the model's own forward over the unpadded sequence as a batch of one,
+its own `logits` after log_softmax. For each architecture below a tiny random model is built from its config (weights
+drawn larger than the default initialisation, so that position and context errors are visible: a one-token shift of
+the prompt must move the completion's log-probs by far more than the tolerance), five pairs with short and long
+prompts are scored in one job, and for every requested mode the mode precompute-ref would run (after its probe) must
+reproduce the truth within 1e-5 per token in float32, or the job must refuse with JobError.
+
+Architectures left out (decoder-only text models of transformers 5.24 with a causal-LM class), and why:
+  SLOW (a tiny model takes seconds to build or to run):   afmoe, blt
+  BROKEN_TINY (the tiny config cannot be built or run as shrunk here: shape errors in the model code, or a config
+  the generic shrinking cannot satisfy):                 see BROKEN_TINY below with the error seen
+  ENCODERS (encoder stacks used as decoders via is_decoder, not decoder-only LMs): see ENCODERS
+  Multimodal, audio and encoder-decoder causal-LM classes: not text decoder-only.
+
+REFCACHE_ARCH_SWEEP=1 also runs bfloat16 and prints the architecture x mode table (mode run, worst difference).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from precompute import MODES
+from precompute.modes import choose_mode, score_pairs, shape_dependent
+from runtime.errors import JobError
+from runtime.head import verified_head
+from runtime.logprobs import reference_logps
+from schemas.encoding import EncodedPair
+
+SWEEP = os.environ.get("REFCACHE_ARCH_SWEEP") == "1"
+TOLERANCE = 1e-5
+VOCAB = 300
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8, vocab_size=VOCAB, max_position_embeddings=512, n_embd=32, n_layer=2, n_head=4,
+             n_positions=512, d_model=32, num_layers=2, ffn_dim=64, n_inner=64, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2, tie_word_embeddings=False)
+ROPE_THRESHOLD = 32  # original context of the dynamic / longrope variants: the long pairs go past it
+
+# name -> (model_type, config overrides)
+ARCHITECTURES = {
+    "llama_dynamic_rope": ("llama", {"rope_parameters": {
+        "rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0,
+        "original_max_position_embeddings": ROPE_THRESHOLD}}),
+    "phi3_longrope": ("phi3", {"original_max_position_embeddings": ROPE_THRESHOLD, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [3.0] * 4,
+        "original_max_position_embeddings": ROPE_THRESHOLD}}),
+    "falcon_alibi": ("falcon", {"alibi": True}),
+    "apertus": ("apertus", {}),
+    "arcee": ("arcee", {}),
+    "bloom": ("bloom", {}),
+    "cohere": ("cohere", {}),
+    "cohere2": ("cohere2", {}),
+    "ctrl": ("ctrl", {}),
+    "cwm": ("cwm", {}),
+    "diffllama": ("diffllama", {}),
+    "doge": ("doge", {}),
+    "exaone": ("exaone", {}),
+    "exaone4": ("exaone4", {}),
+    "falcon": ("falcon", {}),
+    "falcon_mamba": ("falcon_mamba", {}),
+    "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", {}),
+    "gemma3_text": ("gemma3_text", {}),
+    "glm": ("glm", {}),
+    "glm4": ("glm4", {}),
+    "gpt2": ("gpt2", {}),
+    "gpt_bigcode": ("gpt_bigcode", {}),
+    "gpt_neo": ("gpt_neo", {}),
+    "gpt_neox": ("gpt_neox", {}),
+    "gpt_neox_japanese": ("gpt_neox_japanese", {}),
+    "granite": ("granite", {}),
+    "helium": ("helium", {}),
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", {}),
+    "hyperclovax": ("hyperclovax", {}),
+    "jais2": ("jais2", {}),
+    "lfm2": ("lfm2", {}),
+    "llama": ("llama", {}),
+    "mamba": ("mamba", {}),
+    "ministral": ("ministral", {}),
+    "mistral": ("mistral", {}),
+    "mpt": ("mpt", {}),
+    "nemotron": ("nemotron", {}),
+    "olmo": ("olmo", {}),
+    "olmo2": ("olmo2", {}),
+    "olmo3": ("olmo3", {}),
+    "openai-gpt": ("openai-gpt", {}),
+    "opt": ("opt", {}),
+    "persimmon": ("persimmon", {}),
+    "phi": ("phi", {}),
+    "phi3": ("phi3", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "recurrent_gemma": ("recurrent_gemma", {}),
+    "seed_oss": ("seed_oss", {}),
+    "smollm3": ("smollm3", {}),
+    "stablelm": ("stablelm", {}),
+    "starcoder2": ("starcoder2", {}),
+    "vaultgemma": ("vaultgemma", {}),
+    "xglm": ("xglm", {}),
+    "ernie4_5": ("ernie4_5", {}),
+    "falcon_h1": ("falcon_h1", {}),
+    "jamba": ("jamba", {}),
+    "bamba": ("bamba", {}),
+    "zamba": ("zamba", {}),
+    "qwen3_next": ("qwen3_next", {}),
+    "granitemoehybrid": ("granitemoehybrid", {}),
+    "gemma3n_text": ("gemma3n_text", {}),
+}
+
+ENCODERS = {"bert", "bert-generation", "big_bird", "camembert"}
+SLOW = {"afmoe", "blt"}
+BROKEN_TINY = {
+    "axk1": "RuntimeError: size of tensor a (32) must match b (4)",
+    "codegen": "RuntimeError: size of tensor a (8) must match b (64)",
+    "bamba": "ValueError: get_seq_length on a cache of LinearAttention layers only",
+    "bailing_hybrid": "AssertionError: padding_idx must be within num_embeddings",
+}
+SHAPE_DEPENDENT = {"llama_dynamic_rope", "phi3_longrope", "bloom", "falcon_alibi", "mpt"}  # must run `single`
+
+
+def build(name: str, dtype=torch.float32):
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    model_type, overrides = ARCHITECTURES[name]
+    config = CONFIG_MAPPING[model_type]()
+    text = config.get_text_config()
+    for key, value in {**SMALL, **overrides}.items():
+        if key in overrides or hasattr(text, key):
+            setattr(text, key, value)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():  # larger weights: positions and context must show
+            if p.ndim == 2 and pname.endswith("weight"):
+                p.normal_(0.0, 0.25)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def job_pairs() -> list[EncodedPair]:
+    rng = np.random.default_rng(0)
+    ids = lambda n: rng.integers(3, VOCAB, n).tolist()  # noqa: E731
+    return [EncodedPair(ids(p), ids(c), ids(r)) for p, c, r in
+            ((2, 3, 1), (5, 7, 4), (9, 1, 12), (40, 6, 9), (75, 12, 5))]  # short and long prompts in one job
+
+
+def truth(model, pairs):
+    return [reference_logps(model, p.prompt_ids, c).numpy() for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+
+
+def run_mode(model, requested: str, pairs, ref) -> tuple[str, float]:
+    """(mode run or 'refused', worst per-token difference from the truth over the whole job)."""
+    longest = max(pairs, key=lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)))
+    try:
+        mode = choose_mode(model, requested, pairs, len(longest.prompt_ids) + 12, 0, 256, lambda _m: None,
+                           long_pairs=[longest])
+    except JobError:
+        return "refused", 0.0
+    chosen, rejected, _ = score_pairs(model, pairs, 0, 64, mode)  # a small budget: several batches of mixed widths
+    got = [x for pair in zip(chosen, rejected) for x in pair]
+    return mode, max(float(np.max(np.abs(g - t), initial=0.0)) for g, t in zip(got, ref))
+
+
+RESULTS: dict = {}
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_every_mode_reproduces_the_reference_forward(name):
+    model = build(name)
+    pairs = job_pairs()
+    ref = truth(model, pairs)
+    shifted = [reference_logps(model, [7] + p.prompt_ids, c).numpy() for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(ref, shifted))
+    assert moved > 100 * TOLERANCE, f"{name}: a one-token shift moves the log-probs by only {moved:.1e}"
+    row = {}
+    for requested in ("auto",) + MODES:
+        mode, diff = run_mode(model, requested, pairs, ref)
+        row[requested] = (mode, diff)
+        assert diff <= TOLERANCE, f"{name}: --batching {requested} ran {mode}, off by {diff:.2e}"
+        if name in SHAPE_DEPENDENT:
+            assert mode in ("single", "refused"), f"{name}: {shape_dependent(model, 99)} yet {requested} ran {mode}"
+    RESULTS[name] = {"float32": row, "head": verified_head(model), "attn": model.config._attn_implementation,
+                     "moved": moved}
+    if SWEEP:
+        bf = build(name, torch.bfloat16)
+        ref_bf = truth(bf, pairs)
+        RESULTS[name]["bfloat16"] = {m: run_mode(bf, m, pairs, ref_bf) for m in ("auto",) + MODES}
+
+
+def test_heads_that_post_process_their_logits_use_the_models_own_head():
+    """Models whose causal-LM forward scales or soft-caps the projected logits cannot take the hook projection."""
+    assert verified_head(build("llama")) == "hook"
+    assert verified_head(build("cohere")) != "hook"  # logit_scale
+
+
+@pytest.fixture(scope="module", autouse=True)
+def table():
+    yield
+    if not SWEEP or not RESULTS:
+        return
+    print("\narchitecture | head | attn | shift | " + " | ".join(("auto",) + MODES))
+    for name, r in sorted(RESULTS.items()):
+        for dt in ("float32", "bfloat16"):
+            if dt in r:
+                cells = [f"{mode} {diff:.1e}" for mode, diff in (r[dt][m] for m in ("auto",) + MODES)]
+                print(f"{name} [{dt}] | {r['head']} | {r['attn']} | {r['moved']:.2f} | " + " | ".join(cells))
