@@ -1,15 +1,19 @@
 """How precompute-ref batches pairs through the reference, and which way it picks by default.
 
-Modes (all give the plain forward's numbers; the stamps never depend on the mode):
+Modes (all give the numbers of `runtime.logprobs.reference_logps`, the model's own forward over one unpadded
+sequence; the stamps never depend on the mode):
   full_forward   [prompt | chosen] and [prompt | rejected] as separate right-padded rows, length-sorted batches
   varlen         the same sequences packed into one unpadded row per batch (varlen flash attention)
   kv_cache       each prompt once, chosen and rejected continue from its key/value cache (kvcache.py)
   shared_prompt  each prompt once, one [prompt | chosen | rejected] row per pair with a tree mask (packing.py)
   packed         as shared_prompt, several pairs per row
+  single         one unpadded sequence per forward, position state reset: for models whose numbers depend on the
+                 batch's shape (ALiBi, dynamic/longrope RoPE past its original context)
 
 `auto` ranks the modes the attention implementation can run by the work they would do on the job's first shard
-(estimated_cost), checks the cheapest on two real pairs against full_forward and takes the first that agrees. The
-choice depends only on the data, the model and the device, so a resumed job picks the same mode again.
+(estimated_cost). Every mode, asked for or ranked, is checked against reference_logps on real pairs (short ones and
+the job's longest) before it runs; the first that agrees is taken, else the job is refused. The choice depends only
+on the data, the model and the device, so a resumed job picks the same mode again.
 """
 
 from __future__ import annotations
