@@ -227,10 +227,26 @@ def unsupported(mode: str, model, longest: int) -> str | None:
         return f"{attn} attention cannot take the tree mask"
     if mode == "kv_cache" and getattr(model.config, "is_encoder_decoder", False):  # the outer config says so
         return "encoder-decoder model"
-    layers = set(getattr(config, "layer_types", None) or ())
-    if mode == "kv_cache" and layers - {"full_attention", "sliding_attention"}:
-        return f"layers other than attention ({', '.join(sorted(layers))}) keep state a padded prompt would corrupt"
+    state = _state_layers(config)
+    if mode == "kv_cache" and state:
+        return f"layers other than attention ({', '.join(state)}) keep state a padded prompt would corrupt"
+    if mode in ("varlen", "shared_prompt", "packed") and state:
+        return f"layers other than attention ({', '.join(state)}) carry state across a packed row"
     return None
+
+
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "attention", "chunked_attention"}
+STATE_SPACE = {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"}
+
+
+def _state_layers(config) -> list[str]:
+    """Kinds of layers that carry a recurrent state along the sequence (state-space, linear attention,
+    convolutions), from the config's per-layer lists; a pure state-space model's type counts as one."""
+    kinds = set()
+    for key in ("layer_types", "block_types", "layers_block_type"):
+        kinds |= set(getattr(config, key, None) or ())
+    found = sorted(str(k) for k in kinds - ATTENTION_LAYERS)
+    return found or ([config.model_type] if config.model_type in STATE_SPACE else [])
 
 
 def candidates(attn: str) -> tuple[str, ...]:

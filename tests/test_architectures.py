@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from precompute import MODES
-from precompute.modes import choose_mode, score_pairs, shape_dependent
+from precompute.modes import choose_mode, score_pairs, shape_dependent, unsupported
 from runtime.errors import JobError
 from runtime.head import verified_head
 from runtime.logprobs import reference_logps
@@ -76,7 +76,7 @@ ARCHITECTURES = {
     "gpt_neo": ("gpt_neo", {}),
     "gpt_neox": ("gpt_neox", {}),
     "gpt_neox_japanese": ("gpt_neox_japanese", {}),
-    "granite": ("granite", {}),
+    "granite": ("granite", {"logits_scaling": 4.0}),
     "helium": ("helium", {}),
     "hunyuan_v1_dense": ("hunyuan_v1_dense", {}),
     "hyperclovax": ("hyperclovax", {"logits_scaling": 4.0}),
@@ -212,7 +212,8 @@ def matrix_row(model, pairs, tolerance: float, ref=None) -> dict:
     diffs = {m: worst(score(model, pairs, m), ref) for m in MODES}
     row = {}
     for requested in ("auto",) + MODES:
-        ran = requested if requested != "auto" and diffs[requested] <= tolerance else chosen_mode(model, requested, pairs)
+        direct = requested != "auto" and diffs[requested] <= tolerance and unsupported(requested, model, 99) is None
+        ran = requested if direct else chosen_mode(model, requested, pairs)
         row[requested] = (ran, 0.0 if ran == "refused" else diffs[ran])
     return row
 
