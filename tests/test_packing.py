@@ -278,6 +278,6 @@ def test_cli_logs_and_records_the_choice(llama_dir, tmp_path):
     assert mode in ("packed", "kv_cache")  # both share the prompt; which is cheaper depends on the model's width
     assert line.startswith(f"batching: {mode} (sdpa attention; estimated ") and "matches the reference forward" in line
     assert manifest["computation"]["mode"] == mode
-    assert runs["full_forward"][0] == "batching: full_forward (requested)"
+    assert runs["full_forward"][0] == "batching: full_forward (sdpa attention; matches the reference forward on a probe)"
     assert runs["full_forward"][1]["computation"]["mode"] == "full_forward"
     assert manifest["stamps"] == runs["full_forward"][1]["stamps"]
