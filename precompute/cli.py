@@ -54,7 +54,7 @@ def main(model, data, out, split, max_length, truncation_mode, chat_template, to
             model=model, data=data, out=out, split=split,
             encoding=encoding_from(max_length, truncation_mode, chat_template),
             token_budget=token_budget, rows_per_shard=rows_per_shard, dtype=dtype, device=device,
-            attn_implementation=None if attn_implementation == "auto" else attn_implementation, batching=batching, overwrite=not resume, on_bad_row=on_bad_row,
+            attn_implementation=attn_implementation, batching=batching, overwrite=not resume, on_bad_row=on_bad_row,
             trust_remote_code=trust_remote_code, progress=not no_progress,
         )
         s = run_precompute(cfg, log=lambda m: click.echo(m, err=True))

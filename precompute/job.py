@@ -43,7 +43,7 @@ class PrecomputeConfig:
     rows_per_shard: int = 2048
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 elsewhere
     device: str = "auto"
-    attn_implementation: str | None = None  # None: what transformers picks for the model
+    attn_implementation: str = "auto"  # auto: what transformers picks for the model
     batching: str = "auto"  # auto or one of modes.MODES
     overwrite: bool = False
     on_bad_row: str = "error"
@@ -261,8 +261,9 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
 def load_model_for(cfg: PrecomputeConfig, dtype, device):
     """The reference model with the requested attention implementation (None: transformers' choice); one that
     cannot use it is refused naming those it can."""
+    attn = None if cfg.attn_implementation in (None, "auto") else cfg.attn_implementation
     try:
-        return load_model(cfg.model, dtype, device, cfg.attn_implementation, cfg.trust_remote_code)
+        return load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code)
     except (ImportError, ValueError) as e:  # an implementation the model or this install does not have
         detail = " ".join(str(e).split())[:300]
         raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {cfg.attn_implementation} "

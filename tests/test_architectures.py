@@ -272,7 +272,7 @@ def test_attention_defaults_to_what_transformers_picks(tmp_path):
     cfg = PrecomputeConfig(model=str(tmp_path / "bloom"), data="-", attn_implementation="sdpa")
     with pytest.raises(JobError, match=r"--attn-implementation sdpa .*it supports: eager"):
         load_model_for(cfg, torch.float32, torch.device("cpu"))
-    cfg.attn_implementation = None
+    cfg.attn_implementation = "auto"
     assert load_model_for(cfg, torch.float32, torch.device("cpu")).config._attn_implementation == "eager"
 
 
