@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from schemas.encoding import EncodedPair
 from schemas.stamps import model_hash, tokenizer_hash
 
 from .cache import CacheScan
@@ -57,11 +56,12 @@ def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, 
 
 def replay(root: Path, manifest: dict, index: pl.DataFrame, model_dir: str, tokenizer, *, sample, seed, tolerance,
            trust_remote_code) -> Check:
-    """Score a seeded sample of cached rows again with the plain forward (`score_pairs` in full_forward mode,
-    whatever mode made the cache), in the recorded dtype on this machine's device, and compare per token with the
-    cached values. `sample=None` replays every row."""
-    from precompute.modes import score_pairs  # the mode registry, for replay in full_forward
+    """Score a seeded sample of cached rows again with the definition of a reference log-prob
+    (`runtime.logprobs.reference_logps`: the unpadded sequence alone through the model's own forward, whatever
+    mode made the cache), in the recorded dtype on this machine's device, and compare per token with the cached
+    values. `sample=None` replays every row."""
     from runtime.checkpoint import load_model, preserved_rng, resolve_device, resolve_dtype
+    from runtime.logprobs import reference_logps
 
     t0 = time.perf_counter()
     comp = manifest.get("computation") or {}
@@ -70,19 +70,19 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, model_dir: str, toke
     tol = tolerance if tolerance is not None else default_tolerance(dtype, comp.get("device_type"), device.type)
     count = index.height if sample is None else min(sample, index.height)
     picks = np.sort(np.random.default_rng(seed).choice(index.height, size=count, replace=False))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     token_diffs, seq_diffs, first, beyond, uncomparable = [], [], None, 0, 0
     with preserved_rng():
         try:
-            model = load_model(model_dir, resolve_dtype(dtype, device), device, comp.get("attn_implementation", "sdpa"),
+            model = load_model(model_dir, resolve_dtype(dtype, device), device, comp.get("attn_implementation"),
                                trust_remote_code)
         except (ImportError, ValueError):  # e.g. flash_attention_2 recorded, not installed here
             model = load_model(model_dir, resolve_dtype(dtype, device), device, "sdpa", trust_remote_code)
         for (shard,), group in index[picks].group_by("shard", maintain_order=True):
             rows = pl.read_parquet(root / shard).with_row_index("row").filter(
                 pl.col("row").is_in(group["row"].implode())).to_dicts()
-            pairs = [EncodedPair(r["prompt_input_ids"], r["chosen_input_ids"], r["rejected_input_ids"]) for r in rows]
-            chosen, rejected, _ = score_pairs(model, pairs, pad_id, comp.get("token_budget", 16384))
+            chosen = [reference_logps(model, r["prompt_input_ids"], r["chosen_input_ids"]).cpu().numpy() for r in rows]
+            rejected = [reference_logps(model, r["prompt_input_ids"], r["rejected_input_ids"]).cpu().numpy()
+                        for r in rows]
             for r, new_c, new_r in zip(rows, chosen, rejected):
                 for side, new in (("chosen", new_c.astype(np.float64)), ("rejected", new_r.astype(np.float64))):
                     old = np.asarray(r[f"{side}_logps"], np.float64)

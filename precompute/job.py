@@ -23,18 +23,19 @@ import torch
 from runtime.cli import field_help
 from runtime.hub import resolve_model
 from runtime.checkpoint import (  # noqa: F401  (re-exported: part of this module's API)
-    check_adapter, check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device, resolve_dtype,
-    software_versions)
+    attention_choices, check_adapter, check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device,
+    resolve_dtype, software_versions)
 from runtime.data import Encoded, encode_rows, load_rows
 from runtime.distributed import Dist, distributed
 from runtime.errors import JobError
+from runtime.head import verified_head
 from runtime.paths import check_apart
 from schemas import format as fmt
 from schemas import rules
 from schemas.encoding import EncodingConfig
 from schemas.stamps import combined_mask_checksum, ids_checksum, reference_model_hash, tokenizer_hash, tokenizer_parts
 
-from .modes import DESCRIPTIONS, MODES, choose_mode, score_pairs  # noqa: F401  (score_pairs: part of this module's API)
+from .modes import DESCRIPTIONS, MODES, choose_mode, effective_budget, score_pairs  # noqa: F401  (score_pairs: API)
 from .resume import Resume, clear_cache_dir, finished_shards  # noqa: F401  (re-exported)
 
 
@@ -66,15 +67,18 @@ class PrecomputeConfig:
         choices=("auto", "float32", "bfloat16", "float16")))
     device: str = field(default="auto", metadata=field_help(
         "auto (CUDA device LOCAL_RANK if present, else CPU), cpu, cuda, cuda:N.", "Computation"))
-    attn_implementation: str = field(default="sdpa", metadata=field_help(
-        "Attention kernel: sdpa, eager, flash_attention_2.", "Computation"))
+    attn_implementation: str = field(default="auto", metadata=field_help(
+        "Attention kernel: auto (what transformers picks for the model), sdpa, eager, flash_attention_2.",
+        "Computation"))
     batching: str = field(default="auto", metadata=field_help(
         "How pairs go through the model (same numbers either way). kv_cache: each prompt once, chosen and rejected "
         "continue from its key/value cache; packed: prompt once, pairs packed into rows with a tree mask; "
         "shared_prompt: the same, one pair per row; varlen: sequences packed without padding (flash attention); "
-        "full_forward: [prompt|chosen] and [prompt|rejected] as padded rows. auto estimates the work of each mode "
-        "the attention supports on the first shard, takes the cheapest and checks it against full_forward on two "
-        "pairs.", "Computation", choices=("auto",) + MODES))
+        "full_forward: [prompt|chosen] and [prompt|rejected] as padded rows; single: one unpadded sequence per "
+        "forward. auto estimates the work of each mode the attention supports on the first shard and takes the "
+        "cheapest. Every mode is first checked against the model's plain forward of single sequences on real pairs "
+        "(the longest included) and falls back if it differs; models whose numbers depend on batch shape (ALiBi, "
+        "dynamic/longrope RoPE) run single.", "Computation", choices=("auto",) + MODES))
     overwrite: bool = field(default=False, metadata=field_help(
         "Delete the existing cache first (default: resume, keeping finished shards of this same job).", "Output"))
     on_bad_row: str = field(default="error", metadata=field_help(
@@ -216,13 +220,13 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist) -> 
         log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
             f"({len(resume.done)} already done) on {dist.world} x {job.device.type} in "
             f"{str(job.dtype).removeprefix('torch.')}")
-        model, computation, mode, pad_id = _load(cfg, job, log)
+        model, computation, mode, pad_id, budget = _load(cfg, job, log)
         if resume.computation is not None:  # compared after load, before any row is scored
             differs = rules.computation_findings(resume.computation, computation, where=str(job.out))
             if differs:
                 raise JobError(f"{differs[0].message}; {differs[0].remedy}")
         stats = {**_score_shards(model, job.encoded, mine, job.out, job.stamps, cfg, pad_id, mode, computation,
-                                 dist.rank == 0), "computation": computation}
+                                 dist.rank == 0, budget), "computation": computation}
     if dist.world > 1:
         box = [None] * dist.world
         torch.distributed.all_gather_object(box, stats)  # also the barrier before the manifest
@@ -235,21 +239,20 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist) -> 
 
 
 def _load(cfg: PrecomputeConfig, job: Job, log):
-    attn = cfg.attn_implementation
-    try:
-        model = load_model(cfg.model, job.dtype, job.device, attn, cfg.trust_remote_code, cfg.adapter)
-    except (ImportError, ValueError) as e:  # e.g. an --attn-implementation this install does not have
-        raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {attn} "
-                       f"({' '.join(str(e).split())[:300]})") from None
+    """The model, and how it scores: the batching mode (probed against the plain forward on the job's first shard and
+    longest pair, not this rank's, so every rank and every resumed run agrees), the head path and the budget."""
+    model = load_model_for(cfg, job.dtype, job.device)
     tokenizer, encoded, plan = job.tokenizer, job.encoded, job.plan
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # Decided on the job's first shard (not this rank's), so every rank and every resumed run agrees.
     first = encoded.pairs[plan[0]["start"] : plan[0]["stop"]]
-    longest = max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in encoded.pairs)
-    mode = choose_mode(model, cfg.batching, first, longest, pad_id, cfg.token_budget, log)
+    seq = lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))  # noqa: E731
+    longest_pair = max(encoded.pairs, key=seq)
+    longest = seq(longest_pair)
+    budget = effective_budget(model, cfg.token_budget, longest)
+    mode = choose_mode(model, cfg.batching, first, longest, pad_id, budget, log, long_pairs=[longest_pair])
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
-                   "batching": DESCRIPTIONS.get(mode, mode)}
-    return model, computation, mode, pad_id
+                   "head": verified_head(model), "batching": DESCRIPTIONS.get(mode, mode)}
+    return model, computation, mode, pad_id, budget
 
 
 def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
@@ -311,7 +314,21 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
     }
 
 
-def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computation, show_progress: bool) -> dict:
+def load_model_for(cfg: PrecomputeConfig, dtype, device):
+    """The reference model with the requested attention implementation (None: transformers' choice); one that
+    cannot use it is refused naming those it can."""
+    attn = None if cfg.attn_implementation in (None, "auto") else cfg.attn_implementation
+    try:
+        return load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code, cfg.adapter)
+    except (ImportError, ValueError) as e:  # an implementation the model or this install does not have
+        detail = " ".join(str(e).split())[:300]
+        raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {cfg.attn_implementation} "
+                       f"({detail}); it supports: {', '.join(attention_choices(cfg.model, cfg.trust_remote_code))}, "
+                       "or leave --attn-implementation at auto") from None
+
+
+def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computation, show_progress: bool,
+                  budget: int) -> dict:
     from tqdm.auto import tqdm
 
     total = {"tokens": 0, "processed": 0, "slots": 0, "written": {}}
@@ -326,7 +343,7 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
 
     for shard in todo:
         pairs = encoded.pairs[shard["start"] : shard["stop"]]
-        chosen, rejected, stats = score_pairs(model, pairs, pad_id, cfg.token_budget, mode, tick)
+        chosen, rejected, stats = score_pairs(model, pairs, pad_id, budget, mode, tick)
         table = fmt.shard_table(
             encoded.ids[shard["start"] : shard["stop"]],
             [p.prompt_ids for p in pairs], [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs],

@@ -70,9 +70,24 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: str, trust_remote_code: bool = False,
-               adapter: str | None = None):
-    """The checkpoint, frozen, on `device`; with `adapter` (a peft LoRA folder) that adapter merged into it."""
+def attention_choices(model_dir: str, trust_remote_code: bool = False) -> list[str]:
+    """Attention implementations the model's class declares it supports (eager always)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except Exception:  # an unknown model type: nothing to say beyond eager
+        return ["eager"]
+    flags = (("sdpa", "_supports_sdpa"), ("flash_attention_2", "_supports_flash_attn"),
+             ("flex_attention", "_supports_flex_attn"))
+    return ["eager"] + [name for name, flag in flags if getattr(cls, flag, False)]
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: str | None,
+               trust_remote_code: bool = False, adapter: str | None = None):
+    """The checkpoint, frozen, on `device`; with `adapter` (a peft LoRA folder) that adapter merged into it. attn None:
+    the attention implementation transformers picks for the model."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(

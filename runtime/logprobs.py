@@ -1,8 +1,12 @@
-"""Per-token completion log-probs: the one implementation used for the cached reference and the live policy.
+"""Per-token completion log-probs: the one implementation used for the cached reference and the live policy, and
+`reference_logps`, the definition every fast path is checked against.
 
-The full [batch, seq, vocab] log-softmax is never built. The model runs up to its final hidden states, only the
-positions that predict completion tokens are kept, and the output projection plus log-softmax run over chunks of
-those positions, so peak memory is bounded by `chunk_elements` whatever the vocabulary or sequence length.
+The full [batch, seq, vocab] log-softmax is never built. Where the model's own logits are exactly its output
+embeddings applied to the final hidden states (checked once per model against its own `logits`, see head.py), the
+model runs up to its final hidden states, only the positions that predict completion tokens are kept, and the
+output projection plus log-softmax run over chunks of those positions, so peak memory is bounded by
+`chunk_elements` whatever the vocabulary or sequence length. Otherwise the model's own head produces the logits,
+for the completion positions only where the model takes a `logits_to_keep` mask.
 """
 
 from __future__ import annotations
@@ -22,17 +26,9 @@ def unwrap(model):
 
 
 def _project(inner, hidden: torch.Tensor) -> torch.Tensor:
-    """Output projection with the model-specific logit post-processing some architectures apply."""
-    logits = inner.get_output_embeddings()(hidden).float()
-    cfg = inner.config
-    if getattr(cfg, "logit_scale", None):  # Cohere
-        logits = logits * cfg.logit_scale
-    if getattr(cfg, "logits_scaling", None):  # Granite
-        logits = logits / cfg.logits_scaling
-    if getattr(cfg, "final_logit_softcapping", None):  # Gemma 2/3
-        cap = cfg.final_logit_softcapping
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    """The output embeddings applied to hidden states, nothing else: `head.verified_head` only lets this path run
+    on models whose own logits it reproduces (no soft-capping, scaling or other post-processing)."""
+    return inner.get_output_embeddings()(hidden).float()
 
 
 def _chunk_logps(inner, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -40,18 +36,35 @@ def _chunk_logps(inner, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def _gather_logps(logits: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
+    """log_softmax(logits[index])[targets], a chunk of positions at a time (the float32 copy stays bounded)."""
+    parts = []
+    for s in range(0, len(index), step):
+        chunk = logits[index[s : s + step]].float()
+        parts.append(chunk.gather(-1, targets[s : s + step, None]).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+
+
 def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int = CHUNK_ELEMENTS,
-                return_output: bool = False):
+                return_output: bool = False, head: str | None = None):
     """Log-prob of `targets[i]` predicted from position (rows[i], sources[i]) of a forward over `inputs`.
 
-    The call goes through the outer module, so DDP/FSDP/DeepSpeed see a normal forward (`logits_to_keep=1` keeps
-    the model's own logits to one position per row); the scoring runs in a hook on the base model's output, i.e.
-    still inside that forward, where sharded output weights are materialised. Returns float32, differentiable
-    when grad is enabled; with return_output, also the model's output (e.g. the key/value cache when `inputs`
-    sets use_cache).
+    `head` (default: `head.verified_head(model)`, decided once per model against its own logits):
+      hook            the base model's hidden states at those positions, projected by the output embeddings in
+                      chunks inside a hook (so DDP/FSDP/DeepSpeed see a normal forward, and sharded output weights
+                      are materialised); memory bounded by `chunk_elements`;
+      logits_to_keep  the model's own logits, for those positions only (a boolean `logits_to_keep` mask);
+      logits          the model's own logits at every position, gathered.
+    Returns float32, differentiable when grad is enabled; with return_output, also the model's output (e.g. the
+    key/value cache when `inputs` sets use_cache).
     """
+    from .head import verified_head
+
+    head = head or verified_head(model)
     inner = unwrap(model)
     step = max(1, chunk_elements // inner.get_output_embeddings().weight.shape[0])
+    if head != "hook":
+        return _own_logits(model, inputs, rows, sources, targets, step, return_output, head == "logits_to_keep")
     captured = {}
 
     def score(_module, _args, output):
@@ -72,7 +85,56 @@ def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int
         output = model(**{"use_cache": False, **inputs}, logits_to_keep=1)
     finally:
         handle.remove()
+    if "logps" not in captured:
+        raise RuntimeError(f"{type(inner).__name__}: the forward hook on its base model did not run")
     return (captured["logps"], output) if return_output else captured["logps"]
+
+
+def _own_logits(model, inputs, rows, sources, targets, step, return_output, keep_only):
+    """token_logps from the model's own `logits` output (its whole head, whatever it does after the projection)."""
+    width = inputs["input_ids"].shape[1]
+    if keep_only:
+        keep = torch.zeros(inputs["input_ids"].shape, dtype=torch.bool, device=rows.device)
+        keep[rows, sources] = True
+        output = model(**{"use_cache": False, **inputs}, logits_to_keep=keep)
+        slot = keep.flatten().cumsum(0) - 1  # row of the kept logits for each (row, position)
+        logits = output.logits.reshape(-1, output.logits.shape[-1])
+        index = slot[rows * width + sources]
+    else:
+        output = model(**{"use_cache": False, **inputs})
+        logits = output.logits.reshape(-1, output.logits.shape[-1])
+        index = rows * width + sources
+    logps = _gather_logps(logits, index, targets, step)
+    return (logps, output) if return_output else logps
+
+
+def reset_position_state(model) -> None:
+    """Undo what a dynamic-NTK rotary embedding kept from earlier forwards (frequencies grown for a longer
+    sequence), so the next forward computes its numbers as a fresh model would."""
+    for module in unwrap(model).modules():
+        kinds = getattr(module, "rope_type", None)
+        kinds = kinds.items() if isinstance(kinds, dict) else [(None, kinds)]
+        for layer_type, kind in kinds:
+            if not isinstance(kind, str) or "dynamic" not in kind:
+                continue
+            prefix = f"{layer_type}_" if layer_type else ""
+            original = getattr(module, f"{prefix}original_inv_freq", None)
+            if original is not None and hasattr(module, "original_max_seq_len"):
+                module.register_buffer(f"{prefix}inv_freq", original.clone(), persistent=False)
+                setattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
+
+
+@torch.no_grad()
+def reference_logps(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """THE definition of a reference log-prob: the model's own forward over the unpadded sequence
+    prompt + completion as a batch of one (fresh position state), its own `logits` after log_softmax, at each
+    completion token. Every batching mode and head path is checked against this; it uses none of them."""
+    device = next(unwrap(model).parameters()).device
+    ids = torch.as_tensor([list(prompt_ids) + list(completion_ids)], device=device)
+    reset_position_state(model)
+    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : ids.shape[1] - 1].float()
+    reset_position_state(model)
+    return logits.log_softmax(-1).gather(-1, ids[0, len(prompt_ids) :, None]).squeeze(-1)
 
 
 def completion_logps(

@@ -136,14 +136,16 @@ def sliding_window(config) -> int | None:
 
 def length_dependent_rope(config) -> tuple[str, int] | None:
     """(type, length) for RoPE whose frequencies depend on the longest position of a forward (dynamic NTK,
-    longrope): a forward over a prompt alone would then rotate it differently from the plain forward."""
+    longrope): a forward over a prompt alone, or a padded batch, would then rotate differently from the plain
+    forward of one sequence."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not isinstance(rope, dict):
         return None
-    kind = rope.get("rope_type", rope.get("type"))
-    if kind not in ("dynamic", "longrope"):
-        return None
-    return kind, int(rope.get("original_max_position_embeddings") or config.max_position_embeddings)
+    for params in [rope, *(v for v in rope.values() if isinstance(v, dict))]:  # also per layer type (Gemma 3)
+        kind = params.get("rope_type", params.get("type"))
+        if kind in ("dynamic", "longrope"):
+            return kind, int(params.get("original_max_position_embeddings") or config.max_position_embeddings)
+    return None
 
 
 def tree_mask_unsupported(model, longest: int) -> str | None:

@@ -123,7 +123,7 @@ def test_unsupported_mask_falls_back_once(scored, monkeypatch):
     monkeypatch.setattr(modes, "tree_batch", _broken_tree(packing.tree_batch))
     messages = []
     assert choose_mode(model, "packed", pairs, 99, pad, 4096, messages.append) == "full_forward"
-    assert len(messages) == 1 and "packed: differs from the plain forward" in messages[0]
+    assert len(messages) == 1 and "packed: differs from the reference forward" in messages[0]
     monkeypatch.setattr(modes, "kv_cache_batch", _raises)
     messages.clear()
     assert choose_mode(model, "auto", pairs, 99, pad, 4096, messages.append) == "full_forward"
@@ -132,7 +132,7 @@ def test_unsupported_mask_falls_back_once(scored, monkeypatch):
     monkeypatch.undo()
     messages.clear()
     assert choose_mode(model, "auto", pairs, 99, pad, 4096, messages.append) in ("packed", "kv_cache")
-    assert len(messages) == 1 and "matches the plain forward" in messages[0]
+    assert len(messages) == 1 and "matches the reference forward" in messages[0]
 
 
 def _raises(*args, **kwargs):
@@ -186,19 +186,22 @@ def test_length_dependent_rope_keeps_the_plain_forward(llama_dir, monkeypatch):
     monkeypatch.setattr(model.config, "rope_parameters",
                         {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, raising=False)
     monkeypatch.setattr(model.config, "max_position_embeddings", 64, raising=False)
-    assert modes.unsupported("kv_cache", model, 65).startswith("dynamic RoPE changes its frequencies past 64")
+    assert modes.unsupported("kv_cache", model, 65).startswith("dynamic RoPE picks its frequencies")
+    assert "changes past 64" in modes.unsupported("full_forward", model, 65)
     assert modes.unsupported("packed", model, 65) is not None
     assert modes.unsupported("kv_cache", model, 64) is None
+    assert modes.unsupported("single", model, 65) is None
 
 
 def test_probe_includes_a_padded_prompt_and_recurrent_layers_refuse_the_cache(scored, monkeypatch):
     model, _pairs, _pad = scored
     sample = [EncodedPair([1] * n, [2] * 3, [3] * 2) for n in (9, 4, 4, 5, 30)]
-    assert [len(p.prompt_ids) for p in modes.probe_pairs(sample)] == [4, 5]
+    assert [len(p.prompt_ids) for p in modes.probe_pairs(sample)] == [4, 5, 30]  # and the longest, whole
     assert [len(p.prompt_ids) for p in modes.probe_pairs(sample[1:3])] == [4, 3]  # cut to differ
     long = [EncodedPair(list(range(1, 400)), [5] * 90, [6] * 70), EncodedPair(list(range(1, 300)), [5] * 99, [6] * 9)]
-    probe = modes.probe_pairs(long)  # cheap whatever the data: a few tokens of real pairs, prompts still padded
-    assert [(len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)) for p in probe] == [(24, 8, 7), (23, 8, 7)]
+    probe = modes.probe_pairs(long)  # a few tokens of the short pairs, prompts still padded; the longest whole
+    assert [(len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)) for p in probe] == [(24, 8, 7), (23, 8, 7),
+                                                                                             (399, 90, 70)]
     assert probe[0].prompt_ids == long[1].prompt_ids[:24]
     monkeypatch.setattr(model.config, "layer_types", ["full_attention", "linear_attention"], raising=False)
     assert "linear_attention" in modes.unsupported("kv_cache", model, 10)
@@ -273,8 +276,8 @@ def test_cli_logs_and_records_the_choice(llama_dir, tmp_path):
     line, manifest = runs["auto"]
     mode = line.split()[1]
     assert mode in ("packed", "kv_cache")  # both share the prompt; which is cheaper depends on the model's width
-    assert line.startswith(f"batching: {mode} (sdpa attention; estimated ") and "matches the plain forward" in line
+    assert line.startswith(f"batching: {mode} (sdpa attention; estimated ") and "matches the reference forward" in line
     assert manifest["computation"]["mode"] == mode
-    assert runs["full_forward"][0] == "batching: full_forward (requested)"
+    assert runs["full_forward"][0] == "batching: full_forward (sdpa attention; matches the reference forward on a probe)"
     assert runs["full_forward"][1]["computation"]["mode"] == "full_forward"
     assert manifest["stamps"] == runs["full_forward"][1]["stamps"]

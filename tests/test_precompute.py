@@ -101,7 +101,11 @@ def test_cached_logps_equal_plain_transformers_forward(request, tmp_path, model_
     assert float(re.search(r"padding: ([\d.]+)%", result.output).group(1)) > 0  # the padded path was exercised
     manifest = manifest_of(out)
     assert [s["rows"] for s in manifest["shards"]] == [6, 6, 6, 2]
-    assert manifest["computation"]["dtype"] == "float32"
+    comp = manifest["computation"]
+    assert comp["dtype"] == "float32" and comp["device_type"] == "cpu"
+    assert comp["mode"] in ("full_forward", "kv_cache", "packed", "shared_prompt", "single")  # never "auto"
+    assert comp["head"] == "hook"  # plain projection heads: verified against the model's own logits
+    assert comp["attn_implementation"] == "sdpa"  # what transformers picks for these models, actually loaded
 
     schema = pq.read_schema(out / manifest["shards"][0]["file"])
     assert schema.field("chosen_logps").type == pa.list_(pa.float32())
