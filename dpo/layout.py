@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.logprobs import completion_logps, token_logps
+from runtime.logprobs import completion_logps, reference_logps, token_logps
 from runtime.packing import additive_mask, pack_rows, tree_inputs, tree_mask_unsupported
 from schemas.encoding import EncodedPair
 
@@ -117,26 +117,14 @@ def probe_pairs(table, lengths: np.ndarray) -> list[EncodedPair]:
 
 
 @torch.no_grad()
-def plain_logps(model, pair: EncodedPair) -> list[torch.Tensor]:
-    """The truth: each [prompt | completion] alone and unpadded through model(ids).logits, log_softmax, gathered."""
-    device = next(model.parameters()).device
-    out = []
-    for completion in (pair.chosen_ids, pair.rejected_ids):
-        ids = torch.tensor([pair.prompt_ids + completion], device=device)
-        logits = model(input_ids=ids).logits[0, len(pair.prompt_ids) - 1:-1].float()
-        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(pair.prompt_ids):, None]).squeeze(-1))
-    return out
-
-
-@torch.no_grad()
 def probe_difference(model, pairs: list[EncodedPair], pad_id: int) -> float:
     """Largest |packed - plain| per-token log-prob over `pairs`, the packed values from one prefix_shared batch."""
     device = next(model.parameters()).device
     rows = [{"prompt_ids": p.prompt_ids, "chosen_ids": p.chosen_ids, "rejected_ids": p.rejected_ids} for p in pairs]
     batch = {k: v.to(device) for k, v in PrefixSharedCollator(pad_id)(rows).items()}
     got = pair_logps(model, batch).cpu()
-    truth = [plain_logps(model, p) for p in pairs]
-    want = torch.cat([t[0] for t in truth] + [t[1] for t in truth]).cpu()
+    want = torch.cat([reference_logps(model, p.prompt_ids, c).cpu() for side in ("chosen_ids", "rejected_ids")
+                      for p in pairs for c in [getattr(p, side)]])
     return float((got - want).abs().max())
 
 

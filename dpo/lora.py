@@ -187,6 +187,13 @@ class AdapterDisabled:
         with self.module.disable_adapter():
             return self.module(**inputs)
 
+    # what the batch-layout probe reads of a model (dpo/layout.py): the policy's own
+    config = property(lambda self: self.module.config)
+    dtype = property(lambda self: self.module.dtype)
+
+    def parameters(self):
+        return self.module.parameters()
+
 
 def save_outputs(policy, out: Path, opts: LoraOptions, tokenizer) -> None:
     """The adapter is in `out` already (Trainer.save_model); with --merge-adapter also the merged model."""

@@ -62,6 +62,18 @@ def assert_same_run(a: Path, b: Path, steps: int, start: Path):
     assert max(float((wa[n] - w0[n]).abs().max()) for n in wa) > 1e-4  # they trained: not both still the start
 
 
+
+@torch.no_grad()
+def plain_logps(model, pair) -> list[torch.Tensor]:
+    """Independent truth for the tests: each [prompt | completion] alone and unpadded through model(ids).logits."""
+    device = next(model.parameters()).device
+    out = []
+    for completion in (pair.chosen_ids, pair.rejected_ids):
+        ids = torch.tensor([pair.prompt_ids + completion], device=device)
+        logits = model(input_ids=ids).logits[0, len(pair.prompt_ids) - 1:-1].float()
+        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(pair.prompt_ids):, None]).squeeze(-1))
+    return out
+
 def run_both(model, data, root: Path, **kwargs) -> tuple[Path, Path]:
     out = {}
     for name in ("padded", "prefix_shared"):
@@ -91,7 +103,7 @@ def test_prefix_shared_batch_gives_each_sequences_own_forward_in_the_padded_orde
     assert batch["input_ids"].shape[0] < len(rows)  # pairs were packed several to a row
     with torch.no_grad():
         got = pair_logps(model, batch)
-    truth = [layout.plain_logps(model, layout.EncodedPair(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]))
+    truth = [plain_logps(model, layout.EncodedPair(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]))
              for r in rows]
     want = torch.cat([t[0] for t in truth] + [t[1] for t in truth])
     assert got.shape == want.shape
@@ -138,7 +150,7 @@ def shipped_cache(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("shipped")
     reference, digest = other_reference(DATA / "sft-model", root / "reference", seed=11)
     caches = {"hash": digest}
-    for split in ("train", "eval"):
+    for split in ("train", "test"):
         caches[split] = root / split
         run_precompute(PrecomputeConfig(model=str(reference), data=str(DATA / "prefs"), split=split,
                                         out=str(caches[split]), progress=False), log=lambda m: None)
@@ -148,7 +160,7 @@ def shipped_cache(tmp_path_factory) -> dict:
 def test_ten_steps_on_the_shipped_data_equal_the_padded_layout(tmp_path, shipped_cache):
     padded, shared = run_both(DATA / "sft-model", DATA / "prefs", tmp_path, ref_cache=str(shipped_cache["train"]),
                               ref_model_hash=shipped_cache["hash"], eval_data=str(DATA / "prefs"),
-                              eval_ref_cache=str(shipped_cache["eval"]), eval_steps=10, per_device_eval_batch_size=50)
+                              eval_ref_cache=str(shipped_cache["test"]), eval_steps=10, per_device_eval_batch_size=50)
     assert_same_run(padded, shared, 10, DATA / "sft-model")
     assert any("eval_loss" in r for r in records(shared))
 
