@@ -55,7 +55,8 @@ def run_ours(a, layout: str, timer, out: str) -> dict:
     try:
         run_train(TrainConfig(model=a.model, data=a.data, output_dir=out, ref_cache=a.cache, batch_layout=layout,
                               max_steps=a.warmup + a.steps, per_device_train_batch_size=a.batch, logging_steps=1000,
-                              save_strategy="no", plot=False, use_cpu=True, eval_on_start=False), log=logs.append)
+                              save_strategy="no", plot=False, use_cpu=True, eval_on_start=False,
+                              overwrite_output_dir=True), log=logs.append)
     finally:
         T.DPOTrainer.__init__ = orig
     return {"log": [m for m in logs if m.startswith("batch layout")]}

@@ -85,6 +85,7 @@ def train_config(a, mode: str, out: str):
         ref_model=a.model if mode == "live" else None, max_length=a.seq, max_steps=a.warmup + a.steps,
         per_device_train_batch_size=a.batch, logging_steps=1000, save_strategy="no", plot=False,
         use_cpu=not cuda, bf16=cuda, report_to="none", eval_on_start=False,
+        overwrite_output_dir=True,  # each timed round trains again into the same scratch folder
     )
 
 
