@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.checkpoint import check_checkpoint, load_tokenizer
+from runtime.checkpoint import check_checkpoint, load_tokenizer, pad_id
 from runtime.cli import field_help
 from runtime.errors import JobError
 from runtime.hub import resolve_model
@@ -271,14 +271,14 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         ref_model = AutoModelForCausalLM.from_pretrained(cfg.ref_model, dtype=dtype, use_safetensors=True,
                                                          trust_remote_code=cfg.trust_remote_code)
         ref_model.eval().requires_grad_(False).to(args.device)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    layout = _choose_layout(cfg, args, policy, ref_model, train, pad_id, log)
+    pad = pad_id(tokenizer)
+    layout = _choose_layout(cfg, args, policy, ref_model, train, pad, log)
     out.mkdir(parents=True, exist_ok=True)
     seen = prepare_metrics(out / "metrics.jsonl", cfg.resume_from_checkpoint) if _rank()[0] == 0 else set()
     trainer = DPOTrainer(
         model=policy,
         args=args,
-        data_collator=PrefixSharedCollator(pad_id) if layout == "prefix_shared" else PairCollator(pad_id),
+        data_collator=PrefixSharedCollator(pad) if layout == "prefix_shared" else PairCollator(pad),
         train_dataset=datasets.Dataset(train.table),
         eval_dataset=datasets.Dataset(evaluation.table) if evaluation else None,
         processing_class=tokenizer,

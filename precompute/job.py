@@ -23,8 +23,8 @@ import torch
 from runtime.cli import field_help
 from runtime.hub import resolve_model
 from runtime.checkpoint import (  # noqa: F401  (re-exported: part of this module's API)
-    attention_choices, check_adapter, check_checkpoint, load_model, load_tokenizer, preserved_rng, resolve_device,
-    resolve_dtype, software_versions)
+    attention_choices, check_adapter, check_checkpoint, load_model, load_tokenizer, pad_id, preserved_rng,
+    resolve_device, resolve_dtype, software_versions)
 from runtime.data import Encoded, encode_rows, load_rows
 from runtime.distributed import Dist, distributed
 from runtime.errors import JobError
@@ -243,16 +243,16 @@ def _load(cfg: PrecomputeConfig, job: Job, log):
     longest pair, not this rank's, so every rank and every resumed run agrees), the head path and the budget."""
     model = load_model_for(cfg, job.dtype, job.device)
     tokenizer, encoded, plan = job.tokenizer, job.encoded, job.plan
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     first = encoded.pairs[plan[0]["start"] : plan[0]["stop"]]
     seq = lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))  # noqa: E731
     longest_pair = max(encoded.pairs, key=seq)
     longest = seq(longest_pair)
     budget = effective_budget(model, cfg.token_budget, longest)
-    mode = choose_mode(model, cfg.batching, first, longest, pad_id, budget, log, long_pairs=[longest_pair])
+    mode = choose_mode(model, cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair])
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
                    "head": verified_head(model), "batching": DESCRIPTIONS.get(mode, mode)}
-    return model, computation, mode, pad_id, budget
+    return model, computation, mode, pad, budget
 
 
 def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:

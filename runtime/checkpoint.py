@@ -84,6 +84,11 @@ def attention_choices(model_dir: str, trust_remote_code: bool = False) -> list[s
     return ["eager"] + [name for name, flag in flags if getattr(cls, flag, False)]
 
 
+def pad_id(tokenizer) -> int:
+    """The id padded positions carry (never scored): the tokenizer's pad token, else its EOS."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: str | None,
                trust_remote_code: bool = False, adapter: str | None = None):
     """The checkpoint, frozen, on `device`; with `adapter` (a peft LoRA folder) that adapter merged into it. attn None:

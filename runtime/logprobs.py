@@ -167,9 +167,3 @@ def pad_sequences(sequences: list[list[int]], pad_id: int, device=None) -> tuple
         ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
         mask[i, : len(s)] = 1
     return ids.to(device), mask.to(device)
-
-
-def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Sum consecutive runs of `values` of the given lengths (one sum per row)."""
-    index = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths.to(values.device))
-    return torch.zeros(len(lengths), dtype=values.dtype, device=values.device).index_add(0, index, values)
