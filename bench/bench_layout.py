@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import common
-from bench_train import step_timer
+from bench_train import run_timed, step_timer
 from common import np, torch
 
 CONFIGS = ("shared", "padded", "trl", "trl_pf")
@@ -41,24 +41,13 @@ def long_pairs(n: int, vocab: int, prompt: int, completion: int, seed: int = 0) 
 
 
 def run_ours(a, layout: str, timer, out: str) -> dict:
-    from dpo import trainer as T
-    from dpo.recipe import TrainConfig, run_train
+    from dpo.recipe import TrainConfig
 
-    orig = T.DPOTrainer.__init__
-
-    def init(self, *args, **kw):
-        kw["callbacks"] = [*(kw.get("callbacks") or []), timer]
-        orig(self, *args, **kw)
-
-    T.DPOTrainer.__init__ = init
     logs = []
-    try:
-        run_train(TrainConfig(model=a.model, data=a.data, output_dir=out, ref_cache=a.cache, batch_layout=layout,
-                              max_steps=a.warmup + a.steps, per_device_train_batch_size=a.batch, logging_steps=1000,
-                              save_strategy="no", plot=False, use_cpu=True, eval_on_start=False,
-                              overwrite_output_dir=True), log=logs.append)
-    finally:
-        T.DPOTrainer.__init__ = orig
+    run_timed(TrainConfig(model=a.model, data=a.data, output_dir=out, ref_cache=a.cache, batch_layout=layout,
+                          max_steps=a.warmup + a.steps, per_device_train_batch_size=a.batch, logging_steps=1000,
+                          save_strategy="no", plot=False, use_cpu=True, eval_on_start=False, overwrite_output_dir=True),
+              timer, log=logs.append)
     return {"log": [m for m in logs if m.startswith("batch layout")]}
 
 

@@ -32,24 +32,11 @@ LORA = dict(r=16, alpha=32, dropout=0.05)
 
 
 def run_ours(a, mode: str, timer, out: str) -> dict:
-    from dpo import trainer as T
     from dpo.lora import LoraOptions
-    from dpo.recipe import run_train
 
     cfg = bt.train_config(a, mode, out)
     cfg.lora = LoraOptions(use_peft=True, lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
-    orig = T.DPOTrainer.__init__
-
-    def init(self, *args, **kw):
-        kw["callbacks"] = [*(kw.get("callbacks") or []), timer]
-        orig(self, *args, **kw)
-
-    T.DPOTrainer.__init__ = init
-    try:
-        summary = run_train(cfg, log=lambda m: None)
-    finally:
-        T.DPOTrainer.__init__ = orig
-    return {"verify_s": summary.get("verify_s")}
+    return {"verify_s": bt.run_timed(cfg, timer).get("verify_s")}
 
 
 def run_trl(a, timer, out: str) -> dict:

@@ -89,8 +89,8 @@ def train_config(a, mode: str, out: str):
     )
 
 
-def run_ours(a, mode: str, timer, out: str) -> dict:
-    """cached and live: the real train-dpo entry point, with the step timer added to its Trainer."""
+def run_timed(cfg, timer, log=lambda m: None) -> dict:
+    """The real train-dpo entry point (dpo.recipe.run_train) on `cfg`, with the step timer added to its Trainer."""
     from dpo import trainer as T
     from dpo.recipe import run_train
 
@@ -102,10 +102,14 @@ def run_ours(a, mode: str, timer, out: str) -> dict:
 
     T.DPOTrainer.__init__ = init
     try:
-        summary = run_train(train_config(a, mode, out), log=lambda m: None)
+        return run_train(cfg, log=log)
     finally:
         T.DPOTrainer.__init__ = orig
-    return {"verify_s": summary.get("verify_s")}
+
+
+def run_ours(a, mode: str, timer, out: str) -> dict:
+    """cached and live: the real train-dpo entry point, with the step timer added to its Trainer."""
+    return {"verify_s": run_timed(train_config(a, mode, out), timer).get("verify_s")}
 
 
 def run_policy(a, timer, out: str) -> dict:
