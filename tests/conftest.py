@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models and BPE tokenizers built on the spot (nothing comes from a hub)."""
+"""Shared fixtures (a tokenizer, tiny Llama and GPT-2 checkpoints, the train-dpo data set and its cache). The helper
+functions and constants live in tests/support.py and are re-exported here."""
 
 from __future__ import annotations
 
@@ -10,74 +11,16 @@ os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="refcache-hf-"))
 os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(os.environ["HF_HOME"], "datasets"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import json
-import random
 from pathlib import Path
 
 import pytest
-import torch
 
-REPO = Path(__file__).resolve().parent.parent
-DATA = REPO / "data"
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+from support import (  # noqa: F401  re-exported: test files import these by name from conftest
+    CHAT_TEMPLATE, DATA, DPO_PAIRS, HELPERS, LLAMA_TEMPLATE, REPO, WORDS, assert_close, build_gpt2, build_llama,
+    build_tokenizer, corpus, count_models, dir_state, gpt2_style, llama_style, manifest_of, pref_rows, read_cache,
+    records, save_checkpoint, shard_hashes, step_records, write_jsonl, precompute_cli, precompute_ok, scored_now,
+    assert_not_valid,
 )
-
-WORDS = "the a cat dog sky blue green red sun moon is are was be yes no sure hmm answer question what why how " \
-        "one two three four five six seven eight nine ten add and plus minus colour fly swim run jump".split()
-
-
-def corpus(n=400, seed=0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + rng.choice([".", "?", "!"]) for _ in range(n)]
-
-
-def build_tokenizer(vocab_size=300, extra_special=(), chat_template=CHAT_TEMPLATE, seed=0):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", *extra_special]
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(seed=seed), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = chat_template
-    return fast
-
-
-def build_llama(vocab_size, seed=0, hidden=32, layers=2, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=False, **overrides,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-def build_gpt2(vocab_size, seed=0):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=512, bos_token_id=1,
-                     eos_token_id=2, pad_token_id=0)
-    return GPT2LMHeadModel(cfg).eval()
-
-
-def save_checkpoint(model, tokenizer, path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -97,34 +40,8 @@ def gpt2_dir(tmp_path_factory) -> Path:
     return save_checkpoint(build_gpt2(len(tok)), tok, tmp_path_factory.mktemp("gpt2"))
 
 
-def pref_rows(n=24, seed=0, fmt="standard") -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) + "?"
-        a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
-        b = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
-        if fmt == "standard":
-            row = {"prompt": q, "chosen": "sure " + a, "rejected": "hmm " + b}
-        elif fmt == "conversational":
-            row = {"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": "sure " + a}],
-                   "rejected": [{"role": "assistant", "content": "hmm " + b}]}
-        else:  # implicit prompt
-            row = {"chosen": q + " sure " + a, "rejected": q + " hmm " + b}
-        rows.append({"id": f"r{i:04d}", **row})
-    return rows
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# train-dpo (tests/test_train*.py): one small conversational data set and its reference cache, shared by the session
-
-DPO_PAIRS = 40
+# train-dpo (tests/dpo/, tests/faults/): one small conversational data set and its reference cache, shared by the session
 
 
 @pytest.fixture(scope="session")

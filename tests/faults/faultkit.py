@@ -28,7 +28,7 @@ from schemas.stamps import combined_mask_checksum, file_sha256, ids_checksum
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 BIN = Path(sys.executable).parent
-LAUNCHER = HERE / "fault_launcher.py"
+LAUNCHER = REPO / "tests" / "helpers" / "fault_launcher.py"
 EXIT_REFUSED = 2
 
 # train-dpo options that make a run tiny; refusals happen before any of them matter

@@ -1,7 +1,7 @@
 """Real processes: precompute-ref SIGKILLed at each phase of writing a cache, train-dpo SIGKILLed between checkpoints,
 two writers on one cache, train-dpo on a cache still being written, and exit codes / tracebacks of real processes.
 
-Every fault is deterministic (tests/faults/fault_launcher.py stops the real command at an exact place). All processes
+Every fault is deterministic (tests/helpers/fault_launcher.py stops the real command at an exact place). All processes
 are forked at once from one interpreter that imported the commands a single time (faultkit.Zygote); the clean runs
 they are compared with happen in process meanwhile.
 

@@ -1,9 +1,9 @@
-"""precompute-ref as a real process: kill -9 and resume, a second process on the same cache, exit codes."""
+"""precompute/cli.py: precompute-ref as a real process (kill -9 and resume, a second process on the same cache, exit
+codes) and its --help, generated from the config dataclasses."""
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import signal
@@ -14,24 +14,16 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from conftest import pref_rows, write_jsonl
+from conftest import HELPERS, dir_state, pref_rows, shard_hashes, write_jsonl
 from precompute.cli import main
 from schemas import format as fmt
 
 PRECOMPUTE_REF = str(Path(sys.executable).parent / "precompute-ref")
-PAUSE_HELPER = str(Path(__file__).parent / "precompute_pause.py")
+PAUSE_HELPER = str(HELPERS / "precompute_pause.py")
 
 
 def run(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([PRECOMPUTE_REF, *map(str, args)], capture_output=True, text=True, timeout=timeout)
-
-
-def shard_hashes(out: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("*.parquet"))}
-
-
-def dir_state(out: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir()) if p.is_file()}
 
 
 def in_process(*args):
@@ -113,3 +105,32 @@ def test_bad_row_exit_code_and_message(llama_dir, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().endswith(f"error: {data}, row 3: empty_field: 'chosen' is an empty string")
     assert result.stdout == "" and not (tmp_path / "cache" / fmt.MANIFEST).exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --help
+
+
+def test_help_is_generated_from_the_config_fields():
+    """Options come from PrecomputeConfig and EncodingConfig themselves (no hand-kept list to drift): every field is
+    an option in both spellings, with its metadata's words and the dataclass's default."""
+    import dataclasses
+
+    from precompute.job import PrecomputeConfig
+    from schemas.encoding import EncodingConfig
+
+    result = CliRunner().invoke(main, ["--help"], terminal_width=400)
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for name in ("Model options:", "Data options:", "Encoding options:", "Computation options:", "Output options:"):
+        assert name in text
+    for cls in (PrecomputeConfig, EncodingConfig):
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("cli") is False:
+                assert f"--{f.name.replace('_', '-')}" not in text
+                continue
+            assert f"--{f.name.replace('_', '-')}" in text and f"--{f.name}" in text
+            assert " ".join(f.metadata["help"].split()) in text
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if default is not None:
+                assert " ".join(f.metadata["help"].split()) + f" [default: {default}]" in text

@@ -13,12 +13,11 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from conftest import DATA
+from conftest import DATA, assert_close, count_models, records, step_records
 from dpo.cli import main as train_main
 from dpo.lora import LoraOptions
 from dpo.recipe import TrainConfig, run_train
 from schemas.stamps import adapter_hash, merged_model_hash, model_hash, reference_model_hash
-from test_train import assert_close, count_models, records, step_records
 
 peft = pytest.importorskip("peft")
 

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import pref_rows
+from conftest import REPO, pref_rows
 from schemas.encoding import EncodingConfig, encode_pair, row_id, row_mask_checksum
 from schemas.format import (
     FORMAT_VERSION,
@@ -228,7 +228,7 @@ def test_format_md_snippet_reads_a_cache(pristine, encoded):
 
     import polars as pl
 
-    doc = (Path(__file__).resolve().parent.parent / "schemas" / "FORMAT.md").read_text()
+    doc = (REPO / "schemas" / "FORMAT.md").read_text()
     (snippet,) = re.findall(r"```python\n(.*?)```", doc, re.S)
     assert len(snippet.strip().splitlines()) == 5
     ns = {}
@@ -459,3 +459,22 @@ def test_check_rows_checksum(pristine, encoded):
     assert (e.expected, e.found) == (mine, target["checksum"])
     assert target["id"] in str(e) and "where:    shard shard-00001.parquet, row 2" in str(e)
     assert f"remedy:   {e.remedy}" in str(e)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 16 (what a TRL user expects), item 13: the cache read by a glob (the README's one-liners) and by schemas.read_cache
+
+
+def test_cache_one_liners(dpo_cache):
+    import pandas as pd
+    import polars as pl
+
+    from schemas import read_cache
+
+    manifest = json.loads((dpo_cache / "manifest.json").read_text())
+    ids = read_cache(dpo_cache).select("id").collect()["id"].to_list()
+    assert len(ids) == manifest["rows"] == 40
+    glob = pl.scan_parquet(f"{dpo_cache}/*.parquet").select("id").collect()["id"].to_list()
+    assert sorted(glob) == sorted(ids)
+    frame = pd.read_parquet(sorted(str(p) for p in dpo_cache.glob("*.parquet")))
+    assert sorted(frame["id"]) == sorted(ids)

@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from conftest import pref_rows
+from conftest import gpt2_style, llama_style, pref_rows
 from schemas.encoding import (
     BadRowError,
     EncodedPair,
@@ -22,7 +22,7 @@ from schemas.encoding import (
 )
 
 # The tests below were written for the BOS rule of caches made before the "tokenizer" rule (always prepend BOS): they
-# keep that encoding, which old caches still verify with, pinned. The "tokenizer" rule: tests/test_from_trl.py.
+# keep that encoding, which old caches still verify with, pinned. The "tokenizer" rule: the last section.
 CFG = EncodingConfig(add_bos=True)
 USER = lambda s: {"role": "user", "content": s}  # noqa: E731
 ASSISTANT = lambda s: {"role": "assistant", "content": s}  # noqa: E731
@@ -405,3 +405,33 @@ def test_encoded_checksum_sees_the_prompt_completion_boundary(tokenizer):
     assert encode_pair(dict(pref_rows(3)[2]), tokenizer, CFG).mask_checksum == encode_pair(
         pref_rows(3)[2], tokenizer, CFG
     ).mask_checksum
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 16 (what a TRL user expects), item 2: BOS follows the tokenizer and the template; old caches keep their encoding
+
+
+@pytest.mark.parametrize("fmt", ["standard", "conversational", "implicit"])
+def test_bos_follows_the_tokenizer_and_template(fmt):
+    row = pref_rows(1, fmt=fmt)[0]
+    for tok, has_bos in ((gpt2_style(), False), (llama_style(), True)):
+        pair = encode_pair(row, tok, EncodingConfig())
+        assert (pair.prompt_ids[0] == tok.bos_token_id) is has_bos, (fmt, type(tok))
+        assert pair.prompt_ids.count(tok.bos_token_id) == int(has_bos)  # never twice
+        if fmt == "conversational":  # what the template renders, token for token
+            text = tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+            assert pair.prompt_ids == tok(text, add_special_tokens=False)["input_ids"]
+        elif fmt == "standard":
+            assert pair.prompt_ids == tok(row["prompt"])["input_ids"]
+
+
+def test_old_caches_keep_always_bos_and_a_missing_rule_is_refused():
+    old = {"add_bos": True, "add_eos": True, "chat_template": "auto", "max_length": 1024,
+           "truncation_mode": "keep_start"}  # what every cache before the tokenizer rule records
+    cfg = EncodingConfig.from_dict(old)
+    assert cfg.to_json() == json.dumps(old, sort_keys=True, separators=(",", ":"))  # checksums over it unchanged
+    tok = gpt2_style()
+    assert encode_pair(pref_rows(1)[0], tok, cfg).prompt_ids[0] == tok.bos_token_id
+    assert EncodingConfig().add_bos == "tokenizer"
+    with pytest.raises(ValueError, match="no add_bos recorded"):
+        EncodingConfig.from_dict({k: v for k, v in old.items() if k != "add_bos"})

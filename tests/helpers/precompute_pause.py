@@ -1,6 +1,6 @@
 """precompute-ref that stops in the middle of writing one shard, for the kill -9 test.
 
-Usage: python tests/precompute_pause.py PRECOMPUTE-REF-ARGS...
+Usage: python tests/helpers/precompute_pause.py PRECOMPUTE-REF-ARGS...
 with REFCACHE_PAUSE_AT_SHARD=k (0-based count of shard files written) and REFCACHE_PAUSE_MARKER=path in the
 environment. Shard k's Parquet bytes go into its temp file, then the marker file is created and the process sleeps
 until it is killed; nothing else about the run changes.

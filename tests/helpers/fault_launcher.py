@@ -1,7 +1,7 @@
 """precompute-ref or train-dpo with one fault injected at a chosen point, for the crash and concurrency tests.
 
-Usage: python tests/faults/fault_launcher.py {precompute-ref|train-dpo} COMMAND-ARGS...
-       python tests/faults/fault_launcher.py --zygote RUNS.json
+Usage: python tests/helpers/fault_launcher.py {precompute-ref|train-dpo} COMMAND-ARGS...
+       python tests/helpers/fault_launcher.py --zygote RUNS.json
 
 The zygote imports the commands once and forks one child process per run in RUNS.json (a list of {"name", "command",
 "args", "env", "stdout", "stderr", "status"}): each child is a real process running the real command with its own

@@ -1,10 +1,9 @@
 """train-dpo end to end on a tiny Llama (hidden 32, 2 layers) and 40 pairs: loss at the start, cached vs live
-reference, the number of models built, the output checkpoint and run manifest, config files, resume, gradient
-accumulation and the other loss types."""
+reference, the number of models built, the output checkpoint and run manifest, resume, gradient
+accumulation and the other loss types (dpo/recipe.py). Options and config files: test_cli.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from pathlib import Path
@@ -12,12 +11,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
 
-from conftest import DPO_PAIRS
+from conftest import DPO_PAIRS, REPO, assert_close, count_models, records, step_records
 from dpo.cli import main
-from dpo.recipe import TrainConfig, run_train
+from dpo.recipe import TrainConfig, latest_checkpoint, run_train
+from runtime.errors import JobError
 from schemas.stamps import file_sha256, model_hash, tokenizer_hash
 
 LN2 = math.log(2)
@@ -27,40 +26,9 @@ METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies
 NOT_COMPARED = ("runtime", "per_second", "epoch")  # wall-clock and epoch bookkeeping
 
 
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def step_records(out: Path) -> dict[int, dict]:
-    """Training-step records (the ones with a loss) by step."""
-    return {r["step"]: r for r in records(out) if "loss" in r}
-
-
 def train(model, data, out, **kwargs) -> dict:
     return run_train(TrainConfig(model=str(model), data=str(data), output_dir=str(out), **{**BASE, **kwargs}),
                      log=lambda m: None)
-
-
-@contextlib.contextmanager
-def count_models():
-    """Record the class of every transformers model constructed (a CausalLM builds its inner base model too)."""
-    import transformers
-
-    built: list[str] = []
-    original = transformers.PreTrainedModel.__init__
-
-    def counting(self, *args, **kwargs):
-        built.append(type(self).__name__)
-        original(self, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(transformers.PreTrainedModel, "__init__", counting)
-        yield built
-
-
-def assert_close(a: float, b: float, what: str, tol: float = 1e-6):
-    # Relative for large values: log-prob sums of ~-100 in float32 carry 7.6e-6 per unit in the last place.
-    assert abs(a - b) <= tol * max(1.0, abs(a)), f"{what}: {a} vs {b}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,74 +136,11 @@ def test_metrics_file_and_plot(runs):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# --config files
+# resume, gradient accumulation, other losses
 
 
 def _cli(args: list[str]):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
-def test_yaml_config_sets_options_and_the_command_line_overrides(tmp_path, llama_dir, dpo_data, dpo_cache):
-    cfg = tmp_path / "run.yaml"
-    # IPO's first-step loss with the policy at the reference is (1/(2 beta))^2, so it shows which beta was used.
-    # 1e-3 is how people write it; YAML 1.1 reads it as a string.
-    cfg.write_text("loss_type: ipo\nbeta: 0.25\nmax_steps: 2\nlearning_rate: 1e-3\nuse_cpu: true\n"
-                   "per_device_train_batch_size: 4\nlogging_steps: 1\nplot: false\nseed: 7\n")
-    out = tmp_path / "out"
-    result = _cli(["--config", cfg, "--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache,
-                   "--output-dir", out, "--max-steps", 3])
-    assert result.exit_code == 0, result.output
-    manifest = json.loads((out / "run-manifest.json").read_text())
-    assert manifest["config"]["max_steps"] == 3  # command line beats the file
-    assert manifest["config"]["beta"] == 0.25 and manifest["config"]["loss_type"] == "ipo"
-    assert manifest["config"]["learning_rate"] == 1e-3
-    steps = step_records(out)
-    assert sorted(steps) == [1, 2, 3]
-    assert steps[1]["loss"] == pytest.approx((1 / (2 * 0.25)) ** 2, abs=1e-5)
-    assert steps[1]["learning_rate"] == pytest.approx(1e-3)
-
-
-def test_json_config_with_kebab_keys_and_override(tmp_path, llama_dir, dpo_data, dpo_cache):
-    out = tmp_path / "out"
-    cfg = tmp_path / "run.json"
-    cfg.write_text(json.dumps({
-        "model": str(llama_dir), "data": str(dpo_data), "ref-cache": str(dpo_cache), "output-dir": str(out),
-        "loss-type": "ipo", "beta": 0.5, "max-steps": 2, "use-cpu": True, "logging-steps": 1, "plot": False,
-        "per-device-train-batch-size": 4,
-    }))
-    result = _cli(["--config", cfg, "--beta", 1.0])
-    assert result.exit_code == 0, result.output
-    manifest = json.loads((out / "run-manifest.json").read_text())
-    assert manifest["config"]["beta"] == 1.0 and manifest["config"]["max_steps"] == 2
-    steps = step_records(out)
-    assert sorted(steps) == [1, 2]
-    assert steps[1]["loss"] == pytest.approx((1 / (2 * 1.0)) ** 2, abs=1e-5)
-
-
-@pytest.mark.parametrize("suffix,text", [(".yaml", "max_step: 3\nbeta: 0.2\n"), (".json", '{"betta": 0.2}')])
-def test_unknown_config_key_is_a_usage_error(tmp_path, llama_dir, dpo_data, dpo_cache, suffix, text):
-    cfg = tmp_path / f"run{suffix}"
-    cfg.write_text(text)
-    out = tmp_path / "out"
-    result = _cli(["--config", cfg, "--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache,
-                   "--output-dir", out])
-    assert result.exit_code == 2
-    assert "unknown option(s)" in result.output and ("max_step" in result.output or "betta" in result.output)
-    assert not out.exists()
-
-
-def test_config_value_of_the_wrong_type_is_a_usage_error(tmp_path, llama_dir, dpo_data, dpo_cache):
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text("max_steps: many\n")
-    result = _cli(["--config", cfg, "--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache,
-                   "--output-dir", tmp_path / "out"])
-    assert result.exit_code == 2
-    assert "max_steps" in result.output and "many" in result.output
-    assert not (tmp_path / "out").exists()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# resume, gradient accumulation, other losses
 
 
 def test_resume_from_checkpoint_reaches_the_same_final_step(tmp_path, llama_dir, dpo_data, dpo_cache):
@@ -311,3 +216,48 @@ def test_other_losses_train_end_to_end(tmp_path, llama_dir, dpo_data, dpo_cache,
     assert losses[-1] < losses[0]  # full-batch steps on the same data lower the loss
     manifest = json.loads((out / "run-manifest.json").read_text())
     assert all(manifest["config"][k] == v for k, v in options.items())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 16 (what a TRL user expects): --resume-from-checkpoint true, the eval split, the progress bar, trackers
+
+
+def test_resume_true_means_the_latest_checkpoint(tmp_path):
+    for n in (5, 20, 10):
+        (tmp_path / f"checkpoint-{n}").mkdir()
+    assert latest_checkpoint("true", tmp_path) == str(tmp_path / "checkpoint-20")
+    assert latest_checkpoint("False", tmp_path) is None
+    assert latest_checkpoint(str(tmp_path / "checkpoint-5"), tmp_path) == str(tmp_path / "checkpoint-5")
+    with pytest.raises(JobError, match="no checkpoint-N folder"):
+        latest_checkpoint("true", tmp_path / "empty")
+
+
+def test_eval_data_without_its_cache_says_what_to_run(tmp_path, llama_dir, dpo_data, dpo_cache):
+    assert TrainConfig(model="m", data="d", output_dir="o").eval_split == "test"
+    cfg = TrainConfig(model=str(llama_dir), data=str(dpo_data), output_dir=str(tmp_path / "o"),
+                      ref_cache=str(dpo_cache), eval_data=str(tmp_path / "eval.jsonl"), use_cpu=True)
+    with pytest.raises(JobError, match=r"run `precompute-ref --model .* --split test --out EVAL_CACHE`.*--eval-ref-cache"):
+        run_train(cfg)
+    assert not (tmp_path / "o").exists()
+
+
+def test_progress_bar_is_on():
+    from runtime.cli import quiet_libraries
+
+    quiet_libraries()
+    assert TrainConfig(model="m", data="d", output_dir="o", use_cpu=True).training_arguments().disable_tqdm is False
+
+
+def test_missing_tracker_is_refused_first(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    cfg = TrainConfig(model=str(tmp_path / "no-model"), data="d", output_dir=str(tmp_path / "o"),
+                      ref_cache=str(tmp_path / "no-cache"), report_to="wandb", use_cpu=True)
+    with pytest.raises(JobError, match=r"--report-to wandb: the wandb package is not installed; install it with `pip install wandb`"):
+        run_train(cfg)
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "tensorboard" in extras["project"]["optional-dependencies"]

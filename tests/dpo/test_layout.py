@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DATA, WORDS, build_llama, save_checkpoint, write_jsonl
+from conftest import DATA, WORDS, build_llama, records, save_checkpoint, write_jsonl
 from dpo import layout
 from dpo.layout import PrefixSharedCollator, choose_layout, pair_logps
 from dpo.recipe import TrainConfig, run_train
@@ -40,10 +40,6 @@ def train(model, data, out, **kwargs) -> tuple[dict, list[str]]:
     summary = run_train(TrainConfig(model=str(model), data=str(data), output_dir=str(out), **{**options, **kwargs}),
                         log=logs.append)
     return summary, logs
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def assert_same_run(a: Path, b: Path, steps: int, start: Path):

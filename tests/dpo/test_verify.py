@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import CHAT_TEMPLATE, DPO_PAIRS, pref_rows, write_jsonl
+from conftest import CHAT_TEMPLATE, DPO_PAIRS, REPO, pref_rows, write_jsonl
 from dpo.cli import main
 from schemas.stamps import model_hash
 
-REPO = Path(__file__).resolve().parent.parent
 TRAIN = ["--use-cpu", "--max-steps", "1", "--per-device-train-batch-size", "4", "--learning-rate", "1e-3",
          "--logging-steps", "1", "--no-plot"]
 
@@ -189,3 +188,48 @@ def test_refusal_exit_code_of_the_installed_command(tmp_path, llama_dir, dpo_dat
     assert "model_hash mismatch" in proc.stderr and "f" * 64 in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 16 (what a TRL user expects), item 11: mismatch messages say what differs
+
+
+def test_tokenizer_mismatch_names_the_differing_parts(llama_dir, dpo_cache, dpo_data):
+    from transformers import AutoTokenizer
+
+    from dpo.verify import verify_and_join
+    from schemas.format import StampMismatch
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    tok.chat_template = tok.chat_template.replace("|>\n", "|>: ")
+    with pytest.raises(StampMismatch, match=r"it differs in: chat_template\n") as e:
+        verify_and_join(tokenizer=tok, model_dir=str(llama_dir), data=str(dpo_data), split="train",
+                        cache_dir=str(dpo_cache), log=lambda m: None)
+    assert "it differs in: chat_template" in str(e.value).splitlines()[0]
+
+
+def test_conversational_cache_with_standard_data_says_the_template_differs(tmp_path, llama_dir, dpo_cache):
+    from transformers import AutoTokenizer
+
+    from dpo.verify import verify_and_join
+
+    standard = write_jsonl(tmp_path / "std.jsonl", pref_rows(40, fmt="standard"))  # same ids r0000.., no template
+    with pytest.raises(Exception, match="chat-template rendering differs"):
+        verify_and_join(tokenizer=AutoTokenizer.from_pretrained(llama_dir), model_dir=str(llama_dir),
+                        data=str(standard), split="train", cache_dir=str(dpo_cache), log=lambda m: None)
+
+
+def test_eval_cache_given_as_ref_cache_says_so(tmp_path, llama_dir):
+    from transformers import AutoTokenizer
+
+    from dpo.verify import verify_and_join
+    from precompute.job import PrecomputeConfig, run_precompute
+
+    write_jsonl(tmp_path / "d" / "train.jsonl", pref_rows(6))
+    write_jsonl(tmp_path / "d" / "eval.jsonl", pref_rows(4, seed=3))
+    run_precompute(PrecomputeConfig(model=str(llama_dir), data=str(tmp_path / "d"), split="test",
+                                    out=str(tmp_path / "eval-cache"), progress=False), log=lambda m: None)
+    with pytest.raises(Exception, match=r"the cache holds split 'test' \(the eval split's cache\).*--eval-ref-cache"):
+        verify_and_join(tokenizer=AutoTokenizer.from_pretrained(llama_dir), model_dir=str(llama_dir),
+                        data=str(tmp_path / "d"), split="train", cache_dir=str(tmp_path / "eval-cache"),
+                        log=lambda m: None)

@@ -1,0 +1,178 @@
+"""dpo/cli.py: train-dpo's options (every TrainingArguments field in both spellings, grouped help), config files
+(YAML, JSON, TRL's DPOConfig YAML; the command line wins; unknown keys and wrong types are usage errors), the
+summary line and --bf16."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import step_records
+from dpo.cli import main
+
+TRAIN = ["--use-cpu", "--max-steps", "1", "--per-device-train-batch-size", "4", "--logging-steps", "1", "--no-plot"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --config files
+
+
+def _cli(args: list[str]):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_yaml_config_sets_options_and_the_command_line_overrides(tmp_path, llama_dir, dpo_data, dpo_cache):
+    cfg = tmp_path / "run.yaml"
+    # IPO's first-step loss with the policy at the reference is (1/(2 beta))^2, so it shows which beta was used.
+    # 1e-3 is how people write it; YAML 1.1 reads it as a string.
+    cfg.write_text("loss_type: ipo\nbeta: 0.25\nmax_steps: 2\nlearning_rate: 1e-3\nuse_cpu: true\n"
+                   "per_device_train_batch_size: 4\nlogging_steps: 1\nplot: false\nseed: 7\n")
+    out = tmp_path / "out"
+    result = _cli(["--config", cfg, "--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache,
+                   "--output-dir", out, "--max-steps", 3])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "run-manifest.json").read_text())
+    assert manifest["config"]["max_steps"] == 3  # command line beats the file
+    assert manifest["config"]["beta"] == 0.25 and manifest["config"]["loss_type"] == "ipo"
+    assert manifest["config"]["learning_rate"] == 1e-3
+    steps = step_records(out)
+    assert sorted(steps) == [1, 2, 3]
+    assert steps[1]["loss"] == pytest.approx((1 / (2 * 0.25)) ** 2, abs=1e-5)
+    assert steps[1]["learning_rate"] == pytest.approx(1e-3)
+
+
+def test_json_config_with_kebab_keys_and_override(tmp_path, llama_dir, dpo_data, dpo_cache):
+    out = tmp_path / "out"
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({
+        "model": str(llama_dir), "data": str(dpo_data), "ref-cache": str(dpo_cache), "output-dir": str(out),
+        "loss-type": "ipo", "beta": 0.5, "max-steps": 2, "use-cpu": True, "logging-steps": 1, "plot": False,
+        "per-device-train-batch-size": 4,
+    }))
+    result = _cli(["--config", cfg, "--beta", 1.0])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "run-manifest.json").read_text())
+    assert manifest["config"]["beta"] == 1.0 and manifest["config"]["max_steps"] == 2
+    steps = step_records(out)
+    assert sorted(steps) == [1, 2]
+    assert steps[1]["loss"] == pytest.approx((1 / (2 * 1.0)) ** 2, abs=1e-5)
+
+
+@pytest.mark.parametrize("suffix,text", [(".yaml", "max_step: 3\nbeta: 0.2\n"), (".json", '{"betta": 0.2}')])
+def test_unknown_config_key_is_a_usage_error(tmp_path, llama_dir, dpo_data, dpo_cache, suffix, text):
+    cfg = tmp_path / f"run{suffix}"
+    cfg.write_text(text)
+    out = tmp_path / "out"
+    result = _cli(["--config", cfg, "--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache,
+                   "--output-dir", out])
+    assert result.exit_code == 2
+    assert "unknown option(s)" in result.output and ("max_step" in result.output or "betta" in result.output)
+    assert not out.exists()
+
+
+def test_config_value_of_the_wrong_type_is_a_usage_error(tmp_path, llama_dir, dpo_data, dpo_cache):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("max_steps: many\n")
+    result = _cli(["--config", cfg, "--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache,
+                   "--output-dir", tmp_path / "out"])
+    assert result.exit_code == 2
+    assert "max_steps" in result.output and "many" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 16 (what a TRL user expects), item 4: the summary states one accuracy, named (no kl_k3: tests/test_losses.py)
+
+
+def test_summary_names_one_accuracy():
+    from dpo.cli import summary_text
+
+    text = summary_text({"eval": {"eval_rewards/accuracies": 0.75}, "output_dir": "o", "steps": 3, "train_s": 1.0,
+                         "verify_s": 0.1, "train_loss": 0.5, "eval_start": {"eval_logps/accuracies": 0.4}})
+    assert "eval reward accuracy 0.750" in text and "0.400" not in text and "preferred" not in text
+
+
+# issue 16 (what a TRL user expects), item 5: options: every TrainingArguments field, both spellings, grouped help, DPOConfig YAML, resume true
+
+
+def test_every_training_argument_is_an_option_in_both_spellings():
+    import transformers
+
+    from dpo.cli import main
+
+    text = CliRunner().invoke(main, ["--help"], terminal_width=200).output
+    for section in ("Data options:", "Reference cache options:", "Loss options:", "Training options:"):
+        assert section in text
+    for f in dataclasses.fields(transformers.TrainingArguments):
+        if f.init and not f.name.startswith("_") and f.name not in ("debug", "remove_unused_columns"):
+            assert f"--{f.name.replace('_', '-')}" in text and f"--{f.name}" in text, f.name
+    assert "The exponential decay rate for the first moment" in text  # described in words (transformers' own help)
+
+
+def test_trainer_options_reach_training_arguments():
+    from dpo.cli import resolve_config
+
+    cfg = resolve_config(None, {"model": "m", "data": "d", "output_dir": "o", "adam_beta1": 0.8, "run_name": "exp-7",
+                                "learning_rate": 2e-4, "use_cpu": True, "label_names": ("a", "b")})
+    args = cfg.training_arguments()
+    assert (args.adam_beta1, args.run_name, args.learning_rate, args.label_names) == (0.8, "exp-7", 2e-4, ["a", "b"])
+    assert args.remove_unused_columns is False
+
+
+def test_underscore_spelling_on_the_command_line(tmp_path):
+    from dpo.cli import main
+
+    result = CliRunner().invoke(main, ["--model", "m", "--data", "d", "--output_dir", str(tmp_path / "o"),
+                                       "--learning_rate", "1e-4", "--ref_cache", str(tmp_path / "none")])
+    assert result.exit_code == 2
+    assert "no such option" not in result.output.lower()  # parsed; refused later for the missing model
+
+
+def test_trl_dpo_config_yaml(tmp_path):
+    import yaml
+    from trl import DPOConfig
+
+    from dpo.cli import load_config_file
+
+    trl = DPOConfig(output_dir=str(tmp_path / "o"), beta=0.3, learning_rate=5e-7, loss_type=["ipo"], use_cpu=True,
+                    bf16=False)
+    keys = {f.name for f in dataclasses.fields(DPOConfig) if f.init}
+    data = {k: getattr(trl, k) for k in ("output_dir", "beta", "learning_rate", "loss_type", "max_length",
+                                         "precompute_ref_log_probs", "padding_free")}
+    data |= {"model_name_or_path": "org/sft", "dataset_name": "org/prefs"}
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    values = load_config_file(str(path))
+    assert values["beta"] == 0.3 and values["loss_type"] == "ipo" and values["learning_rate"] == 5e-7
+    assert values["model"] == "org/sft" and values["data"] == "org/prefs"
+    assert "precompute_ref_log_probs" not in values  # at TRL's default: changes nothing, ignored with a note
+    data["padding_free"] = True  # a DPOConfig key we do not support, set away from its default
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(Exception, match="unknown option\\(s\\) padding_free"):
+        load_config_file(str(path))
+    assert "padding_free" in keys
+
+
+# issue 16 (what a TRL user expects), item 14: --bf16 is autocast over float32 master weights; --bf16 on CPU names --use-cpu
+
+
+def test_bf16_keeps_float32_weights(tmp_path, llama_dir, dpo_data, dpo_cache):
+    from safetensors import safe_open
+
+    from dpo.cli import main
+
+    out = tmp_path / "o"
+    result = CliRunner().invoke(main, ["--model", str(llama_dir), "--data", str(dpo_data), "--ref-cache",
+                                       str(dpo_cache), "--output-dir", str(out), "--bf16", *TRAIN])
+    assert result.exit_code == 0, result.output
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    result = CliRunner().invoke(main, ["--model", str(llama_dir), "--data", str(dpo_data), "--ref-cache",
+                                       str(dpo_cache), "--output-dir", str(tmp_path / "o2"), "--bf16", "--max-steps", "1"])
+    import torch
+
+    if not torch.cuda.is_available():
+        assert result.exit_code == 2 and "add --use-cpu" in result.output

@@ -1,0 +1,239 @@
+"""Helpers shared by the test files: tiny models and BPE tokenizers built on the spot (nothing comes from a hub),
+preference rows, and small readers of a cache folder or a train-dpo output folder.
+
+The fixtures live in tests/conftest.py, which re-exports these names (`from conftest import build_llama` keeps
+working). Helper scripts that tests start as subprocesses live in tests/helpers/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "data"
+HELPERS = REPO / "tests" / "helpers"  # scripts run as subprocesses
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+WORDS = "the a cat dog sky blue green red sun moon is are was be yes no sure hmm answer question what why how " \
+        "one two three four five six seven eight nine ten add and plus minus colour fly swim run jump".split()
+
+DPO_PAIRS = 40  # rows of the session's `dpo_data` fixture
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tokenizers and models
+
+
+def corpus(n=400, seed=0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + rng.choice([".", "?", "!"]) for _ in range(n)]
+
+
+def build_tokenizer(vocab_size=300, extra_special=(), chat_template=CHAT_TEMPLATE, seed=0):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", *extra_special]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(seed=seed), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = chat_template
+    return fast
+
+
+# GPT-2 style: no BOS added to a text, a chat template that renders no BOS. Llama style: the tokenizer adds BOS to a
+# text (a template post-processor) and the chat template starts with the BOS token. For comparing encodings with TRL.
+LLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def gpt2_style():
+    return build_tokenizer()
+
+
+def llama_style():
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = build_tokenizer(chat_template=LLAMA_TEMPLATE)
+    backend = tok.backend_tokenizer
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.bos_token_id)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = LLAMA_TEMPLATE
+    return fast
+
+
+def build_llama(vocab_size, seed=0, hidden=32, layers=2, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False, **overrides,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def build_gpt2(vocab_size, seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=512, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def save_checkpoint(model, tokenizer, path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# preference data
+
+
+def pref_rows(n=24, seed=0, fmt="standard") -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) + "?"
+        a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
+        b = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
+        if fmt == "standard":
+            row = {"prompt": q, "chosen": "sure " + a, "rejected": "hmm " + b}
+        elif fmt == "conversational":
+            row = {"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": "sure " + a}],
+                   "rejected": [{"role": "assistant", "content": "hmm " + b}]}
+        else:  # implicit prompt
+            row = {"chosen": q + " sure " + a, "rejected": q + " hmm " + b}
+        rows.append({"id": f"r{i:04d}", **row})
+    return rows
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a cache folder, read without refcache's own reader
+
+
+def manifest_of(out: Path) -> dict:
+    return json.loads((Path(out) / "manifest.json").read_text())
+
+
+def shard_hashes(out: Path) -> dict[str, str]:
+    """sha256 of every shard file in the directory (listed or not)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(out).glob("*.parquet"))}
+
+
+def dir_state(out: Path) -> dict[str, str]:
+    """Every file in the directory with its content hash."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(out).iterdir()) if p.is_file()}
+
+
+def read_cache(out: Path):
+    """All rows as a polars DataFrame, read straight from the shard files in manifest order (no refcache reader)."""
+    import polars as pl
+
+    return pl.concat([pl.read_parquet(Path(out) / s["file"]) for s in manifest_of(out)["shards"]])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a train-dpo output folder and run
+
+
+def records(out: Path) -> list[dict]:
+    """Every record of metrics.jsonl."""
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def step_records(out: Path) -> dict[int, dict]:
+    """Training-step records (the ones with a loss) by step."""
+    return {r["step"]: r for r in records(out) if "loss" in r}
+
+
+@contextlib.contextmanager
+def count_models():
+    """Record the class of every transformers model constructed (a CausalLM builds its inner base model too)."""
+    import pytest
+    import transformers
+
+    built: list[str] = []
+    original = transformers.PreTrainedModel.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.PreTrainedModel, "__init__", counting)
+        yield built
+
+
+def assert_close(a: float, b: float, what: str, tol: float = 1e-6):
+    # Relative for large values: log-prob sums of ~-100 in float32 carry 7.6e-6 per unit in the last place.
+    assert abs(a - b) <= tol * max(1.0, abs(a)), f"{what}: {a} vs {b}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# precompute-ref in process
+
+
+def precompute_cli(*args):
+    """Run precompute-ref in process; returns click's Result (exit_code, output = stdout and stderr)."""
+    from click.testing import CliRunner
+
+    from precompute.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args] + ["--no-progress"], catch_exceptions=False)
+
+
+def precompute_ok(*args):
+    result = precompute_cli(*args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def scored_now(result) -> tuple[int, int]:
+    """(pairs written, pairs scored by this run) from precompute-ref's closing line."""
+    import re
+
+    m = re.search(r"wrote (\d+) pairs \((\d+) scored now\)", result.output)
+    assert m, result.output
+    return int(m.group(1)), int(m.group(2))
+
+
+def assert_not_valid(out: Path):
+    """Nothing in `out` reads as a usable cache."""
+    import pytest
+
+    from schemas import format as fmt
+
+    assert not (Path(out) / fmt.MANIFEST).exists()
+    with pytest.raises(fmt.CacheError):
+        fmt.open_cache(out)
