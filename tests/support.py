@@ -237,3 +237,85 @@ def assert_not_valid(out: Path):
     assert not (Path(out) / fmt.MANIFEST).exists()
     with pytest.raises(fmt.CacheError):
         fmt.open_cache(out)
+
+
+def precompute_in_process(model, data, out, rows_per_shard=10) -> Path:
+    """run_precompute with bad rows skipped and no progress bar; returns the cache folder."""
+    from precompute.job import PrecomputeConfig, run_precompute
+
+    run_precompute(PrecomputeConfig(model=str(model), data=str(data), out=str(out), rows_per_shard=rows_per_shard,
+                                    on_bad_row="skip", progress=False), log=lambda m: None)
+    return Path(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# audit-ref in process, and a forger's edits of a cache
+
+
+def audit_ref(cache, *args, json_path=None):
+    """Run audit-ref in process; returns (exit code, JSON report or None, console output). The report must be strict
+    JSON (no NaN or Infinity)."""
+    import pytest
+    from click.testing import CliRunner
+
+    from audit.cli import main
+
+    json_path = Path(json_path or Path(cache).parent / "audit.json")
+    json_path.unlink(missing_ok=True)
+    result = CliRunner().invoke(main, [str(cache), *map(str, args), "--json", str(json_path)], catch_exceptions=False)
+    strict = lambda c: pytest.fail(f"--json wrote {c}, which is not JSON")  # noqa: E731
+    report = json.loads(json_path.read_text(), parse_constant=strict) if json_path.exists() else None
+    return result.exit_code, report, result.output
+
+
+def check_of(report, name) -> dict:
+    """One check of an audit-ref report, by name."""
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+def statuses(report) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in report["checks"]}
+
+
+def edit_manifest(cache: Path, edit) -> None:
+    """Apply `edit` to the manifest dict and write it back the way the writer does."""
+    from schemas import format as fmt
+
+    manifest = json.loads((cache / fmt.MANIFEST).read_text())
+    edit(manifest)
+    fmt.write_manifest(cache, manifest)
+
+
+def rewrite_shard(cache: Path, name: str, edit, *, ids=False) -> None:
+    """Rewrite a shard with edited rows, keeping its schema and refcache metadata, then restamp its manifest entry
+    (size and sha256; with ids=True also its ids checksum, footer and manifest) so that only the content checks can
+    notice."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from schemas.stamps import file_sha256, ids_checksum
+
+    path = cache / name
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    edit(rows)
+    schema = table.schema
+    if ids:
+        ids_sum = ids_checksum([r["id"] for r in rows])
+        schema = schema.with_metadata({**schema.metadata, b"refcache.ids_checksum": ids_sum.encode()})
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, compression="zstd")
+
+    def restamp(manifest):
+        entry = next(s for s in manifest["shards"] if s["file"] == name)
+        entry.update(bytes=path.stat().st_size, sha256=file_sha256(path))
+        if ids:
+            entry["ids_checksum"] = ids_sum
+
+    edit_manifest(cache, restamp)
+
+
+def float32_sum(values) -> float:
+    """The float64 sum of float32 values, as the writer computes a sequence's log-prob."""
+    import numpy as np
+
+    return float(np.sum(np.asarray(values, np.float32).astype(np.float64)))

@@ -1,6 +1,6 @@
-"""audit-ref in process (click's CliRunner): a clean cache passes every check; each corruption fails exactly the check
-that owns it; the replay on the shipped data/ model finds a 1e-3 change in one token; usage errors and unreadable
-caches exit 2."""
+"""audit/cli.py (and the checks of audit/cache.py and audit/runs.py it runs), audit-ref in process (click's
+CliRunner): a clean cache passes every check; each corruption fails exactly the check that owns it; usage errors and
+unreadable caches exit 2. The replay on the shipped data/ model: test_replay.py."""
 
 from __future__ import annotations
 
@@ -10,18 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import polars as pl
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
 
-from conftest import DATA, build_llama, pref_rows, save_checkpoint, write_jsonl
-from audit.cli import SECTIONS, main
-from precompute.job import PrecomputeConfig, run_precompute
+from conftest import audit_ref as audit, build_llama, check_of as check, edit_manifest, float32_sum, pref_rows
+from conftest import precompute_in_process as precompute, rewrite_shard, save_checkpoint, statuses, write_jsonl
+from audit.cli import SECTIONS
 from schemas import format as fmt
-from schemas.stamps import file_sha256, ids_checksum, model_hash
+from schemas.stamps import file_sha256, model_hash
 
 ALL_CHECKS = [n for names in SECTIONS.values() for n in names]
 BAD_ROWS = [{"id": "bad-empty", "prompt": "what?", "chosen": "", "rejected": "no"},
@@ -29,63 +24,6 @@ BAD_ROWS = [{"id": "bad-empty", "prompt": "what?", "chosen": "", "rejected": "no
 
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
-
-
-def precompute(model, data, out, rows_per_shard=10) -> Path:
-    run_precompute(PrecomputeConfig(model=str(model), data=str(data), out=str(out), rows_per_shard=rows_per_shard,
-                                    on_bad_row="skip", progress=False), log=lambda m: None)
-    return Path(out)
-
-
-def audit(cache, *args, json_path=None):
-    """Run audit-ref in process; returns (exit code, JSON report or None, console output)."""
-    json_path = Path(json_path or Path(cache).parent / "audit.json")
-    json_path.unlink(missing_ok=True)
-    result = CliRunner().invoke(main, [str(cache), *map(str, args), "--json", str(json_path)], catch_exceptions=False)
-    strict = lambda c: pytest.fail(f"--json wrote {c}, which is not JSON")  # noqa: E731
-    report = json.loads(json_path.read_text(), parse_constant=strict) if json_path.exists() else None
-    return result.exit_code, report, result.output
-
-
-def statuses(report) -> dict[str, str]:
-    return {c["name"]: c["status"] for c in report["checks"]}
-
-
-def check(report, name) -> dict:
-    return next(c for c in report["checks"] if c["name"] == name)
-
-
-def edit_manifest(cache: Path, edit) -> None:
-    manifest = json.loads((cache / fmt.MANIFEST).read_text())
-    edit(manifest)
-    fmt.write_manifest(cache, manifest)
-
-
-def rewrite_shard(cache: Path, name: str, edit, *, ids=False) -> None:
-    """Rewrite a shard with edited rows, keeping its schema and refcache metadata, then restamp its manifest entry
-    (size and sha256; with ids=True also its ids checksum, footer and manifest) so that only the content checks can
-    notice."""
-    path = cache / name
-    table = pq.read_table(path)
-    rows = table.to_pylist()
-    edit(rows)
-    schema = table.schema
-    if ids:
-        ids_sum = ids_checksum([r["id"] for r in rows])
-        schema = schema.with_metadata({**schema.metadata, b"refcache.ids_checksum": ids_sum.encode()})
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, compression="zstd")
-
-    def restamp(manifest):
-        entry = next(s for s in manifest["shards"] if s["file"] == name)
-        entry.update(bytes=path.stat().st_size, sha256=file_sha256(path))
-        if ids:
-            entry["ids_checksum"] = ids_sum
-
-    edit_manifest(cache, restamp)
-
-
-def float32_sum(values) -> float:
-    return float(np.sum(np.asarray(values, np.float32).astype(np.float64)))
 
 
 def fake_run(out: Path, checkpoint: Path, cache: Path) -> Path:
@@ -312,53 +250,6 @@ def test_replay_and_data_wait_for_the_hashes(world, cache):
     _, report, _ = audit(cache, "--model", world["other_tokenizer"], "--data", world["data"], "--sample", 3)
     assert statuses(report)["data_rows"] == "SKIP" and statuses(report)["replay"] == "PASS"
     assert check(report, "replay")["info"]["rows"] == 3
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# replay on the shipped data/ model
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("audit-data")
-    lines = (DATA / "prefs" / "train.jsonl").read_text().splitlines(keepends=True)[:40]
-    (base / "train.jsonl").write_text("".join(lines))
-    return precompute(DATA / "sft-model", base / "train.jsonl", base / "cache", rows_per_shard=2048)
-
-
-def test_replay_on_data_passes_in_float32_and_finds_a_1e_3_change(data_cache, tmp_path):
-    cache = Path(shutil.copytree(data_cache, tmp_path / "cache"))
-    code, report, output = audit(cache, "--model", DATA / "sft-model", "--all")
-    assert code == 0, output
-    info = check(report, "replay")["info"]
-    assert (info["rows"], info["dtype"], info["tolerance"]) == (40, "float32", 1e-4)
-    assert info["token_max_abs_diff"] <= 1e-5
-
-    def edit(rows):
-        values = rows[17]["chosen_logps"]
-        values[2] -= 1e-3
-        rows[17]["chosen_logp"] = float32_sum(values)
-
-    rewrite_shard(cache, "shard-00000.parquet", edit)
-    code, report, output = audit(cache, "--model", DATA / "sft-model", "--all")
-    assert code == 1, output
-    assert report["failed"] == ["replay"]
-    replay = check(report, "replay")
-    assert (replay["shard"], replay["row"]) == ("shard-00000.parquet", 17)
-    assert "chosen token 2" in replay["detail"] and replay["info"]["tokens_beyond_tolerance"] == 1
-    assert 0.9e-3 < replay["info"]["token_max_abs_diff"] < 1.1e-3
-
-
-def test_replay_sample_is_seeded(data_cache):
-    runs = [audit(data_cache, "--model", DATA / "sft-model", "--sample", 5, "--seed", s,
-                  json_path=data_cache.parent / f"a{i}.json")[1] for i, s in enumerate((7, 7, 8))]
-    infos = [check(r, "replay")["info"] for r in runs]
-    assert infos[0]["rows"] == 5 and len(set(infos[0]["sampled"])) == 5
-    assert infos[0]["sampled"] == infos[1]["sampled"] and infos[0]["sampled"] != infos[2]["sampled"]
-    cached = {r["id"]: r for r in pl.read_parquet(sorted(data_cache.glob("*.parquet"))).to_dicts()}
-    for info in infos:  # the rows named are the rows replayed: their completion tokens add up to the replayed count
-        assert info["tokens"] == sum(len(cached[i]["chosen_input_ids"]) + len(cached[i]["rejected_input_ids"])
-                                     for i in info["sampled"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
