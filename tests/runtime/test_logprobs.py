@@ -1,0 +1,164 @@
+"""runtime/logprobs.py against an independent computation: a plain transformers forward of each unpadded sequence,
+log_softmax over the whole vocabulary, the target token picked by hand. Covers `completion_logps` on a right-padded
+batch, `token_logps` through each head path (with several chunks, with gradients), `reference_logps` and the
+reset of a dynamic rotary embedding's state, `pad_sequences` and `unwrap`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import build_llama
+from runtime.logprobs import completion_logps, pad_sequences, reference_logps, token_logps, unwrap
+
+VOCAB = 300
+PAD = 0
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = build_llama(VOCAB, seed=4)
+    with torch.no_grad():  # larger weights than the default init, so positions and context change the numbers
+        for p in m.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.2)
+    return m
+
+
+def sequences(n=5, seed=0) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) of several lengths, one-token completions and prompts included."""
+    rng = random.Random(seed)
+    lengths = [(1, 1), (3, 7), (12, 2), (5, 1), (20, 9)][:n]
+    return [([rng.randrange(3, VOCAB) for _ in range(p)], [rng.randrange(3, VOCAB) for _ in range(c)])
+            for p, c in lengths]
+
+
+@torch.no_grad()
+def plain(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The log-probs of the completion tokens from one unpadded forward, written out without the project's code."""
+    ids = prompt + completion
+    logps = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return torch.stack([logps[len(prompt) + i - 1, t] for i, t in enumerate(completion)])
+
+
+def batch(pairs):
+    input_ids, mask = pad_sequences([p + c for p, c in pairs], PAD)
+    prompt_lens = torch.tensor([len(p) for p, _ in pairs])
+    completion_lens = torch.tensor([len(c) for _, c in pairs])
+    return input_ids, mask, prompt_lens, completion_lens
+
+
+def test_pad_sequences_right_pads_ids_and_mask():
+    ids, mask = pad_sequences([[5, 6, 7], [8]], pad_id=9)
+    assert ids.tolist() == [[5, 6, 7], [8, 9, 9]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert ids.dtype == mask.dtype == torch.long
+
+
+@pytest.mark.parametrize("chunk_elements", [2**25, VOCAB * 3])  # one chunk; chunks of 3 positions
+def test_completion_logps_equal_a_plain_forward_per_sequence(model, chunk_elements):
+    pairs = sequences()
+    got = completion_logps(model, *batch(pairs), chunk_elements=chunk_elements)
+    expected = torch.cat([plain(model, p, c) for p, c in pairs])  # flattened in row order
+    assert got.dtype == torch.float32 and got.shape == expected.shape == (sum(len(c) for _, c in pairs),)
+    torch.testing.assert_close(got, expected, rtol=0, atol=TOL)
+    assert bool((got < 0).all())
+
+
+def test_completion_logps_are_not_those_of_a_shifted_or_other_sequence(model):
+    """Control: the comparison above would see an off-by-one position or a row mix-up."""
+    pairs = sequences()
+    with torch.no_grad():
+        got = completion_logps(model, *batch(pairs))
+    shifted = torch.cat([plain(model, p[:-1], [p[-1]] + c[:-1]) if len(p) > 1 else plain(model, p, c)
+                         for p, c in pairs])
+    assert float((got - shifted).abs().max()) > 1e-3
+    swapped = [(pairs[1][0], pairs[0][1])] + pairs[1:]
+    with torch.no_grad():
+        assert float((completion_logps(model, *batch(swapped))[0] - got[0]).abs()) > 1e-4
+
+
+@pytest.mark.parametrize("head", ["hook", "logits_to_keep", "logits"])
+def test_token_logps_of_each_head_path_at_arbitrary_positions_and_targets(model, head):
+    pairs = sequences()
+    input_ids, mask, _, _ = batch(pairs)
+    rng = random.Random(1)
+    picks = [(r, s, rng.randrange(VOCAB)) for r, (p, c) in enumerate(pairs) for s in range(len(p) + len(c))
+             if rng.random() < 0.6]  # any real position of any row, any target token (not only the next one)
+    rows, sources, targets = (torch.tensor(x) for x in zip(*picks))
+    got = token_logps(model, {"input_ids": input_ids, "attention_mask": mask}, rows, sources, targets,
+                      chunk_elements=VOCAB * 4, head=head)
+    with torch.no_grad():
+        per_row = [model(torch.tensor([p + c])).logits[0].float().log_softmax(-1) for p, c in pairs]
+    expected = torch.stack([per_row[r][s, t] for r, s, t in picks])
+    torch.testing.assert_close(got, expected, rtol=0, atol=TOL)
+
+
+def test_chunked_hook_path_gives_the_gradient_of_a_plain_forward(model):
+    """With grad enabled and several chunks, each chunk's logits are recomputed in the backward pass; the gradient
+    must still be that of the plain log_softmax."""
+    pairs = sequences()
+    trained = build_llama(VOCAB, seed=4)
+    trained.load_state_dict(model.state_dict())
+    params = dict(trained.named_parameters())
+    got = completion_logps(trained, *batch(pairs), chunk_elements=VOCAB * 2)
+    (got * torch.linspace(0.5, 1.5, len(got))).sum().backward()
+    grads = {n: p.grad.clone() for n, p in params.items()}
+    trained.zero_grad()
+    expected = []
+    for p, c in pairs:
+        logps = trained(torch.tensor([p + c])).logits[0].float().log_softmax(-1)
+        expected += [logps[len(p) + i - 1, t] for i, t in enumerate(c)]
+    (torch.stack(expected) * torch.linspace(0.5, 1.5, len(got))).sum().backward()
+    for name, p in params.items():  # float32 rounding of a padded batch vs one sequence: ~1e-6 of the largest
+        scale = float(p.grad.abs().max())
+        assert float((grads[name] - p.grad).abs().max()) <= 1e-5 * max(1.0, scale), name
+    assert max(float(g.abs().max()) for g in grads.values()) > 0
+
+
+def test_reference_logps_is_the_plain_forward(model):
+    for p, c in sequences():
+        torch.testing.assert_close(reference_logps(model, p, c), plain(model, p, c), rtol=0, atol=TOL)
+
+
+def test_reference_logps_resets_a_dynamic_rotary_embedding():
+    """A dynamic-NTK rotary embedding grows its frequencies for the longest sequence it has seen and keeps them; the
+    reference is the fresh model's numbers whatever ran before."""
+    threshold = 16
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(LlamaConfig(  # dynamic NTK takes max_position_embeddings as its original context
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=threshold,
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.25)
+    rng = random.Random(3)
+    # 24 tokens: past the original context, shorter than what ran before (transformers resets by itself only for
+    # sequences inside the original context)
+    prompt, completion = [rng.randrange(3, VOCAB) for _ in range(10)], [rng.randrange(3, VOCAB) for _ in range(14)]
+    fresh = plain(model, prompt, completion)  # nothing longer has run yet
+    assert torch.allclose(reference_logps(model, prompt, completion), fresh, rtol=0, atol=TOL)
+
+    with torch.no_grad():
+        model(torch.tensor([[rng.randrange(3, VOCAB) for _ in range(threshold * 4)]]))  # past the original context
+    stale = plain(model, prompt, completion)
+    assert float((stale - fresh).abs().max()) > 1e-4  # the state it kept changes a short sequence's numbers
+
+    torch.testing.assert_close(reference_logps(model, prompt, completion), fresh, rtol=0, atol=TOL)
+    torch.testing.assert_close(plain(model, prompt, completion), fresh, rtol=0, atol=TOL)  # left fresh after
+
+
+def test_unwrap_finds_the_model_inside_wrappers(model):
+    class Wrapper(torch.nn.Module):  # what DDP / FSDP look like from outside: the model as .module
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    compiled = type("Compiled", (), {"_orig_mod": model})()
+    assert unwrap(Wrapper(Wrapper(model))) is model and unwrap(compiled) is model and unwrap(model) is model
