@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="refcache-trl-"))
 os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(os.environ["HF_HOME"], "datasets"))
 
 from conftest import build_llama, pref_rows, save_checkpoint, write_jsonl  # noqa: E402
-from trl_tokenizers import gpt2_style, llama_style  # noqa: E402
+from support import gpt2_style, llama_style  # noqa: E402
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
            "grad_norm")

@@ -1,4 +1,5 @@
 """Architecture matrix: every batching mode (and auto) gives the model's own numbers, or falls back / refuses.
+Cross-cutting (runtime.head, runtime.logprobs and precompute.modes over one model per architecture), so top level.
 
 The truth is `runtime.logprobs.reference_logps`: the model's own forward over the unpadded sequence as a batch of one,
 its own `logits` after log_softmax. For each architecture below a tiny random model is built from its config (weights

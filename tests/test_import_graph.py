@@ -1,4 +1,4 @@
-"""The rooms of the project and which way their imports may point.
+"""The rooms of the project and which way their imports may point. Cross-cutting (reads every room), so top level.
 
 schemas (the contract) imports nothing of ours; runtime (what both jobs share) imports only schemas; precompute and
 dpo import runtime and schemas, never each other; audit imports schemas and runtime, and the batching-mode registry

@@ -1,8 +1,12 @@
 """Helpers shared by the fault-injection suite (tests/faults/test_fault_*.py): the three commands run in process, the
-launcher for real subprocesses, and the tools a forger would use on a cache (rewrite a shard, restamp the manifest).
+launcher for real subprocesses (tests/helpers/fault_launcher.py), and the tools a forger would use on a cache
+(rewrite a shard, restamp the manifest).
 
 Not a conftest (that name belongs to tests/conftest.py): the test modules import it by name, which works because
 pytest puts this folder on sys.path when it collects them.
+
+The fault matrix is cross-cutting (each case drives precompute-ref, train-dpo and audit-ref end to end and checks
+what all three do with the same damage), so it has its own folder rather than a room.
 """
 
 from __future__ import annotations
