@@ -157,8 +157,10 @@ def dataclass_options(cls, *, group: str | None = None, skip=(), names: list | N
             kebab, snake = "--" + fld.name.replace("_", "-"), "--" + fld.name
             where = fld.metadata.get("group", group) if "group" in fld.metadata else group
             text = _help_text(fld) + (" [required]" if fld.metadata.get("required") and not enforce_required else "")
-            common = {"default": None, "help": text, "group": where, "cls": GroupedOption,
-                      "required": bool(fld.metadata.get("required")) and enforce_required}
+            required = bool(fld.metadata.get("required")) and enforce_required
+            # default None only where not required: click (8.5) takes an explicit None default as a given value
+            common = {"help": text, "group": where, "cls": GroupedOption, "required": required,
+                      **({} if required else {"default": None})}
             if kind is bool:
                 decls = [f"{kebab}/--no-{kebab[2:]}"] + ([f"{snake}/--no_{snake[2:]}"] if snake != kebab else [])
                 f = click.option(*decls, fld.name, **common)(f)

@@ -134,3 +134,9 @@ def test_help_is_generated_from_the_config_fields():
             default = f.default if f.default is not dataclasses.MISSING else None
             if default is not None:
                 assert " ".join(f.metadata["help"].split()) + f" [default: {default}]" in text
+
+
+def test_a_missing_required_option_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(main, ["--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "c")])
+    assert result.exit_code == 2 and "Missing option '--model'" in result.output, result.output
+    assert not (tmp_path / "c").exists()

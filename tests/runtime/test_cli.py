@@ -1,0 +1,108 @@
+"""runtime/cli.py: the command frame both jobs share. Options generated from a config dataclass (both spellings,
+types, choices, repeatable lists, booleans, grouped --help with the field's words and default, only given values
+collected) and run_cli's exit codes (2 with one error paragraph for what the user can fix, 1 for the unexpected)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Literal
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from runtime.cli import GroupedCommand, dataclass_options, field_help, given_values, run_cli
+from runtime.data import DataError
+from runtime.errors import JobError
+
+
+class Colour(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclasses.dataclass
+class Toy:
+    name: str = dataclasses.field(metadata=field_help("What to call it.", "Main", required=True))
+    steps: int = dataclasses.field(default=3, metadata=field_help("How many\n   steps.", "Main", min=1))
+    rate: float | None = dataclasses.field(default=None, metadata=field_help("A rate.", "Tuning"))
+    mode: Literal["fast", "slow"] = dataclasses.field(default="fast", metadata=field_help("Speed.", "Tuning"))
+    colour: Colour = dataclasses.field(default=Colour.RED, metadata=field_help("A colour.", "Tuning"))
+    tags: list[str] = dataclasses.field(default_factory=list, metadata=field_help("Repeatable.", "Tuning"))
+    draw_plot: bool = dataclasses.field(default=True, metadata=field_help("Draw it.", "Tuning"))
+    hidden: str = dataclasses.field(default="x", metadata=field_help("Not an option.", cli=False))
+
+
+def command():
+    seen = {}
+
+    @click.command(cls=GroupedCommand)
+    @dataclass_options(Toy)
+    def main(**values):
+        seen.update(given_values(values))
+
+    return main, seen
+
+
+def test_fields_become_options_in_both_spellings_with_types():
+    main, seen = command()
+    result = CliRunner().invoke(main, ["--name", "a", "--steps", "5", "--rate", "0.5", "--mode", "slow", "--colour",
+                                       "blue", "--tags", "x", "--tags", "y", "--no-draw-plot"])
+    assert result.exit_code == 0, result.output
+    assert seen == {"name": "a", "steps": 5, "rate": 0.5, "mode": "slow", "colour": "blue", "tags": ["x", "y"],
+                    "draw_plot": False}
+    main, seen = command()
+    assert CliRunner().invoke(main, ["--name", "b", "--max_steps", "1"]).exit_code == 2  # not a field
+    assert CliRunner().invoke(main, ["--name", "b", "--no_draw_plot"]).exit_code == 0
+    assert seen == {"name": "b", "draw_plot": False}
+
+
+@pytest.mark.parametrize("args, words", [(["--steps", "2"], "Missing option '--name'"),
+                                         (["--name", "a", "--steps", "0"], "0 is not in the range x>=1"),
+                                         (["--name", "a", "--mode", "medium"], "'medium' is not one of 'fast', 'slow'"),
+                                         (["--name", "a", "--hidden", "y"], "No such option '--hidden'")])
+def test_bad_values_are_usage_errors(args, words):
+    result = CliRunner().invoke(command()[0], args)
+    assert result.exit_code == 2 and words in result.output, result.output
+
+
+def test_help_is_grouped_and_uses_the_field_metadata():
+    text = CliRunner().invoke(command()[0], ["--help"], terminal_width=200).output
+    assert text.index("Main options:") < text.index("Tuning options:") < text.index("Other options:")
+    assert "--steps, --steps" not in text and "How many steps. [default: 3]" in text  # whitespace folded
+    assert "--name TEXT" in text and "What to call it." in text and "[default" not in text.split("What to call it.")[1].split("\n")[0]
+    assert "[default: red]" in text and "--draw-plot, --draw_plot / --no-draw-plot, --no_draw_plot" in text and "--hidden" not in text
+
+
+def invoke(body, debug=False):
+    @click.command()
+    def main():
+        run_cli(body, debug)
+
+    return CliRunner().invoke(main, [])
+
+
+def fail(error):
+    def body():
+        raise error
+    return body
+
+
+@pytest.mark.parametrize("error", [JobError("--out x is inside --model x; choose another"),
+                                   DataError("p.jsonl", 4, "row has no 'chosen' value")])
+def test_errors_the_user_can_fix_exit_2_in_one_paragraph(error):
+    result = invoke(fail(error))
+    assert result.exit_code == 2
+    assert result.output == f"error: {error}\n" and "Traceback" not in result.output
+
+
+def test_unexpected_errors_exit_1_and_point_to_debug():
+    result = invoke(fail(ZeroDivisionError("division by zero")))
+    assert result.exit_code == 1
+    assert result.output.strip() == "error: unexpected ZeroDivisionError: division by zero (re-run with --debug for the traceback)"
+    assert invoke(fail(ZeroDivisionError("x")), debug=True).exit_code == 1
+
+
+def test_a_body_that_succeeds_exits_0():
+    assert invoke(lambda: None).exit_code == 0
