@@ -1,0 +1,78 @@
+"""schemas/run_manifest.py without training: the run manifest and checkpoint record are read back or refused with
+their path, a resume against another reference names what differs, and audit-ref --run finds the role of a cache in
+a run (its train or eval cache) or says why it is neither."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from schemas.run_manifest import (CACHE_MANIFEST, CHECKPOINT_RECORD, RUN_KIND, RUN_MANIFEST, RunManifestError,
+                                  build_run_manifest, cache_record, read_checkpoint_record, read_run_manifest,
+                                  reference_findings, reference_record, run_cache_findings, write_json)
+
+STAMPS = {"model_hash": "m" * 64, "tokenizer_hash": "t" * 64, "mask_checksum": "c" * 64}
+
+
+def make_cache(root, text='{"rows": 3}'):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / CACHE_MANIFEST).write_text(text)
+    return root
+
+
+def record(train, eval_cache=None, live=None, data="d1"):
+    return reference_record(train_cache=train, eval_cache=eval_cache, live_model=live, data_fingerprint=data,
+                            eval_data_fingerprint=None)
+
+
+def test_run_manifest_round_trip_and_refusals(tmp_path):
+    ref = record(cache_record(make_cache(tmp_path / "cache"), STAMPS))
+    run = build_run_manifest(reference=ref, initial_model={}, data={}, eval_data=None, config={"seed": 7},
+                             software={}, result={"steps": 2}, final_model_hash="f", finished_at="now", peft={"r": 8})
+    write_json(tmp_path / RUN_MANIFEST, run)
+    back = read_run_manifest(tmp_path)
+    assert back == json.loads(json.dumps(run)) and back["kind"] == RUN_KIND and back["seed"] == 7 and back["peft"]
+    assert not list(tmp_path.glob(f".{RUN_MANIFEST}.tmp"))
+    with pytest.raises(RunManifestError, match=rf"{tmp_path / 'none'}.*missing or not a train-dpo run manifest"):
+        read_run_manifest(tmp_path / "none")
+    write_json(tmp_path / RUN_MANIFEST, {**run, "kind": "something-else"})
+    with pytest.raises(RunManifestError, match="is not a train-dpo run manifest"):
+        read_run_manifest(tmp_path)
+
+
+def test_checkpoint_record_missing_or_not_json_is_refused(tmp_path):
+    with pytest.raises(RunManifestError, match="does not say which reference and data it was trained on"):
+        read_checkpoint_record(tmp_path)
+    (tmp_path / CHECKPOINT_RECORD).write_text("[1, 2]")
+    with pytest.raises(RunManifestError, match="is not a reference record"):
+        read_checkpoint_record(tmp_path)
+
+
+def test_a_resume_against_another_reference_names_what_differs(tmp_path):
+    cache = cache_record(make_cache(tmp_path / "cache"), STAMPS)
+    moved = {**cache, "path": "/elsewhere"}  # the same cache at another path: only content counts
+    assert reference_findings(record(cache), record(moved)) == []
+    other = cache_record(make_cache(tmp_path / "other", '{"rows": 4}'), STAMPS)
+    found = reference_findings(record(cache), record(other, data="d2"))
+    assert [f.message for f in found] == ["the checkpoint was trained with another cache",
+                                          "the checkpoint was trained with another data_fingerprint"]
+    assert found[1].expected == "d1" and found[1].found == "d2" and "--ref-cache" in found[0].remedy
+    restamped = {**cache, "stamps": {**STAMPS, "model_hash": "x" * 64}}
+    assert [f.message for f in reference_findings(record(cache), record(restamped))] == [
+        "the checkpoint was trained with another cache"]
+
+
+def test_run_cache_role_or_what_differs(tmp_path):
+    train, evaluation = make_cache(tmp_path / "train"), make_cache(tmp_path / "eval", '{"rows": 9}')
+    run = {"reference": record(cache_record(train, STAMPS), eval_cache=cache_record(evaluation, STAMPS))}
+    assert run_cache_findings(run, train, STAMPS) == ("cache", [])
+    assert run_cache_findings(run, evaluation, STAMPS) == ("eval_cache", [])
+    stranger = make_cache(tmp_path / "stranger", '{"rows": 1}')
+    role, found = run_cache_findings(run, stranger, {**STAMPS, "mask_checksum": "z" * 64})
+    assert role is None and len(found) == 1
+    assert "names a cache manifest with sha256" in found[0].message
+    assert "its stamps mask_checksum differ" in found[0].message
+    live = {"reference": record(None, live="org/ref")}
+    assert run_cache_findings(live, train, STAMPS)[1][0].message == (
+        "the run was trained against a live reference, not a cache")
