@@ -84,7 +84,7 @@ def test_config_value_of_the_wrong_type_is_a_usage_error(tmp_path, llama_dir, dp
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# issue 16 (what a TRL user expects), item 4: the summary states one accuracy, named (no kl_k3: tests/test_losses.py)
+# issue 16 (what a TRL user expects), item 4: the summary states one accuracy, named (no kl_k3: test_losses.py)
 
 
 def test_summary_names_one_accuracy():
