@@ -1,5 +1,6 @@
-"""train-dpo refuses a cache that does not match what it would train on: one case per stamp, each with its own
-message and exit code 2, before any model is built or anything is written to the output directory."""
+"""dpo/verify.py: train-dpo refuses a cache that does not match what it would train on: one case per stamp, each with
+its own message naming the difference and exit code 2, before any model is built or anything is written to the
+output directory."""
 
 from __future__ import annotations
 
