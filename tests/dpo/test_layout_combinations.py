@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, WORDS, build_llama, save_checkpoint, write_jsonl
+from conftest import WORDS, build_llama, save_checkpoint, write_jsonl
 from dpo.layout import choose_layout
 from dpo.recipe import TrainConfig, run_train
 from precompute.job import PrecomputeConfig, run_precompute
@@ -100,6 +100,41 @@ def long_prompts(tmp_path_factory, tokenizer) -> dict:
 
 def cached(fx: dict) -> dict:
     return {"ref_cache": str(fx["cache"]), "ref_model_hash": fx["hash"]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DDP: torchrun, 2 processes, gloo on CPU
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def torchrun_train(fx: dict, out: Path, layout: str, batch: int) -> str:
+    """train-dpo under torchrun (its own session, so a timeout kills the workers too); returns stderr."""
+    cmd = [*TORCHRUN, "-m", "dpo.cli", "--model", str(fx["model"]), "--data", str(fx["data"]), "--ref-cache",
+           str(fx["cache"]), "--ref-model-hash", fx["hash"], "--output-dir", str(out), "--max-steps", "3",
+           "--per-device-train-batch-size", str(batch), "--logging-steps", "1", "--learning-rate", "1e-4",
+           "--seed", "3", "--use-cpu", "--save-strategy", "no", "--no-plot", "--batch-layout", layout]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    return stderr
+
+
+def test_ddp_two_ranks_prefix_shared_equal_one_padded_process_with_the_double_batch(tmp_path, long_prompts):
+    """Each rank packs its own half of every batch. tests/test_distributed.py shows 2 padded ranks of batch B equal one
+    padded process of batch 2B; one torchrun run of prefix_shared against that process closes the square."""
+    log = torchrun_train(long_prompts, tmp_path / "ranks", "prefix_shared", 2)
+    assert log.count("batch layout:") == 1 and "batch layout: prefix_shared (sdpa attention" in log  # rank 0, once
+    train(long_prompts["model"], long_prompts["data"], tmp_path / "one", batch_layout="padded", **cached(long_prompts))
+    assert_same_metrics(tmp_path / "one", tmp_path / "ranks", 3)
+    assert_same_weights(tmp_path / "one", tmp_path / "ranks", long_prompts["start"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
