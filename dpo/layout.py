@@ -136,12 +136,11 @@ LOW_PRECISION_TOLERANCE = 0.25  # per-token log-prob, bf16/fp16 weights or autoc
 def probe_reasons(models: list, sample: list[EncodedPair], pad_id: int, autocast: torch.dtype | None) -> list[str]:
     """Why the probe rejects prefix_shared, or []: each model in its own dtype, then (mixed precision) under the
     autocast the Trainer runs the forward in, where kernels, mask dtype and rounding differ."""
-    runs = [(None, 1e-4 if models[0].dtype == torch.float32 else LOW_PRECISION_TOLERANCE)]
-    if autocast is not None:
-        runs.append((autocast, LOW_PRECISION_TOLERANCE))
-    for dtype, tolerance in runs:
+    for dtype in [None] + ([autocast] if autocast is not None else []):
         where = f" under {str(dtype).removeprefix('torch.')} autocast" if dtype else ""
-        for m in models:
+        for m in models:  # a live reference under --bf16 is loaded in bf16, the policy in float32
+            exact = dtype is None and m.dtype == torch.float32
+            tolerance = 1e-4 if exact else LOW_PRECISION_TOLERANCE
             device = next(m.parameters()).device.type
             try:
                 with torch.autocast(device, dtype=dtype) if dtype else contextlib.nullcontext():

@@ -175,17 +175,21 @@ def test_lora_prefix_shared_equals_padded(tmp_path, long_prompts, reference, che
     assert max(float(w.abs().max()) for k, w in adapter.items() if "lora_B" in k) > 1e-4  # lora_B starts at 0
 
 
-def test_bf16_autocast_prefix_shared_close_to_padded(tmp_path, long_prompts):
-    """--bf16 on CPU: the probe also runs under bf16 autocast and passes; the runs agree to a small fraction of a bf16
-    rounding step (bf16 keeps 8 significant bits: one step at a loss of 0.69 is 2^-9 = 0.002). They cannot agree to
-    float32's 1e-5: the layouts sum the same bf16 products in other groupings (a prompt's gradient once instead of
-    twice). Measured here: loss 7e-5 apart, about as far as the same padded run in float32 is from bf16 (1e-4)."""
-    runs = run_both(long_prompts["model"], long_prompts["data"], tmp_path, bf16=True, **cached(long_prompts))
+@pytest.mark.parametrize("reference", ["cache", "live"])
+def test_bf16_autocast_prefix_shared_close_to_padded(tmp_path, long_prompts, reference):
+    """--bf16 on CPU: the probe also runs under bf16 autocast and passes (a live reference is loaded in bf16 and
+    probed at bf16's tolerance); the runs agree to a small fraction of a bf16 rounding step (bf16 keeps 8 significant
+    bits: one step at a loss of 0.69 is 2^-9 = 0.002). They cannot agree to float32's 1e-5: the layouts sum the same
+    bf16 products in other groupings (a prompt's gradient once instead of twice). Measured with the cache: loss 7e-5
+    apart, about as far as the same padded run in float32 is from bf16 (1e-4)."""
+    ref = cached(long_prompts) if reference == "cache" else {"ref_model": str(long_prompts["reference"])}
+    runs = run_both(long_prompts["model"], long_prompts["data"], tmp_path, bf16=True, **ref)
     line = [m for m in runs["prefix_shared"][1] if m.startswith("batch layout:")]
     assert line and "also under bfloat16 autocast" in line[0]
     assert_same_metrics(runs["padded"][0], runs["prefix_shared"][0], 3, tol=1e-3)
-    train(long_prompts["model"], long_prompts["data"], tmp_path / "fp32", batch_layout="padded", **cached(long_prompts))
-    assert records(tmp_path / "fp32")[0]["loss"] != records(runs["padded"][0])[0]["loss"]  # bf16 was really on
+    if reference == "cache":
+        train(long_prompts["model"], long_prompts["data"], tmp_path / "fp32", batch_layout="padded", **ref)
+        assert records(tmp_path / "fp32")[0]["loss"] != records(runs["padded"][0])[0]["loss"]  # bf16 was really on
 
 
 def test_probe_under_autocast_catches_what_only_low_precision_breaks(tokenizer, monkeypatch):
@@ -204,6 +208,24 @@ def test_probe_under_autocast_catches_what_only_low_precision_breaks(tokenizer, 
     assert choose_layout("prefix_shared", [model], rows, 4, 0, logs.append) == "prefix_shared"
     assert choose_layout("prefix_shared", [model], rows, 4, 0, logs.append, autocast=torch.bfloat16) == "padded"
     assert "differs from the plain forward by 1.00e+00 under bfloat16 autocast" in logs[1]
+
+
+def test_a_bf16_live_reference_is_probed_at_its_own_dtypes_tolerance(tokenizer):
+    """--bf16 loads a live reference in bf16 beside the float32 policy: each model is held to its own dtype's
+    tolerance (the reference's bf16 rounding alone exceeds float32's 1e-4 on these pairs)."""
+    from dpo import layout
+
+    rng = random.Random(1)
+    ids = lambda a, b: [rng.randrange(3, 300) for _ in range(rng.randint(a, b))]  # noqa: E731
+    table = _table([{"prompt_ids": ids(100, 300), "chosen_ids": ids(5, 40), "rejected_ids": ids(5, 40)}
+                    for _ in range(8)])
+    policy = build_llama(len(tokenizer), hidden=128, layers=4)
+    reference = build_llama(len(tokenizer), hidden=128, layers=4, seed=1).to(torch.bfloat16)
+    sample = layout.probe_pairs(table, layout.table_lengths(table))
+    assert 1e-4 < layout.probe_difference(reference, sample, 0) < layout.LOW_PRECISION_TOLERANCE
+    logs: list[str] = []
+    assert choose_layout("auto", [policy, reference], table, 4, 0, logs.append, autocast=torch.bfloat16) == \
+        "prefix_shared", logs
 
 
 # ---------------------------------------------------------------------------------------------------------------
