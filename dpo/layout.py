@@ -14,6 +14,8 @@ the model's own plain forward; otherwise padded, with one log line saying why.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -128,10 +130,33 @@ def probe_difference(model, pairs: list[EncodedPair], pad_id: int) -> float:
     return float((got - want).abs().max())
 
 
+LOW_PRECISION_TOLERANCE = 0.25  # per-token log-prob, bf16/fp16 weights or autocast (8 or 11 significant bits)
+
+
+def probe_reasons(models: list, sample: list[EncodedPair], pad_id: int, autocast: torch.dtype | None) -> list[str]:
+    """Why the probe rejects prefix_shared, or []: each model in its own dtype, then (mixed precision) under the
+    autocast the Trainer runs the forward in, where kernels, mask dtype and rounding differ."""
+    for dtype in [None] + ([autocast] if autocast is not None else []):
+        where = f" under {str(dtype).removeprefix('torch.')} autocast" if dtype else ""
+        for m in models:  # a live reference under --bf16 is loaded in bf16, the policy in float32
+            exact = dtype is None and m.dtype == torch.float32
+            tolerance = 1e-4 if exact else LOW_PRECISION_TOLERANCE
+            device = next(m.parameters()).device.type
+            try:
+                with torch.autocast(device, dtype=dtype) if dtype else contextlib.nullcontext():
+                    diff = probe_difference(m, sample, pad_id)
+            except Exception as e:  # an architecture whose forward rejects the tree inputs
+                return [f"not supported by this model{where} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"]
+            if not diff <= tolerance:
+                return [f"differs from the plain forward by {diff:.2e}{where} on the probe pairs"]
+    return []
+
+
 def choose_layout(requested: str, models: list, table, batch_size: int, pad_id: int, log,
-                  can_probe: bool = True) -> str:
+                  can_probe: bool = True, autocast: torch.dtype | None = None) -> str:
     """The layout to train with. prefix_shared (asked for or picked by auto) must pass the model checks and the probe
-    for every model that runs on the batch (the policy, and a live reference); otherwise padded, logged once."""
+    for every model that runs on the batch (the policy, and a live reference), also under the mixed-precision
+    autocast training runs in (`autocast`: its dtype); otherwise padded, logged once."""
     if requested == "padded":
         log("batch layout: padded (requested)")
         return "padded"
@@ -148,23 +173,14 @@ def choose_layout(requested: str, models: list, table, batch_size: int, pad_id: 
     if not reasons and not can_probe:
         reasons.append("the probe needs the whole model on one device (FSDP/DeepSpeed)")
     if not reasons:
-        tolerance = 1e-4 if models[0].dtype == torch.float32 else 0.25
-        sample = probe_pairs(table, lengths)
-        for m in models:
-            try:
-                diff = probe_difference(m, sample, pad_id)
-            except Exception as e:  # an architecture whose forward rejects the tree inputs
-                reasons.append(f"not supported by this model ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
-                break
-            if not diff <= tolerance:
-                reasons.append(f"differs from the plain forward by {diff:.2e} on the probe pairs")
-                break
+        reasons += probe_reasons(models, probe_pairs(table, lengths), pad_id, autocast)
     if reasons:
         log(f"batch layout: padded ({'; '.join(reasons)})" if requested == "auto" else
             f"batch layout: padded, although prefix_shared was requested ({'; '.join(reasons)})")
         return "padded"
     work = f"; estimated {ratio:.2f}x less work than padded" if ratio else ""
+    mixed = f", also under {str(autocast).removeprefix('torch.')} autocast" if autocast else ""
     log(f"batch layout: prefix_shared ({models[0].config._attn_implementation} attention{work}; matches the plain "
-        "forward on a probe of real pairs, the longest included)")
+        f"forward on a probe of real pairs, the longest included{mixed})")
     return "prefix_shared"
 

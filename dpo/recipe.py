@@ -346,15 +346,18 @@ def latest_checkpoint(value: str | None, out: Path) -> str | None:
     return latest
 def _choose_layout(cfg: TrainConfig, args, policy, ref_model, train, pad_id: int, log) -> str:
     """The batch layout (dpo/layout.py), probed where training runs unless the model is sharded."""
+    import torch
+
     from .layout import choose_layout
 
     sharded = bool(cfg.fsdp or cfg.deepspeed)
     if not sharded and cfg.batch_layout != "padded":
         policy.to(args.device)
     rank, _ = _rank()
+    autocast = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None  # the Trainer's mixed precision
     return choose_layout(cfg.batch_layout, [m for m in (policy, ref_model) if m is not None], train.table,
                          cfg.per_device_train_batch_size, pad_id, log if rank == 0 else (lambda _m: None),
-                         can_probe=not sharded)
+                         can_probe=not sharded, autocast=autocast)
 
 
 
