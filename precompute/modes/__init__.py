@@ -37,7 +37,7 @@ def lookup(name: str) -> BatchingMode:
 
 def batching_help() -> str:
     """--batching's help text: every registered mode with its description, then what auto does."""
-    modes = " ".join(f"{name}: {mode.description} ({mode.runs_with})." for name, mode in REGISTRY.items())
+    modes = " ".join(f"{name}: {mode.description}." for name, mode in REGISTRY.items())
     return ("How pairs go through the model (same numbers either way). " + modes + " auto estimates the work of "
             "each mode the attention supports on the first shard and takes the cheapest. Every mode is first "
             "checked against the model's plain forward of single sequences on real pairs (the longest included) and "
@@ -48,8 +48,12 @@ def batching_help() -> str:
 def readme_table(indent: str = "  ") -> str:
     """The README's table of modes (tests/precompute/test_mode_registry.py checks the README holds exactly this)."""
     rows = ["| mode | what it does (`computation.batching` in the manifest) | runs with |", "|---|---|---|"]
-    rows += [f"| `{name}` | {mode.description} | {mode.runs_with} |" for name, mode in REGISTRY.items()]
+    rows += [f"| `{name}` | {_cell(mode.description)} | {_cell(mode.runs_with)} |" for name, mode in REGISTRY.items()]
     return "\n".join(indent + row for row in rows)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a bar inside a table cell
 
 
 from .choose import (  # noqa: E402  (these read REGISTRY)

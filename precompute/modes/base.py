@@ -20,8 +20,8 @@ FLASH = ("flash_attention_2", "flash_attention_3")
 
 
 class BatchingMode:
-    """One batching mode. `description` is one line: the manifest records it (computation.batching), `--batching
-    --help` and the README's table of modes show it; `runs_with` says where it works, for the help and the README."""
+    """One batching mode. `description` is one line: the manifest records it (computation.batching), `--batching`'s
+    help and the README's table of modes show it; `runs_with` (the README's table) says where it works."""
 
     name: str = ""
     description: str = ""

@@ -85,8 +85,8 @@ class KvCache(BatchingMode):
     name = "kv_cache"
     description = ("each prompt once (right-padded, prompt-length-sorted batches); chosen and rejected continue from "
                    "its key/value cache")
-    runs_with = ("any attention with a key/value cache (sdpa, eager, flash); decoder-only, attention layers only, "
-                 "no sliding window shorter than the data")
+    runs_with = ("any attention with a key/value cache (sdpa, eager, flash); decoder-only, no recurrent layers, no "
+                 "sliding window shorter than the data")
 
     def plan(self, pairs, token_budget):
         return kv_batches(pairs, token_budget)

@@ -15,7 +15,7 @@ from .limits import TREE_MASK_ATTENTION, state_across_rows, window_too_short
 class SharedPrompt(BatchingMode):
     name = "shared_prompt"
     description = "one [prompt|chosen|rejected] row per pair with a tree attention mask"
-    runs_with = "sdpa or eager attention (a custom 4-D mask); attention layers only, no sliding window shorter than the data"
+    runs_with = "sdpa, eager (a custom 4-D mask); no recurrent layers, no sliding window shorter than the data"
     packs = False  # several pairs per row (packed)
 
     def plan(self, pairs, token_budget):

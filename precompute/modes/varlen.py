@@ -49,7 +49,7 @@ def varlen_batch(model, seqs: list[tuple[list[int], list[int]]]) -> tuple[np.nda
 class Varlen(BatchingMode):
     name = "varlen"
     description = "sequences packed into one unpadded row per batch, position ids restarting per sequence"
-    runs_with = "flash attention (sdpa and eager build a dense mask over the whole row); no recurrent layers"
+    runs_with = "flash attention (sdpa, eager: a dense mask over the whole row); no recurrent layers"
 
     def plan(self, pairs, token_budget):
         return varlen_batches(sequence_lengths(pairs), token_budget)
