@@ -16,7 +16,7 @@ from .shared_prompt import SharedPrompt
 from .single import Single
 from .varlen import Varlen
 
-# Order: --batching's choices and the README's table; auto's candidates are weighed last-registered first.
+# The order is --batching's and the README's; on equal estimates auto takes full_forward, then the later-registered.
 REGISTRY: dict[str, BatchingMode] = {mode.name: mode for mode in (
     FullForward(),
     Varlen(),
