@@ -109,7 +109,8 @@ def test_the_command_line_takes_a_registered_mode(llama_dir, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "batching: toy (sdpa attention; matches the reference forward on a probe)" in done.stderr
     computation = json.loads((tmp_path / "out" / "manifest.json").read_text())["computation"]
-    assert computation["mode"] == "toy" and computation["batching"] == "the padded forward again, estimated at almost no work"
+    assert computation["mode"] == "toy"
+    assert computation["batching"] == "the padded forward again, estimated at almost no work"
 
 
 def test_every_mode_has_a_description_and_its_own_name():

@@ -1,4 +1,4 @@
-"""runtime/packing.py: first-fit rows of pairs, their batches, and the tree mask of a [prompt | chosen | rejected] row."""
+"""runtime/packing.py: first-fit rows of pairs, their batches, the tree mask of a [prompt | chosen | rejected] row."""
 
 from __future__ import annotations
 
