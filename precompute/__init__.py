@@ -1,2 +1,1 @@
-# Batching modes of precompute-ref, described in modes.py (here so the CLI can list them without importing torch).
-MODES = ("full_forward", "varlen", "kv_cache", "shared_prompt", "packed", "single")
+from .modes import MODES  # noqa: F401  (the batching modes' names, from their registry in precompute/modes/)

@@ -35,7 +35,7 @@ from schemas import rules
 from schemas.encoding import EncodingConfig
 from schemas.stamps import combined_mask_checksum, ids_checksum, reference_model_hash, tokenizer_hash, tokenizer_parts
 
-from .modes import DESCRIPTIONS, MODES, choose_mode, effective_budget, score_pairs  # noqa: F401  (score_pairs: API)
+from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score_pairs
 from .resume import Resume, clear_cache_dir, finished_shards  # noqa: F401  (re-exported)
 
 
@@ -70,15 +70,8 @@ class PrecomputeConfig:
     attn_implementation: str = field(default="auto", metadata=field_help(
         "Attention kernel: auto (what transformers picks for the model), sdpa, eager, flash_attention_2.",
         "Computation"))
-    batching: str = field(default="auto", metadata=field_help(
-        "How pairs go through the model (same numbers either way). kv_cache: each prompt once, chosen and rejected "
-        "continue from its key/value cache; packed: prompt once, pairs packed into rows with a tree mask; "
-        "shared_prompt: the same, one pair per row; varlen: sequences packed without padding (flash attention); "
-        "full_forward: [prompt|chosen] and [prompt|rejected] as padded rows; single: one unpadded sequence per "
-        "forward. auto estimates the work of each mode the attention supports on the first shard and takes the "
-        "cheapest. Every mode is first checked against the model's plain forward of single sequences on real pairs "
-        "(the longest included) and falls back if it differs; models whose numbers depend on batch shape (ALiBi, "
-        "dynamic/longrope RoPE) run single.", "Computation", choices=("auto",) + MODES))
+    batching: str = field(default="auto", metadata=field_help(batching_help(), "Computation",
+                                                          choices=("auto", *REGISTRY)))
     overwrite: bool = field(default=False, metadata=field_help(
         "Delete the existing cache first (default: resume, keeping finished shards of this same job).", "Output"))
     on_bad_row: str = field(default="error", metadata=field_help(
@@ -251,7 +244,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log):
     budget = effective_budget(model, cfg.token_budget, longest)
     mode = choose_mode(model, cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair])
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
-                   "head": verified_head(model), "batching": DESCRIPTIONS.get(mode, mode)}
+                   "head": verified_head(model), "batching": REGISTRY[mode].description}
     return model, computation, mode, pad, budget
 
 

@@ -281,17 +281,18 @@ def test_probe_sees_errors_that_only_long_sequences_show(monkeypatch):
     """A mode that is exact on short rows and wrong deep into long ones (as ALiBi in bf16 over a packed row was) is
     turned down: the probe scores the job's longest pair whole, against the reference forward."""
     from precompute import modes
+    from precompute.modes import kv_cache
 
     model = build("llama")
     pairs = job_pairs()
-    real = modes.kv_cache_batch
+    real = kv_cache.kv_cache_batch
 
     def drifts_when_long(model, pairs_, batch, pad_id):
         values, counts = real(model, pairs_, batch, pad_id)
         long = [len(pairs_[i].prompt_ids) > 30 for i in batch for _ in (0, 1)]
         return [v + (0.01 if is_long else 0.0) for v, is_long in zip(values, long)], counts
 
-    monkeypatch.setattr(modes, "kv_cache_batch", drifts_when_long)
+    monkeypatch.setattr(kv_cache, "kv_cache_batch", drifts_when_long)
     messages = []
     longest = max(pairs, key=lambda p: len(p.prompt_ids))
     assert choose_mode(model, "kv_cache", pairs, 99, 0, 256, messages.append, long_pairs=[longest]) == "full_forward"

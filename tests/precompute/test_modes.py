@@ -1,4 +1,5 @@
-"""Shared-prompt and packed scoring: each prompt once, same numbers as the plain full-sequence forward."""
+"""precompute/modes/: every batching mode gives the plain forward's numbers; auto takes the cheapest mode that
+reproduces the reference on a probe, and falls back (once, saying why) where one does not."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import pref_rows, write_jsonl
-from precompute import kvcache, modes
+from precompute import modes
+from precompute.job import PrecomputeConfig, run_precompute
+from precompute.modes import REGISTRY, choose_mode, kv_cache, score_pairs, shared_prompt, varlen
 from runtime import packing
 from runtime.data import encode_rows, load_rows
-from precompute.job import PrecomputeConfig, choose_mode, run_precompute, score_pairs
 from schemas.encoding import EncodedPair, EncodingConfig
 
 
@@ -40,7 +42,11 @@ def scored(request, tmp_path_factory):
     return model, pairs, tok.pad_token_id
 
 
-@pytest.mark.parametrize("mode", ["shared_prompt", "packed", "kv_cache", "varlen", "full_forward"])
+# ---------------------------------------------------------------------------------------------------------------
+# each mode: the plain forward's numbers
+
+
+@pytest.mark.parametrize("mode", list(REGISTRY))
 def test_modes_equal_plain_forward(scored, mode):
     model, pairs, pad = scored
     chosen, rejected, stats = score_pairs(model, pairs, pad, token_budget=256, mode=mode)
@@ -53,19 +59,19 @@ def test_modes_equal_plain_forward(scored, mode):
     prompts = sum(len(p.prompt_ids) for p in pairs)
     completions = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
     assert stats["tokens"] == 2 * prompts + completions  # the plain sequences' tokens, whatever the mode
-    if mode in ("full_forward", "varlen"):
+    if mode in ("full_forward", "varlen", "single"):
         assert stats["processed"] == stats["tokens"]
     elif mode == "kv_cache":  # each prompt once; a completion's last token is never an input
         assert stats["processed"] == prompts + completions - 2 * len(pairs)
     else:
         assert stats["processed"] == prompts + completions  # the tree runs each prompt once
-    if mode == "varlen":
+    if mode in ("varlen", "single"):
         assert stats["slots"] == stats["processed"]  # no padding at all
     if mode == "packed":
         assert stats["slots"] - stats["processed"] < 0.2 * stats["slots"]
 
 
-@pytest.mark.parametrize("mode", ["kv_cache", "packed", "varlen"])
+@pytest.mark.parametrize("mode", ["kv_cache", "packed", "varlen", "single"])
 def test_one_token_completions(scored, mode):
     model, pairs, pad = scored
     one = lambda ids: ids[:1]  # noqa: E731
@@ -79,34 +85,49 @@ def test_one_token_completions(scored, mode):
             assert max(np.abs(c - pc).max(), np.abs(r - pr).max()) < 1e-5
 
 
-def test_pack_rows_fits_and_covers():
-    lengths = [50, 7, 30, 30, 12, 90, 5, 5]
-    rows = packing.pack_rows(lengths, True)
-    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in r) <= 90 for r in rows)  # never longer than the longest pair
-    assert len(rows) < len(lengths)
-    assert packing.pack_rows(lengths, False) == [[i] for i in sorted(range(8), key=lambda i: (-lengths[i], i))]
-    batches = packing.row_batches(rows, lengths, token_budget=200)
-    assert sorted(i for b in batches for r in b for i in r) == list(range(len(lengths)))
-    for batch in batches:
-        width = max(sum(lengths[i] for i in r) for r in batch)
-        assert len(batch) == 1 or len(batch) * width <= 200
-
-
-def test_tree_mask_sees_prompt_and_own_branch_only(scored):
+@pytest.mark.parametrize("mode", ["kv_cache", "packed"])
+def test_bfloat16_within_the_recorded_dtype_tolerance(scored, mode):
     model, pairs, pad = scored
-    pair = pairs[0]
-    inputs, rows, sources, targets = packing.tree_batch(pairs, [[0, 1]], pad, torch.float32, "cpu")
-    visible = inputs["attention_mask"][0, 0] == 0
-    P, C, R = len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
-    first_rejected = P + C
-    assert visible[first_rejected, :P].all()  # the prompt
-    assert not visible[first_rejected, P : P + C].any()  # never the chosen branch
-    assert not visible[P, P + C :].any()  # chosen never sees rejected or the next pair
-    assert not visible[P + C + R :, : P + C + R].any()  # the second pair never sees the first
-    assert inputs["position_ids"][0, first_rejected] == P  # rejected positions restart after the prompt
-    assert sources[C] == P - 1  # first rejected token scored from the prompt's last position
-    assert len(targets) == C + R + len(pairs[1].chosen_ids) + len(pairs[1].rejected_ids)
+    half = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.bfloat16).eval()
+    want_c, want_r, _ = score_pairs(half, pairs, pad, 256, "full_forward")
+    got_c, got_r, _ = score_pairs(half, pairs, pad, 256, mode)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(want_c + want_r, got_c + got_r))
+    assert diff <= 5e-2  # audit-ref's per-token replay tolerance for half precision
+
+
+def test_kv_and_varlen_batches_fit_the_budget():
+    rng = np.random.default_rng(0)
+    pairs = [EncodedPair([1] * int(rng.integers(1, 60)), [2] * int(rng.integers(1, 30)), [3] * int(rng.integers(1, 30)))
+             for _ in range(200)]
+    batches = kv_cache.kv_batches(pairs, 600)
+    assert sorted(i for b in batches for i in b) == list(range(200))
+    for b in batches:
+        p = max(len(pairs[i].prompt_ids) for i in b)
+        c = max(max(len(pairs[i].chosen_ids), len(pairs[i].rejected_ids)) for i in b)
+        assert len(b) == 1 or len(b) * (p + 2 * c) <= 600
+    lengths = [int(x) for x in rng.integers(1, 100, size=300)]
+    batches = varlen.varlen_batches(lengths, 500)
+    assert sorted(i for b in batches for i in b) == list(range(300))
+    assert all(len(b) == 1 or sum(lengths[i] for i in b) <= 500 for b in batches)
+
+
+def test_estimated_cost_by_hand():
+    pairs = [EncodedPair([1, 2, 3, 4], [5, 6, 2], [7, 2])] * 2  # P 4, C 3, R 2; sequences 7, 6, 7, 6
+    h = 10
+    assert modes.estimated_cost(pairs, "full_forward", 1000, h) == 4 * 7 + 4 * 49 / 60
+    assert modes.estimated_cost(pairs, "varlen", 1000, h) == 26 + (49 + 36 + 49 + 36) / 2 / 60
+    assert modes.estimated_cost(pairs, "single", 1000, h) == 26 + (49 + 36 + 49 + 36) / 2 / 60  # varlen, row by row
+    # kv_cache: 2 prompts of 4, then 2 x 2 continuations of 2 inputs attending to 4 + 2 keys.
+    # Prompts of equal length need no padding mask, so the kernel skips the upper triangle.
+    assert modes.estimated_cost(pairs, "kv_cache", 1000, h) == 2 * (4 + 2 * 2) + 2 * (16 / 2 + 2 * 2 * 6) / 60
+    same = [EncodedPair([1, 2, 3, 4], [5, 2], [7, 2])] * 2  # four sequences of 6: causal without a mask
+    assert modes.estimated_cost(same, "full_forward", 1000, h) == 4 * 6 + 4 * 36 / 2 / 60
+    assert modes.estimated_cost(pairs, "shared_prompt", 1000, h) == 2 * 9 + 2 * 81 / 60
+    assert modes.estimated_cost(pairs, "packed", 1000, h) == 2 * 9 + 2 * 81 / 60  # two 9-token pairs never fit in 9
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# choosing: auto, the probe, the fall-backs
 
 
 def _broken_tree(real):
@@ -118,13 +139,17 @@ def _broken_tree(real):
     return ignores_branches
 
 
+def _raises(*args, **kwargs):
+    raise TypeError("forward() got an unexpected keyword argument 'cache'")
+
+
 def test_unsupported_mask_falls_back_once(scored, monkeypatch):
     model, pairs, pad = scored
-    monkeypatch.setattr(modes, "tree_batch", _broken_tree(packing.tree_batch))
+    monkeypatch.setattr(shared_prompt, "tree_batch", _broken_tree(packing.tree_batch))
     messages = []
     assert choose_mode(model, "packed", pairs, 99, pad, 4096, messages.append) == "full_forward"
     assert len(messages) == 1 and "packed: differs from the reference forward" in messages[0]
-    monkeypatch.setattr(modes, "kv_cache_batch", _raises)
+    monkeypatch.setattr(kv_cache, "kv_cache_batch", _raises)
     messages.clear()
     assert choose_mode(model, "auto", pairs, 99, pad, 4096, messages.append) == "full_forward"
     assert len(messages) == 1
@@ -135,15 +160,11 @@ def test_unsupported_mask_falls_back_once(scored, monkeypatch):
     assert len(messages) == 1 and "matches the reference forward" in messages[0]
 
 
-def _raises(*args, **kwargs):
-    raise TypeError("forward() got an unexpected keyword argument 'cache'")
-
-
-def test_auto_takes_the_cheapest_mode(scored, monkeypatch):
+def test_auto_takes_the_cheapest_mode(scored):
     model, _pairs, pad = scored
     long_prompts = [EncodedPair([1] + [7] * 299, [8] * 20 + [2], [9] * 15 + [2]) for _ in range(4)]
     hidden = model.config.get_text_config().hidden_size
-    cost = {m: modes.estimated_cost(long_prompts, m, 4096, hidden) for m in modes.MODES}
+    cost = {m: modes.estimated_cost(long_prompts, m, 4096, hidden) for m in REGISTRY}
     assert min(cost, key=cost.get) == "kv_cache" and cost["full_forward"] > 1.6 * cost["kv_cache"]
     assert choose_mode(model, "auto", long_prompts, 321, pad, 4096, lambda m: None) == "kv_cache"
     # Short prompts, long completions of mixed lengths: packing removes more work than sharing the prompt.
@@ -151,22 +172,20 @@ def test_auto_takes_the_cheapest_mode(scored, monkeypatch):
     cost = {m: modes.estimated_cost(short, m, 4096, hidden) for m in modes.candidates("sdpa")}
     assert min(cost, key=cost.get) == "packed"
     assert choose_mode(model, "auto", short, 63, pad, 4096, lambda m: None) == "packed"
-    # Flash attention: the tree mask is not a candidate, varlen is.
+    # The candidates per attention implementation: the tree mask needs sdpa or eager, varlen flash attention.
+    assert modes.candidates("sdpa") == modes.candidates("eager") == ("packed", "kv_cache", "full_forward")
     assert modes.candidates("flash_attention_2") == ("kv_cache", "varlen", "full_forward")
+    assert modes.candidates("flex_attention") == ("kv_cache", "full_forward")
 
 
-def test_estimated_cost_by_hand():
-    pairs = [EncodedPair([1, 2, 3, 4], [5, 6, 2], [7, 2])] * 2  # P 4, C 3, R 2; sequences 7, 6, 7, 6
-    h = 10
-    assert modes.estimated_cost(pairs, "full_forward", 1000, h) == 4 * 7 + 4 * 49 / 60
-    assert modes.estimated_cost(pairs, "varlen", 1000, h) == 26 + (49 + 36 + 49 + 36) / 2 / 60
-    # kv_cache: 2 prompts of 4, then 2 x 2 continuations of 2 inputs attending to 4 + 2 keys.
-    # Prompts of equal length need no padding mask, so the kernel skips the upper triangle.
-    assert modes.estimated_cost(pairs, "kv_cache", 1000, h) == 2 * (4 + 2 * 2) + 2 * (16 / 2 + 2 * 2 * 6) / 60
-    same = [EncodedPair([1, 2, 3, 4], [5, 2], [7, 2])] * 2  # four sequences of 6: causal without a mask
-    assert modes.estimated_cost(same, "full_forward", 1000, h) == 4 * 6 + 4 * 36 / 2 / 60
-    assert modes.estimated_cost(pairs, "shared_prompt", 1000, h) == 2 * 9 + 2 * 81 / 60
-    assert modes.estimated_cost(pairs, "packed", 1000, h) == 2 * 9 + 2 * 81 / 60  # two 9-token pairs never fit in 9
+def test_a_mode_asked_for_by_name(scored):
+    model, pairs, pad = scored
+    messages = []
+    assert choose_mode(model, "varlen", pairs, 99, pad, 4096, messages.append) == "varlen"
+    assert messages[0].startswith("warning: varlen with sdpa attention builds a dense mask")
+    assert messages[1] == "batching: varlen (sdpa attention; matches the reference forward on a probe)"
+    with pytest.raises(ValueError, match="unknown batching mode 'nope'; one of full_forward, varlen, kv_cache"):
+        choose_mode(model, "nope", pairs, 99, pad, 4096, messages.append)
 
 
 def test_sliding_window_models_keep_the_plain_forward(scored, monkeypatch):
@@ -205,32 +224,12 @@ def test_probe_includes_a_padded_prompt_and_recurrent_layers_refuse_the_cache(sc
     assert probe[0].prompt_ids == long[1].prompt_ids[:24]
     monkeypatch.setattr(model.config, "layer_types", ["full_attention", "linear_attention"], raising=False)
     assert "linear_attention" in modes.unsupported("kv_cache", model, 10)
+    assert "carry state across a packed row" in modes.unsupported("varlen", model, 10)
+    assert modes.unsupported("full_forward", model, 10) is None
 
 
-def test_kv_and_varlen_batches_fit_the_budget():
-    rng = np.random.default_rng(0)
-    pairs = [EncodedPair([1] * int(rng.integers(1, 60)), [2] * int(rng.integers(1, 30)), [3] * int(rng.integers(1, 30)))
-             for _ in range(200)]
-    batches = kvcache.kv_batches(pairs, 600)
-    assert sorted(i for b in batches for i in b) == list(range(200))
-    for b in batches:
-        p = max(len(pairs[i].prompt_ids) for i in b)
-        c = max(max(len(pairs[i].chosen_ids), len(pairs[i].rejected_ids)) for i in b)
-        assert len(b) == 1 or len(b) * (p + 2 * c) <= 600
-    lengths = [int(x) for x in rng.integers(1, 100, size=300)]
-    batches = kvcache.varlen_batches(lengths, 500)
-    assert sorted(i for b in batches for i in b) == list(range(300))
-    assert all(len(b) == 1 or sum(lengths[i] for i in b) <= 500 for b in batches)
-
-
-@pytest.mark.parametrize("mode", ["kv_cache", "packed"])
-def test_bfloat16_within_the_recorded_dtype_tolerance(scored, mode):
-    model, pairs, pad = scored
-    half = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.bfloat16).eval()
-    want_c, want_r, _ = score_pairs(half, pairs, pad, 256, "full_forward")
-    got_c, got_r, _ = score_pairs(half, pairs, pad, 256, mode)
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(want_c + want_r, got_c + got_r))
-    assert diff <= 5e-2  # audit-ref's per-token replay tolerance for half precision
+# ---------------------------------------------------------------------------------------------------------------
+# the job: the mode is recorded, the numbers and stamps do not depend on it
 
 
 def test_mode_recorded_and_stamps_unchanged(llama_dir, tmp_path):
@@ -245,7 +244,7 @@ def test_mode_recorded_and_stamps_unchanged(llama_dir, tmp_path):
     a = values["full_forward"]
     for mode in ("packed", "kv_cache"):
         assert manifests[mode]["computation"]["mode"] == mode
-        assert manifests[mode]["computation"]["batching"] == modes.DESCRIPTIONS[mode]
+        assert manifests[mode]["computation"]["batching"] == REGISTRY[mode].description
         assert manifests[mode]["stamps"] == manifests["full_forward"]["stamps"]
         b = values[mode]
         assert a["id"].to_list() == b["id"].to_list()

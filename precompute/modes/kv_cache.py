@@ -1,15 +1,9 @@
-"""Scoring pairs by continuing from the prompt's key/value cache, and padding-free (varlen) batches.
-
-kv_cache: one forward runs a batch of prompts (right-padded) and keeps their key/value cache. The cache is
+"""kv_cache: one forward runs a batch of prompts (right-padded) and keeps their key/value cache. The cache is
 repeated once per completion and a second forward runs [chosen, rejected] for every prompt on top of it, with
 position ids continuing at each prompt's own length and the attention mask hiding the prompts' padding. The first
 token of both completions is scored from the prompt's last position in the first forward. Causal attention keeps
 its fast path for the prompts, and any attention implementation that supports a cache and a padding mask works
 (sdpa, eager, flash attention).
-
-varlen: [prompt | completion] sequences concatenated into a single row per batch, position ids restarting at 0 for
-each sequence and no attention mask, which transformers turns into varlen flash attention (cu_seqlens): no padding
-at all. Only flash attention makes this cheap; sdpa and eager would build a dense mask over the whole row.
 """
 
 from __future__ import annotations
@@ -23,7 +17,8 @@ from schemas.encoding import EncodedPair
 
 from runtime.logprobs import pad_sequences, token_logps, unwrap
 
-FLASH = ("flash_attention_2", "flash_attention_3")
+from .base import BatchingMode, causal
+from .limits import state_layers, window_too_short
 
 
 def kv_batches(pairs: list[EncodedPair], token_budget: int) -> list[list[int]]:
@@ -38,19 +33,6 @@ def kv_batches(pairs: list[EncodedPair], token_budget: int) -> list[list[int]]:
             current, prompt, completion = [], 0, 0
         current.append(i)
         prompt, completion = max(prompt, p), max(completion, c)
-    return batches + ([current] if current else [])
-
-
-def varlen_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Indices sorted by length (longest first) and cut so that each batch's total length fits token_budget."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches, current, total = [], [], 0
-    for i in order:
-        if current and total + lengths[i] > token_budget:
-            batches.append(current)
-            current, total = [], 0
-        current.append(i)
-        total += lengths[i]
     return batches + ([current] if current else [])
 
 
@@ -99,21 +81,35 @@ def kv_cache_batch(model, pairs: list[EncodedPair], batch: list[int], pad_id: in
     return values, {"processed": processed, "slots": slots}
 
 
-def varlen_batch(model, seqs: list[tuple[list[int], list[int]]], batch: list[int]) -> tuple[np.ndarray, dict]:
-    """Flattened completion log-probs of the (prompt, completion) sequences in `batch`, packed into one row."""
-    device = next(model.parameters()).device
-    ids, positions, sources, targets = [], [], [], []
-    for i in batch:
-        prompt, completion = seqs[i]
-        start = len(ids)
-        ids += prompt + completion
-        positions += range(len(prompt) + len(completion))
-        at = start + len(prompt) + np.arange(len(completion))
-        sources.append(at - 1)
-        targets.append(at)
-    ids_t = torch.as_tensor([ids], device=device)
-    src = torch.as_tensor(np.concatenate(sources), device=device)
-    inputs = {"input_ids": ids_t, "position_ids": torch.as_tensor([positions], device=device)}
-    flat = token_logps(model, inputs, torch.zeros_like(src), src, ids_t[0, torch.as_tensor(np.concatenate(targets),
-                                                                                              device=device)])
-    return flat.cpu().numpy(), {"processed": len(ids), "slots": len(ids)}
+class KvCache(BatchingMode):
+    name = "kv_cache"
+    description = ("each prompt once (right-padded, prompt-length-sorted batches); chosen and rejected continue from "
+                   "its key/value cache")
+    runs_with = ("any attention with a key/value cache (sdpa, eager, flash); decoder-only, no recurrent layers, no "
+                 "sliding window shorter than the data")
+
+    def plan(self, pairs, token_budget):
+        return kv_batches(pairs, token_budget)
+
+    def score(self, model, pairs, batch, pad_id):
+        values, counts = kv_cache_batch(model, pairs, batch, pad_id)
+        return [2 * i + k for i in batch for k in (0, 1)], values, counts
+
+    def batch_cost(self, lengths, batch):
+        P, C, R = lengths.P, lengths.C, lengths.R
+        p, c = P[batch].max(), np.maximum(C[batch], R[batch]).max() - 1
+        return len(batch) * (p + 2 * c), len(batch) * (p**2 * causal(P[batch]) + 2 * c * (p + c))
+
+    def unsupported(self, model, longest, attn):
+        reason = super().unsupported(model, longest, attn) or window_too_short(model, longest)
+        if reason:
+            return reason
+        if getattr(model.config, "is_encoder_decoder", False):  # the outer config says so
+            return "encoder-decoder model"
+        state = state_layers(model)
+        if state:
+            return f"layers other than attention ({', '.join(state)}) keep state a padded prompt would corrupt"
+        return None
+
+    def in_auto(self, attn):
+        return True

@@ -1,0 +1,107 @@
+"""What a batching mode is: one way of running preference pairs through the reference, with the same numbers as
+`runtime.logprobs.reference_logps` (the model's own forward over one unpadded sequence).
+
+A mode is a subclass of BatchingMode in a module of its own, registered by one line in `precompute/modes/__init__.py`.
+Indices: sequence 2i is [prompt | chosen] of pair i, sequence 2i + 1 its [prompt | rejected].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from schemas.encoding import EncodedPair
+
+from .limits import shape_dependent
+
+FLASH = ("flash_attention_2", "flash_attention_3")
+
+
+class BatchingMode:
+    """One batching mode. `description` is one line: the manifest records it (computation.batching), `--batching`'s
+    help and the README's table of modes show it; `runs_with` (the README's table) says where it works."""
+
+    name: str = ""
+    description: str = ""
+    runs_with: str = ""
+
+    def plan(self, pairs: list[EncodedPair], token_budget: int) -> list:
+        """The batches, in scoring order; what a batch holds is the mode's own business (indices of sequences,
+        pairs or rows of pairs), `score` and `batch_cost` take one."""
+        raise NotImplementedError
+
+    def score(self, model, pairs: list[EncodedPair], batch, pad_id: int) -> tuple[list[int], list[np.ndarray], dict]:
+        """(order, values, counts) for one batch: the sequence indices it scored, each one's completion log-probs
+        (one float per completion token), and {"processed": real tokens through the model, "slots": tokens
+        including padding}."""
+        raise NotImplementedError
+
+    def batch_cost(self, lengths: Lengths, batch) -> tuple[float, float]:
+        """(slots, attention scores) the kernel computes for one batch: see estimated_cost."""
+        raise NotImplementedError
+
+    def estimated_cost(self, pairs: list[EncodedPair], token_budget: int, hidden: int) -> float:
+        """Work of scoring `pairs`, in token equivalents: every slot that runs through the layers (padding
+        included) plus the attention scores the kernel computes, each weighted 1 / (6 * hidden) of a token (a
+        layer's linear maps cost about 24 h^2 FLOPs per token, attention about 4 h per score). Masked scores count:
+        a custom or padding mask makes the kernel compute them anyway; causal attention without padding skips the
+        upper triangle, as flash attention does per sequence (varlen)."""
+        lengths = Lengths.of(pairs)
+        slots = scores = 0.0
+        for batch in self.plan(pairs, token_budget):
+            batch_slots, batch_scores = self.batch_cost(lengths, batch)
+            slots, scores = slots + batch_slots, scores + batch_scores
+        return float(slots + scores / (6 * hidden))
+
+    def unsupported(self, model, longest: int, attn: str) -> str | None:
+        """Why this mode cannot run on `model` with attention `attn`, or None. `longest`: the longest prompt +
+        completion of the job. Every mode but `single` needs numbers that do not depend on the batch's shape."""
+        return shape_dependent(model, longest)
+
+    def in_auto(self, attn: str) -> bool:
+        """Whether `--batching auto` weighs this mode for attention implementation `attn`."""
+        return False
+
+    def warning(self, attn: str) -> str | None:
+        """A line logged when this mode is asked for by name with attention `attn` (it runs, but badly)."""
+        return None
+
+
+@dataclass
+class Lengths:
+    """Token counts of a job's pairs: prompt P, chosen C, rejected R per pair; seqs: 2i = P + C, 2i + 1 = P + R."""
+
+    P: np.ndarray
+    C: np.ndarray
+    R: np.ndarray
+    seqs: np.ndarray
+
+    @classmethod
+    def of(cls, pairs: list[EncodedPair]) -> Lengths:
+        P = np.array([len(p.prompt_ids) for p in pairs])
+        C = np.array([len(p.chosen_ids) for p in pairs])
+        R = np.array([len(p.rejected_ids) for p in pairs])
+        return cls(P, C, R, np.stack([P + C, P + R], axis=1).ravel().astype(float))
+
+
+def sequence(pairs: list[EncodedPair], i: int) -> tuple[list[int], list[int]]:
+    """(prompt, completion) of sequence i."""
+    pair = pairs[i // 2]
+    return pair.prompt_ids, (pair.chosen_ids if i % 2 == 0 else pair.rejected_ids)
+
+
+def sequence_lengths(pairs: list[EncodedPair]) -> list[int]:
+    return [len(p.prompt_ids) + len(c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+
+
+def split(flat, lengths: torch.Tensor) -> list[np.ndarray]:
+    """Flattened values cut into consecutive parts of `lengths`."""
+    flat = flat.cpu().numpy() if isinstance(flat, torch.Tensor) else flat
+    return np.split(flat, np.cumsum(lengths.numpy())[:-1])
+
+
+def causal(lengths: np.ndarray) -> float:
+    """Share of the score matrix computed: without padding transformers lets the kernel skip the upper triangle."""
+    return 0.5 if (lengths == lengths[0]).all() else 1.0

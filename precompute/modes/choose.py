@@ -1,0 +1,134 @@
+"""Which batching mode runs: what `--batching` asks for (or, for auto, the mode the registry's candidates estimate
+cheapest), once it reproduces `runtime.logprobs.reference_logps` on a probe of the job's own pairs.
+
+Every mode, asked for or ranked, is checked against reference_logps on real pairs (short ones and the job's longest)
+before it runs; the first that agrees is taken (a requested mode falls back to full_forward, then single; auto to
+the next cheapest, then single), else the job is refused. The choice depends only on the data, the model and the
+device, so a resumed job picks the same mode again. Reads the registry only: a new mode needs nothing here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from schemas.encoding import EncodedPair
+
+from runtime.errors import JobError
+from runtime.logprobs import reference_logps
+
+from . import REGISTRY, lookup
+from .scoring import estimated_cost, score_pairs
+
+FALLBACK = ("full_forward", "single")  # after a mode asked for by name; auto ends with single
+HEAD_ELEMENTS = 2**28  # logits one forward may hold when the model's own head has to produce them (1 GiB float32)
+
+
+def effective_budget(model, token_budget: int, longest: int) -> int:
+    """token_budget, lowered where the model's own head makes the logits (head.py) so that a forward's logits stay
+    within HEAD_ELEMENTS (never below one sequence of the job)."""
+    from runtime.head import verified_head
+
+    if verified_head(model) == "hook":
+        return token_budget
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return min(token_budget, max(longest, HEAD_ELEMENTS // vocab))
+
+
+def unsupported(mode: str, model, longest: int) -> str | None:
+    """Why `mode` cannot run on this model, or None. `longest`: the longest prompt + completion of the job."""
+    return lookup(mode).unsupported(model, longest, model.config._attn_implementation)
+
+
+def candidates(attn: str) -> tuple[str, ...]:
+    """The modes auto weighs for an attention implementation, the last registered first: on equal estimates auto
+    takes full_forward, then the earliest of this list."""
+    return tuple(name for name in reversed(REGISTRY) if REGISTRY[name].in_auto(attn))
+
+
+def _order(model, requested: str, sample: list[EncodedPair], token_budget: int) -> tuple[list[str], dict]:
+    """The modes to try, in order, and (auto) their estimated costs."""
+    if requested != "auto":
+        return list(dict.fromkeys([requested, *FALLBACK])), {}
+    hidden = getattr(model.config.get_text_config(), "hidden_size", 1024)
+    cost = {m: estimated_cost(sample, m, token_budget, hidden) for m in candidates(model.config._attn_implementation)}
+    return list(dict.fromkeys([*sorted(cost, key=lambda m: (cost[m], m != "full_forward")), FALLBACK[-1]])), cost
+
+
+def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, pad_id: int, token_budget: int,
+                log, long_pairs: list[EncodedPair] = ()) -> str:
+    """The mode to run: `requested`, or for auto the cheapest by estimated_cost. Whatever the mode (full_forward
+    and single included), it must first reproduce `reference_logps` on probe pairs (short ones of `sample`, and
+    the longest of `sample` and `long_pairs`); one that does not falls back to the next (auto: the next cheapest;
+    a requested mode: full_forward, then single), the reason logged once. A model whose numbers depend on batch
+    shape runs single. Refuses (JobError) if nothing reproduces the reference."""
+    attn = model.config._attn_implementation
+    if requested != "auto":
+        warning = lookup(requested).warning(attn)  # an unknown name is refused here (ValueError)
+        if warning:
+            log(warning)
+    order, cost = _order(model, requested, sample, token_budget)
+    probe = probe_pairs(sample, long_pairs=long_pairs)
+    truth = [reference_logps(model, p.prompt_ids, c).cpu().numpy() for p in probe for c in (p.chosen_ids, p.rejected_ids)]
+    rejected = []
+    for mode in order:
+        reason = unsupported(mode, model, longest) or _disagrees(model, mode, probe, truth, pad_id)
+        if reason is None:
+            ratio = (f"; estimated {cost['full_forward'] / cost[mode]:.2f}x less work than full_forward"
+                     if mode in cost else "")
+            why = f"; instead of {'; '.join(rejected)}" if rejected else ""
+            log(f"batching: {mode} ({attn} attention{ratio}; matches the reference forward on a probe{why})")
+            return mode
+        rejected.append(f"{mode}: {reason}")
+    raise JobError(f"no batching mode reproduces this model's own forward ({'; '.join(rejected)}); check the model "
+                   "with a plain transformers forward")
+
+
+def probe_pairs(sample: list[EncodedPair], prompt_cap: int = 24, completion_cap: int = 8,
+                long_pairs: list[EncodedPair] = ()) -> list[EncodedPair]:
+    """Real pairs: the shortest, and the shortest whose prompt length differs from it, both cut to a few tokens
+    (cut to differ still) so the probe also runs a padded batch of prompts and of completions; then, whole, the
+    longest pair of `sample` and any `long_pairs` (the job's longest), where length effects show."""
+    def total(p):
+        return len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)
+
+    by_length = sorted(sample, key=total)
+    if not by_length:
+        return list(long_pairs)
+    first = by_length[0]
+    other = next((p for p in by_length if len(p.prompt_ids) != len(first.prompt_ids)), None)
+    other = other if other is not None else (by_length[1] if len(by_length) > 1 else None)
+
+    def cut(pair: EncodedPair, n: int) -> EncodedPair:  # rejected one token shorter: completions are padded too
+        return EncodedPair(pair.prompt_ids[:n], pair.chosen_ids[:completion_cap],
+                           pair.rejected_ids[: completion_cap - 1] or pair.rejected_ids[:1])
+
+    probe = [cut(first, prompt_cap)]
+    if other is not None:
+        n = min(len(other.prompt_ids), prompt_cap)
+        if n == len(probe[0].prompt_ids) and n > 1:
+            n -= 1
+        probe.append(cut(other, n))
+    for pair in [by_length[-1], *long_pairs]:
+        if all(pair != p for p in probe):
+            probe.append(pair)
+    return probe
+
+
+def _disagrees(model, mode: str, probe: list[EncodedPair], truth: list[np.ndarray], pad_id: int) -> str | None:
+    try:
+        got_c, got_r, _ = score_pairs(model, probe, pad_id, 1 << 30, mode)
+    except Exception as e:  # an architecture whose forward rejects the inputs this mode needs
+        return f"not supported by this model ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+    got = [x for pair in zip(got_c, got_r) for x in pair]
+    if any(len(a) != len(b) for a, b in zip(got, truth)):
+        return "returns the wrong number of values"
+    diff = max(float(np.max(np.abs(a - b), initial=0.0)) for a, b in zip(got, truth))
+    if not diff <= probe_tolerance(model.dtype):  # NaN fails
+        return f"differs from the reference forward by {diff:.2e} on this model"
+    return None
+
+
+def probe_tolerance(dtype: torch.dtype) -> float:
+    """Largest per-token difference from reference_logps a mode may show on the probe."""
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 0.25

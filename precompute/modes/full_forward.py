@@ -1,0 +1,34 @@
+"""full_forward: [prompt | chosen] and [prompt | rejected] as separate right-padded rows, length-sorted batches (the
+plain forward every other tool runs; the fall-back of every other mode)."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.logprobs import completion_logps, pad_sequences
+from runtime.packing import length_batches
+
+from .base import BatchingMode, causal, sequence, sequence_lengths, split
+
+
+class FullForward(BatchingMode):
+    name = "full_forward"
+    description = "length-sorted sequences within each shard, right padding"
+    runs_with = "any model"
+
+    def plan(self, pairs, token_budget):
+        return length_batches(sequence_lengths(pairs), token_budget)
+
+    def score(self, model, pairs, batch, pad_id):
+        seqs = [sequence(pairs, i) for i in batch]
+        ids, mask = pad_sequences([p + c for p, c in seqs], pad_id, next(model.parameters()).device)
+        clen = torch.tensor([len(c) for _, c in seqs])
+        flat = completion_logps(model, ids, mask, torch.tensor([len(p) for p, _ in seqs]), clen)
+        return batch, split(flat, clen), {"processed": int(mask.sum()), "slots": mask.numel()}
+
+    def batch_cost(self, lengths, batch):
+        L = lengths.seqs[batch]
+        return len(L) * L.max(), len(L) * L.max() ** 2 * causal(L)
+
+    def in_auto(self, attn):
+        return True

@@ -1,0 +1,43 @@
+"""Scoring a job's pairs in a named mode: the mode plans the batches and scores each; this collects the values."""
+
+from __future__ import annotations
+
+import torch
+
+from schemas.encoding import EncodedPair
+
+from . import lookup
+from .base import sequence
+
+
+@torch.no_grad()
+def score_pairs(model, pairs: list[EncodedPair], pad_id: int, token_budget: int, mode: str = "full_forward",
+                on_batch=None):
+    """Reference log-probs per completion token for each pair: (chosen list, rejected list, stats).
+
+    stats: tokens (of the plain sequences: the work done, whatever the mode), processed (real tokens through the
+    model), slots (tokens including padding). on_batch(pairs, tokens) is called after each batch.
+    """
+    way = lookup(mode)
+    values: list = [None] * (2 * len(pairs))  # chosen of pair i at 2i, rejected at 2i + 1
+    stats = {"tokens": 0, "processed": 0, "slots": 0}
+    for batch in way.plan(pairs, token_budget):
+        order, parts, counts = way.score(model, pairs, batch, pad_id)
+        for i, part in zip(order, parts):
+            values[i] = part
+        tokens = sum(len(prompt) + len(completion) for prompt, completion in (sequence(pairs, i) for i in order))
+        stats = {"tokens": stats["tokens"] + tokens, "processed": stats["processed"] + counts["processed"],
+                 "slots": stats["slots"] + counts["slots"]}
+        if on_batch:
+            on_batch(len(order) / 2, tokens)
+    return values[0::2], values[1::2], stats
+
+
+def plan_batches(pairs: list[EncodedPair], mode: str, token_budget: int) -> list:
+    """The batches `mode` scores `pairs` in (see BatchingMode.plan)."""
+    return lookup(mode).plan(pairs, token_budget)
+
+
+def estimated_cost(pairs: list[EncodedPair], mode: str, token_budget: int, hidden: int) -> float:
+    """Work of scoring `pairs` in `mode`, in token equivalents (see BatchingMode.estimated_cost)."""
+    return lookup(mode).estimated_cost(pairs, token_budget, hidden)

@@ -1,0 +1,42 @@
+"""single: one unpadded sequence per forward, position state reset before each: the definition's own shape, for
+models whose numbers depend on the batch's shape (ALiBi, dynamic/longrope RoPE past its original context)."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.logprobs import reset_position_state, token_logps
+
+from .base import BatchingMode, sequence, split
+
+
+def single_sequence(model, prompt: list[int], completion: list[int]) -> tuple[torch.Tensor, dict]:
+    """Completion log-probs of one sequence scored alone: unpadded, batch of one, fresh position state."""
+    device = next(model.parameters()).device
+    ids = torch.as_tensor([prompt + completion], device=device)
+    at = torch.arange(len(prompt), ids.shape[1], device=device)
+    reset_position_state(model)
+    flat = token_logps(model, {"input_ids": ids}, torch.zeros_like(at), at - 1, ids[0, at])
+    reset_position_state(model)
+    return flat, {"processed": ids.shape[1], "slots": ids.shape[1]}
+
+
+class Single(BatchingMode):
+    name = "single"
+    description = "one unpadded sequence per forward, position state reset before each (the definition's own shape)"
+    runs_with = "any model; the last fall-back"
+
+    def plan(self, pairs, token_budget):
+        return [[i] for i in range(2 * len(pairs))]
+
+    def score(self, model, pairs, batch, pad_id):
+        prompt, completion = sequence(pairs, batch[0])
+        flat, counts = single_sequence(model, prompt, completion)
+        return batch, split(flat, torch.tensor([len(completion)])), counts
+
+    def batch_cost(self, lengths, batch):
+        L = lengths.seqs[batch]
+        return L.sum(), (L**2).sum() / 2
+
+    def unsupported(self, model, longest, attn):
+        return None
