@@ -328,12 +328,18 @@ def machine_line(m: dict) -> str:
             f"{m['transformers']}, trl {m['trl'] or 'not installed'}; {m['date']}")
 
 
+def result_path(part: str, quick: bool = False) -> Path:
+    """bench/results/<part>-<device>.json; a --quick run's goes to <part>-<device>-quick.json, so that a smoke test
+    never overwrites the committed full-run results."""
+    return RESULTS / f"{part}-{device().type}{'-quick' if quick else ''}.json"
+
+
 def save(part: str, result: dict, quick: bool) -> Path:
-    """Write bench/results/<part>-<device>.json and return its path."""
+    """Write the part's results (result_path) and return the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {"part": part, "quick": quick, "machine": machine(), "loadavg_start": LOADAVG_START,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), **result}
-    path = RESULTS / f"{part}-{device().type}.json"
+    path = result_path(part, quick)
     path.write_text(json.dumps(result, indent=2, default=float) + "\n")
     return path
 

@@ -58,13 +58,11 @@ def run_parts(parts: list[str], quick: bool) -> dict:
 
 def load(device: str) -> dict:
     out = {}
-    for part in PARTS:
-        path = common.RESULTS / f"{part}-{device}.json"
-        if path.exists():
-            out[part] = json.loads(path.read_text())
-    run = common.RESULTS / f"run-{device}.json"
-    if run.exists():
-        out["run"] = json.loads(run.read_text())
+    for part in [*PARTS, "run"]:  # a full run's results, else a quick run's (marked as such)
+        for path in (common.RESULTS / f"{part}-{device}.json", common.RESULTS / f"{part}-{device}-quick.json"):
+            if path.exists():
+                out[part] = json.loads(path.read_text())
+                break
     return out
 
 
@@ -490,7 +488,7 @@ def main():
                "walls": walls, "total_s": time.perf_counter() - t,
                "date": common.machine()["date"]}
         common.RESULTS.mkdir(parents=True, exist_ok=True)
-        (common.RESULTS / f"run-{common.device().type}.json").write_text(json.dumps(run, indent=2) + "\n")
+        common.result_path("run", args.quick).write_text(json.dumps(run, indent=2) + "\n")
     (common.BENCH / "RESULTS.md").write_text(render())
     print(f"wrote {common.BENCH / 'RESULTS.md'}")
 
