@@ -73,3 +73,45 @@ def test_model_hash_does_not_keep_the_file_resident(tmp_path):
     assert grown_mb < 40, f"hashing a 96 MiB file grew the peak RSS by {grown_mb:.0f} MiB"
     assert digest == model_hash(folder)  # stable
     assert len(digest) == 64 and digest != hashlib.sha256(b"").hexdigest()
+
+
+TOY = '''
+import atexit, sys, click
+from runtime.cli import exit_without_teardown
+
+@click.command()
+@click.option("--code", default="0")
+@click.argument("marker")
+def main(code, marker):
+    atexit.register(lambda: open(marker, "w").write("atexit ran"))
+    sys.stdout.write("buffered, no newline")
+    if code == "message":
+        sys.exit("refused: because")
+    if code == "raise":
+        raise RuntimeError("boom")
+    sys.exit(int(code))
+
+exit_without_teardown(main)
+'''
+
+
+@pytest.mark.parametrize("code, status", [("0", 0), ("2", 2), ("message", 1), ("raise", 1)])
+def test_exit_without_teardown_keeps_exit_status_output_and_atexit(tmp_path, code, status):
+    import os
+    import subprocess
+    import sys
+
+    marker = tmp_path / "marker"
+    script = tmp_path / "toy.py"
+    script.write_text(TOY)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), "--code", code, str(marker)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == status, proc.stderr
+    assert proc.stdout == "buffered, no newline"
+    assert marker.read_text() == "atexit ran"
+    if code == "message":
+        assert "refused: because" in proc.stderr
+    if code == "raise":
+        assert "RuntimeError: boom" in proc.stderr
