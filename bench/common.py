@@ -82,6 +82,7 @@ MODELS = {
     "1M":   dict(hidden=128, layers=4, heads=4, kv=2, inter=384, vocab=1024),      # ~0.9M, like data/sft-model
     "5M":   dict(hidden=256, layers=4, heads=4, kv=2, inter=768, vocab=4096),      # ~5M
     "35M":  dict(hidden=512, layers=8, heads=8, kv=4, inter=1536, vocab=8192),     # ~35M
+    "115M": dict(hidden=768, layers=12, heads=12, kv=4, inter=2048, vocab=24576),  # ~113M, 453 MB of fp32 weights
     "350M": dict(hidden=1024, layers=24, heads=16, kv=8, inter=2816, vocab=32000),  # GPU only
 }
 
@@ -328,12 +329,18 @@ def machine_line(m: dict) -> str:
             f"{m['transformers']}, trl {m['trl'] or 'not installed'}; {m['date']}")
 
 
+def result_path(part: str, quick: bool = False) -> Path:
+    """bench/results/<part>-<device>.json; a --quick run's goes to <part>-<device>-quick.json, so that a smoke test
+    never overwrites the committed full-run results."""
+    return RESULTS / f"{part}-{device().type}{'-quick' if quick else ''}.json"
+
+
 def save(part: str, result: dict, quick: bool) -> Path:
-    """Write bench/results/<part>-<device>.json and return its path."""
+    """Write the part's results (result_path) and return the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {"part": part, "quick": quick, "machine": machine(), "loadavg_start": LOADAVG_START,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), **result}
-    path = RESULTS / f"{part}-{device().type}.json"
+    path = result_path(part, quick)
     path.write_text(json.dumps(result, indent=2, default=float) + "\n")
     return path
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import common
+import render_job
 
 PARTS = {  # part -> script
     "precompute": "bench_precompute.py",
@@ -25,6 +26,7 @@ PARTS = {  # part -> script
     "scaling": "bench_scaling.py",
     "modes": "bench_modes.py",  # part 7, precompute batching modes side by side
 }
+SCRIPTS = {**PARTS, **render_job.EXTRA}  # the whole-job parts run only when named in --parts
 
 TARGETS = [  # (key, description, goal text, test)
     ("precompute_vs_bare", "precompute end to end vs bare batched forward (tokens/s)", ">= 0.9x", lambda v: v >= 0.9),
@@ -39,7 +41,7 @@ TARGETS = [  # (key, description, goal text, test)
 def run_parts(parts: list[str], quick: bool) -> dict:
     walls = {}
     for part in parts:
-        cmd = [sys.executable, str(common.BENCH / PARTS[part])] + (["--quick"] if quick else [])
+        cmd = [sys.executable, str(common.BENCH / SCRIPTS[part])] + (["--quick"] if quick else [])
         print(f"== {part}: {' '.join(Path(c).name if i < 2 else c for i, c in enumerate(cmd))}", flush=True)
         t = time.perf_counter()
         proc = subprocess.run(cmd, cwd=common.REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -58,13 +60,11 @@ def run_parts(parts: list[str], quick: bool) -> dict:
 
 def load(device: str) -> dict:
     out = {}
-    for part in PARTS:
-        path = common.RESULTS / f"{part}-{device}.json"
-        if path.exists():
-            out[part] = json.loads(path.read_text())
-    run = common.RESULTS / f"run-{device}.json"
-    if run.exists():
-        out["run"] = json.loads(run.read_text())
+    for part in [*SCRIPTS, "run"]:  # a full run's results, else a quick run's (marked as such)
+        for path in (common.RESULTS / f"{part}-{device}.json", common.RESULTS / f"{part}-{device}-quick.json"):
+            if path.exists():
+                out[part] = json.loads(path.read_text())
+                break
     return out
 
 
@@ -431,7 +431,7 @@ def render_device(R: dict, device: str) -> list[str]:
                 ("gather", "4. Memory of the log-prob gather", render_gather),
                 ("size", "5. Cache size", render_size),
                 ("scaling", "6. Scaling with the number of pairs", render_scaling),
-                ("modes", "7. Precompute batching modes", render_modes)]
+                ("modes", "7. Precompute batching modes", render_modes), *render_job.SECTIONS]
     for part, title, fn in sections:
         if part in R:
             quick = " (quick mode)" if R[part].get("quick") else ""
@@ -490,7 +490,7 @@ def main():
                "walls": walls, "total_s": time.perf_counter() - t,
                "date": common.machine()["date"]}
         common.RESULTS.mkdir(parents=True, exist_ok=True)
-        (common.RESULTS / f"run-{common.device().type}.json").write_text(json.dumps(run, indent=2) + "\n")
+        common.result_path("run", args.quick).write_text(json.dumps(run, indent=2) + "\n")
     (common.BENCH / "RESULTS.md").write_text(render())
     print(f"wrote {common.BENCH / 'RESULTS.md'}")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import transformers
 
-from runtime.cli import GroupedCommand, click_type, dataclass_options, given_values, quiet_libraries, run_cli
+from runtime.cli import GroupedCommand, exit_without_teardown, click_type, dataclass_options, given_values, quiet_libraries, run_cli
 
 from .lora import LoraOptions
 from .recipe import TrainConfig
@@ -146,5 +146,11 @@ def main(config_file, debug, **given):
     run_cli(body, debug)
 
 
+def process_main():
+    """The console script and `python -m dpo.cli`: the command as the whole process, without the interpreter's
+    teardown at exit (runtime.cli.exit_without_teardown)."""
+    exit_without_teardown(main)
+
+
 if __name__ == "__main__":
-    main()
+    process_main()

@@ -18,6 +18,7 @@ from schemas.stamps import model_hash
 from . import lora
 from .losses import LOSS_TYPES, LossConfig
 from .outdir import check_output_dir, prepare_metrics
+from .phases import PhaseTimer
 from .verify import encode_only, reference_hash, verify_and_join
 
 
@@ -197,6 +198,7 @@ def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None
 
 
 def run_train(cfg: TrainConfig, log=print) -> dict:
+    timer = PhaseTimer()  # the run's fixed cost per phase, in the summary and the run manifest
     import datasets
     import torch
     from transformers import AutoModelForCausalLM
@@ -205,6 +207,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     from .provenance import check_resume_reference, record_in, reference_record
     from .trainer import DPOTrainer, MetricsFile, PairCollator, disable_dropout
 
+    timer.mark("imports")
     if cfg.ref_cache is None and cfg.ref_model is None:
         raise JobError("give --ref-cache DIR (cached reference) or --ref-model PATH (live reference)")
     if cfg.ref_model_hash and cfg.ref_cache is None:
@@ -236,6 +239,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     check_output_dir(cfg)
     check_resume(cfg.resume_from_checkpoint)
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    timer.mark("checks")
     t0 = time.perf_counter()
     initial_hash = model_hash(cfg.model)
     reference = None  # the model hash the cache must carry (hashed once, for train and eval caches alike)
@@ -254,6 +258,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     if cfg.resume_from_checkpoint:
         check_resume_reference(cfg.resume_from_checkpoint, record)  # before any model is loaded
     verify_s = time.perf_counter() - t0
+    timer.mark("verify")
 
     # --bf16/--fp16 are the Trainer's mixed precision (autocast over float32 master weights); the load dtype is
     # --model-dtype. A live reference needs no master weights: it runs in the autocast dtype.
@@ -272,7 +277,9 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
                                                          trust_remote_code=cfg.trust_remote_code)
         ref_model.eval().requires_grad_(False).to(args.device)
     pad = pad_id(tokenizer)
+    timer.mark("load")
     layout = _choose_layout(cfg, args, policy, ref_model, train, pad, log)
+    timer.mark("layout")
     out.mkdir(parents=True, exist_ok=True)
     seen = prepare_metrics(out / "metrics.jsonl", cfg.resume_from_checkpoint) if _rank()[0] == 0 else set()
     trainer = DPOTrainer(
@@ -287,6 +294,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         ref_model=ref_model,
         save_with=lambda folder: record_in(folder, record),
     )
+    timer.mark("setup")
     t_train = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     train_s = time.perf_counter() - t_train
@@ -294,15 +302,18 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     if evaluation:  # reuse the eval of the last step when there was one
         last = [r for r in trainer.state.log_history if "eval_loss" in r]
         final_eval = last[-1] if last and last[-1].get("step") == result.global_step else trainer.evaluate()
+    timer.mark("train")
     trainer.save_model(str(out))
     if cfg.lora.use_peft and trainer.is_world_process_zero():
         lora.save_outputs(trainer.model, out, cfg.lora, tokenizer)
+    timer.mark("save")
     first = [r for r in trainer.state.log_history if "eval_loss" in r and r.get("step") == 0]
     summary = {"eval_start": first[0] if first else {}, "output_dir": str(out.resolve()), "steps": result.global_step,
                "batch_layout": layout,
-               "train_loss": result.training_loss, "train_s": train_s, "verify_s": verify_s, "eval": final_eval}
+               "train_loss": result.training_loss, "train_s": train_s, "verify_s": verify_s, "eval": final_eval,
+               "phases": timer.phases}
     if trainer.is_world_process_zero():
-        _finish(cfg, out, train, record, initial_hash, summary, reference)
+        _finish(cfg, out, train, record, initial_hash, summary, reference, timer)
     return summary
 
 
@@ -372,16 +383,20 @@ def check_resume(checkpoint: str | None) -> None:
         raise JobError(f"--resume-from-checkpoint {checkpoint}: {reason}; resume from a complete checkpoint-N folder")
 
 
-def _finish(cfg, out: Path, train, record: dict, initial_hash: str, summary: dict, reference: str | None) -> None:
+def _finish(cfg, out: Path, train, record: dict, initial_hash: str, summary: dict, reference: str | None,
+            timer: PhaseTimer) -> None:
     from .provenance import write_run_manifest
     from .trainer import plot_metrics
 
     if cfg.plot and (out / "metrics.jsonl").exists():
         plot_metrics(out / "metrics.jsonl", out / "metrics.png")
+    timer.mark("plot")
     if cfg.lora.use_peft:  # the checkpoint is an adapter: its own hash, and the merged model's if written
         peft = lora.manifest_section(cfg.lora, out, initial_hash, reference or lora.reference_hash(cfg.lora, initial_hash))
         sections = {"final_model_hash": peft["merged_model_hash"], "peft": peft}
     else:
         sections = {"final_model_hash": model_hash(out)}
+    timer.mark("final_hash")
     manifest = write_run_manifest(cfg, out, record, train, initial_hash, summary, **sections)
     summary["final_model_hash"] = manifest["final_model_hash"]
+    timer.mark("manifest")  # in the summary only: the manifest is written by then

@@ -119,15 +119,18 @@ class MetricsFile(TrainerCallback):
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:
     """Loss, accuracy, margins and per-token log-ratio against step, train and eval."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # The object API with the Agg canvas (no pyplot state, no GUI backend probing) and fixed margins: tight_layout
+    # would draw the figure once more only to measure it.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     panels = [(("loss",), "loss"), (("rewards/accuracies", "logps/accuracies"), "preference accuracy"),
               (("rewards/margins",), "reward margin"), (("logratio/chosen", "logratio/rejected"), "log-ratio per token")]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    fig = Figure(figsize=(10, 7))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.95, wspace=0.2, hspace=0.35)
     for ax, (keys, title) in zip(axes.flat, panels):
         for key in keys:
             for prefix, style in (("", "-"), ("eval_", "o-")):
@@ -139,6 +142,4 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
     fig.savefig(out_png, dpi=90)
-    plt.close(fig)

@@ -6,7 +6,7 @@ import os
 import click
 
 from precompute.job import PrecomputeConfig
-from runtime.cli import GroupedCommand, dataclass_options, encoding_from, encoding_options, given_values, quiet_libraries, run_cli
+from runtime.cli import GroupedCommand, exit_without_teardown, dataclass_options, encoding_from, encoding_options, given_values, quiet_libraries, run_cli
 
 @click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @dataclass_options(PrecomputeConfig)
@@ -40,5 +40,11 @@ def main(debug, **options):
     run_cli(body, debug)
 
 
+def process_main():
+    """The console script and `python -m precompute.cli`: the command as the whole process, without the interpreter's
+    teardown at exit (runtime.cli.exit_without_teardown)."""
+    exit_without_teardown(main)
+
+
 if __name__ == "__main__":
-    main()
+    process_main()

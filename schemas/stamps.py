@@ -205,9 +205,19 @@ def _hash_tensors(h, tensors: dict) -> None:
                 raise WeightsError(f"{path}: tensor {name!r} points past the end of the file (truncated?)")
             h.update(_canonical([name, dtype, shape, end - begin]))
             h.update(memoryview(maps[path])[begin:end])
+            _drop_pages(maps[path], begin, end)
     finally:
         for m in maps.values():
             m.close()
+
+
+def _drop_pages(mapped: mmap.mmap, begin: int, end: int) -> None:
+    """Unmap the pages just hashed from this process (the page cache keeps them): without this, hashing a model
+    adds its whole size to the resident memory, e.g. on top of a trained model and its optimizer state."""
+    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        start = begin - begin % mmap.PAGESIZE
+        if end > start:
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _tensor_index(files: list[Path]) -> dict:

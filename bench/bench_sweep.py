@@ -1,0 +1,142 @@
+"""The whole job a user runs: a sweep of 3 betas, each run a separate process started as a user starts it.
+
+  refcache  `python -m precompute.cli` once, then `python -m dpo.cli --ref-cache` once per beta on that one cache
+  trl       `python bench/sweep_trl.py` once per beta: trl.DPOTrainer with precompute_ref_log_probs=True and no
+            ref_model, TRL's faster mode (its reference log-probs are computed in every run, from the initial policy)
+
+Measured per process: wall time from start to exit (the parent's clock around the subprocess) and CPU time
+(getrusage of the child). The train loop is the wall of trainer.train() as the run records it itself (refcache:
+run-manifest.json result.train_s; TRL: the script's own clock, with TRL's train_runtime beside it); the fixed cost
+is the process wall minus the loop, split by the phases each run records (dpo/phases.py for refcache). The runs are
+interleaved (precompute, ours beta0, TRL beta0, ours beta1, ...) so that load from other processes falls on both.
+
+    .venv/bin/python bench/bench_sweep.py [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common
+
+FULL = dict(model="5M", pairs=256, batch=4, seq=256, steps=60, betas=(0.1, 0.3, 0.5))
+QUICK = dict(model="5M", pairs=48, batch=4, seq=128, steps=6, betas=(0.1, 0.3, 0.5))
+GROUPS = {  # fixed-cost phases as reported, from the phases each run records
+    "refcache": {"start-up/imports": ("startup", "imports", "checks"), "verification": ("verify",),
+                 "model load": ("load",), "layout probe": ("layout",), "trainer setup": ("setup",),
+                 "save": ("save",), "plot": ("plot",), "final hash": ("final_hash", "manifest")},
+    "trl": {"start-up/imports": ("startup",), "model load": ("load",),
+            "data + TRL reference precompute": ("setup",), "save": ("save",)},
+}
+
+
+def timed(cmd: list[str], log) -> dict:
+    """Run a command to completion; its wall (parent clock) and CPU seconds (rusage of the child)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.REPO)
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    log(f"  {wall:6.1f} s wall {cpu:6.1f} s CPU  {' '.join(Path(c).name if '/' in c else c for c in cmd[1:4])} ...")
+    return {"wall_s": wall, "cpu_s": cpu, "maxrss_mb": after.ru_maxrss / 1024}
+
+
+def fixed_cost(side: str, run: dict) -> dict:
+    """Process wall minus loop, split by the recorded phases; `other` is what no phase covers (interpreter exit,
+    the CLI's output)."""
+    phases = run["phases"]
+    split = {name: sum(phases[p]["wall_s"] or 0 for p in keys if p in phases)
+             for name, keys in GROUPS[side].items()}
+    split_cpu = {name: sum(phases[p]["cpu_s"] for p in keys if p in phases) for name, keys in GROUPS[side].items()}
+    fixed = run["wall_s"] - run["loop_s"]
+    split["other"] = fixed - sum(split.values())
+    return {"fixed_s": fixed, "wall_s": split, "cpu_s": split_cpu}
+
+
+def run_ours(size: dict, model: Path, data: Path, cache: Path, out: Path, beta: float, log) -> dict:
+    cmd = [sys.executable, "-m", "dpo.cli", "--model", str(model), "--data", str(data), "--ref-cache", str(cache),
+           "--output-dir", str(out), "--beta", str(beta), "--max-steps", str(size["steps"]),
+           "--per-device-train-batch-size", str(size["batch"])]
+    r = timed(cmd, log)
+    result = json.loads((out / "run-manifest.json").read_text())["result"]
+    r.update(loop_s=result["train_s"], phases=result["phases"], steps=result["steps"],
+             batch_layout=result["batch_layout"])
+    return r | {"fixed": fixed_cost("refcache", r)}
+
+
+def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log) -> dict:
+    phases = out.with_suffix(".json")
+    cmd = [sys.executable, str(common.BENCH / "sweep_trl.py"), str(model), str(data), str(out), str(beta),
+           str(size["steps"]), str(size["batch"]), str(size["seq"]), str(phases)]
+    r = timed(cmd, log)
+    rec = json.loads(phases.read_text())
+    r.update(loop_s=rec["phases"]["train"]["wall_s"], train_runtime=rec["train_runtime"], phases=rec["phases"],
+             steps=rec["steps"])
+    return r | {"fixed": fixed_cost("trl", r)}
+
+
+def sweep(size: dict, work: Path, log) -> dict:
+    model = common.make_checkpoint(work, size["model"])
+    rows = common.synthetic_pairs(size["pairs"], size["seq"], common.MODELS[size["model"]]["vocab"], seed=3)
+    data = common.write_jsonl(work / "data" / "train.jsonl", rows)
+    cache = work / "cache"
+    log("precompute-ref")
+    pre = timed([sys.executable, "-m", "precompute.cli", "--model", str(model), "--data", str(data), "--out",
+                 str(cache), "--max-length", str(size["seq"]), "--no-progress"], log)
+    ours, trl = [], []
+    for beta in size["betas"]:  # interleaved: ours, then TRL, per beta
+        log(f"beta {beta}: train-dpo, then TRL")
+        ours.append(run_ours(size, model, data, cache, work / f"ours-{beta}", beta, log))
+        trl.append(run_trl(size, model, data, work / f"trl-{beta}", beta, log))
+    total_ours = pre["wall_s"] + sum(r["wall_s"] for r in ours)
+    total_trl = sum(r["wall_s"] for r in trl)
+    loops = (sum(r["loop_s"] for r in ours), sum(r["loop_s"] for r in trl))
+    return {
+        "precompute": pre, "refcache": ours, "trl": trl,
+        "total_wall_s": {"refcache": total_ours, "trl": total_trl},
+        "total_cpu_s": {"refcache": pre["cpu_s"] + sum(r["cpu_s"] for r in ours),
+                        "trl": sum(r["cpu_s"] for r in trl)},
+        "ratio_wall": total_ours / total_trl, "ratio_loop": loops[0] / loops[1],
+        "ratio_cpu": (pre["cpu_s"] + sum(r["cpu_s"] for r in ours)) / sum(r["cpu_s"] for r in trl),
+        "fixed_mean_s": {"refcache": sum(r["fixed"]["fixed_s"] for r in ours) / len(ours),
+                         "trl": sum(r["fixed"]["fixed_s"] for r in trl) / len(trl)},
+    }
+
+
+def report(res: dict, log) -> None:
+    log(f"total wall: refcache {res['total_wall_s']['refcache']:.1f} s (precompute {res['precompute']['wall_s']:.1f} s"
+        f" + 3 train-dpo), TRL {res['total_wall_s']['trl']:.1f} s -> {res['ratio_wall']:.3f}x (goal <= 0.70x); "
+        f"train loops alone {res['ratio_loop']:.3f}x; CPU {res['ratio_cpu']:.3f}x")
+    for side in ("refcache", "trl"):
+        for r in res[side]:
+            f = r["fixed"]
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in f["wall_s"].items())
+            log(f"  {side:<8} wall {r['wall_s']:.1f} s = loop {r['loop_s']:.1f} s + fixed {f['fixed_s']:.1f} s "
+                f"({parts})")
+
+
+def main():
+    args = common.parser(__doc__).parse_args()
+    size = QUICK if args.quick else FULL
+    work = common.workdir("sweep")
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    try:
+        res = sweep(size, work, log)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(res, log)
+    res["size"] = {**size, "params": common.n_params(common.build_llama(size["model"]))}
+    print(f"wrote {common.save('sweep', res, args.quick)}")
+
+
+if __name__ == "__main__":
+    main()
