@@ -11,7 +11,6 @@ from pathlib import Path
 from runtime.checkpoint import Checkpoint
 from runtime.cli import field_help
 from runtime.distributed import Dist
-from runtime.errors import JobError
 from runtime.hub import resolve_model
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig
 from schemas.stamps import model_hash

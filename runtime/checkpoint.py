@@ -50,7 +50,7 @@ class Checkpoint:
     files: tuple[Path, ...]  # the safetensors files transformers loads (schemas.stamps.weight_files)
     trust_remote_code: bool = False
     adapter: str | None = None
-    adapter_hash: str | None = None
+    adapter_hash: str | None = None  # set by `open`, which checks the adapter
 
     @classmethod
     def open(cls, model_dir: str, trust_remote_code: bool = False, adapter: str | None = None) -> "Checkpoint":
@@ -123,7 +123,7 @@ class Checkpoint:
         if device is not None:
             model = model.to(device)
         if self.adapter is not None:
-            model = _merged(model, self.adapter)
+            model = _merge_adapter(model, self.adapter)
         return model if trainable else model.eval().requires_grad_(False)
 
 
@@ -158,17 +158,10 @@ def check_adapter(adapter_dir: str) -> str:
         raise JobError(f"--adapter {adapter_dir}: {e}") from None
 
 
-def merge_adapter(model, adapter_dir: str):
-    """`model` with the peft adapter in `adapter_dir` merged into its weights (a plain transformers model again).
-
-    precompute-ref and train-dpo both merge through here (or `Checkpoint.load_model`, which has checked the adapter
-    already), on the device and dtype they run in, so a reference "base + adapter" is the same weights in both jobs."""
-    require_peft(f"the adapter {adapter_dir}")
-    check_adapter(adapter_dir)
-    return _merged(model, adapter_dir)
-
-
-def _merged(model, adapter_dir: str):
+def _merge_adapter(model, adapter_dir: str):
+    """`model` with the peft adapter in `adapter_dir` (checked by `Checkpoint.open`) merged into its weights (a plain
+    transformers model again). precompute-ref and train-dpo both merge through here (`Checkpoint.load_model`), on the
+    device and dtype they run in, so a reference "base + adapter" is the same weights in both jobs."""
     peft = require_peft(f"the adapter {adapter_dir}")
     try:
         wrapped = peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
