@@ -147,9 +147,9 @@ def check_live_reference(policy, reference) -> None:
     """Live LoRA: the reference is --model with the adapter disabled, so --ref-model (`reference`, the policy's own
     Checkpoint when it names the same folder) must be that checkpoint."""
     if reference is not policy and reference.base_hash != policy.base_hash:
-        raise JobError(f"--ref-model {reference.path} differs from --model: with --use-peft the live reference is --model "
-                       "with the adapter disabled (no second model); pass --ref-model equal to --model, or use a "
-                       "--ref-cache made from the other reference")
+        raise JobError(f"--ref-model {reference.path} differs from --model: with --use-peft the live reference is "
+                       "--model with the adapter disabled (no second model); pass --ref-model equal to --model, or use "
+                       "a --ref-cache made from the other reference")
 
 
 def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: int):
