@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from schemas.stamps import model_hash, tokenizer_hash
+from schemas.stamps import tokenizer_hash
 
 from .cache import CacheScan
 from .checks import FAIL, PASS, SKIP, Check
@@ -28,12 +28,12 @@ def default_tolerance(dtype: str, recorded_device: str | None, local_device: str
 def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, sample: int | None, seed: int,
                 tolerance: float | None, trust_remote_code: bool):
     """Model and tokenizer hash checks and the replay; returns (checks, tokenizer, tokenizer_ok)."""
-    from runtime.checkpoint import check_checkpoint, load_tokenizer
+    from runtime.checkpoint import Checkpoint
 
-    check_checkpoint(model_dir, trust_remote_code)
+    checkpoint = Checkpoint.open(model_dir, trust_remote_code)
     stamps = manifest["stamps"]
-    found_model = model_hash(model_dir)
-    tokenizer = load_tokenizer(model_dir, trust_remote_code)
+    found_model = checkpoint.model_hash
+    tokenizer = checkpoint.tokenizer
     found_tok = tokenizer_hash(tokenizer)
     checks = []
     for name, found, what in (("model_hash", found_model, "weights and behavioural config"),
@@ -49,19 +49,16 @@ def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, 
     elif scan.index.height == 0:
         checks.append(Check("replay", SKIP, "no verified rows to replay"))
     else:
-        checks.append(replay(root, manifest, scan.index, model_dir, tokenizer, sample=sample, seed=seed,
-                             tolerance=tolerance, trust_remote_code=trust_remote_code))
+        checks.append(replay(root, manifest, scan.index, checkpoint, sample=sample, seed=seed, tolerance=tolerance))
     return checks, tokenizer, found_tok == stamps["tokenizer_hash"]
 
 
-def replay(root: Path, manifest: dict, index: pl.DataFrame, model_dir: str, tokenizer, *, sample, seed, tolerance,
-           trust_remote_code) -> Check:
+def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sample, seed, tolerance) -> Check:
     """Score a seeded sample of cached rows again with the definition of a reference log-prob
     (`runtime.logprobs.reference_logps`: the unpadded sequence alone through the model's own forward, whatever
     mode made the cache), in the recorded dtype on this machine's device, and compare per token with the cached
-    values. `sample=None` replays every row."""
-    from runtime.checkpoint import load_model, preserved_rng, resolve_device, resolve_dtype
-    from runtime.logprobs import reference_logps
+    values. `checkpoint`: a runtime.checkpoint.Checkpoint; `sample=None` replays every row."""
+    from runtime.checkpoint import preserved_rng, resolve_device, resolve_dtype
 
     t0 = time.perf_counter()
     comp = manifest.get("computation") or {}
@@ -70,50 +67,68 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, model_dir: str, toke
     tol = tolerance if tolerance is not None else default_tolerance(dtype, comp.get("device_type"), device.type)
     count = index.height if sample is None else min(sample, index.height)
     picks = np.sort(np.random.default_rng(seed).choice(index.height, size=count, replace=False))
-    token_diffs, seq_diffs, first, beyond, uncomparable = [], [], None, 0, 0
+    found = Differences(tol)
     with preserved_rng():
         try:
-            model = load_model(model_dir, resolve_dtype(dtype, device), device, comp.get("attn_implementation"),
-                               trust_remote_code)
+            model = checkpoint.load_model(resolve_dtype(dtype, device), device, comp.get("attn_implementation"))
         except (ImportError, ValueError):  # e.g. flash_attention_2 recorded, not installed here
-            model = load_model(model_dir, resolve_dtype(dtype, device), device, "sdpa", trust_remote_code)
+            model = checkpoint.load_model(resolve_dtype(dtype, device), device, "sdpa")
         for (shard,), group in index[picks].group_by("shard", maintain_order=True):
-            rows = pl.read_parquet(root / shard).with_row_index("row").filter(
-                pl.col("row").is_in(group["row"].implode())).to_dicts()
-            chosen = [reference_logps(model, r["prompt_input_ids"], r["chosen_input_ids"]).cpu().numpy() for r in rows]
-            rejected = [reference_logps(model, r["prompt_input_ids"], r["rejected_input_ids"]).cpu().numpy()
-                        for r in rows]
-            for r, new_c, new_r in zip(rows, chosen, rejected):
-                for side, new in (("chosen", new_c.astype(np.float64)), ("rejected", new_r.astype(np.float64))):
-                    old = np.asarray(r[f"{side}_logps"], np.float64)
-                    if len(old) != len(new):
-                        uncomparable += 1  # list_lengths reports it
-                        continue
-                    diff = np.abs(new - old)
-                    token_diffs.append(diff)
-                    seq_diffs.append(abs(new.sum() - r[f"{side}_logp"]))
-                    bad = ~(diff <= tol)  # NaN counts as beyond
-                    beyond += int(bad.sum())
-                    if bad.any() and first is None:
-                        j = int(np.argmax(bad))
-                        first = Check("replay", FAIL, f"shard {shard} row {r['row']} (id {r['id']!r}) {side} token "
-                                      f"{j}: cached {old[j]:.6f}, replayed {new[j]:.6f}, |diff| {diff[j]:.1e}",
-                                      shard, r["row"])
-    tokens = np.concatenate(token_diffs) if token_diffs else np.zeros(0)
-    seqs = np.asarray(seq_diffs) if seq_diffs else np.zeros(0)
-    stat = lambda a, f: float(f(a)) if a.size else 0.0  # noqa: E731
-    info = {"rows": count, "tokens": int(tokens.size), "dtype": dtype, "device": str(device),
-            "recorded_device_type": comp.get("device_type"), "tolerance": tol, "seed": seed,
-            "sampled": index[picks]["id"].to_list(),
-            "token_max_abs_diff": stat(tokens, np.max), "token_mean_abs_diff": stat(tokens, np.mean),
-            "sequence_max_abs_diff": stat(seqs, np.max), "sequence_mean_abs_diff": stat(seqs, np.mean),
-            "tokens_beyond_tolerance": beyond, "sequences_not_comparable": uncomparable,
-            "seconds": round(time.perf_counter() - t0, 3)}
-    summary = (f"{count:,} rows ({tokens.size:,} tokens) in {dtype} on {device}: per token max "
-               f"{info['token_max_abs_diff']:.1e} mean {info['token_mean_abs_diff']:.1e}, per sequence max "
-               f"{info['sequence_max_abs_diff']:.1e} mean {info['sequence_mean_abs_diff']:.1e}; tolerance {tol:.0e}")
-    if first:
-        first.detail = f"{beyond:,} token(s) beyond tolerance; first: {first.detail}; {summary}"
-        first.info = info
-        return first
-    return Check("replay", PASS, summary, info=info)
+            _replay_shard(model, root / shard, group["row"], found)
+    info = {"rows": count, "dtype": dtype, "device": str(device), "recorded_device_type": comp.get("device_type"),
+            "tolerance": tol, "seed": seed, "sampled": index[picks]["id"].to_list()}
+    return found.check(info, time.perf_counter() - t0)
+
+
+def _replay_shard(model, path: Path, rows: pl.Series, found: "Differences") -> None:
+    """Replay the given rows of one shard and add their differences from the cached values to `found`."""
+    from runtime.logprobs import reference_logps
+
+    for r in pl.read_parquet(path).with_row_index("row").filter(pl.col("row").is_in(rows.implode())).to_dicts():
+        for side in ("chosen", "rejected"):
+            new = reference_logps(model, r["prompt_input_ids"], r[f"{side}_input_ids"]).cpu().numpy()
+            found.add(path.name, r, side, new.astype(np.float64))
+
+
+class Differences:
+    """Per-token and per-sequence differences between replayed and cached values, and the first token beyond the
+    tolerance."""
+
+    def __init__(self, tolerance: float):
+        self.tol = tolerance
+        self.tokens, self.seqs, self.first, self.beyond, self.uncomparable = [], [], None, 0, 0
+
+    def add(self, shard: str, r: dict, side: str, new: np.ndarray) -> None:
+        old = np.asarray(r[f"{side}_logps"], np.float64)
+        if len(old) != len(new):
+            self.uncomparable += 1  # list_lengths reports it
+            return
+        diff = np.abs(new - old)
+        self.tokens.append(diff)
+        self.seqs.append(abs(new.sum() - r[f"{side}_logp"]))
+        bad = ~(diff <= self.tol)  # NaN counts as beyond
+        self.beyond += int(bad.sum())
+        if bad.any() and self.first is None:
+            j = int(np.argmax(bad))
+            self.first = Check("replay", FAIL, f"shard {shard} row {r['row']} (id {r['id']!r}) {side} token {j}: "
+                               f"cached {old[j]:.6f}, replayed {new[j]:.6f}, |diff| {diff[j]:.1e}", shard, r["row"])
+
+    def check(self, info: dict, seconds: float) -> Check:
+        """The replay check: PASS, or FAIL at the first token beyond the tolerance; `info` gains the statistics."""
+        tokens = np.concatenate(self.tokens) if self.tokens else np.zeros(0)
+        seqs = np.asarray(self.seqs) if self.seqs else np.zeros(0)
+        stat = lambda a, f: float(f(a)) if a.size else 0.0  # noqa: E731
+        info = {"rows": info["rows"], "tokens": int(tokens.size), **info,
+                "token_max_abs_diff": stat(tokens, np.max), "token_mean_abs_diff": stat(tokens, np.mean),
+                "sequence_max_abs_diff": stat(seqs, np.max), "sequence_mean_abs_diff": stat(seqs, np.mean),
+                "tokens_beyond_tolerance": self.beyond, "sequences_not_comparable": self.uncomparable,
+                "seconds": round(seconds, 3)}
+        summary = (f"{info['rows']:,} rows ({tokens.size:,} tokens) in {info['dtype']} on {info['device']}: per token "
+                   f"max {info['token_max_abs_diff']:.1e} mean {info['token_mean_abs_diff']:.1e}, per sequence max "
+                   f"{info['sequence_max_abs_diff']:.1e} mean {info['sequence_mean_abs_diff']:.1e}; tolerance "
+                   f"{self.tol:.0e}")
+        if self.first:
+            self.first.detail = f"{self.beyond:,} token(s) beyond tolerance; first: {self.first.detail}; {summary}"
+            self.first.info = info
+            return self.first
+        return Check("replay", PASS, summary, info=info)

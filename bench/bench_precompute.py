@@ -68,11 +68,11 @@ def prepare(case: dict, work: Path):
 # where run_precompute spends its time: wrap the functions it calls (a few microseconds of overhead per call)
 
 PHASES = {  # phase -> (module, attribute)
-    "load tokenizer": ("precompute.job", "load_tokenizer"),
+    "load tokenizer": ("runtime.checkpoint", "load_tokenizer"),
     "load data": ("precompute.job", "load_rows"),
     "encode": ("precompute.job", "encode_rows"),
-    "model hash": ("precompute.job", "model_hash"),
-    "load model": ("precompute.job", "load_model"),
+    "model hash": ("runtime.checkpoint", "model_hash"),
+    "load model": ("runtime.checkpoint", "Checkpoint.load_model"),
     "mode probe": ("precompute.job", "choose_mode"),
     "forward+gather": ("precompute.job", "score_pairs"),
     "build table": ("schemas.format", "shard_table"),
@@ -90,8 +90,11 @@ def phase_timer(totals: dict):
     import importlib
 
     saved, active = [], []
-    for phase, (mod_name, attr) in PHASES.items():
+    for phase, (mod_name, path) in PHASES.items():
         mod = importlib.import_module(mod_name)
+        *owners, attr = path.split(".")  # "Checkpoint.load_model": a method, patched on its class
+        for owner in owners:
+            mod = getattr(mod, owner)
         fn = getattr(mod, attr)
 
         def timed(*a, _fn=fn, _phase=phase, **kw):
@@ -183,12 +186,13 @@ def has_trl() -> bool:
 
 
 def bench_case(case: dict, work: Path, dev) -> dict:
-    from precompute.job import PrecomputeConfig, load_model, run_precompute, score_pairs
+    from precompute.job import PrecomputeConfig, run_precompute, score_pairs
+    from runtime.checkpoint import Checkpoint
 
     model_dir, data, split, encoding = prepare(case, work)
     budget, rows_per_shard = PrecomputeConfig.token_budget, PrecomputeConfig.rows_per_shard
     encoded, pad_id, batches = bare_batches(model_dir, data, split, encoding, budget, rows_per_shard, dev)
-    model = load_model(str(model_dir), common.torch_dtype(dev), dev, "sdpa")
+    model = Checkpoint.open(str(model_dir)).load_model(common.torch_dtype(dev), dev, "sdpa")
     tokens = sum(int(m.sum()) for _, m in batches)
     slots = sum(m.numel() for _, m in batches)
     longest = max(ids.shape[1] for ids, _ in batches)

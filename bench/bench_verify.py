@@ -111,7 +111,8 @@ def bench_cache(shards: int, reps: int, work: Path) -> dict:
 def bench_data_verify(reps: int, work: Path) -> dict:
     """train-dpo's verify_and_join on the embedded data/ (400 pairs), tokenizer encoding included."""
     from dpo.verify import verify_and_join
-    from precompute.job import PrecomputeConfig, load_tokenizer, run_precompute
+    from precompute.job import PrecomputeConfig, run_precompute
+    from runtime.checkpoint import load_tokenizer
 
     model_dir, data = common.sft_data()
     cache = work / "data-cache"

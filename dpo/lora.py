@@ -23,11 +23,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.checkpoint import check_adapter, merge_adapter, require_peft
+from runtime.checkpoint import require_peft
 from runtime.cli import field_help
 from runtime.errors import JobError
 from schemas.format import StampMismatch
-from schemas.stamps import ADAPTER_CONFIG, adapter_hash, merged_model_hash, model_hash
+from schemas.stamps import ADAPTER_CONFIG, adapter_hash, model_hash
 
 DEFAULT_TARGETS = "all-linear"  # peft: every linear layer of the blocks (attention and MLP projections), not the head
 MERGED_DIR = "merged"
@@ -59,7 +59,8 @@ class LoraOptions:
 
 
 def check_options(opts: LoraOptions) -> None:
-    """Refuse inconsistent LoRA options and platforms that cannot run them, before any expensive work."""
+    """Refuse inconsistent LoRA options and platforms that cannot run them, before any expensive work (the
+    --init-adapter folder itself is checked where the policy checkpoint is opened: `init_adapter`)."""
     if not opts.use_peft:
         given = [f"--{n.replace('_', '-')}" for n in ("load_in_4bit", "load_in_8bit", "init_adapter", "merge_adapter")
                  if getattr(opts, n)]
@@ -71,8 +72,6 @@ def check_options(opts: LoraOptions) -> None:
         raise JobError(f"--lora-r must be at least 1, got {opts.lora_r}")
     if not 0 <= opts.lora_dropout < 1:
         raise JobError(f"--lora-dropout must be in [0, 1), got {opts.lora_dropout}")
-    if opts.init_adapter is not None:
-        check_adapter(opts.init_adapter)
     if opts.load_in_4bit or opts.load_in_8bit:
         _check_quantization(opts)
 
@@ -116,11 +115,11 @@ def load_kwargs(opts: LoraOptions, dtype) -> dict:
                                                       bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)}
 
 
-def reference_hash(opts: LoraOptions, base_hash: str) -> str:
-    """The model hash a LoRA run's cache must carry: the base's, or with --init-adapter the merged base + adapter's."""
-    if opts.use_peft and opts.init_adapter is not None:
-        return merged_model_hash(base_hash, adapter_hash(opts.init_adapter))
-    return base_hash
+def init_adapter(opts: LoraOptions) -> str | None:
+    """The adapter the policy checkpoint is opened with (runtime.checkpoint.Checkpoint: checked and hashed there,
+    merged on load), so its model hash is what a LoRA run's cache must carry: the base's, or with --init-adapter the
+    merged base + adapter's."""
+    return opts.init_adapter if opts.use_peft else None
 
 
 @contextlib.contextmanager
@@ -144,22 +143,22 @@ def explained_reference(opts: LoraOptions, model: str, base_hash: str):
         raise
 
 
-def check_live_reference(model: str, ref_model: str, base_hash: str) -> None:
-    """Live LoRA: the reference is --model with the adapter disabled, so --ref-model must be that checkpoint."""
-    if Path(ref_model).resolve() != Path(model).resolve() and model_hash(ref_model) != base_hash:
-        raise JobError(f"--ref-model {ref_model} differs from --model: with --use-peft the live reference is --model "
-                       "with the adapter disabled (no second model); pass --ref-model equal to --model, or use a "
-                       "--ref-cache made from the other reference")
+def check_live_reference(policy, reference) -> None:
+    """Live LoRA: the reference is --model with the adapter disabled, so --ref-model (`reference`, the policy's own
+    Checkpoint when it names the same folder) must be that checkpoint."""
+    if reference is not policy and reference.base_hash != policy.base_hash:
+        raise JobError(f"--ref-model {reference.path} differs from --model: with --use-peft the live reference is "
+                       "--model with the adapter disabled (no second model); pass --ref-model equal to --model, or use "
+                       "a --ref-cache made from the other reference")
 
 
 def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: int):
-    """The base (with --init-adapter merged in) wrapped with a fresh, trainable LoRA adapter, its random lora_A drawn
-    from `seed` (the Trainer seeds only after the model is built; without this the run would not be reproducible)."""
+    """The base (with --init-adapter merged in when it was loaded) wrapped with a fresh, trainable LoRA adapter, its
+    random lora_A drawn from `seed` (the Trainer seeds only after the model is built; without this the run would not
+    be reproducible)."""
     import torch
 
     peft = require_peft("--use-peft")
-    if opts.init_adapter is not None:
-        model = merge_adapter(model, opts.init_adapter)
     if opts.load_in_4bit or opts.load_in_8bit:
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
@@ -203,13 +202,13 @@ def save_outputs(policy, out: Path, opts: LoraOptions, tokenizer) -> None:
         tokenizer.save_pretrained(out / MERGED_DIR)
 
 
-def manifest_section(opts: LoraOptions, out: Path, base_hash: str, reference: str) -> dict:
-    """The run manifest's `peft` section: what audit-ref --run checks."""
+def manifest_section(opts: LoraOptions, out: Path, policy, reference: str) -> dict:
+    """The run manifest's `peft` section: what audit-ref --run checks. `policy`: the Checkpoint trained from."""
     init = None
     if opts.init_adapter is not None:
-        init = {"path": opts.init_adapter, "adapter_hash": adapter_hash(opts.init_adapter)}
+        init = {"path": opts.init_adapter, "adapter_hash": policy.adapter_hash}
     section = {
-        "base_model_hash": base_hash,
+        "base_model_hash": policy.base_hash,
         "init_adapter": init,
         "reference_model_hash": reference,
         "adapter_config": json.loads((out / ADAPTER_CONFIG).read_text(encoding="utf-8")),

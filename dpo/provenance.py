@@ -10,13 +10,13 @@ from pathlib import Path
 from runtime.checkpoint import software_versions
 from runtime.errors import JobError
 from schemas import run_manifest as rm
-from schemas.stamps import model_hash
 
 
-def reference_record(cfg, train, evaluation) -> dict:
-    """This run's record, from the verification reports (cache stamps) and the data fingerprints."""
+def reference_record(cfg, train, evaluation, live_hash: str | None = None) -> dict:
+    """This run's record, from the verification reports (cache stamps) and the data fingerprints; `live_hash`: the
+    model hash of the live --ref-model folder (no cache)."""
     eval_cache = cfg.eval_ref_cache or cfg.ref_cache
-    live = {"path": str(cfg.ref_model), "model_hash": model_hash(cfg.ref_model)} if not cfg.ref_cache else None
+    live = {"path": str(cfg.ref_model), "model_hash": live_hash} if not cfg.ref_cache else None
     return rm.reference_record(
         train_cache=rm.cache_record(cfg.ref_cache, train.report["stamps"]) if cfg.ref_cache else None,
         eval_cache=rm.cache_record(eval_cache, evaluation.report["stamps"]) if evaluation and eval_cache else None,

@@ -8,18 +8,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.checkpoint import check_checkpoint, load_tokenizer, pad_id
+from runtime.checkpoint import Checkpoint
 from runtime.cli import field_help
-from runtime.errors import JobError
+from runtime.distributed import Dist
 from runtime.hub import resolve_model
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig
 from schemas.stamps import model_hash
 
 from . import lora
 from .losses import LOSS_TYPES, LossConfig
-from .outdir import check_output_dir, prepare_metrics
+from .outdir import prepare_metrics
 from .phases import PhaseTimer
-from .verify import encode_only, reference_hash, verify_and_join
+from .preflight import check_reference_options, check_training_options, has_accelerator
+from .preflight import latest_checkpoint  # noqa: F401  (re-exported)
+from .verify import Verified, encode_only, verify_and_join
 
 
 def _f(default, help, group, **extra):
@@ -140,7 +142,7 @@ class TrainConfig:
             "report_to": self.trackers() or "none",
             "logging_first_step": True,
             "data_seed": self.seed,
-            "dataloader_pin_memory": not self.use_cpu and _has_accelerator(),
+            "dataloader_pin_memory": not self.use_cpu and has_accelerator(),
             "disable_tqdm": False,  # the Trainer's bar with ETA, although the libraries' logging is quietened
         })
         kwargs.update(self.training_args)  # any other TrainingArguments option, as given
@@ -151,210 +153,175 @@ class TrainConfig:
         return [r.strip() for r in self.report_to.replace(" ", ",").split(",") if r.strip() and r.strip() != "none"]
 
 
-def _has_accelerator() -> bool:
-    import torch
+@dataclass
+class Run:
+    """What train-dpo has opened and verified before any model is built."""
 
-    return torch.cuda.is_available()
-
-
-def _rank() -> tuple[int, int]:
-    import torch.distributed as td
-
-    return (td.get_rank(), td.get_world_size()) if td.is_available() and td.is_initialized() else (0, 1)
-
-
-def _on_every_rank(verify):
-    """Under torchrun every rank verifies (it needs the joined rows anyway) and every rank refuses when any fails."""
-    import torch.distributed as td
-
-    rank, world = _rank()
-    try:
-        result, error = verify(), None
-    except Exception as e:
-        result, error = None, e
-    if world > 1:
-        errors = [None] * world
-        td.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
-        failed = [(r, m) for r, m in enumerate(errors) if m is not None]
-        if failed and error is None:
-            raise JobError(f"rank {failed[0][0]} refused the cache: {failed[0][1]}")
-    if error is not None:
-        raise error
-    return result
-
-
-def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None, log):
-    if cache is not None:
-        rank, _ = _rank()
-        return _on_every_rank(lambda: verify_and_join(
-            tokenizer=tokenizer, model_dir=cfg.model, data=data, split=split, cache_dir=cache,
-            expected_model_hash=reference, encoding_request=cfg.encoding_request(),
-            on_bad_row=cfg.on_bad_row, verify_files=not cfg.fast_verify and rank == 0,  # files hashed once
-            log=log if rank == 0 else (lambda _m: None),
-        ))
-    request = {k: v for k, v in cfg.encoding_request().items() if v is not None}
-    return encode_only(tokenizer=tokenizer, data=data, split=split, encoding=EncodingConfig(**request),
-                       on_bad_row=cfg.on_bad_row)
+    policy: Checkpoint  # --model, with --init-adapter merged in on load (LoRA)
+    live: Checkpoint | None  # the live --ref-model (the policy's own Checkpoint when it names the same folder)
+    reference: str | None  # the model hash the caches carry (hashed once, for train and eval caches alike)
+    train: Verified
+    evaluation: Verified | None
+    record: dict
+    verify_s: float
 
 
 def run_train(cfg: TrainConfig, log=print) -> dict:
+    """The steps, in order: refuse what the options alone show, open the policy checkpoint and refuse the rest of the
+    options, verify the cache(s) and join the rows, load the models, build the Trainer, train and write the outputs."""
     timer = PhaseTimer()  # the run's fixed cost per phase, in the summary and the run manifest
-    import datasets
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .layout import PrefixSharedCollator
-    from .provenance import check_resume_reference, record_in, reference_record
-    from .trainer import DPOTrainer, MetricsFile, PairCollator, disable_dropout
+    import datasets, torch, transformers  # noqa: E401, F401  (the libraries' import time, as its own phase)
 
     timer.mark("imports")
-    if cfg.ref_cache is None and cfg.ref_model is None:
-        raise JobError("give --ref-cache DIR (cached reference) or --ref-model PATH (live reference)")
-    if cfg.ref_model_hash and cfg.ref_cache is None:
-        raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
-    same_rows = (cfg.eval_data, cfg.eval_split) == (cfg.data, cfg.split)  # then the training cache holds them
-    if cfg.eval_data and cfg.ref_cache is not None and cfg.eval_ref_cache is None and not same_rows:
-        raise JobError(
-            f"--eval-data {cfg.eval_data} needs the reference log-probs of its rows: run `precompute-ref --model "
-            f"{cfg.ref_model or cfg.model} --data {cfg.eval_data} --split {cfg.eval_split} --out EVAL_CACHE` "
-            "(same encoding options as the training cache) and pass --eval-ref-cache EVAL_CACHE")
-    check_trackers(cfg.trackers())
+    check_reference_options(cfg)
+    policy = _open_policy(cfg, log)
+    args = check_training_options(cfg)
+    timer.mark("checks")
+    run = _verify(cfg, policy, log)
+    timer.mark("verify")
+    model, ref_model = _load_models(cfg, run, args)
+    timer.mark("load")
+    trainer, layout = _build_trainer(cfg, args, run, model, ref_model, log, timer)
+    timer.mark("setup")
+    return _train(cfg, trainer, run, layout, timer)
+
+
+def _open_policy(cfg: TrainConfig, log) -> Checkpoint:
+    """The policy checkpoint, checked (with --init-adapter, a LoRA run's), and the LoRA options."""
     cfg.model, cfg.ref_model = resolve_model(cfg.model), resolve_model(cfg.ref_model)
-    check_checkpoint(cfg.model, cfg.trust_remote_code)
+    policy = Checkpoint.open(cfg.model, cfg.trust_remote_code, lora.init_adapter(cfg.lora))
     lora.check_options(cfg.lora)
     for note in lora.notes(cfg.lora, cached=cfg.ref_cache is not None):
         log(note)
-    loss_config = cfg.loss_config()
-    if cfg.batch_layout not in ("auto", "padded", "prefix_shared"):
-        raise JobError(f"--batch-layout must be auto, padded or prefix_shared, got {cfg.batch_layout!r}")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        if getattr(cfg, name) < 1:  # from the command line or --config
-            raise JobError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    try:
-        args = cfg.training_arguments()
-    except ValueError as e:  # transformers' own checks of the training options
-        raise JobError(training_options_error(cfg, e)) from None
-    out = Path(cfg.output_dir)
-    cfg.resume_from_checkpoint = latest_checkpoint(cfg.resume_from_checkpoint, out)
-    check_output_dir(cfg)
-    check_resume(cfg.resume_from_checkpoint)
-    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    timer.mark("checks")
+    return policy
+
+
+def _verify(cfg: TrainConfig, policy: Checkpoint, log) -> Run:
+    """The reference the cache(s) must hold, then the rows: verified and joined to the cached values (or, live,
+    encoded); a resume must be against the same reference and data."""
+    from .provenance import check_resume_reference, reference_record
+
+    tokenizer = policy.tokenizer  # loaded (a broken one refused) before the clock starts
     t0 = time.perf_counter()
-    initial_hash = model_hash(cfg.model)
-    reference = None  # the model hash the cache must carry (hashed once, for train and eval caches alike)
+    live = None
+    if cfg.ref_cache is None:
+        live = policy if _same_folder(cfg.ref_model, cfg.model) else Checkpoint.open(cfg.ref_model,
+                                                                                      cfg.trust_remote_code)
+    initial_hash = policy.base_hash
+    reference = None
     if cfg.ref_cache is not None:
-        reference = cfg.ref_model_hash or (reference_hash(cfg.model, cfg.ref_model, None) if cfg.ref_model
-                                           else lora.reference_hash(cfg.lora, initial_hash))
+        reference = cfg.ref_model_hash or (_hashed_reference(cfg, policy) if cfg.ref_model else policy.model_hash)
     elif cfg.lora.use_peft:
-        lora.check_live_reference(cfg.model, cfg.ref_model, initial_hash)
+        lora.check_live_reference(policy, live)
     with lora.explained_reference(cfg.lora, cfg.model, initial_hash):
         train = _rows(cfg, tokenizer, cfg.data, cfg.split, cfg.ref_cache, reference, log)
         evaluation = None
         if cfg.eval_data:
             evaluation = _rows(cfg, tokenizer, cfg.eval_data, cfg.eval_split, cfg.eval_ref_cache or cfg.ref_cache,
                                reference, log)
-    record = reference_record(cfg, train, evaluation)
+    record = reference_record(cfg, train, evaluation, live.base_hash if live else None)
     if cfg.resume_from_checkpoint:
         check_resume_reference(cfg.resume_from_checkpoint, record)  # before any model is loaded
-    verify_s = time.perf_counter() - t0
-    timer.mark("verify")
+    return Run(policy, live, reference, train, evaluation, record, time.perf_counter() - t0)
+
+
+def _same_folder(a: str | None, b: str) -> bool:
+    return a is not None and Path(a).resolve() == Path(b).resolve()
+
+
+def _hashed_reference(cfg: TrainConfig, policy: Checkpoint) -> str:
+    """The model hash of --ref-model beside a cache: only hashed, never loaded (nor checked as a model to load)."""
+    return policy.base_hash if _same_folder(cfg.ref_model, cfg.model) else model_hash(cfg.ref_model)
+
+
+def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None, log):
+    if cache is not None:
+        dist = Dist.joined()  # under torchrun every rank verifies (it needs the joined rows) and refuses together
+        return dist.share(lambda: verify_and_join(
+            tokenizer=tokenizer, model_dir=cfg.model, data=data, split=split, cache_dir=cache,
+            expected_model_hash=reference, encoding_request=cfg.encoding_request(),
+            on_bad_row=cfg.on_bad_row, verify_files=not cfg.fast_verify and dist.rank == 0,  # files hashed once
+            log=log if dist.rank == 0 else (lambda _m: None),
+        ), every_rank=True, what="the cache")
+    request = {k: v for k, v in cfg.encoding_request().items() if v is not None}
+    return encode_only(tokenizer=tokenizer, data=data, split=split, encoding=EncodingConfig(**request),
+                       on_bad_row=cfg.on_bad_row)
+
+
+def _load_models(cfg: TrainConfig, run: Run, args):
+    """The policy (LoRA-wrapped with --use-peft) and the live reference model (None with a cache)."""
+    import torch
+
+    from .trainer import disable_dropout
 
     # --bf16/--fp16 are the Trainer's mixed precision (autocast over float32 master weights); the load dtype is
     # --model-dtype. A live reference needs no master weights: it runs in the autocast dtype.
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else getattr(torch, cfg.model_dtype)
-    policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.model_dtype),
-                                                  use_safetensors=True, trust_remote_code=cfg.trust_remote_code,
-                                                  **lora.load_kwargs(cfg.lora, dtype))
+    policy = run.policy.load_model(getattr(torch, cfg.model_dtype), trainable=True,
+                                   **lora.load_kwargs(cfg.lora, dtype))
     disable_dropout(policy)
     ref_model = None
     if cfg.lora.use_peft:
         policy = lora.wrap_policy(policy, cfg.lora, cfg.gradient_checkpointing, cfg.seed)
         ref_model = lora.AdapterDisabled(policy) if cfg.ref_cache is None else None
     elif cfg.ref_cache is None:
-        check_checkpoint(cfg.ref_model, cfg.trust_remote_code)
-        ref_model = AutoModelForCausalLM.from_pretrained(cfg.ref_model, dtype=dtype, use_safetensors=True,
-                                                         trust_remote_code=cfg.trust_remote_code)
-        ref_model.eval().requires_grad_(False).to(args.device)
-    pad = pad_id(tokenizer)
-    timer.mark("load")
-    layout = _choose_layout(cfg, args, policy, ref_model, train, pad, log)
+        ref_model = run.live.load_model(dtype, args.device)
+    return policy, ref_model
+
+
+def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, timer: PhaseTimer):
+    import datasets
+
+    from .layout import PrefixSharedCollator
+    from .provenance import record_in
+    from .trainer import DPOTrainer, MetricsFile, PairCollator
+
+    pad = run.policy.pad_id
+    layout = _choose_layout(cfg, args, policy, ref_model, run.train, pad, log)
     timer.mark("layout")
+    out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    seen = prepare_metrics(out / "metrics.jsonl", cfg.resume_from_checkpoint) if _rank()[0] == 0 else set()
+    seen = prepare_metrics(out / "metrics.jsonl", cfg.resume_from_checkpoint) if Dist.joined().rank == 0 else set()
     trainer = DPOTrainer(
         model=policy,
         args=args,
         data_collator=PrefixSharedCollator(pad) if layout == "prefix_shared" else PairCollator(pad),
-        train_dataset=datasets.Dataset(train.table),
-        eval_dataset=datasets.Dataset(evaluation.table) if evaluation else None,
-        processing_class=tokenizer,
+        train_dataset=datasets.Dataset(run.train.table),
+        eval_dataset=datasets.Dataset(run.evaluation.table) if run.evaluation else None,
+        processing_class=run.policy.tokenizer,
         callbacks=[MetricsFile(out / "metrics.jsonl", seen)],
-        loss_config=loss_config,
+        loss_config=cfg.loss_config(),
         ref_model=ref_model,
-        save_with=lambda folder: record_in(folder, record),
+        save_with=lambda folder: record_in(folder, run.record),
     )
-    timer.mark("setup")
+    return trainer, layout
+
+
+def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) -> dict:
+    """Train, evaluate, save; rank 0 writes the plot and the run manifest."""
+    out = Path(cfg.output_dir)
     t_train = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     train_s = time.perf_counter() - t_train
     final_eval = {}
-    if evaluation:  # reuse the eval of the last step when there was one
+    if run.evaluation:  # reuse the eval of the last step when there was one
         last = [r for r in trainer.state.log_history if "eval_loss" in r]
         final_eval = last[-1] if last and last[-1].get("step") == result.global_step else trainer.evaluate()
     timer.mark("train")
     trainer.save_model(str(out))
     if cfg.lora.use_peft and trainer.is_world_process_zero():
-        lora.save_outputs(trainer.model, out, cfg.lora, tokenizer)
+        lora.save_outputs(trainer.model, out, cfg.lora, run.policy.tokenizer)
     timer.mark("save")
     first = [r for r in trainer.state.log_history if "eval_loss" in r and r.get("step") == 0]
     summary = {"eval_start": first[0] if first else {}, "output_dir": str(out.resolve()), "steps": result.global_step,
                "batch_layout": layout,
-               "train_loss": result.training_loss, "train_s": train_s, "verify_s": verify_s, "eval": final_eval,
+               "train_loss": result.training_loss, "train_s": train_s, "verify_s": run.verify_s, "eval": final_eval,
                "phases": timer.phases}
     if trainer.is_world_process_zero():
-        _finish(cfg, out, train, record, initial_hash, summary, reference, timer)
+        _finish(cfg, out, run, summary, timer)
     return summary
 
 
-TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
-                    "comet_ml": ("comet_ml",), "clearml": ("clearml",), "dvclive": ("dvclive",),
-                    "trackio": ("trackio",), "swanlab": ("swanlab",), "neptune": ("neptune",)}
-
-
-def check_trackers(trackers: list[str]) -> None:
-    """A tracker whose package is missing is refused before verification and model load, with the install line."""
-    import importlib.util
-
-    for name in trackers:
-        if name == "all":
-            continue
-        packages = TRACKER_PACKAGES.get(name)
-        if packages is None:
-            raise JobError(f"--report-to {name}: unknown tracker; use one of {', '.join(TRACKER_PACKAGES)} or none")
-        if not any(importlib.util.find_spec(p) for p in packages):
-            extra = "pip install 'refcache[tensorboard]'" if name == "tensorboard" else f"pip install {packages[0]}"
-            raise JobError(f"--report-to {name}: the {packages[0]} package is not installed; install it with `{extra}`")
-
-
-def training_options_error(cfg: TrainConfig, e: ValueError) -> str:
-    detail = " ".join(str(e).split())
-    if (cfg.bf16 or cfg.fp16) and not cfg.use_cpu and not _has_accelerator():
-        flag = "--bf16" if cfg.bf16 else "--fp16"
-        return f"{flag} needs a GPU here; to train on CPU add --use-cpu (bf16 autocast on CPU), or drop {flag}"
-    return f"invalid training options: {detail}"
-
-
-def latest_checkpoint(value: str | None, out: Path) -> str | None:
-    """--resume-from-checkpoint true means the latest checkpoint-N in --output-dir, as in the Trainer."""
-    if value is None or value.strip().lower() not in ("true", "yes", "1"):
-        return None if value is None or value.strip().lower() in ("false", "no", "0", "") else value
-    from transformers.trainer_utils import get_last_checkpoint
-
-    latest = get_last_checkpoint(str(out)) if out.is_dir() else None
-    if latest is None:
-        raise JobError(f"--resume-from-checkpoint true: no checkpoint-N folder in --output-dir {out}")
-    return latest
 def _choose_layout(cfg: TrainConfig, args, policy, ref_model, train, pad_id: int, log) -> str:
     """The batch layout (dpo/layout.py), probed where training runs unless the model is sharded."""
     import torch
@@ -364,27 +331,14 @@ def _choose_layout(cfg: TrainConfig, args, policy, ref_model, train, pad_id: int
     sharded = bool(cfg.fsdp or cfg.deepspeed)
     if not sharded and cfg.batch_layout != "padded":
         policy.to(args.device)
-    rank, _ = _rank()
     autocast = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None  # the Trainer's mixed precision
-    return choose_layout(cfg.batch_layout, [m for m in (policy, ref_model) if m is not None], train.table,
-                         cfg.per_device_train_batch_size, pad_id, log if rank == 0 else (lambda _m: None),
-                         can_probe=not sharded, autocast=autocast)
+    # rank 0 probes and decides, so every rank trains (and the manifest says) the same layout
+    return Dist.joined().share(lambda: choose_layout(
+        cfg.batch_layout, [m for m in (policy, ref_model) if m is not None], train.table,
+        cfg.per_device_train_batch_size, pad_id, log, can_probe=not sharded, autocast=autocast), what="the batch layout")
 
 
-
-
-def check_resume(checkpoint: str | None) -> None:
-    """A checkpoint to resume from must be complete: the Trainer writes trainer_state.json last, and a folder without
-    it (a save that was interrupted) fails deep inside the Trainer, after verification (some transformers versions
-    instead restart at step 0 from the half-saved weights)."""
-    if checkpoint and not (Path(checkpoint) / "trainer_state.json").is_file():
-        reason = ("no such directory" if not Path(checkpoint).is_dir() else
-                  "no trainer_state.json in it (not a Trainer checkpoint, or one interrupted while being saved)")
-        raise JobError(f"--resume-from-checkpoint {checkpoint}: {reason}; resume from a complete checkpoint-N folder")
-
-
-def _finish(cfg, out: Path, train, record: dict, initial_hash: str, summary: dict, reference: str | None,
-            timer: PhaseTimer) -> None:
+def _finish(cfg, out: Path, run: Run, summary: dict, timer: PhaseTimer) -> None:
     from .provenance import write_run_manifest
     from .trainer import plot_metrics
 
@@ -392,11 +346,11 @@ def _finish(cfg, out: Path, train, record: dict, initial_hash: str, summary: dic
         plot_metrics(out / "metrics.jsonl", out / "metrics.png")
     timer.mark("plot")
     if cfg.lora.use_peft:  # the checkpoint is an adapter: its own hash, and the merged model's if written
-        peft = lora.manifest_section(cfg.lora, out, initial_hash, reference or lora.reference_hash(cfg.lora, initial_hash))
+        peft = lora.manifest_section(cfg.lora, out, run.policy, run.reference or run.policy.model_hash)
         sections = {"final_model_hash": peft["merged_model_hash"], "peft": peft}
     else:
         sections = {"final_model_hash": model_hash(out)}
     timer.mark("final_hash")
-    manifest = write_run_manifest(cfg, out, record, train, initial_hash, summary, **sections)
+    manifest = write_run_manifest(cfg, out, run.record, run.train, run.policy.base_hash, summary, **sections)
     summary["final_model_hash"] = manifest["final_model_hash"]
     timer.mark("manifest")  # in the summary only: the manifest is written by then

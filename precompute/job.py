@@ -22,9 +22,7 @@ import torch
 
 from runtime.cli import field_help
 from runtime.hub import resolve_model
-from runtime.checkpoint import (  # noqa: F401  (re-exported: part of this module's API)
-    attention_choices, check_adapter, check_checkpoint, load_model, load_tokenizer, pad_id, preserved_rng,
-    resolve_device, resolve_dtype, software_versions)
+from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype, software_versions
 from runtime.data import Encoded, encode_rows, load_rows
 from runtime.distributed import Dist, distributed
 from runtime.errors import JobError
@@ -33,7 +31,7 @@ from runtime.paths import check_apart
 from schemas import format as fmt
 from schemas import rules
 from schemas.encoding import EncodingConfig
-from schemas.stamps import combined_mask_checksum, ids_checksum, reference_model_hash, tokenizer_hash, tokenizer_parts
+from schemas.stamps import combined_mask_checksum, ids_checksum, tokenizer_hash, tokenizer_parts
 
 from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score_pairs
 from .resume import Resume, clear_cache_dir, finished_shards  # noqa: F401  (re-exported)
@@ -115,7 +113,7 @@ class Job:
     """Everything decided before the model is loaded."""
 
     out: Path
-    tokenizer: object
+    checkpoint: Checkpoint  # its tokenizer encoded the rows
     source: object
     encoded: Encoded
     stamps: dict
@@ -165,12 +163,10 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     """Read and encode the data, compute the stamps and cut the rows into shards; nothing is written yet."""
     out = Path(cfg.out)
     cfg.model = resolve_model(cfg.model)  # a hub id in the local Hugging Face cache -> its snapshot folder
-    check_checkpoint(cfg.model, cfg.trust_remote_code)
-    if cfg.adapter is not None:
-        check_adapter(cfg.adapter)
+    checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
     check_apart(out, "--out", {"--model": cfg.model, "--data": cfg.data, "--adapter": cfg.adapter})
     device = resolve_device(cfg.device)  # a bad --device is refused before any work
-    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    tokenizer = checkpoint.tokenizer
     source = load_rows(cfg.data, cfg.split)
     encoded = encode_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row)
     if not encoded.pairs:
@@ -180,12 +176,12 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     if encoded.identical:
         log(f"warning: {encoded.identical} pairs have identical chosen and rejected completions")
     stamps = {
-        "model_hash": dist.share(lambda: reference_model_hash(cfg.model, cfg.adapter)),  # once, not once per rank
+        "model_hash": dist.share(lambda: checkpoint.model_hash),  # once, not once per rank
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "mask_checksum": combined_mask_checksum([p.mask_checksum for p in encoded.pairs], cfg.encoding.to_json()),
     }
     plan = plan_shards(encoded, cfg.rows_per_shard, cfg.encoding)
-    return Job(out, tokenizer, source, encoded, stamps, plan, device, resolve_dtype(cfg.dtype, device))
+    return Job(out, checkpoint, source, encoded, stamps, plan, device, resolve_dtype(cfg.dtype, device))
 
 
 def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) -> Resume:
@@ -234,9 +230,9 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist) -> 
 def _load(cfg: PrecomputeConfig, job: Job, log):
     """The model, and how it scores: the batching mode (probed against the plain forward on the job's first shard and
     longest pair, not this rank's, so every rank and every resumed run agrees), the head path and the budget."""
-    model = load_model_for(cfg, job.dtype, job.device)
-    tokenizer, encoded, plan = job.tokenizer, job.encoded, job.plan
-    pad = pad_id(tokenizer)
+    model = load_model_for(cfg, job.dtype, job.device, job.checkpoint)
+    encoded, plan = job.encoded, job.plan
+    pad = job.checkpoint.pad_id
     first = encoded.pairs[plan[0]["start"] : plan[0]["stop"]]
     seq = lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))  # noqa: E731
     longest_pair = max(encoded.pairs, key=seq)
@@ -250,7 +246,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log):
 
 def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
     """skipped.jsonl, then the manifest (last: its presence means the cache is complete)."""
-    out, encoded = job.out, job.encoded
+    out, encoded, tokenizer = job.out, job.encoded, job.checkpoint.tokenizer
     # Shards written now come with their entries; only those kept from an earlier run are hashed here.
     entries = [scored["written"].get(s["file"]) or fmt.shard_entry(out / s["file"], s["stop"] - s["start"],
                                                                     s["mask_checksum"], s["ids_checksum"])
@@ -262,8 +258,7 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
         "encoding": cfg.encoding.to_dict(),
         "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)}
         | ({"adapter": str(cfg.adapter)} if cfg.adapter else {}),
-        "tokenizer": {"class": type(job.tokenizer).__name__, "size": len(job.tokenizer),
-                      "parts": tokenizer_parts(job.tokenizer)},
+        "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer), "parts": tokenizer_parts(tokenizer)},
         "computation": scored["computation"],  # what scored the rows (the recorded one when nothing was left)
         "software": software_versions(),
         "source": {
@@ -307,16 +302,17 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
     }
 
 
-def load_model_for(cfg: PrecomputeConfig, dtype, device):
-    """The reference model with the requested attention implementation (None: transformers' choice); one that
-    cannot use it is refused naming those it can."""
+def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint | None = None):
+    """The reference model of `checkpoint` (opened from cfg when None) with the requested attention implementation
+    (None: transformers' choice); one that cannot use it is refused naming those it can."""
+    checkpoint = checkpoint or Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
     attn = None if cfg.attn_implementation in (None, "auto") else cfg.attn_implementation
     try:
-        return load_model(cfg.model, dtype, device, attn, cfg.trust_remote_code, cfg.adapter)
+        return checkpoint.load_model(dtype, device, attn)
     except (ImportError, ValueError) as e:  # an implementation the model or this install does not have
         detail = " ".join(str(e).split())[:300]
         raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {cfg.attn_implementation} "
-                       f"({detail}); it supports: {', '.join(attention_choices(cfg.model, cfg.trust_remote_code))}, "
+                       f"({detail}); it supports: {', '.join(checkpoint.attention_choices())}, "
                        "or leave --attn-implementation at auto") from None
 
 

@@ -1,18 +1,20 @@
-"""Checkpoint folders: refuse what we will not load, then load the tokenizer and the model; device, dtype, RNG."""
+"""Checkpoint folders (`Checkpoint`: checked once, then the tokenizer, hash and model from it); device, dtype, RNG."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from schemas.stamps import weight_files
+from schemas.stamps import WeightsError, adapter_hash, merged_model_hash, model_hash, weight_files
 
 from .errors import JobError
 
@@ -37,23 +39,92 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def check_checkpoint(model_dir: str, trust_remote_code: bool) -> None:
-    """Refuse checkpoints we will not load, before any expensive work."""
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise JobError(f"{model_dir}: not a Hugging Face checkpoint folder (no config.json)")
-    weight_files(path)  # raises WeightsError for pickle-only or missing weights
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except ValueError as e:  # also UnicodeDecodeError
-        raise JobError(f"{path / 'config.json'}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise JobError(f"{path / 'config.json'}: not a JSON object")
-    if config.get("auto_map") and not trust_remote_code:
-        raise JobError(
-            f"{model_dir}: this model needs custom code from its folder (auto_map in config.json); refcache does not "
-            "run it unless you pass --trust-remote-code"
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """A checkpoint folder, checked once (`open`) and then read at most once per thing: its config.json and weight
+    files at `open`, the tokenizer and the model hash when first asked for (then kept), the model at each
+    `load_model`. With `adapter` (a peft LoRA folder) the model is base + adapter: merged on load, hashed as such."""
+
+    path: str
+    config: dict  # config.json, parsed
+    files: tuple[Path, ...]  # the safetensors files transformers loads (schemas.stamps.weight_files)
+    trust_remote_code: bool = False
+    adapter: str | None = None
+    adapter_hash: str | None = None  # set by `open`, which checks the adapter
+
+    @classmethod
+    def open(cls, model_dir: str, trust_remote_code: bool = False, adapter: str | None = None) -> "Checkpoint":
+        """Refuse a folder we will not load (no config.json, pickle-only or missing weights, custom code not
+        allowed, an unusable adapter), before any expensive work."""
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise JobError(f"{model_dir}: not a Hugging Face checkpoint folder (no config.json)")
+        try:
+            config, problem = json.loads((path / "config.json").read_text(encoding="utf-8")), None
+        except ValueError as e:  # also UnicodeDecodeError
+            config, problem = None, f"not valid JSON ({e})"
+        files = weight_files(path, config if isinstance(config, dict) else {})  # WeightsError: pickle-only, missing
+        if problem is None and not isinstance(config, dict):
+            problem = "not a JSON object"
+        if problem:
+            raise JobError(f"{path / 'config.json'}: {problem}")
+        if config.get("auto_map") and not trust_remote_code:
+            raise JobError(
+                f"{model_dir}: this model needs custom code from its folder (auto_map in config.json); refcache does "
+                "not run it unless you pass --trust-remote-code"
+            )
+        return cls(str(model_dir), config, tuple(files), trust_remote_code, adapter,
+                   None if adapter is None else check_adapter(adapter))
+
+    @functools.cached_property
+    def tokenizer(self):
+        return load_tokenizer(self.path, self.trust_remote_code)
+
+    @property
+    def pad_id(self) -> int:
+        """The id padded positions carry (never scored): the tokenizer's pad token, else its EOS."""
+        tokenizer = self.tokenizer
+        return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    @functools.cached_property
+    def base_hash(self) -> str:
+        """schemas.stamps.model_hash of the folder (without the adapter), from what `open` read."""
+        return model_hash(self.path, config=self.config, files=list(self.files))
+
+    @functools.cached_property
+    def model_hash(self) -> str:
+        """The model's stamp: the folder's hash, or with an adapter the hash of base + adapter merged."""
+        return self.base_hash if self.adapter is None else merged_model_hash(self.base_hash, self.adapter_hash)
+
+    def attention_choices(self) -> list[str]:
+        """Attention implementations the model's class declares it supports (eager always)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        try:
+            config = AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+            cls = AutoModelForCausalLM._model_mapping[type(config)]
+        except Exception:  # an unknown model type: nothing to say beyond eager
+            return ["eager"]
+        flags = (("sdpa", "_supports_sdpa"), ("flash_attention_2", "_supports_flash_attn"),
+                 ("flex_attention", "_supports_flex_attn"))
+        return ["eager"] + [name for name, flag in flags if getattr(cls, flag, False)]
+
+    def load_model(self, dtype: torch.dtype, device: torch.device | None = None, attn: str | None = None, *,
+                   trainable: bool = False, **extra):
+        """The model (with the adapter merged in), on `device` (None: where transformers puts it), frozen unless
+        `trainable`. attn None: the attention implementation transformers picks for the model; `extra`: further
+        from_pretrained arguments (a quantization config)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            self.path, dtype=dtype, use_safetensors=True, trust_remote_code=self.trust_remote_code,
+            attn_implementation=attn, **extra
         )
+        if device is not None:
+            model = model.to(device)
+        if self.adapter is not None:
+            model = _merge_adapter(model, self.adapter)
+        return model if trainable else model.eval().requires_grad_(False)
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
@@ -70,40 +141,6 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     return tokenizer
 
 
-def attention_choices(model_dir: str, trust_remote_code: bool = False) -> list[str]:
-    """Attention implementations the model's class declares it supports (eager always)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
-    except Exception:  # an unknown model type: nothing to say beyond eager
-        return ["eager"]
-    flags = (("sdpa", "_supports_sdpa"), ("flash_attention_2", "_supports_flash_attn"),
-             ("flex_attention", "_supports_flex_attn"))
-    return ["eager"] + [name for name, flag in flags if getattr(cls, flag, False)]
-
-
-def pad_id(tokenizer) -> int:
-    """The id padded positions carry (never scored): the tokenizer's pad token, else its EOS."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, attn: str | None,
-               trust_remote_code: bool = False, adapter: str | None = None):
-    """The checkpoint, frozen, on `device`; with `adapter` (a peft LoRA folder) that adapter merged into it. attn None:
-    the attention implementation transformers picks for the model."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, attn_implementation=attn
-    )
-    model = model.to(device)
-    if adapter is not None:
-        model = merge_adapter(model, adapter)
-    return model.eval().requires_grad_(False)
-
-
 def require_peft(what: str):
     """The peft module, or a one-line refusal naming the extra that installs it."""
     try:
@@ -113,22 +150,19 @@ def require_peft(what: str):
     return peft
 
 
-def check_adapter(adapter_dir: str) -> None:
-    from schemas.stamps import WeightsError, adapter_hash
-
+def check_adapter(adapter_dir: str) -> str:
+    """The adapter's hash; a folder without adapter_config.json or safetensors weights is refused."""
     try:
-        adapter_hash(adapter_dir)  # refuses a folder without adapter_config.json or safetensors weights
+        return adapter_hash(adapter_dir)
     except (WeightsError, OSError) as e:
         raise JobError(f"--adapter {adapter_dir}: {e}") from None
 
 
-def merge_adapter(model, adapter_dir: str):
-    """`model` with the peft adapter in `adapter_dir` merged into its weights (a plain transformers model again).
-
-    precompute-ref and train-dpo both merge through here, on the device and dtype they run in, so a reference
-    "base + adapter" is the same weights in both jobs."""
+def _merge_adapter(model, adapter_dir: str):
+    """`model` with the peft adapter in `adapter_dir` (checked by `Checkpoint.open`) merged into its weights (a plain
+    transformers model again). precompute-ref and train-dpo both merge through here (`Checkpoint.load_model`), on the
+    device and dtype they run in, so a reference "base + adapter" is the same weights in both jobs."""
     peft = require_peft(f"the adapter {adapter_dir}")
-    check_adapter(adapter_dir)
     try:
         wrapped = peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
     except (ValueError, KeyError, RuntimeError) as e:  # adapter made for another architecture or shape

@@ -14,25 +14,43 @@ from .errors import JobError
 class Dist:
     """This process's place in a torchrun job (world 1 without torchrun)."""
 
-    def __init__(self):
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
+    def __init__(self, rank: int | None = None, world: int | None = None):
+        self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        self.world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
 
-    def share(self, make):
-        """Run `make` on rank 0 and give every rank its result, or its exception re-raised as a JobError."""
-        result = None
-        if self.rank == 0:
+    @classmethod
+    def joined(cls) -> "Dist":
+        """The process group this process already belongs to (one the Trainer started); world 1 when there is none."""
+        import torch.distributed as td
+
+        return cls(td.get_rank(), td.get_world_size()) if td.is_available() and td.is_initialized() else cls(0, 1)
+
+    def share(self, make, *, every_rank: bool = False, what: str = ""):
+        """Rank 0 decides, every rank refuses: run `make` and end every rank the same way, with a result or a refusal.
+
+        By default `make` runs on rank 0 only and every rank gets its result, or its exception re-raised as a
+        JobError. With `every_rank`, each rank runs `make` and keeps its own result; a rank that fails raises its own
+        exception and every other rank a JobError naming the first rank that failed ("rank N refused `what`: ...")."""
+        outcome = None
+        if every_rank or self.rank == 0:
             try:
-                result = ("ok", make())
+                outcome = ("ok", make())
             except Exception as e:  # every rank must learn of the failure, or the others would wait forever
-                result = ("error", e if isinstance(e, JobError) else JobError(f"rank 0: {e}"))
-        if self.world > 1:
-            box = [result]
+                outcome = ("error", e if every_rank or isinstance(e, JobError) else JobError(f"rank 0: {e}"))
+        if self.world > 1 and every_rank:
+            failures = [None] * self.world
+            mine = None if outcome[0] == "ok" else f"{type(outcome[1]).__name__}: {outcome[1]}"
+            torch.distributed.all_gather_object(failures, mine)
+            failed = [(r, m) for r, m in enumerate(failures) if m is not None]
+            if failed and outcome[0] == "ok":
+                raise JobError(f"rank {failed[0][0]} refused{' ' + what if what else ''}: {failed[0][1]}")
+        elif self.world > 1:
+            box = [outcome]
             torch.distributed.broadcast_object_list(box, src=0)
-            result = box[0]
-        if result[0] == "error":
-            raise result[1]
-        return result[1]
+            outcome = box[0]
+        if outcome[0] == "error":
+            raise outcome[1]
+        return outcome[1]
 
     def barrier(self):
         if self.world > 1:

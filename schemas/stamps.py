@@ -90,19 +90,19 @@ def tokenizer_hash(tokenizer) -> str:
 # model hash
 
 
-def _loaded_weights_file(root: Path) -> tuple[Path | None, bool]:
+def _loaded_weights_file(root: Path, config: dict | None = None) -> tuple[Path | None, bool]:
     """The file `from_pretrained(root, use_safetensors=True)` opens and whether it is an index, by transformers' own
     resolution order (transformers 5.x `_get_resolved_checkpoint_files`, local folder, no variant): the config's
-    `transformers_weights` if set, else `model.safetensors`, which wins over `model.safetensors.index.json`."""
+    `transformers_weights` if set, else `model.safetensors`, which wins over `model.safetensors.index.json`.
+    `config`: root's config.json already parsed (read here when None)."""
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-    explicit = None
-    config = root / "config.json"
-    if config.is_file():
+    if config is None and (root / "config.json").is_file():
         try:
-            explicit = json.loads(config.read_text(encoding="utf-8")).get("transformers_weights")
-        except (ValueError, AttributeError):
-            explicit = None  # model_config_fingerprint reports a broken config.json
+            config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        except ValueError:
+            config = None  # model_config_fingerprint reports a broken config.json
+    explicit = config.get("transformers_weights") if isinstance(config, dict) else None
     if isinstance(explicit, str):
         if not explicit.endswith((".safetensors", ".safetensors.index.json")):
             raise WeightsError(f"{root}: config.json transformers_weights {explicit!r} is not a safetensors file")
@@ -124,13 +124,13 @@ def _inside(root: Path, name: str, source: Path) -> Path:
     return path
 
 
-def weight_files(model_dir: str | os.PathLike) -> list[Path]:
-    """Exactly the safetensors files transformers loads from this folder (see `_loaded_weights_file`); refuses
-    pickle-only checkpoints and names that leave the folder."""
+def weight_files(model_dir: str | os.PathLike, config: dict | None = None) -> list[Path]:
+    """Exactly the safetensors files transformers loads from this folder (see `_loaded_weights_file`; `config`: its
+    config.json when already parsed); refuses pickle-only checkpoints and names that leave the folder."""
     root = Path(model_dir).resolve()
     if not root.is_dir():
         raise WeightsError(f"{model_dir}: not a directory holding a Hugging Face checkpoint")
-    loaded, is_index = _loaded_weights_file(root)
+    loaded, is_index = _loaded_weights_file(root, config)
     if loaded is not None and not is_index:
         return [loaded]
     if loaded is not None:
@@ -177,18 +177,24 @@ def model_config_fingerprint(model_dir: str | os.PathLike) -> dict:
         raise WeightsError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise WeightsError(f"{path}: not a JSON object")
+    return config_fields(config)
+
+
+def config_fields(config: dict) -> dict:
+    """The behavioural part of a parsed config.json (what the model hash covers)."""
     return {k: v for k, v in config.items() if k not in CONFIG_FIELDS_IGNORED}
 
 
-def model_hash(model_dir: str | os.PathLike) -> str:
+def model_hash(model_dir: str | os.PathLike, *, config: dict | None = None, files: list[Path] | None = None) -> str:
     """sha256 over every tensor (name, dtype, shape, bytes) in name order plus the behavioural config fields.
 
     Streams the safetensors files through mmap; the model is never built, and how the checkpoint is split into
-    files does not matter.
+    files does not matter. A caller that has already read the folder passes `config` (its config.json, parsed) and
+    `files` (its `weight_files`), so neither is read again; the hash is the same.
     """
-    tensors = _tensor_index(weight_files(model_dir))
+    tensors = _tensor_index(files if files is not None else weight_files(model_dir, config))
     h = hashlib.sha256(b"refcache-model-v1")
-    h.update(_canonical(model_config_fingerprint(model_dir)))
+    h.update(_canonical(config_fields(config) if config is not None else model_config_fingerprint(model_dir)))
     _hash_tensors(h, tensors)
     return h.hexdigest()
 

@@ -222,17 +222,18 @@ def assert_same_rng(a, b):
 
 def test_run_precompute_leaves_global_rng_and_checkpoint_unchanged(llama_dir, tmp_path, monkeypatch):
     from precompute import job
+    from runtime.checkpoint import Checkpoint
     from schemas.stamps import model_hash
 
     data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(10, seed=19))
     checkpoint, hash_before = dir_state(llama_dir), model_hash(llama_dir)
-    real_load = job.load_model
+    real_load = Checkpoint.load_model
 
     def load_drawing_random_numbers(*args, **kwargs):  # as a random init or dropout in the reference would
         random.random(), np.random.rand(), torch.rand(3)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(job, "load_model", load_drawing_random_numbers)
+    monkeypatch.setattr(Checkpoint, "load_model", load_drawing_random_numbers)
     cfg = lambda out: job.PrecomputeConfig(model=str(llama_dir), data=str(data), out=str(out), progress=False)  # noqa: E731
 
     random.seed(5), np.random.seed(5), torch.manual_seed(5)

@@ -121,3 +121,38 @@ def test_every_rank_refuses_a_damaged_cache(work, llama_dir, single_cache):
     assert "shard-00003.parquet content differs from the manifest" in p.stderr  # rank 0 hashes the files
     assert p.stderr.count("error: ") == 2  # and both ranks refuse (rank 1 by itself or because rank 0 did)
     assert not (work / "run-bad" / "metrics.jsonl").exists()
+
+
+def test_share_rank_zero_decides_and_every_rank_refuses(work):
+    """runtime.distributed.Dist.share on 2 gloo ranks: by default rank 0 alone runs and every rank gets its result
+    or its refusal; with every_rank each rank runs, keeps its own result, and all fail when one does."""
+    helper = REPO / "tests" / "helpers" / "share_ranks.py"
+    p = run([*TORCHRUN, str(helper)], work, env={"PYTHONPATH": str(REPO)})
+    ranks = sorted((json.loads(line[len("SHARE "):]) for line in p.stdout.splitlines() if line.startswith("SHARE ")),
+                   key=lambda r: r["rank"])
+    assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
+    zero, one = ranks
+    assert zero["rank0_ok"] == one["rank0_ok"] == {"result": 0}  # rank 0's result, on both
+    assert zero["rank0_ran"] == [0] and one["rank0_ran"] == []  # and only rank 0 ran it
+    for r in ranks:
+        assert r["rank0_fails"] == {"raised": "JobError", "message": "rank 0: bad on rank 0"}
+        assert r["rank0_refuses"] == {"raised": "JobError", "message": "bad on rank 0"}
+        assert r["each_ok"] == {"result": r["rank"]}  # each its own
+    assert one["each_rank1_fails"] == {"raised": "ValueError", "message": "bad on rank 1"}  # its own error
+    assert zero["each_rank1_fails"] == {"raised": "JobError",
+                                        "message": "rank 1 refused the cache: ValueError: bad on rank 1"}
+
+
+def test_share_in_one_process():
+    from runtime.distributed import Dist
+    from runtime.errors import JobError
+
+    def fails():
+        raise ValueError("nope")
+
+    dist = Dist(0, 1)
+    assert dist.share(lambda: 5) == 5 and dist.share(lambda: 6, every_rank=True) == 6
+    with pytest.raises(JobError, match="^rank 0: nope$"):  # rank 0's failure, as every rank would get it
+        dist.share(fails)
+    with pytest.raises(ValueError, match="^nope$"):  # every_rank: the rank's own error (a CacheError stays one)
+        dist.share(fails, every_rank=True)

@@ -1,0 +1,98 @@
+"""train-dpo's refusals that need only the options: reference flags, trackers, Trainer arguments, output dir and
+the checkpoint to resume from. All run before any cache or data is read and before any model is loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.errors import JobError
+
+from .outdir import check_output_dir
+
+
+def check_reference_options(cfg) -> None:
+    """--ref-cache / --ref-model / --ref-model-hash / --eval-ref-cache agree, and the trackers are installed."""
+    if cfg.ref_cache is None and cfg.ref_model is None:
+        raise JobError("give --ref-cache DIR (cached reference) or --ref-model PATH (live reference)")
+    if cfg.ref_model_hash and cfg.ref_cache is None:
+        raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
+    same_rows = (cfg.eval_data, cfg.eval_split) == (cfg.data, cfg.split)  # then the training cache holds them
+    if cfg.eval_data and cfg.ref_cache is not None and cfg.eval_ref_cache is None and not same_rows:
+        raise JobError(
+            f"--eval-data {cfg.eval_data} needs the reference log-probs of its rows: run `precompute-ref --model "
+            f"{cfg.ref_model or cfg.model} --data {cfg.eval_data} --split {cfg.eval_split} --out EVAL_CACHE` "
+            "(same encoding options as the training cache) and pass --eval-ref-cache EVAL_CACHE")
+    check_trackers(cfg.trackers())
+
+
+def check_training_options(cfg):
+    """The Trainer's arguments, the output dir and the checkpoint to resume from; refused before any data is read."""
+    if cfg.batch_layout not in ("auto", "padded", "prefix_shared"):
+        raise JobError(f"--batch-layout must be auto, padded or prefix_shared, got {cfg.batch_layout!r}")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(cfg, name) < 1:  # from the command line or --config
+            raise JobError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    try:
+        args = cfg.training_arguments()
+    except ValueError as e:  # transformers' own checks of the training options
+        raise JobError(training_options_error(cfg, e)) from None
+    cfg.resume_from_checkpoint = latest_checkpoint(cfg.resume_from_checkpoint, Path(cfg.output_dir))
+    check_output_dir(cfg)
+    check_resume(cfg.resume_from_checkpoint)
+    return args
+
+
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
+                    "comet_ml": ("comet_ml",), "clearml": ("clearml",), "dvclive": ("dvclive",),
+                    "trackio": ("trackio",), "swanlab": ("swanlab",), "neptune": ("neptune",)}
+
+
+def check_trackers(trackers: list[str]) -> None:
+    """A tracker whose package is missing is refused before verification and model load, with the install line."""
+    import importlib.util
+
+    for name in trackers:
+        if name == "all":
+            continue
+        packages = TRACKER_PACKAGES.get(name)
+        if packages is None:
+            raise JobError(f"--report-to {name}: unknown tracker; use one of {', '.join(TRACKER_PACKAGES)} or none")
+        if not any(importlib.util.find_spec(p) for p in packages):
+            extra = "pip install 'refcache[tensorboard]'" if name == "tensorboard" else f"pip install {packages[0]}"
+            raise JobError(f"--report-to {name}: the {packages[0]} package is not installed; install it with `{extra}`")
+
+
+def training_options_error(cfg, e: ValueError) -> str:
+    detail = " ".join(str(e).split())
+    if (cfg.bf16 or cfg.fp16) and not cfg.use_cpu and not has_accelerator():
+        flag = "--bf16" if cfg.bf16 else "--fp16"
+        return f"{flag} needs a GPU here; to train on CPU add --use-cpu (bf16 autocast on CPU), or drop {flag}"
+    return f"invalid training options: {detail}"
+
+
+def latest_checkpoint(value: str | None, out: Path) -> str | None:
+    """--resume-from-checkpoint true means the latest checkpoint-N in --output-dir, as in the Trainer."""
+    if value is None or value.strip().lower() not in ("true", "yes", "1"):
+        return None if value is None or value.strip().lower() in ("false", "no", "0", "") else value
+    from transformers.trainer_utils import get_last_checkpoint
+
+    latest = get_last_checkpoint(str(out)) if out.is_dir() else None
+    if latest is None:
+        raise JobError(f"--resume-from-checkpoint true: no checkpoint-N folder in --output-dir {out}")
+    return latest
+
+
+def check_resume(checkpoint: str | None) -> None:
+    """A checkpoint to resume from must be complete: the Trainer writes trainer_state.json last, and a folder without
+    it (a save that was interrupted) fails deep inside the Trainer, after verification (some transformers versions
+    instead restart at step 0 from the half-saved weights)."""
+    if checkpoint and not (Path(checkpoint) / "trainer_state.json").is_file():
+        reason = ("no such directory" if not Path(checkpoint).is_dir() else
+                  "no trainer_state.json in it (not a Trainer checkpoint, or one interrupted while being saved)")
+        raise JobError(f"--resume-from-checkpoint {checkpoint}: {reason}; resume from a complete checkpoint-N folder")
+
+
+def has_accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
