@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from runtime.logprobs import completion_logps, reference_logps, token_logps
-from runtime.packing import additive_mask, pack_rows, tree_inputs, tree_mask_unsupported
+from runtime.architecture import tree_mask_unsupported
+from runtime.packing import additive_mask, pack_rows, tree_inputs
 from schemas.encoding import EncodedPair
 
 LAYOUTS = ("auto", "padded", "prefix_shared")

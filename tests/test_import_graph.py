@@ -1,8 +1,8 @@
 """The rooms of the project and which way their imports may point. Cross-cutting (reads every room), so top level.
 
 schemas (the contract) imports nothing of ours; runtime (what both jobs share) imports only schemas; precompute and
-dpo import runtime and schemas, never each other; audit imports schemas and runtime, and the batching-mode registry
-of precompute for its replay. Imports are read from the source (ast), so a new wrong-way import anywhere in a
+dpo import runtime and schemas, never each other; audit imports schemas and runtime only (its replay is the plain
+forward of runtime.logprobs, independent of every batching mode). Imports are read from the source (ast), so a new wrong-way import anywhere in a
 module, at top level or inside a function, fails here.
 """
 
@@ -21,7 +21,7 @@ ALLOWED = {
     "runtime": {"schemas"},
     "precompute": {"runtime", "schemas"},
     "dpo": {"runtime", "schemas"},
-    "audit": {"runtime", "schemas", "precompute.modes"},
+    "audit": {"runtime", "schemas"},  # replay runs runtime.logprobs.reference_logps, no batching mode
 }
 
 
@@ -67,8 +67,8 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
         (fake / room / "__init__.py").write_text("")
     (fake / "runtime" / "bad.py").write_text("def f():\n    from dpo.trainer import x\n")
     (fake / "dpo" / "bad.py").write_text("from precompute import MODES\nimport runtime.data\n")
-    (fake / "audit" / "ok.py").write_text("from precompute.modes import score_pairs\n")
+    (fake / "audit" / "bad.py").write_text("from precompute.modes import score_pairs\nimport schemas.rules\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
     assert wrong_way("runtime") == ["runtime/bad.py imports dpo"]
     assert wrong_way("dpo") == ["dpo/bad.py imports precompute.MODES"]
-    assert wrong_way("audit") == []
+    assert wrong_way("audit") == ["audit/bad.py imports precompute.modes"]

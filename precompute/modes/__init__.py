@@ -58,7 +58,7 @@ def _cell(text: str) -> str:
 
 from .choose import (  # noqa: E402  (these read REGISTRY)
     FALLBACK, HEAD_ELEMENTS, candidates, choose_mode, effective_budget, probe_pairs, probe_tolerance, unsupported)
-from .limits import shape_dependent  # noqa: E402
+from runtime.architecture import shape_dependent  # noqa: E402
 from .scoring import estimated_cost, plan_batches, score_pairs  # noqa: E402
 
 __all__ = ["FALLBACK", "HEAD_ELEMENTS", "MODES", "REGISTRY", "BatchingMode", "batching_help", "candidates",

@@ -14,7 +14,7 @@ import torch
 
 from schemas.encoding import EncodedPair
 
-from .limits import shape_dependent
+from runtime.architecture import shape_dependent
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 

@@ -18,7 +18,7 @@ from schemas.encoding import EncodedPair
 from runtime.logprobs import pad_sequences, token_logps, unwrap
 
 from .base import BatchingMode, causal
-from .limits import state_layers, window_too_short
+from runtime.architecture import state_layers, window_too_short
 
 
 def kv_batches(pairs: list[EncodedPair], token_budget: int) -> list[list[int]]:

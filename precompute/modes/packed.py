@@ -3,7 +3,7 @@ other), so short pairs fill what would be padding."""
 
 from __future__ import annotations
 
-from .limits import TREE_MASK_ATTENTION
+from runtime.architecture import TREE_MASK_ATTENTION
 from .shared_prompt import SharedPrompt
 
 

@@ -9,7 +9,7 @@ from runtime.logprobs import token_logps
 from runtime.packing import pack_rows, row_batches, tree_batch
 
 from .base import BatchingMode, sequence, split
-from .limits import TREE_MASK_ATTENTION, state_across_rows, window_too_short
+from runtime.architecture import tree_mask_unsupported
 
 
 class SharedPrompt(BatchingMode):
@@ -36,9 +36,4 @@ class SharedPrompt(BatchingMode):
         return len(batch) * width, len(batch) * width**2
 
     def unsupported(self, model, longest, attn):
-        reason = super().unsupported(model, longest, attn) or window_too_short(model, longest)
-        if reason:
-            return reason
-        if attn not in TREE_MASK_ATTENTION:
-            return f"{attn} attention cannot take the tree mask"
-        return state_across_rows(model)
+        return tree_mask_unsupported(model, longest, attn)  # the rule train-dpo's prefix_shared layout follows too

@@ -11,7 +11,7 @@ import torch
 from runtime.logprobs import token_logps
 
 from .base import FLASH, BatchingMode, sequence, sequence_lengths, split
-from .limits import state_across_rows
+from runtime.architecture import state_across_rows
 
 
 def varlen_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
