@@ -244,16 +244,26 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+_peak_before_reset_mb = 0.0  # the largest VmHWM read just before a reset_peak()
+
+
 def maxrss_mb() -> float:
-    """Peak RSS of the whole process life (getrusage), never reset."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak RSS of this process since it started, never reset. From VmHWM (kept across reset_peak() calls), not
+    getrusage: Linux carries ru_maxrss across fork and exec, so a child started by a parent that held 1 GiB would
+    report at least 1 GiB whatever it used itself."""
+    try:
+        return max(_peak_before_reset_mb, _status_kb("VmHWM") / 1024)
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def reset_peak() -> bool:
     """Reset the peak RSS counter (and the CUDA peak); False where the kernel refuses."""
+    global _peak_before_reset_mb
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     try:
+        _peak_before_reset_mb = max(_peak_before_reset_mb, _status_kb("VmHWM") / 1024)
         Path("/proc/self/clear_refs").write_text("5")
         return True
     except OSError:
