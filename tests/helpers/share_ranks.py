@@ -1,7 +1,13 @@
-"""Run under torchrun (gloo): every case of runtime.distributed.Dist.share on each rank, printed as one JSON line per
-rank ("SHARE <json>") for tests/runtime/test_distributed.py."""
+"""Run under torchrun (gloo): every case of runtime.distributed.Dist.share on each rank, written as one JSON file per
+rank (OUT_DIR/share-rank<N>.json; not stdout, where the ranks' lines can interleave) for
+tests/runtime/test_distributed.py.
+
+    torchrun --nproc-per-node 2 share_ranks.py OUT_DIR
+"""
 
 import json
+import sys
+from pathlib import Path
 
 from runtime.distributed import distributed
 from runtime.errors import JobError
@@ -34,7 +40,8 @@ def main():
             "each_ok": outcome(lambda: dist.share(make(), every_rank=True)),
             "each_rank1_fails": outcome(lambda: dist.share(make(fail_on=1), every_rank=True, what="the cache")),
         }
-        print("SHARE " + json.dumps({"rank": dist.rank, "world": dist.world, **cases}), flush=True)
+        result = json.dumps({"rank": dist.rank, "world": dist.world, **cases})
+        (Path(sys.argv[1]) / f"share-rank{dist.rank}.json").write_text(result)
 
 
 if __name__ == "__main__":

@@ -127,9 +127,10 @@ def test_share_rank_zero_decides_and_every_rank_refuses(work):
     """runtime.distributed.Dist.share on 2 gloo ranks: by default rank 0 alone runs and every rank gets its result
     or its refusal; with every_rank each rank runs, keeps its own result, and all fail when one does."""
     helper = REPO / "tests" / "helpers" / "share_ranks.py"
-    p = run([*TORCHRUN, str(helper)], work, env={"PYTHONPATH": str(REPO)})
-    ranks = sorted((json.loads(line[len("SHARE "):]) for line in p.stdout.splitlines() if line.startswith("SHARE ")),
-                   key=lambda r: r["rank"])
+    out = work / "share"
+    out.mkdir()
+    p = run([*TORCHRUN, str(helper), str(out)], work, env={"PYTHONPATH": str(REPO)})
+    ranks = sorted((json.loads(f.read_text()) for f in out.glob("share-rank*.json")), key=lambda r: r["rank"])
     assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
     zero, one = ranks
     assert zero["rank0_ok"] == one["rank0_ok"] == {"result": 0}  # rank 0's result, on both
