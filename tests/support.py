@@ -10,7 +10,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -319,3 +323,43 @@ def float32_sum(values) -> float:
     import numpy as np
 
     return float(np.sum(np.asarray(values, np.float32).astype(np.float64)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# processes and adapters
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def run_in_session(cmd, cwd, env=None, check=True, timeout=240) -> subprocess.CompletedProcess:
+    """Run a process (torchrun and its workers, or a plain one) in its own session, so a timeout kills all of it;
+    offline, one thread per process. With `check`, a non-zero exit fails the test with the tails of its output."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{cmd} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def make_lora_adapter(model_dir: Path, out: Path, seed: int = 3) -> Path:
+    """A LoRA adapter with non-zero B (an 'SFT LoRA': merging it changes the model), saved in peft format."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    wrapped.save_pretrained(out, safe_serialization=True)
+    return out

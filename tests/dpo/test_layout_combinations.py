@@ -5,18 +5,14 @@ padded layout on the same seed and data (the padded layout is itself tested agai
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import WORDS, build_llama, save_checkpoint, write_jsonl
+from conftest import TORCHRUN, WORDS, build_llama, run_in_session, save_checkpoint, write_jsonl
 from dpo.layout import choose_layout
 from dpo.recipe import TrainConfig, run_train
 from precompute.job import PrecomputeConfig, run_precompute
@@ -105,7 +101,6 @@ def cached(fx: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # DDP: torchrun, 2 processes, gloo on CPU
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
 def torchrun_train(fx: dict, out: Path, layout: str, batch: int) -> str:
@@ -114,17 +109,7 @@ def torchrun_train(fx: dict, out: Path, layout: str, batch: int) -> str:
            str(fx["cache"]), "--ref-model-hash", fx["hash"], "--output-dir", str(out), "--max-steps", "3",
            "--per-device-train-batch-size", str(batch), "--logging-steps", "1", "--learning-rate", "1e-4",
            "--seed", "3", "--use-cpu", "--save-strategy", "no", "--no-plot", "--batch-layout", layout]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-3000:]}"
-    return stderr
+    return run_in_session(cmd, out.parent, timeout=300).stderr
 
 
 def test_ddp_two_ranks_prefix_shared_equal_one_padded_process_with_the_double_batch(tmp_path, long_prompts):

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from conftest import DATA, assert_close, count_models, records, step_records
+from conftest import DATA, assert_close, count_models, make_lora_adapter, records, step_records
 from dpo.cli import main as train_main
 from dpo.lora import LoraOptions
 from dpo.recipe import TrainConfig, run_train
@@ -128,21 +128,6 @@ def test_lora_outputs_an_adapter_and_a_peft_manifest(data_runs):
 # --init-adapter / precompute-ref --adapter, on the tiny test model
 
 
-def make_adapter(model_dir: Path, out: Path, seed=3) -> Path:
-    """A LoRA adapter with non-zero B (an 'SFT LoRA'), saved in peft format."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
-    wrapped.save_pretrained(out, safe_serialization=True)
-    return out
-
-
 def merged_by_hand(model_dir: Path, adapter: Path):
     """W + (alpha / r) B A for every adapted weight, without peft."""
     from transformers import AutoModelForCausalLM
@@ -167,7 +152,7 @@ def merged_by_hand(model_dir: Path, adapter: Path):
 @pytest.fixture(scope="module")
 def adapter_world(tmp_path_factory, llama_dir, dpo_data):
     root = tmp_path_factory.mktemp("lora-init")
-    adapter = make_adapter(llama_dir, root / "sft-lora")
+    adapter = make_lora_adapter(llama_dir, root / "sft-lora")
     cache = precompute(llama_dir, dpo_data, root / "cache-merged", adapter=str(adapter))
     return {"root": root, "adapter": adapter, "cache": cache}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import build_llama, build_tokenizer, save_checkpoint
+from conftest import build_llama, build_tokenizer, make_lora_adapter, save_checkpoint
 from runtime.checkpoint import Checkpoint
 from runtime.errors import JobError
 from schemas import stamps
@@ -43,22 +43,6 @@ def opened():
 def folder(tmp_path, llama_dir) -> Path:
     """A copy of the tiny Llama checkpoint that a test may damage."""
     return Path(shutil.copytree(llama_dir, tmp_path / "model"))
-
-
-def make_adapter(model_dir: Path, out: Path) -> Path:
-    """A LoRA adapter with non-zero B (so merging it changes the model), saved in peft format."""
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(7)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
-    wrapped.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def test_open_reads_config_once_and_hashes_once(llama_dir, opened, monkeypatch):
@@ -133,7 +117,7 @@ def test_adapter_is_checked_at_open_hashed_with_the_base_and_merged_on_load(llam
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
-    adapter = make_adapter(llama_dir, tmp_path / "lora")
+    adapter = make_lora_adapter(llama_dir, tmp_path / "lora", seed=7)
     checkpoint = Checkpoint.open(str(llama_dir), adapter=str(adapter))
     assert checkpoint.adapter_hash == adapter_hash(adapter)
     assert checkpoint.base_hash == model_hash(llama_dir)

@@ -4,36 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, pref_rows, write_jsonl
+from conftest import REPO, TORCHRUN, pref_rows, run_in_session, write_jsonl
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 NOISE = ("runtime", "per_second", "total_flos", "epoch")
 
 
 def run(cmd, cwd, env=None, check=True):
-    """Run torchrun (or a plain process) in its own session, so a timeout kills its workers too."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{cmd} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return p
+    return run_in_session(cmd, cwd, env, check)
 
 
 def shard_hashes(cache: Path) -> dict[str, str]:
