@@ -156,13 +156,9 @@ def run_case(case: str, size: dict, work: Path, rounds: int) -> dict:
 
 
 def main():
-    ap = common.parser(__doc__)
-    ap.add_argument("--child", choices=CONFIGS)
+    ap = common.child_parser(__doc__, CONFIGS, paths=("model", "data", "data-file", "cache", "out"),
+                             ints=("max-length", "batch", "warmup", "steps", "rounds"))
     ap.add_argument("--cases", default="long,short")
-    for name in ("model", "data", "data-file", "cache", "out"):
-        ap.add_argument(f"--{name}")
-    for name in ("max-length", "batch", "warmup", "steps", "rounds"):
-        ap.add_argument(f"--{name}", type=int)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args)))

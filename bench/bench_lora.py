@@ -86,13 +86,7 @@ def child_args(size, model_dir, data, cache, work, mode) -> list[str]:
 
 
 def main():
-    ap = common.parser(__doc__)
-    ap.add_argument("--child", choices=MODES)
-    for name in ("model", "data", "cache", "out"):
-        ap.add_argument(f"--{name}")
-    for name in ("seq", "batch", "warmup", "steps"):
-        ap.add_argument(f"--{name}", type=int)
-    args = ap.parse_args()
+    args = common.child_parser(__doc__, MODES).parse_args()
     if args.child:
         print(json.dumps(child(args)))
         return

@@ -240,13 +240,8 @@ def summarize(rounds: list[dict]) -> dict:
 
 
 def main():
-    ap = common.parser(__doc__)
-    ap.add_argument("--child", choices=MODES)
+    ap = common.child_parser(__doc__, MODES)
     ap.add_argument("--profile", action="store_true")
-    for name in ("model", "data", "cache", "out"):
-        ap.add_argument(f"--{name}")
-    for name in ("seq", "batch", "warmup", "steps"):
-        ap.add_argument(f"--{name}", type=int)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args)))

@@ -370,3 +370,15 @@ def parser(doc: str):
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, for a run in a few minutes")
     return ap
+
+
+def child_parser(doc: str, children, paths=("model", "data", "cache", "out"), ints=("seq", "batch", "warmup", "steps")):
+    """`parser` plus what the per-configuration child processes are started with: --child NAME, path options and
+    integer size options (the parent passes them; a run by hand leaves them out)."""
+    ap = parser(doc)
+    ap.add_argument("--child", choices=children)
+    for name in paths:
+        ap.add_argument(f"--{name}")
+    for name in ints:
+        ap.add_argument(f"--{name}", type=int)
+    return ap
