@@ -54,7 +54,13 @@ def assert_same_run(a: Path, b: Path, steps: int, start: Path):
     assert wa.keys() == wb.keys()
     w0 = load_file(start / "model.safetensors")
     for name in wa:
-        assert torch.allclose(wa[name], wb[name], rtol=TOL, atol=TOL), name
+        # Adam divides each gradient by its own running RMS, so an element whose gradient is ~0 moves by up to the
+        # learning rate on float32 rounding alone: single elements differ by ~1e-5 after 10 steps at lr 1e-4 (seen
+        # on this project's CPUs). The training trajectory is compared as a whole instead: the two runs' weight
+        # updates agree to 1e-3 of their size, and no element is further apart than half of one step at lr 1e-4.
+        da, db = wa[name] - w0[name], wb[name] - w0[name]
+        assert float((da - db).norm()) <= 1e-3 * max(float(da.norm()), 1e-12), name
+        assert float((da - db).abs().max()) <= 5e-5, name
     assert max(float((wa[n] - w0[n]).abs().max()) for n in wa) > 1e-4  # they trained: not both still the start
 
 
