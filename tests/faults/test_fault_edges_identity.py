@@ -42,8 +42,6 @@ def trained(tmp_path_factory, llama_dir, dpo_data):
                      "--eval-split", "train", "--no-eval-on-start", "--eval-strategy", "no")
     run = train(*args, "--output-dir", base / "run")
     assert run.exit_code == 0, run.output
-    record = json.loads((base / "run" / "checkpoint-1" / "refcache-reference.json").read_text())
-    assert record["cache"]["cache_id"] and record["eval_cache"]["cache_id"] == record["cache"]["cache_id"]
     return {"base": base, "cache": cache, "run": base / "run", "model": llama_dir, "data": dpo_data, "args": args}
 
 
@@ -82,6 +80,8 @@ def test_7_a_no_op_rerun_keeps_the_manifest_and_the_run_resumes(trained, tmp_pat
 def test_7_overwrite_with_the_same_content_is_the_same_cache(trained, tmp_path):
     """Neighbour: --overwrite rewrites manifest.json (a new created_at), the shards come out the same: the run
     resumes, audit-ref --run passes, for the train and the eval cache alike."""
+    record = json.loads((trained["run"] / "checkpoint-1" / "refcache-reference.json").read_text())
+    assert record["cache"]["cache_id"] and record["eval_cache"]["cache_id"] == record["cache"]["cache_id"]
     cache = copy_tree(trained["cache"], tmp_path / "cache")
     edit_manifest(cache, lambda m: m.update(created_at="2001-01-01T00:00:00+00:00", software={"refcache": "0.0"}))
     sha = file_hashes(cache)["manifest.json"]
@@ -137,7 +137,6 @@ def custom(tmp_path_factory, llama_dir, dpo_data):
     made = precompute("--model", model, "--data", dpo_data, "--rows-per-shard", PER_SHARD, "--out", base / "cache",
                       "--trust-remote-code")
     assert made.exit_code == 0, made.output
-    assert manifest_of(base / "cache")["stamps"]["model_hash"] != model_hash(llama_dir)
     return {"base": base, "model": model, "cache": base / "cache", "data": dpo_data}
 
 
@@ -148,7 +147,8 @@ def doubled(custom, tmp_path) -> Path:
     return model
 
 
-def test_8_edited_model_code_makes_the_cache_stale_for_train_dpo(custom, tmp_path):
+def test_8_edited_model_code_makes_the_cache_stale_for_train_dpo(custom, llama_dir, tmp_path):
+    assert manifest_of(custom["cache"])["stamps"]["model_hash"] != model_hash(llama_dir)  # the code is in it
     model = doubled(custom, tmp_path)
     out = tmp_path / "run"
     refused = train("--model", model, "--data", custom["data"], "--ref-cache", custom["cache"], "--trust-remote-code",
