@@ -227,15 +227,17 @@ def model_hash(model_dir: str | os.PathLike, *, config: dict | None = None, file
 
 
 def code_digests(folder: str | os.PathLike, auto_map, source: str = "config.json") -> list[list[str]]:
-    """[name, sha256] of every top-level *.py file of a checkpoint folder whose `auto_map` (in `source`) makes
-    transformers run code from it (with trust_remote_code). transformers 5.x (dynamic_module_utils) takes an entry
-    'module.Class' from module.py in the folder and copies the files it imports relatively (`from .x import y`),
-    which it also looks for as top-level files of the folder: hashing all of them covers every file it can load
-    from there. Refused, as code that cannot be hashed: an entry naming another repository ('org/repo--module.Class')
-    or a module the folder does not hold. Modules imported absolutely (installed packages) are not the folder's."""
-    root = Path(folder)
+    """[path, sha256] of the Python files a checkpoint folder's custom code can come from, where its `auto_map` (in
+    `source`) makes transformers run code from it (with trust_remote_code): every *.py file directly in the folder
+    and in the folder of each auto_map module. transformers 5.x (dynamic_module_utils) takes an entry
+    'module.Class' (or 'sub/module.Class') from module.py there and the files it imports relatively
+    (`from .x import y`), which it looks for in that same folder. Refused, as code that cannot be hashed: an entry
+    naming another repository ('org/repo--module.Class'), a module outside the folder or one it does not hold.
+    Modules imported absolutely (installed packages) are not the folder's."""
+    root = Path(os.path.normpath(folder))
     if not isinstance(auto_map, dict):
         raise WeightsError(f"{root / source}: auto_map is not a JSON object")
+    dirs = {root}
     for key, refs in auto_map.items():
         for ref in refs if isinstance(refs, list) else [refs]:
             if ref is None:
@@ -245,12 +247,16 @@ def code_digests(folder: str | os.PathLike, auto_map, source: str = "config.json
                     f"{root / source}: auto_map {key} = {ref!r} runs code from another repository, which refcache "
                     "cannot hash with the model; copy that code into the checkpoint folder and name it "
                     "'module.Class' there")
-            module = ref.rsplit(".", 1)[0]
-            if not (root / f"{module}.py").is_file():
-                raise WeightsError(f"{root / source}: auto_map {key} = {ref!r} names {module}.py, which is not in "
-                                   "the checkpoint folder (its code cannot be hashed)")
-    names = sorted(p.name for p in root.iterdir() if p.name.endswith(".py") and p.is_file())
-    return [[name, file_sha256(root / name)] for name in names]
+            module = Path(os.path.normpath(root / (ref.rsplit(".", 1)[0] + ".py")))
+            if root != module.parent and root not in module.parents:
+                raise WeightsError(f"{root / source}: auto_map {key} = {ref!r} names code outside the checkpoint "
+                                   "folder, which refcache cannot hash with the model")
+            if not module.is_file():
+                raise WeightsError(f"{root / source}: auto_map {key} = {ref!r} names {module.relative_to(root)}, "
+                                   "which is not in the checkpoint folder (its code cannot be hashed)")
+            dirs.add(module.parent)
+    files = sorted(p for d in dirs for p in d.iterdir() if p.name.endswith(".py") and p.is_file())
+    return [[p.relative_to(root).as_posix(), file_sha256(p)] for p in files]
 
 
 def _hash_tensors(h, tensors: dict) -> None:

@@ -173,6 +173,21 @@ def test_8_edited_model_code_is_caught_by_audit_ref_and_a_rerun(custom, tmp_path
     assert "model_hash" in rerun.output and file_hashes(cache) == before
 
 
+def test_8_a_trained_custom_model_is_audited_with_its_code(custom, tmp_path):
+    """Neighbour: train-dpo's output holds the code (save_pretrained copies it) and its final_model_hash covers it:
+    audit-ref --run passes, and fails once the output's code is edited."""
+    run = tmp_path / "run"
+    trained = train("--model", custom["model"], "--data", custom["data"], "--ref-cache", custom["cache"],
+                    "--trust-remote-code", "--output-dir", run, *TRAIN)
+    assert trained.exit_code == 0, trained.output
+    assert (run / "modeling_scaled.py").is_file() and (run / "scale.py").is_file()
+    code, report, output = audit(custom["cache"], "--run", run, json_path=tmp_path / "audit.json")
+    assert code == 0 and check_of(report, "run_final_hash")["status"] == "PASS", output
+    (run / "scale.py").write_text("FACTOR = 2.0\n")
+    code, report, output = audit(custom["cache"], "--run", run, json_path=tmp_path / "audit.json")
+    assert code == 1 and check_of(report, "run_final_hash")["status"] == "FAIL", output
+
+
 def test_8_code_from_another_repository_is_refused(custom, tmp_path):
     model = copy_tree(custom["model"], tmp_path / "remote")
     config = json.loads((model / "config.json").read_text())
@@ -196,7 +211,7 @@ def other_model(tmp_path_factory, llama_dir):
 
     model = copy_tree(llama_dir, tmp_path_factory.mktemp("other-model") / "model")
     tensors = load_file(model / "model.safetensors")
-    name = sorted(tensors)[-1]
+    name = max(tensors)
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[0] += torch.tensor(1e-2)
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})

@@ -587,6 +587,7 @@ def test_custom_model_code_is_in_the_model_hash(llama_dir, tmp_path):
 @pytest.mark.parametrize("ref,message", [
     ("org/repo--modeling_scaled.ScaledLlamaForCausalLM", "runs code from another repository"),
     ("modeling_absent.ScaledLlamaForCausalLM", "names modeling_absent.py, which is not in the checkpoint folder"),
+    ("../modeling_scaled.ScaledLlamaForCausalLM", "names code outside the checkpoint folder"),
 ])
 def test_custom_code_that_cannot_be_hashed_is_refused(llama_dir, tmp_path, ref, message):
     from support import make_custom_code_model
@@ -615,3 +616,18 @@ def test_custom_tokenizer_code_is_in_the_tokenizer_hash(llama_dir, tmp_path):
     (folder / "tokenization_custom.py").write_text(code + "    def _encode_plus(self, *a, **k):\n"
                                                    "        return super()._encode_plus(*a, **k)\n")
     assert tokenizer_hash(AutoTokenizer.from_pretrained(folder, trust_remote_code=True)) != first
+
+
+def test_custom_code_in_a_subfolder_is_hashed_there(llama_dir, tmp_path):
+    """auto_map 'sub/module.Class': transformers loads module.py and its relative imports from sub/."""
+    from support import make_custom_code_model
+
+    model = make_custom_code_model(llama_dir, tmp_path / "custom")
+    (model / "sub").mkdir()
+    for name in ("modeling_scaled.py", "scale.py"):
+        (model / name).rename(model / "sub" / name)
+    edit_json(model / "config.json", lambda c: c["auto_map"].__setitem__(
+        "AutoModelForCausalLM", "sub/modeling_scaled.ScaledLlamaForCausalLM"))
+    first = model_hash(model)
+    (model / "sub" / "scale.py").write_text("FACTOR = 2.0\n")
+    assert model_hash(model) != first
