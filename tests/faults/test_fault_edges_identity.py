@@ -108,6 +108,18 @@ def test_7_a_rescored_damaged_shard_with_equal_content_is_the_same_cache(trained
     assert resumed.exit_code == 0, resumed.output
 
 
+def test_7_a_rerun_after_a_crash_before_the_manifest_is_the_same_cache(trained, tmp_path):
+    """Neighbour: the manifest absent (killed after the last shard), the rerun keeps every shard and writes a new
+    manifest: the same content, so the same cache for the run."""
+    cache = copy_tree(trained["cache"], tmp_path / "cache")
+    (cache / "manifest.json").unlink()
+    rerun = precompute("--model", trained["model"], "--data", trained["data"], "--rows-per-shard", PER_SHARD,
+                       "--out", cache)
+    assert rerun.exit_code == 0 and "(0 scored now)" in rerun.output, rerun.output
+    code, check, output = audit_run(cache, trained["run"])
+    assert code == 0 and check["status"] == "PASS", output
+
+
 def test_7_a_rerun_from_another_directory_changes_nothing(trained, tmp_path, monkeypatch):
     """Neighbour: the same job named by relative paths from another cwd (model.path, source.data recorded otherwise)
     leaves the manifest as it was; a cache with other shards is another cache for the run."""
