@@ -216,8 +216,8 @@ def model_hash(model_dir: str | os.PathLike, *, config: dict | None = None, file
     files does not matter. A caller that has already read the folder passes `config` (its config.json, parsed) and
     `files` (its `weight_files`), so neither is read again; the hash is the same.
     """
-    config = config if config is not None else _read_config(model_dir)
     tensors = _tensor_index(files if files is not None else weight_files(model_dir, config))
+    config = config if config is not None else _read_config(model_dir)
     h = hashlib.sha256(b"refcache-model-v1")
     h.update(_canonical(config_fields(config)))
     if config.get("auto_map"):  # only then: a model without custom code keeps the hash it always had
@@ -242,7 +242,9 @@ def code_digests(folder: str | os.PathLike, auto_map, source: str = "config.json
         for ref in refs if isinstance(refs, list) else [refs]:
             if ref is None:
                 continue
-            if not isinstance(ref, str) or "--" in ref:
+            if not isinstance(ref, str) or "." not in ref:
+                raise WeightsError(f"{root / source}: auto_map {key} = {ref!r} is not a 'module.Class' name")
+            if "--" in ref:
                 raise WeightsError(
                     f"{root / source}: auto_map {key} = {ref!r} runs code from another repository, which refcache "
                     "cannot hash with the model; copy that code into the checkpoint folder and name it "
