@@ -21,7 +21,7 @@ from .outdir import prepare_metrics
 from .phases import PhaseTimer
 from .preflight import check_reference_options, check_training_options, has_accelerator
 from .preflight import latest_checkpoint  # noqa: F401  (re-exported)
-from .verify import Verified, encode_only, verify_and_join
+from .verify import Verified, declared_reference, encode_only, verify_and_join
 
 
 def _f(default, help, group, **extra):
@@ -210,7 +210,7 @@ def _verify(cfg: TrainConfig, policy: Checkpoint, log) -> Run:
     initial_hash = policy.base_hash
     reference = None
     if cfg.ref_cache is not None:
-        reference = cfg.ref_model_hash or (_hashed_reference(cfg, policy) if cfg.ref_model else policy.model_hash)
+        reference = _declared_reference(cfg, policy)
     elif cfg.lora.use_peft:
         lora.check_live_reference(policy, live)
     with lora.explained_reference(cfg.lora, cfg.model, initial_hash):
@@ -232,6 +232,14 @@ def _same_folder(a: str | None, b: str) -> bool:
 def _hashed_reference(cfg: TrainConfig, policy: Checkpoint) -> str:
     """The model hash of --ref-model beside a cache: only hashed, never loaded (nor checked as a model to load)."""
     return policy.base_hash if _same_folder(cfg.ref_model, cfg.model) else model_hash(cfg.ref_model)
+
+
+def _declared_reference(cfg: TrainConfig, policy: Checkpoint) -> str:
+    """The model hash the cache(s) must carry, train and eval alike: --ref-model's, --ref-model-hash, else the
+    policy's starting point (with --init-adapter, base + adapter). --ref-model and --ref-model-hash are two
+    declarations of one reference: where they disagree neither is taken."""
+    hashed = _hashed_reference(cfg, policy) if cfg.ref_model else None
+    return declared_reference(cfg.ref_model, hashed, cfg.ref_model_hash) or policy.model_hash
 
 
 def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None, log):

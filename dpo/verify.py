@@ -14,6 +14,7 @@ import polars as pl
 import pyarrow as pa
 
 from runtime.data import Encoded, encode_rows, load_rows
+from runtime.errors import JobError
 from schemas.encoding import EncodingConfig
 from schemas.format import Cache, CacheError, StampMismatch, open_cache, read_columns
 from schemas.rules import value_findings
@@ -31,9 +32,19 @@ class Verified:
 
 def reference_hash(model_dir: str, ref_model: str | None, ref_model_hash: str | None) -> str:
     """The model hash the cache must carry: the declared reference, else the policy's starting checkpoint."""
-    if ref_model_hash:
-        return ref_model_hash
-    return model_hash(ref_model or model_dir)
+    hashed = model_hash(ref_model) if ref_model else None
+    return declared_reference(ref_model, hashed, ref_model_hash) or model_hash(model_dir)
+
+
+def declared_reference(ref_model: str | None, hashed: str | None, ref_model_hash: str | None) -> str | None:
+    """The reference declared by --ref-model (`hashed`: its model hash) and/or --ref-model-hash, None when neither
+    is given. They are two declarations of one reference: where they disagree, neither is taken."""
+    if hashed and ref_model_hash and hashed != ref_model_hash:
+        raise JobError(
+            f"--ref-model {ref_model} and --ref-model-hash disagree on the reference: the folder hashes to {hashed}, "
+            f"--ref-model-hash declares {ref_model_hash}; pass only the one that names the model the cache was "
+            "computed with (precompute-ref records it as stamps.model_hash in the cache's manifest.json)")
+    return hashed or ref_model_hash
 
 
 def check_encoding(cache: Cache, requested: dict) -> EncodingConfig:

@@ -276,8 +276,29 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
         "shards": entries,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    fmt.write_manifest(out, manifest)
+    if not _says_the_same(out, manifest):
+        fmt.write_manifest(out, manifest)
     return entries
+
+
+def _says_the_same(out: Path, manifest: dict) -> bool:
+    """The manifest already in `out` says all that `manifest` would, apart from when, with which software and from
+    which paths the cache was made: it is kept as it is (a no-op rerun, or one from another directory, changes no
+    file). A run names a cache by its content (schemas.run_manifest.cache_id), so a rewritten one is the same cache
+    too; keeping it also keeps runs that pinned the manifest's bytes resumable."""
+    if not (out / fmt.MANIFEST).is_file():
+        return False
+    try:
+        there = fmt.read_manifest(out)
+    except fmt.CacheError:
+        return False
+
+    def content(m: dict) -> dict:
+        kept = {k: v for k, v in m.items() if k not in ("created_at", "software", "model")}
+        kept["source"] = {k: v for k, v in (m.get("source") or {}).items() if k not in ("data", "files")}
+        return kept
+
+    return content(there) == content(json.loads(json.dumps(manifest)))
 
 
 def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: float) -> dict:

@@ -548,3 +548,86 @@ def test_tensor_in_two_files_is_refused(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(WeightsError, match="also appears"):
         model_hash(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# custom code (auto_map, --trust-remote-code): the files it comes from are part of the stamps (issue 22, item 8)
+
+# model_hash(data/sft-model) as computed by the code before custom code was hashed: a model without auto_map keeps it
+SFT_MODEL_HASH = "daa080e41d34848d3786bbce7a9f1c2ebe87d3387dedc9e4e6dcfe45dd5e88ec"
+SFT_TOKENIZER_HASH = "c18b6f6f664a44059cffab70487279661d1ff370f93106f27118fedff53b9f2d"
+
+
+def test_a_model_without_custom_code_keeps_its_hash():
+    assert model_hash(REPO / "data" / "sft-model") == SFT_MODEL_HASH
+    assert tokenizer_hash(load_tokenizer(REPO / "data" / "sft-model")) == SFT_TOKENIZER_HASH
+
+
+def test_custom_model_code_is_in_the_model_hash(llama_dir, tmp_path):
+    from runtime.checkpoint import Checkpoint
+    from support import make_custom_code_model
+
+    model = make_custom_code_model(llama_dir, tmp_path / "custom")
+    first = model_hash(model)
+    assert first != model_hash(llama_dir)  # the same tensors and config fields, but code computes the logits
+    assert Checkpoint.open(str(model), trust_remote_code=True).base_hash == first  # one function for every command
+    seen = {first}
+    for name, text in (("modeling_scaled.py", "# edited\n"), ("scale.py", "FACTOR = 2.0\n"),  # its relative import
+                       ("helpers.py", "X = 1\n")):  # any top-level .py: transformers looks for relative imports there
+        with open(model / name, "a") as f:
+            f.write(text)
+        seen.add(model_hash(model))
+    assert len(seen) == 4
+    (model / "notes.txt").write_text("not code")
+    (model / "sub").mkdir()
+    (model / "sub" / "unused.py").write_text("X = 2\n")  # transformers loads no module from a subfolder
+    assert model_hash(model) in seen
+
+
+@pytest.mark.parametrize("ref,message", [
+    ("org/repo--modeling_scaled.ScaledLlamaForCausalLM", "runs code from another repository"),
+    ("modeling_absent.ScaledLlamaForCausalLM", "names modeling_absent.py, which is not in the checkpoint folder"),
+    ("../modeling_scaled.ScaledLlamaForCausalLM", "names code outside the checkpoint folder"),
+])
+def test_custom_code_that_cannot_be_hashed_is_refused(llama_dir, tmp_path, ref, message):
+    from support import make_custom_code_model
+
+    model = make_custom_code_model(llama_dir, tmp_path / "custom")
+    edit_json(model / "config.json", lambda c: c["auto_map"].__setitem__("AutoModelForCausalLM", ref))
+    with pytest.raises(WeightsError, match=message):
+        model_hash(model)
+
+
+def test_custom_tokenizer_code_is_in_the_tokenizer_hash(llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from schemas.stamps import tokenizer_parts
+
+    folder = Path(shutil.copytree(llama_dir, tmp_path / "tok"))
+    plain = tokenizer_hash(load_tokenizer(folder))
+    code = "from transformers import PreTrainedTokenizerFast\n\n\nclass CustomTokenizer(PreTrainedTokenizerFast):\n"
+    (folder / "tokenization_custom.py").write_text(code + "    pass\n")
+    edit_json(folder / "tokenizer_config.json", lambda c: c.update(
+        auto_map={"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]}, tokenizer_class="CustomTokenizer"))
+    custom = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    assert type(custom).__name__ == "CustomTokenizer"
+    first = tokenizer_hash(custom)
+    assert first != plain and "code" in tokenizer_parts(custom)
+    (folder / "tokenization_custom.py").write_text(code + "    def _encode_plus(self, *a, **k):\n"
+                                                   "        return super()._encode_plus(*a, **k)\n")
+    assert tokenizer_hash(AutoTokenizer.from_pretrained(folder, trust_remote_code=True)) != first
+
+
+def test_custom_code_in_a_subfolder_is_hashed_there(llama_dir, tmp_path):
+    """auto_map 'sub/module.Class': transformers loads module.py and its relative imports from sub/."""
+    from support import make_custom_code_model
+
+    model = make_custom_code_model(llama_dir, tmp_path / "custom")
+    (model / "sub").mkdir()
+    for name in ("modeling_scaled.py", "scale.py"):
+        (model / name).rename(model / "sub" / name)
+    edit_json(model / "config.json", lambda c: c["auto_map"].__setitem__(
+        "AutoModelForCausalLM", "sub/modeling_scaled.ScaledLlamaForCausalLM"))
+    first = model_hash(model)
+    (model / "sub" / "scale.py").write_text("FACTOR = 2.0\n")
+    assert model_hash(model) != first
