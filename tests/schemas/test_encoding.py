@@ -175,9 +175,9 @@ def test_add_bos(tokenizer, ids, bos_eos):
     row = {"prompt": "hmm why?", "chosen": "yes", "rejected": "no"}
     assert encode_pair(row, tokenizer, CFG).prompt_ids == [bos] + ids("hmm why?")
     assert encode_pair(row, tokenizer, dataclasses.replace(CFG, add_bos=False)).prompt_ids == ids("hmm why?")
-    # A prompt that already starts with BOS does not get a second one.
+    # BOS text at the start of a prompt is data text, refused like any special token's text (issue 22 item 10).
     with_bos = {**row, "prompt": "<s>hmm why?"}
-    assert encode_pair(with_bos, tokenizer, CFG).prompt_ids == [bos] + ids("hmm why?")
+    assert reason(with_bos, tokenizer) == "special_token_text"
     # The templated prompt gets BOS too (the template does not write one).
     conv = pref_rows(1, fmt="conversational")[0]
     assert encode_pair(conv, tokenizer, CFG).prompt_ids[:2] == [bos, tokenizer.convert_tokens_to_ids("<|user|>")]
@@ -189,12 +189,10 @@ def test_add_eos(tokenizer, ids, bos_eos):
     assert encode_pair(row, tokenizer, CFG).chosen_ids == ids(" yes") + [eos]
     no_eos = encode_pair(row, tokenizer, dataclasses.replace(CFG, add_eos=False))
     assert (no_eos.chosen_ids, no_eos.rejected_ids) == (ids(" yes"), ids(" no"))
-    # A completion that already ends with EOS does not get a second one.
-    ended = {**row, "chosen": " yes</s>"}
-    assert encode_pair(ended, tokenizer, CFG).chosen_ids == ids(" yes") + [eos]
-    # Text after an EOS inside a completion is not scored.
-    trailing = {**row, "chosen": " yes</s> sure"}
-    assert encode_pair(trailing, tokenizer, CFG).chosen_ids == ids(" yes") + [eos]
+    # EOS text in a completion is data text, never the control token: refused, at the end (where it would have
+    # been read as the EOS the encoder adds) as in the middle (where the text after it was cut; issue 22 item 10).
+    for chosen in (" yes</s>", " yes</s> sure"):
+        assert reason({**row, "chosen": chosen}, tokenizer) == "special_token_text"
 
 
 # ---------------------------------------------------------------------------------------------------------------
