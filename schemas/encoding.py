@@ -16,6 +16,11 @@ BOS follows the tokenizer and the template, as the SFT model saw it (and as TRL 
 tokens the tokenizer itself puts before a text (none for GPT-2/Pythia style tokenizers), chat-templated text gets
 exactly what the template renders. Caches made before this rule record `add_bos: true` (always prepend BOS) and are
 still encoded that way, so they verify unchanged.
+
+Data text is data, and none of it is dropped: a row holding the text of a special token is refused (it would be read
+as that control token, and an EOS in a completion would end it there), every field of a message and the row's
+`tools` / `chat_template_kwargs` reach the chat template (a field the template does not render is refused), and a
+template that fails on a row makes a bad row. Rows without such text are tokenized exactly as before.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,15 +213,24 @@ def _data_texts(value, where: str):
             yield from _data_texts(v, f"{where}.{k}")
 
 
+_CONTROLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its added tokens' state, texts)
+
+
 def control_tokens(tokenizer) -> list[str]:
-    """The texts the tokenizer reads as control tokens, with their ids: its named special tokens (bos, eos, pad, ...
-    and the additional ones) and every added token flagged special. Added tokens that are not special are ordinary
+    """The texts the tokenizer reads as control tokens: its named special tokens (bos, eos, pad, ... and the
+    additional ones) and every added token flagged special. Added tokens that are not special are ordinary
     vocabulary (the tokenizer reads them in any text, as it did when the model was trained) and are not listed."""
+    state = (len(tokenizer), tuple(str(getattr(tokenizer, f"{k}_token", None)) for k in ("bos", "eos", "pad", "unk")))
+    cached = _CONTROLS.get(tokenizer)
+    if cached is not None and cached[0] == state:  # listing them costs about 1 ms for a tokenizer with 250 of them
+        return cached[1]
     texts = dict.fromkeys(str(t) for t in tokenizer.all_special_tokens)
     for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
         if token.special:
             texts[token.content] = None
-    return [t for t in texts if t]
+    texts = [t for t in texts if t]
+    _CONTROLS[tokenizer] = (state, texts)
+    return texts
 
 
 def refuse_control_text(row: dict, tokenizer) -> None:
@@ -223,7 +238,7 @@ def refuse_control_text(row: dict, tokenizer) -> None:
     completion would end it there). The tokenizer cannot be told which parts of a rendered chat template are the
     template's own tokens and which are message text, so such a row is refused, naming the field and the token."""
     controls = control_tokens(tokenizer)
-    for key in ("prompt", "chosen", "rejected", "tools"):
+    for key in ("prompt", "chosen", "rejected", "tools", "chat_template_kwargs"):
         for where, text in _data_texts(row.get(key), f"'{key}'"):
             found = [(text.find(t), t) for t in controls if t in text]
             if found:
@@ -282,8 +297,9 @@ def parse_row(row: dict):
 # tokenization
 
 
-def _tools(row: dict):
-    """The row's `tools` column (TRL's: a list of tool schemas, or that list as a JSON string) for the template."""
+def _template_inputs(row: dict, tokenizer) -> dict:
+    """What the row gives the chat template besides its messages, as TRL reads it: `tools` (a list of tool schemas,
+    or that list as a JSON string) and `chat_template_kwargs` (a mapping of template variables)."""
     tools = row.get("tools")
     if isinstance(tools, str):
         try:
@@ -293,7 +309,19 @@ def _tools(row: dict):
     if tools is not None and not isinstance(tools, list):
         raise BadRowError("bad_type", f"'tools' is {type(tools).__name__}; expected a list of tool schemas")
     _check_value(tools, "'tools'")
-    return tools or None
+    kwargs = row.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRowError("bad_type", f"'chat_template_kwargs' is {type(kwargs).__name__}; expected a mapping")
+    _check_value(kwargs, "'chat_template_kwargs'")
+    kwargs = {k: v for k, v in (kwargs or {}).items() if v is not None}
+    if kwargs:
+        import inspect
+
+        reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters) & set(kwargs)
+        if reserved:
+            raise BadRowError("bad_type", f"'chat_template_kwargs' sets {sorted(reserved)}, which are arguments of "
+                                          "apply_chat_template, not template variables")
+    return {**({"tools": tools} if tools else {}), **kwargs}
 
 
 def _uses_template(conversational: bool, config: EncodingConfig) -> bool:
@@ -304,14 +332,13 @@ class ChatTemplateError(ValueError):
     """The tokenizer's chat template cannot be used at all (it is not valid Jinja): an error for the whole job."""
 
 
-def _apply_template(tokenizer, messages: list[dict], tools, **kwargs) -> str:
+def _apply_template(tokenizer, messages: list[dict], inputs: dict, **kwargs) -> str:
     """The template's text for `messages`. A template that fails on this row (its own raise_exception, a sandbox
     violation, an error on these values) makes a bad row; one that does not compile fails the job."""
     import jinja2
 
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, **({"tools": tools} if tools else {}),
-                                             **kwargs)
+        return tokenizer.apply_chat_template(messages, tokenize=False, **inputs, **kwargs)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(
             f"the chat template of the tokenizer {getattr(tokenizer, 'name_or_path', '') or '(in memory)'} is not "
@@ -326,33 +353,36 @@ def _empty(value) -> bool:
     return value is None or (isinstance(value, (str, list, dict)) and not value)
 
 
-def _check_rendered(tokenizer, prompt: list[dict], completion: list[dict], tools, full_text: str, field_of) -> None:
+def _check_rendered(tokenizer, prompt: list[dict], completion: list[dict], inputs, full_text: str, field_of) -> None:
     """Every non-empty message field besides role/content, and the row's tools, must change what the template
-    renders: a field the template leaves out would be dropped silently."""
+    renders: a field the template leaves out would be dropped silently. (chat_template_kwargs are settings, which
+    may well equal the template's defaults: they are passed, not checked.)"""
     conversation = prompt + completion
     for i, m in enumerate(conversation):
         for key in m:
             if key in ("role", "content") or _empty(m[key]):
                 continue
             without = [*conversation[:i], {k: v for k, v in m.items() if k != key}, *conversation[i + 1 :]]
-            if _apply_template(tokenizer, without, tools) == full_text:
+            if _apply_template(tokenizer, without, inputs) == full_text:
                 raise BadRowError("field_not_rendered", f"{field_of(i)}.{key} is not rendered by the chat template, "
                                                         "so it would be dropped; remove it or use a template that "
                                                         "renders it")
-    if not _empty(tools) and _apply_template(tokenizer, conversation, None) == full_text:
+    if "tools" in inputs and _apply_template(tokenizer, conversation, {k: v for k, v in inputs.items()
+                                                                      if k != "tools"}) == full_text:
         raise BadRowError("field_not_rendered", "'tools' is not rendered by the chat template, so it would be "
                                                 "dropped; remove it or use a template that renders it")
 
 
-def _render(tokenizer, prompt, completion, conversational: bool, config: EncodingConfig, tools=None,
+def _render(tokenizer, prompt, completion, conversational: bool, config: EncodingConfig, inputs: dict,
             side: str = "chosen", implicit: bool = False) -> tuple[str, str]:
     """Return (prompt_text, completion_text) with the chat template applied where the config says so."""
     use_template = _uses_template(conversational, config)
     if conversational and not use_template:
         raise BadRowError("needs_chat_template", "conversational row but the encoding config has chat_template=off")
     if not use_template:
-        if not _empty(tools):
-            raise BadRowError("field_not_rendered", "'tools' is given but the row is not rendered with a chat "
+        if inputs:
+            what = "'tools'" if "tools" in inputs else "'chat_template_kwargs'"
+            raise BadRowError("field_not_rendered", f"{what} is given but the row is not rendered with a chat "
                                                     "template, so it would be dropped")
         return prompt, completion
     if not getattr(tokenizer, "chat_template", None):
@@ -360,9 +390,9 @@ def _render(tokenizer, prompt, completion, conversational: bool, config: Encodin
     if not conversational:
         prompt = [{"role": "user", "content": prompt}]
         completion = [{"role": "assistant", "content": completion}]
-    prompt_text = _apply_template(tokenizer, prompt, tools, add_generation_prompt=True)
-    full_text = _apply_template(tokenizer, prompt + completion, tools)
-    _check_rendered(tokenizer, prompt, completion, tools, full_text,
+    prompt_text = _apply_template(tokenizer, prompt, inputs, add_generation_prompt=True)
+    full_text = _apply_template(tokenizer, prompt + completion, inputs)
+    _check_rendered(tokenizer, prompt, completion, inputs, full_text,
                     # an implicit prompt is the completions' shared first messages: name them in the completion
                     lambda i: f"'{side}'[{i}]" if implicit else f"'prompt'[{i}]" if i < len(prompt)
                     else f"'{side}'[{i - len(prompt)}]")
@@ -414,10 +444,10 @@ def encode_pair(row: dict, tokenizer, config: EncodingConfig) -> EncodedPair:
     """Encode one preference row. Raises BadRowError with a stable reason for rows that cannot be used."""
     prompt, chosen, rejected, conversational = parse_row(row)
     refuse_control_text(row, tokenizer)
-    tools = _tools(row)
+    inputs = _template_inputs(row, tokenizer)
     implicit = "prompt" not in row
-    p_text, c_text = _render(tokenizer, prompt, chosen, conversational, config, tools, "chosen", implicit)
-    p_text_r, r_text = _render(tokenizer, prompt, rejected, conversational, config, tools, "rejected", implicit)
+    p_text, c_text = _render(tokenizer, prompt, chosen, conversational, config, inputs, "chosen", implicit)
+    p_text_r, r_text = _render(tokenizer, prompt, rejected, conversational, config, inputs, "rejected", implicit)
     if p_text != p_text_r:
         raise BadRowError("template_not_prefix", "the chat template renders the prompt differently before the "
                                                  "chosen and the rejected completion")

@@ -596,3 +596,15 @@ def test_an_invalid_template_fails_the_job_not_a_row(tokenizer):
         encode_pair(conv([USER("why?")], [ASSISTANT("yes")]), tok, CFG)
     # a row that is not rendered with the template does not need it
     assert encode_pair({"prompt": "why?", "chosen": " yes", "rejected": " no"}, tok, CFG).chosen_ids
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    """TRL's chat_template_kwargs column (e.g. enable_thinking) is a template variable, not dropped."""
+    tok = templated(tokenizer, "{% if terse %}<|system|>\nterse</s>\n{% endif %}" + TOOL_TEMPLATE)
+    row = conv([USER("why?")], [ASSISTANT("yes")])
+    terse = encode_pair({**row, "chat_template_kwargs": {"terse": True}}, tok, CFG)
+    assert "terse" in tok.decode(terse.prompt_ids) and "terse" not in tok.decode(encode_pair(row, tok, CFG).prompt_ids)
+    assert bad_row({**row, "chat_template_kwargs": {"tokenize": True}}, tok).reason == "bad_type"
+    assert bad_row({**row, "chat_template_kwargs": {"x": "a</s>"}}, tok).reason == "special_token_text"
+    plain = {"prompt": "why?", "chosen": " yes", "rejected": " no", "chat_template_kwargs": {"terse": True}}
+    assert bad_row(plain, tok).reason == "field_not_rendered"
