@@ -8,16 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from conftest import CHAT_TEMPLATE, DPO_PAIRS, pref_rows
-from faultkit import (
-    TRAIN,
-    assert_one_paragraph,
-    audit,
-    check_of,
-    copy_tree,
-    precompute,
-    train,
-)
+from faultkit import TRAIN, assert_one_paragraph, audit, check_of, copy_tree, precompute, train
 
 CONV = [json.dumps(r) for r in pref_rows(DPO_PAIRS, fmt="conversational")]  # the rows of dpo_cache
 GOOD = [json.dumps(r) for r in pref_rows(4, seed=11)]
