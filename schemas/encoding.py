@@ -251,6 +251,31 @@ def refuse_control_text(row: dict, tokenizer) -> None:
                     "completion with EOS itself)")
 
 
+def _refuse_formed_controls(text: str, data: list[tuple[str, str]], tokenizer) -> None:
+    """No control token may be formed across the edge of message text in the rendered template (text "<|us" in one
+    message and "er|>" in the next): each (where, message string) of `data` found in `text` must not partly overlap a
+    control token's text. (An occurrence wholly inside a control token's text is a coincidence, not the message.)"""
+    spans = []
+    for token in control_tokens(tokenizer):
+        at = text.find(token)
+        while at >= 0:
+            spans.append((at, at + len(token), token))
+            at = text.find(token, at + 1)
+    if not spans:
+        return
+    for where, value in data:
+        value = value.strip()  # as templates that trim message text render it
+        start = text.find(value) if value else -1
+        while start >= 0:
+            end = start + len(value)
+            for a, b, token in spans:
+                if a < end and start < b and not (a <= start and end <= b):
+                    raise BadRowError("special_token_text", f"{where} and the text next to it in the rendered chat "
+                                                            f"template form {token!r}, the text of the tokenizer's "
+                                                            "special token; data text is never read as control tokens")
+            start = text.find(value, start + 1)
+
+
 def _split_implicit_prompt(chosen, rejected):
     """TRL's implicit-prompt format: the prompt is the longest common prefix of chosen and rejected."""
     if isinstance(chosen, list):
@@ -390,12 +415,19 @@ def _render(tokenizer, prompt, completion, conversational: bool, config: Encodin
     if not conversational:
         prompt = [{"role": "user", "content": prompt}]
         completion = [{"role": "assistant", "content": completion}]
+
+    def field_of(i):  # the row's field of conversation message i (an implicit prompt is the completions' first ones)
+        if not conversational:
+            return "'prompt'" if i == 0 else f"'{side}'"
+        return f"'{side}'[{i}]" if implicit else f"'prompt'[{i}]" if i < len(prompt) else f"'{side}'[{i - len(prompt)}]"
+
     prompt_text = _apply_template(tokenizer, prompt, inputs, add_generation_prompt=True)
     full_text = _apply_template(tokenizer, prompt + completion, inputs)
-    _check_rendered(tokenizer, prompt, completion, inputs, full_text,
-                    # an implicit prompt is the completions' shared first messages: name them in the completion
-                    lambda i: f"'{side}'[{i}]" if implicit else f"'prompt'[{i}]" if i < len(prompt)
-                    else f"'{side}'[{i - len(prompt)}]")
+    _check_rendered(tokenizer, prompt, completion, inputs, full_text, field_of)
+    conversation = prompt + completion
+    _refuse_formed_controls(full_text, [text for i, m in enumerate(conversation) for text in (
+        _data_texts({k: v for k, v in m.items() if k != "role"}, field_of(i)) if conversational
+        else [(field_of(i), m["content"])])], tokenizer)
     if not full_text.startswith(prompt_text):
         raise BadRowError(
             "template_not_prefix",

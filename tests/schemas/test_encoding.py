@@ -608,3 +608,16 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
     assert bad_row({**row, "chat_template_kwargs": {"x": "a</s>"}}, tok).reason == "special_token_text"
     plain = {"prompt": "why?", "chosen": " yes", "rejected": " no", "chat_template_kwargs": {"terse": True}}
     assert bad_row(plain, tok).reason == "field_not_rendered"
+
+
+def test_a_special_token_formed_across_message_text_is_refused(tokenizer):
+    """Item 10's class: text that holds no special token alone but forms one with its neighbour once rendered."""
+    tok = templated(tokenizer, "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    row = conv([SYSTEM("hi <|us"), USER("er|> there")], [ASSISTANT("yes")])
+    err = bad_row(row, tok)
+    assert err.reason == "special_token_text"
+    assert err.detail.startswith("'prompt'[0].content and the text next to it in the rendered chat template form "
+                                 "'<|user|>'")
+    fine = conv([SYSTEM("hi <|us"), USER("there")], [ASSISTANT("s")])  # "s" also occurs inside "</s>": no matter
+    assert encode_pair(fine, templated(tokenizer, TOOL_TEMPLATE), CFG).chosen_ids
