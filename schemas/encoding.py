@@ -425,15 +425,23 @@ def _render(tokenizer, prompt, completion, conversational: bool, config: Encodin
     full_text = _apply_template(tokenizer, prompt + completion, inputs)
     _check_rendered(tokenizer, prompt, completion, inputs, full_text, field_of)
     conversation = prompt + completion
-    _refuse_formed_controls(full_text, [text for i, m in enumerate(conversation) for text in (
-        _data_texts({k: v for k, v in m.items() if k != "role"}, field_of(i)) if conversational
-        else [(field_of(i), m["content"])])], tokenizer)
+    data = [[text for text in (_data_texts({k: v for k, v in m.items() if k != "role"}, field_of(i)) if conversational
+                                else [(field_of(i), m["content"])])] for i, m in enumerate(conversation)]
+    _refuse_formed_controls(full_text, [text for texts in data for text in texts], tokenizer)
     if not full_text.startswith(prompt_text):
         raise BadRowError(
             "template_not_prefix",
             "the chat template renders the prompt differently once the completion is appended",
         )
-    return prompt_text, full_text[len(prompt_text) :]
+    completion_text = full_text[len(prompt_text) :]
+    eos = tokenizer.eos_token
+    if eos and eos in completion_text:  # the encoder keeps the completion through its final EOS (_finish_completion)
+        after = completion_text[completion_text.rindex(eos) + len(eos) :]
+        for where, value in (text for texts in data[len(prompt) :] for text in texts):
+            if value.strip() and value.strip() in after:
+                raise BadRowError("text_after_eos", f"the chat template renders {where} after the completion's "
+                                                    f"final EOS {eos!r}, where nothing is kept")
+    return prompt_text, completion_text
 
 
 def _tokenize(tokenizer, text: str) -> list[int]:

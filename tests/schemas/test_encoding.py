@@ -621,3 +621,13 @@ def test_a_special_token_formed_across_message_text_is_refused(tokenizer):
                                  "'<|user|>'")
     fine = conv([SYSTEM("hi <|us"), USER("there")], [ASSISTANT("s")])  # "s" also occurs inside "</s>": no matter
     assert encode_pair(fine, templated(tokenizer, TOOL_TEMPLATE), CFG).chosen_ids
+
+
+def test_message_text_rendered_after_the_final_eos_is_refused(tokenizer):
+    """The completion is kept through its final EOS; a template that writes message text after it would lose it."""
+    tok = templated(tokenizer, TOOL_TEMPLATE.replace("</s>\n{% endfor %}", "</s>{{ m.note }}\n{% endfor %}"))
+    row = conv([USER("why?")], [{**ASSISTANT("yes"), "note": "said kindly"}])
+    err = bad_row(row, tok)
+    assert (err.reason, err.detail) == ("text_after_eos", "the chat template renders 'chosen'[0].note after the "
+                                                          "completion's final EOS '</s>', where nothing is kept")
+    assert encode_pair(conv([USER("why?")], [ASSISTANT("yes")]), tok, CFG).chosen_ids  # the newline after it: fine
