@@ -221,7 +221,10 @@ def control_tokens(tokenizer) -> list[str]:
     additional ones) and every added token flagged special. Added tokens that are not special are ordinary
     vocabulary (the tokenizer reads them in any text, as it did when the model was trained) and are not listed."""
     state = (len(tokenizer), tuple(str(getattr(tokenizer, f"{k}_token", None)) for k in ("bos", "eos", "pad", "unk")))
-    cached = _CONTROLS.get(tokenizer)
+    try:
+        cached = _CONTROLS.get(tokenizer)
+    except TypeError:  # not weakly referable: listed every time
+        cached = None
     if cached is not None and cached[0] == state:  # listing them costs about 1 ms for a tokenizer with 250 of them
         return cached[1]
     texts = dict.fromkeys(str(t) for t in tokenizer.all_special_tokens)
@@ -229,7 +232,10 @@ def control_tokens(tokenizer) -> list[str]:
         if token.special:
             texts[token.content] = None
     texts = [t for t in texts if t]
-    _CONTROLS[tokenizer] = (state, texts)
+    try:
+        _CONTROLS[tokenizer] = (state, texts)
+    except TypeError:
+        pass
     return texts
 
 
@@ -388,7 +394,11 @@ def _check_rendered(tokenizer, prompt: list[dict], completion: list[dict], input
             if key in ("role", "content") or _empty(m[key]):
                 continue
             without = [*conversation[:i], {k: v for k, v in m.items() if k != key}, *conversation[i + 1 :]]
-            if _apply_template(tokenizer, without, inputs) == full_text:
+            try:
+                dropped = _apply_template(tokenizer, without, inputs) == full_text
+            except BadRowError:  # the template needs the field (it fails without it): it is used
+                dropped = False
+            if dropped:
                 raise BadRowError("field_not_rendered", f"{field_of(i)}.{key} is not rendered by the chat template, "
                                                         "so it would be dropped; remove it or use a template that "
                                                         "renders it")
@@ -436,9 +446,11 @@ def _render(tokenizer, prompt, completion, conversational: bool, config: Encodin
     completion_text = full_text[len(prompt_text) :]
     eos = tokenizer.eos_token
     if eos and eos in completion_text:  # the encoder keeps the completion through its final EOS (_finish_completion)
-        after = completion_text[completion_text.rindex(eos) + len(eos) :]
+        last = completion_text.rindex(eos)
+        before, after = completion_text[:last], completion_text[last + len(eos) :]
         for where, value in (text for texts in data[len(prompt) :] for text in texts):
-            if value.strip() and value.strip() in after:
+            value = value.strip()
+            if value and value in after and value not in before:  # (also before it: rendered where it is kept)
                 raise BadRowError("text_after_eos", f"the chat template renders {where} after the completion's "
                                                     f"final EOS {eos!r}, where nothing is kept")
     return prompt_text, completion_text

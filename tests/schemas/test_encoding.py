@@ -631,3 +631,12 @@ def test_message_text_rendered_after_the_final_eos_is_refused(tokenizer):
     assert (err.reason, err.detail) == ("text_after_eos", "the chat template renders 'chosen'[0].note after the "
                                                           "completion's final EOS '</s>', where nothing is kept")
     assert encode_pair(conv([USER("why?")], [ASSISTANT("yes")]), tok, CFG).chosen_ids  # the newline after it: fine
+
+
+def test_a_field_the_template_needs_counts_as_rendered(tokenizer):
+    """A template that fails without a field (as some do for a tool message's tool_call_id) uses it."""
+    tok = templated(tokenizer, "{% for m in messages %}{% if m.role == 'tool' and not m.tool_call_id %}"
+                               "{{ raise_exception('tool messages need an id') }}{% endif %}" + TOOL_TEMPLATE[
+                                   TOOL_TEMPLATE.index("{% for m in messages %}") + len("{% for m in messages %}"):])
+    row = conv([USER("weather?"), {"role": "tool", "content": "sunny", "tool_call_id": "c1"}], [ASSISTANT("sunny")])
+    assert "sunny" in tok.decode(encode_pair(row, tok, CFG).prompt_ids)
