@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import polars as pl
 import pyarrow as pa
 
-from runtime.data import Encoded, encode_rows, load_rows
+from runtime.data import Encoded, load_rows, usable_rows
 from runtime.errors import JobError
 from schemas.encoding import EncodingConfig
 from schemas.format import Cache, CacheError, StampMismatch, open_cache, read_columns
@@ -129,7 +129,7 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
         log(f"note: {cache.root} was made with BOS always prepended (before refcache followed the tokenizer); "
             "training uses the same ids")
     source = load_rows(data, split)
-    encoded = encode_rows(source, tokenizer, encoding, on_bad_row)
+    encoded = usable_rows(source, tokenizer, encoding, on_bad_row, data)
     try:
         cache.check_rows(dict(zip(encoded.ids, (p.mask_checksum for p in encoded.pairs))))
     except CacheError as e:
@@ -154,5 +154,5 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
 def encode_only(*, tokenizer, data, split, encoding: EncodingConfig, on_bad_row="error") -> Verified:
     """Rows for live-reference mode (no cache to verify against)."""
     source = load_rows(data, split)
-    encoded = encode_rows(source, tokenizer, encoding, on_bad_row)
+    encoded = usable_rows(source, tokenizer, encoding, on_bad_row, data)
     return Verified(encoded_table(encoded), source.fingerprint, {"rows": len(encoded.ids), "mode": "live reference"})

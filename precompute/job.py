@@ -23,7 +23,7 @@ import torch
 from runtime.cli import field_help
 from runtime.hub import resolve_model
 from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype, software_versions
-from runtime.data import Encoded, encode_rows, load_rows
+from runtime.data import Encoded, load_rows, usable_rows
 from runtime.distributed import Dist, distributed
 from runtime.errors import JobError
 from runtime.head import verified_head
@@ -168,9 +168,7 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     device = resolve_device(cfg.device)  # a bad --device is refused before any work
     tokenizer = checkpoint.tokenizer
     source = load_rows(cfg.data, cfg.split)
-    encoded = encode_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row)
-    if not encoded.pairs:
-        raise JobError(f"{cfg.data}: no usable rows ({len(encoded.skipped)} skipped: {encoded.skipped_by_reason})")
+    encoded = usable_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row, cfg.data)
     if encoded.skipped:
         log(f"skipped {len(encoded.skipped)} bad rows: {encoded.skipped_by_reason} (listed in {out / fmt.SKIPPED})")
     if encoded.identical:
