@@ -220,7 +220,7 @@ VALUE_WHAT = {
 
 def _describe(rule: str, r: dict) -> str:
     if rule == "list_lengths":
-        n = lambda v: None if v is None else len(v)  # noqa: E731
+        n = lambda v: None if v is None else len(v)
         return (f"chosen {n(r['chosen_input_ids'])} tokens / {n(r['chosen_logps'])} log-probs, rejected "
                 f"{n(r['rejected_input_ids'])} / {n(r['rejected_logps'])}")
     if rule == "sums":

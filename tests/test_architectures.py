@@ -170,7 +170,7 @@ def build(name: str, dtype=torch.float32):
 
 def job_pairs() -> list[EncodedPair]:
     rng = np.random.default_rng(0)
-    ids = lambda n: rng.integers(3, VOCAB, n).tolist()  # noqa: E731
+    ids = lambda n: rng.integers(3, VOCAB, n).tolist()
     return [EncodedPair(ids(p), ids(c), ids(r)) for p, c, r in
             ((2, 3, 1), (5, 7, 4), (9, 1, 12), (40, 6, 9), (75, 12, 5))]  # short and long prompts in one job
 

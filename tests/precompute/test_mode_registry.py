@@ -55,7 +55,7 @@ def toy_class():
 @pytest.fixture(scope="module")
 def model_and_pairs():
     rng = np.random.default_rng(0)
-    ids = lambda n: rng.integers(3, 250, n).tolist()  # noqa: E731
+    ids = lambda n: rng.integers(3, 250, n).tolist()
     pairs = [EncodedPair(ids(p), ids(c), ids(r)) for p, c, r in ((3, 4, 2), (7, 2, 5), (12, 6, 6), (30, 9, 4))]
     return build_llama(260), pairs
 

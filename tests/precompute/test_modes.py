@@ -74,7 +74,7 @@ def test_modes_equal_plain_forward(scored, mode):
 @pytest.mark.parametrize("mode", ["kv_cache", "packed", "varlen", "single"])
 def test_one_token_completions(scored, mode):
     model, pairs, pad = scored
-    one = lambda ids: ids[:1]  # noqa: E731
+    one = lambda ids: ids[:1]
     mixed = [EncodedPair(p.prompt_ids, one(p.chosen_ids), p.rejected_ids) for p in pairs[:6]]
     only = [EncodedPair(p.prompt_ids, one(p.chosen_ids), one(p.rejected_ids)) for p in pairs[6:9]]
     for group in (mixed + only, only):  # one-token completions beside longer ones, and alone in a batch

@@ -112,7 +112,7 @@ def test_share_rank_zero_decides_and_every_rank_refuses(work):
     helper = REPO / "tests" / "helpers" / "share_ranks.py"
     out = work / "share"
     out.mkdir()
-    p = run([*TORCHRUN, str(helper), str(out)], work, env={"PYTHONPATH": str(REPO)})
+    run([*TORCHRUN, str(helper), str(out)], work, env={"PYTHONPATH": str(REPO)})
     ranks = sorted((json.loads(f.read_text()) for f in out.glob("share-rank*.json")), key=lambda r: r["rank"])
     assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
     zero, one = ranks

@@ -24,8 +24,8 @@ from schemas.encoding import (
 # The tests below were written for the BOS rule of caches made before the "tokenizer" rule (always prepend BOS): they
 # keep that encoding, which old caches still verify with, pinned. The "tokenizer" rule: the last section.
 CFG = EncodingConfig(add_bos=True)
-USER = lambda s: {"role": "user", "content": s}  # noqa: E731
-ASSISTANT = lambda s: {"role": "assistant", "content": s}  # noqa: E731
+USER = lambda s: {"role": "user", "content": s}
+ASSISTANT = lambda s: {"role": "assistant", "content": s}
 
 
 @pytest.fixture(scope="session")
