@@ -23,8 +23,6 @@ from .findings import RERUN, CacheError, Finding
 from .stamps import canonical_json, combined_mask_checksum, file_sha256, ids_checksum
 
 SUM_TOLERANCE = 1e-6  # a stored float64 sum vs the float64 sum of the stored float32 values
-FOOTER_KEYS = ("format_version", "model_hash", "tokenizer_hash", "mask_checksum", "ids_checksum", "encoding",
-               "computation")
 
 
 def _short(h) -> str:
