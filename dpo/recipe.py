@@ -120,7 +120,7 @@ class TrainConfig:
     lora: lora.LoraOptions = field(default_factory=lora.LoraOptions, metadata={"cli": False})  # dpo/lora.py options
 
     def loss_config(self) -> LossConfig:
-        return LossConfig(self.beta, self.loss_type, self.label_smoothing, self.rpo_alpha, self.ld_alpha)
+        return LossConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossConfig)})  # same names
 
     def encoding_request(self) -> dict:
         return {"max_length": self.max_length, "truncation_mode": self.truncation_mode,
