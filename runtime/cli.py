@@ -11,7 +11,9 @@ import click
 
 from schemas.encoding import EncodingConfig
 
-EXIT_FAILED, EXIT_REFUSED = 1, 2
+# Every command's exit codes: 0 done (audit-ref: every check passed), 1 failed (a check failed, an unexpected error),
+# 2 refused (bad input, a cache or output folder that does not match, a usage error).
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 
 
 def run_cli(body, debug: bool) -> None:
