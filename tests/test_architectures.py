@@ -190,7 +190,7 @@ def score(model, pairs, mode) -> list[np.ndarray] | None:
 
 
 def worst(got, ref) -> float:
-    if got is None:
+    if got is None or len(got) != len(ref):  # a missing sequence is as wrong as a wrong one
         return float("inf")
     return max(float(np.max(np.abs(g - t), initial=0.0)) if g.shape == t.shape else float("inf")
                for g, t in zip(got, ref))
