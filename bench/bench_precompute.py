@@ -179,7 +179,7 @@ def trl_precompute(model_dir, rows, max_length: int, pairs_per_batch: int, dev, 
 
 def has_trl() -> bool:
     try:
-        import trl  # noqa: F401
+        import trl  # noqa: F401  (availability probe)
         return True
     except ImportError:
         return False

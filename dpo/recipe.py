@@ -21,7 +21,7 @@ from .outdir import prepare_metrics
 from .phases import PhaseTimer
 from .preflight import check_reference_options, check_training_options, has_accelerator
 from .preflight import latest_checkpoint  # noqa: F401  (re-exported)
-from .verify import Verified, declared_reference, encode_only, verify_and_join
+from .verify import EncodedOnly, Verified, declared_reference, encode_only, verify_and_join
 
 
 def _f(default, help, group, **extra):
@@ -120,7 +120,7 @@ class TrainConfig:
     lora: lora.LoraOptions = field(default_factory=lora.LoraOptions, metadata={"cli": False})  # dpo/lora.py options
 
     def loss_config(self) -> LossConfig:
-        return LossConfig(self.beta, self.loss_type, self.label_smoothing, self.rpo_alpha, self.ld_alpha)
+        return LossConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossConfig)})  # same names
 
     def encoding_request(self) -> dict:
         return {"max_length": self.max_length, "truncation_mode": self.truncation_mode,
@@ -160,8 +160,8 @@ class Run:
     policy: Checkpoint  # --model, with --init-adapter merged in on load (LoRA)
     live: Checkpoint | None  # the live --ref-model (the policy's own Checkpoint when it names the same folder)
     reference: str | None  # the model hash the caches carry (hashed once, for train and eval caches alike)
-    train: Verified
-    evaluation: Verified | None
+    train: Verified | EncodedOnly  # EncodedOnly with a live reference: nothing to verify against
+    evaluation: Verified | EncodedOnly | None
     record: dict
     verify_s: float
 

@@ -30,6 +30,15 @@ class Verified:
     report: dict
 
 
+@dataclass
+class EncodedOnly:
+    """Rows for a live reference: encoded, not verified (no cache to verify them against)."""
+
+    table: pa.Table  # id, prompt_ids, chosen_ids, rejected_ids
+    fingerprint: str
+    report: dict  # rows and mode only
+
+
 def reference_hash(model_dir: str, ref_model: str | None, ref_model_hash: str | None) -> str:
     """The model hash the cache must carry: the declared reference, else the policy's starting checkpoint."""
     hashed = model_hash(ref_model) if ref_model else None
@@ -151,8 +160,8 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
     return Verified(table, source.fingerprint, report)
 
 
-def encode_only(*, tokenizer, data, split, encoding: EncodingConfig, on_bad_row="error") -> Verified:
+def encode_only(*, tokenizer, data, split, encoding: EncodingConfig, on_bad_row="error") -> EncodedOnly:
     """Rows for live-reference mode (no cache to verify against)."""
     source = load_rows(data, split)
     encoded = usable_rows(source, tokenizer, encoding, on_bad_row, data)
-    return Verified(encoded_table(encoded), source.fingerprint, {"rows": len(encoded.ids), "mode": "live reference"})
+    return EncodedOnly(encoded_table(encoded), source.fingerprint, {"rows": len(encoded.ids), "mode": "live reference"})

@@ -34,7 +34,7 @@ from schemas.encoding import EncodingConfig
 from schemas.stamps import combined_mask_checksum, ids_checksum, tokenizer_hash, tokenizer_parts
 
 from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score_pairs
-from .resume import Resume, clear_cache_dir, finished_shards  # noqa: F401  (re-exported)
+from .resume import Resume, clear_cache_dir, finished_shards  # re-exported too
 
 
 @dataclass
@@ -232,7 +232,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log):
     encoded, plan = job.encoded, job.plan
     pad = job.checkpoint.pad_id
     first = encoded.pairs[plan[0]["start"] : plan[0]["stop"]]
-    seq = lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))  # noqa: E731
+    seq = lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
     longest_pair = max(encoded.pairs, key=seq)
     longest = seq(longest_pair)
     budget = effective_budget(model, cfg.token_budget, longest)

@@ -11,7 +11,9 @@ import click
 
 from schemas.encoding import EncodingConfig
 
-EXIT_FAILED, EXIT_REFUSED = 1, 2
+# Every command's exit codes: 0 done (audit-ref: every check passed), 1 failed (a check failed, an unexpected error),
+# 2 refused (bad input, a cache or output folder that does not match, a usage error).
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 
 
 def run_cli(body, debug: bool) -> None:
@@ -86,10 +88,9 @@ def encoding_options(f):
     return dataclass_options(EncodingConfig, group="Encoding")(f)
 
 
-def encoding_from(max_length, truncation_mode, chat_template, base: EncodingConfig | None = None) -> EncodingConfig:
-    base = base or EncodingConfig()
+def encoding_from(max_length, truncation_mode, chat_template) -> EncodingConfig:
     given = {"max_length": max_length, "truncation_mode": truncation_mode, "chat_template": chat_template}
-    return EncodingConfig(**{**base.to_dict(), **{k: v for k, v in given.items() if v is not None}})
+    return EncodingConfig(**{k: v for k, v in given.items() if v is not None})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -165,11 +166,10 @@ def _help_text(fld: dataclasses.Field) -> str:
     return text + (f" [default: {default}]" if default is not None and not fld.metadata.get("required") else "")
 
 
-def dataclass_options(cls, *, group: str | None = None, skip=(), names: list | None = None, enforce_required=True):
-    """(enforce_required=False: required fields are checked by the caller, e.g. after merging a config file.)"""
+def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True):
     """A decorator adding one click option per init field of dataclass `cls`, in both spellings (--learning-rate and
     --learning_rate), default None so that only given values are collected (the dataclass keeps its defaults).
-    `names`, when given, receives the field names added, to tell this dataclass's values from others'."""
+    enforce_required=False: required fields are checked by the caller, e.g. after merging a config file."""
     hints = typing.get_type_hints(cls)
 
     def decorate(f):
@@ -196,8 +196,6 @@ def dataclass_options(cls, *, group: str | None = None, skip=(), names: list | N
             else:
                 decls = [kebab] + ([snake] if snake != kebab else [])
                 f = click.option(*decls, fld.name, type=kind, multiple=multiple, **common)(f)
-            if names is not None:
-                names.append(fld.name)
         return f
 
     return decorate

@@ -375,7 +375,7 @@ def _apply_template(tokenizer, messages: list[dict], inputs: dict, **kwargs) -> 
             f"the chat template of the tokenizer {getattr(tokenizer, 'name_or_path', '') or '(in memory)'} is not "
             f"valid Jinja (line {e.lineno}: {e.message}); fix chat_template.jinja / tokenizer_config.json in the "
             "model folder") from None
-    except Exception as e:  # noqa: BLE001  the template is code run on this row's values: any failure is the row's
+    except Exception as e:
         raise BadRowError("template_error", f"the chat template failed on this row ({type(e).__name__}: "
                                             f"{str(e).splitlines()[0][:300] if str(e) else 'no message'})") from None
 

@@ -268,7 +268,7 @@ def audit_ref(cache, *args, json_path=None):
     json_path = Path(json_path or Path(cache).parent / "audit.json")
     json_path.unlink(missing_ok=True)
     result = CliRunner().invoke(main, [str(cache), *map(str, args), "--json", str(json_path)], catch_exceptions=False)
-    strict = lambda c: pytest.fail(f"--json wrote {c}, which is not JSON")  # noqa: E731
+    strict = lambda c: pytest.fail(f"--json wrote {c}, which is not JSON")
     report = json.loads(json_path.read_text(), parse_constant=strict) if json_path.exists() else None
     return result.exit_code, report, result.output
 

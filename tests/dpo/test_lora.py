@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
 from conftest import DATA, assert_close, count_models, make_lora_adapter, records, step_records
@@ -33,7 +33,7 @@ def train(model, data, out, lora: LoraOptions | None = None, **kwargs) -> dict:
     return run_train(cfg, log=lambda m: None)
 
 
-def cli(args) -> "click.testing.Result":  # noqa: F821
+def cli(args) -> Result:
     return CliRunner().invoke(train_main, [str(a) for a in args], catch_exceptions=False)
 
 

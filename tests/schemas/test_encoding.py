@@ -24,8 +24,8 @@ from schemas.encoding import (
 # The tests below were written for the BOS rule of caches made before the "tokenizer" rule (always prepend BOS): they
 # keep that encoding, which old caches still verify with, pinned. The "tokenizer" rule: the last section.
 CFG = EncodingConfig(add_bos=True)
-USER = lambda s: {"role": "user", "content": s}  # noqa: E731
-ASSISTANT = lambda s: {"role": "assistant", "content": s}  # noqa: E731
+USER = lambda s: {"role": "user", "content": s}
+ASSISTANT = lambda s: {"role": "assistant", "content": s}
 
 
 @pytest.fixture(scope="session")
@@ -439,7 +439,7 @@ def test_old_caches_keep_always_bos_and_a_missing_rule_is_refused():
 # issue 22 items 10, 11, 13: data text is data; every message field reaches the template; a failing template is a
 # bad row, an invalid one a job error
 
-SYSTEM = lambda s: {"role": "system", "content": s}  # noqa: E731
+SYSTEM = lambda s: {"role": "system", "content": s}
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 # renders tool calls, a tool message's name and the row's tools (the default test template renders none of them)
 TOOL_TEMPLATE = (

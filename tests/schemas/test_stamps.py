@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, pref_rows
+from schemas.format import STAMPS
 from schemas.encoding import EncodingConfig, encode_pair
 from schemas.stamps import (
     WeightsError,
@@ -32,7 +33,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 BASE_CFG = EncodingConfig(max_length=128)
 # A fixed small dataset: standard rows (no template under chat_template=auto) and conversational rows (templated).
 ROWS = pref_rows(6, seed=3, fmt="standard") + pref_rows(4, seed=4, fmt="conversational")
-STAMPS = ("tokenizer_hash", "model_hash", "mask_checksum")
 
 
 def load_tokenizer(path):
@@ -409,6 +409,14 @@ VARIANTS = {
         lambda ws, tok: {"cfg": dataclasses.replace(BASE_CFG, add_bos=False)},
         {"mask_checksum"},
     ),
+    "add_eos off": (
+        lambda ws, tok: {"cfg": dataclasses.replace(BASE_CFG, add_eos=False)},
+        {"mask_checksum"},
+    ),
+    "chat_template on (the standard rows templated too)": (
+        lambda ws, tok: {"cfg": dataclasses.replace(BASE_CFG, chat_template="on")},
+        {"mask_checksum"},
+    ),
     # nothing that matters
     "tokenizer_config model_max_length": (
         lambda ws, tok: {"tok": ws.tokenizer(
@@ -440,11 +448,19 @@ def test_each_change_flips_exactly_its_stamps(name, ws, base_tok, llama_dir, bas
     assert changed == expected, f"{name}: changed {sorted(changed)}, expected {sorted(expected)}"
 
 
-def test_sensitivity_table_is_broad():
-    # The acceptance bar: at least ten distinct changes that flip one stamp and only it.
+def test_sensitivity_table_is_broad(ws, base_tok, base):
+    # The acceptance bar: at least ten distinct changes that flip one stamp and only it, for every stamp a cache
+    # carries (schemas.format.STAMPS), and a change of every field of the encoding config a cache records.
+    assert set(base) == set(STAMPS)  # all_stamps computes each stamp of the product's list, no more
     single = [n for n, (_, e) in VARIANTS.items() if len(e) == 1]
     assert len(single) >= 10
     assert {next(iter(VARIANTS[n][1])) for n in single} == set(STAMPS)
+    varied = set()
+    for make, _ in VARIANTS.values():
+        v = {"cfg": BASE_CFG, "base_cfg": BASE_CFG, **make(ws, base_tok)}
+        varied |= {f.name for f in dataclasses.fields(EncodingConfig)
+                   if getattr(v["cfg"], f.name) != getattr(v["base_cfg"], f.name)}
+    assert varied == {f.name for f in dataclasses.fields(EncodingConfig)}
 
 
 def test_per_row_checksums_show_what_changed(base_tok):
