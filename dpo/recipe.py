@@ -10,6 +10,7 @@ from pathlib import Path
 
 from runtime.checkpoint import Checkpoint
 from runtime.cli import field_help
+from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.hub import resolve_model
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig
@@ -118,6 +119,8 @@ class TrainConfig:
     # every other transformers.TrainingArguments option given (generated options; see dpo/cli.py)
     training_args: dict = field(default_factory=dict, metadata={"cli": False})
     lora: lora.LoraOptions = field(default_factory=lora.LoraOptions, metadata={"cli": False})  # dpo/lora.py options
+    # set once the run starts writing --output-dir (dpo/resume.start_run): in its checkpoints and run manifest
+    run_id: str | None = field(default=None, init=False, metadata={"cli": False})
 
     def loss_config(self) -> LossConfig:
         return LossConfig(self.beta, self.loss_type, self.label_smoothing, self.rpo_alpha, self.ld_alpha)
@@ -274,6 +277,7 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
 
     from .layout import PrefixSharedCollator
     from .provenance import record_in
+    from .resume import start_run
     from .trainer import DPOTrainer, MetricsFile, PairCollator
 
     pad = run.policy.pad_id
@@ -281,7 +285,10 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
     timer.mark("layout")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if Dist.joined().rank == 0:
+        cfg.run_id = start_run(cfg, log)
     seen = prepare_metrics(out / "metrics.jsonl", cfg.resume_from_checkpoint) if Dist.joined().rank == 0 else set()
+    record = run.record | {"run_id": cfg.run_id}  # what each checkpoint says it was trained on, and by which run
     trainer = DPOTrainer(
         model=policy,
         args=args,
@@ -292,7 +299,7 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
         callbacks=[MetricsFile(out / "metrics.jsonl", seen)],
         loss_config=cfg.loss_config(),
         ref_model=ref_model,
-        save_with=lambda folder: record_in(folder, run.record),
+        save_with=lambda folder: record_in(folder, record),
     )
     return trainer, layout
 
@@ -318,7 +325,8 @@ def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) 
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": run.verify_s, "eval": final_eval,
                "phases": timer.phases}
     if trainer.is_world_process_zero():
-        _finish(cfg, out, run, summary, timer)
+        with writing(out, "the run's last files (metrics.png, run-manifest.json) are incomplete"):
+            _finish(cfg, out, run, summary, timer)
     return summary
 
 
@@ -351,6 +359,7 @@ def _finish(cfg, out: Path, run: Run, summary: dict, timer: PhaseTimer) -> None:
     else:
         sections = {"final_model_hash": model_hash(out)}
     timer.mark("final_hash")
-    manifest = write_run_manifest(cfg, out, run.record, run.train, run.policy.base_hash, summary, **sections)
+    manifest = write_run_manifest(cfg, out, run.record, run.train, run.policy.base_hash, summary, run_id=cfg.run_id,
+                                  **sections)
     summary["final_model_hash"] = manifest["final_model_hash"]
     timer.mark("manifest")  # in the summary only: the manifest is written by then
