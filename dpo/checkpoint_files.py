@@ -72,9 +72,9 @@ def _check_torch_state(root: Path, path: Path) -> None:
 def _why(e: Exception) -> str:
     """torch's reason without its advice to load the file with weights_only=False (which would run its code)."""
     text = " ".join(str(e).split())
-    m = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global| Check the documentation|$)", text)
+    m = re.search(r"GLOBAL ([\w.]+)", text)
     if m:
-        return f"it holds pickled objects other than tensors and plain values: {m.group(1).strip().rstrip('.')}"
+        return f"it holds pickled objects other than tensors and plain values: GLOBAL {m.group(1)}"
     if "weights_only" in text:
         return "it holds pickled objects other than tensors and plain values"
     return f"{type(e).__name__}: {text[:160]}; damaged or not completely saved"

@@ -101,8 +101,8 @@ class TrainConfig:
     save_total_limit: int | None = _f(None, "Keep at most N checkpoints.", "Training")
     report_to: str = _f("none", "Comma-separated trackers (tensorboard, wandb, ...) or none; checked before any "
                                 "work. Name the run with --run-name.", "Training")
-    resume_from_checkpoint: str | None = _f(None, "A checkpoint-N folder, or true for the latest in --output-dir.",
-                                            "Training")
+    resume_from_checkpoint: str | None = _f(None, "A checkpoint-N folder of this --output-dir's run, or true for the "
+                                                  "latest there.", "Training")
     dataloader_num_workers: int = _f(0, "Data loader worker processes.", "Training")
     use_cpu: bool = _f(False, "Train on CPU even if a GPU is present (needed for --bf16 on CPU).", "Training")
     fsdp: str = _f("", "FSDP mode, e.g. 'full_shard auto_wrap' (under torchrun).", "Training")
@@ -111,8 +111,9 @@ class TrainConfig:
     # ours
     trust_remote_code: bool = _f(False, "Allow custom model code from checkpoint folders.", "Model")
     plot: bool = _f(True, "Write metrics.png at the end.", "Output")
-    overwrite_output_dir: bool = _f(False, "Train into an --output-dir that already holds a run's files (they are "
-                                           "overwritten as the Trainer saves).", "Output")
+    overwrite_output_dir: bool = _f(False, "Start a new run in an --output-dir that holds an earlier run's files "
+                                           "(its checkpoints, record, manifest and metrics are deleted; nothing else "
+                                           "is).", "Output")
     batch_layout: str = _f("auto", "padded, prefix_shared (each prompt once per pair, pairs packed with a tree mask) "
                                    "or auto (prefix_shared when it is less work and matches the plain forward on a "
                                    "probe; dpo/layout.py).", "Training", choices=("auto", "padded", "prefix_shared"))

@@ -115,8 +115,10 @@ def _ours(path: Path) -> bool:
     name = path.name
     try:
         if CHECKPOINT.fullmatch(name):
-            _record_run_id(path) if path.is_dir() else None
-            return path.is_dir() and (path / rm.CHECKPOINT_RECORD).is_file()
+            if not path.is_dir():
+                return False
+            _record_run_id(path)  # raises unless it holds our record (a real file)
+            return True
         if not path.is_file():
             return False
         if name == rm.RUN_RECORD:

@@ -76,3 +76,21 @@ def test_run_cache_role_or_what_differs(tmp_path):
     live = {"reference": record(None, live="org/ref")}
     assert run_cache_findings(live, train, STAMPS)[1][0].message == (
         "the run was trained against a live reference, not a cache")
+
+
+def test_run_record_is_read_back_and_a_forged_or_linked_one_refused(tmp_path):
+    """Issue 22 item 6: the output dir's run record (which run its checkpoints belong to)."""
+    from schemas.run_manifest import RUN_RECORD, read_run_record, run_record, write_json
+
+    write_json(tmp_path / RUN_RECORD, run_record("f" * 32, "2026-01-01T00:00:00+00:00"))
+    assert read_run_record(tmp_path)["run_id"] == "f" * 32
+    (tmp_path / "other").mkdir()
+    write_json(tmp_path / "other" / RUN_RECORD, {"kind": "something-else", "run_id": "f" * 32})
+    with pytest.raises(RunManifestError, match="is not a train-dpo run record"):
+        read_run_record(tmp_path / "other")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / RUN_RECORD).symlink_to(tmp_path / RUN_RECORD)
+    with pytest.raises(RunManifestError, match="a symbolic link"):
+        read_run_record(tmp_path / "linked")
+    with pytest.raises(RunManifestError, match="is missing"):
+        read_run_record(tmp_path / "nowhere")
