@@ -128,8 +128,10 @@ def _ours(path: Path) -> bool:
             rm.read_run_manifest(path.parent)
             return True
         if name == "metrics.jsonl":
-            return all(isinstance(json.loads(line).get("step"), int)
-                       for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+            # step records; the last one may be cut off (a crash or a full disk); empty: nothing to lose
+            *lines, tail = path.read_text(encoding="utf-8").split("\n")
+            return (tail == "" or tail.startswith('{"step": ')) and all(
+                isinstance(json.loads(line).get("step"), int) for line in lines if line.strip())
         if name == "metrics.png":
             return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     except (rm.RunManifestError, OSError, ValueError, AttributeError):

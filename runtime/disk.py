@@ -17,7 +17,7 @@ NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # Libraries that do not raise OSError say it in their message; torch's zip writer gives no errno at all (its failed
 # fwrite on a full disk is the one message below).
 NO_SPACE_TEXT = re.compile(r"no space left on device|disk quota exceeded|os error (?:28|122)\b|StorageFull|"
-                           r"QuotaExceeded|PytorchStreamWriter failed writing file|enforce fail at inline_container",
+                           r"QuotaExceeded|PytorchStreamWriter failed writing file",
                            re.IGNORECASE)
 
 

@@ -115,7 +115,7 @@ def test_a_checkpoint_of_another_run_id_or_an_output_dir_without_a_run_record_is
 
     out = fake_run(tmp_path / "run")
     (out / "checkpoint-2" / "refcache-reference.json").write_text(json.dumps({"cache": None, "run_id": "c" * 32}))
-    with pytest.raises(JobError, match=r"belongs to another run \(run id c+\).*--resume-from-checkpoint .*checkpoint-1"):
+    with pytest.raises(JobError, match=r"belongs to another run \(run id c+\).*--resume-from-checkpoint .*-1\)"):
         check_resume(str(out / "checkpoint-2"), out)
     assert resumable(out) == [out / "checkpoint-1"]
     (out / "refcache-run.json").unlink()
@@ -190,3 +190,15 @@ def test_overwrite_refuses_what_is_in_the_way_and_not_provably_ours(tmp_path, pl
     with pytest.raises(JobError, match=rf"--overwrite-output-dir .*: {name}.* not an earlier train-dpo run's own"):
         overwrite_plan(out)
     assert sorted(p.name for p in out.iterdir()) == before and (precious / "file").read_text() == "keep"
+
+
+def test_a_metrics_record_cut_off_by_a_full_disk_neither_blocks_a_resume_nor_an_overwrite(tmp_path):
+    """Neighbour of item 15: the append of metrics.jsonl hit a full disk half way through a record."""
+    from dpo.resume import overwrite_plan
+
+    out = fake_run(tmp_path / "run")
+    metrics = out / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 0.7}\n{"step": 2, "loss": 0.6}\n{"step": 3, "lo')
+    assert prepare_metrics(metrics, str(out / "checkpoint-2")) == {(1, "train"), (2, "train")}
+    metrics.write_text('{"step": 1, "loss": 0.7}\n{"step": 3, "lo')
+    assert metrics in overwrite_plan(out)[0]

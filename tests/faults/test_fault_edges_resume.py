@@ -66,7 +66,8 @@ def test_4_resume_from_another_runs_checkpoint_leaves_the_folder_untouched(train
     (folder / "notes.txt").write_text("mine")
     (folder / "metrics.jsonl").write_text("my own log\n")
     before = file_hashes(folder)
-    result = train(*trained["args"], "--output-dir", folder, "--resume-from-checkpoint", trained["run"] / "checkpoint-1")
+    result = train(*trained["args"], "--output-dir", folder, "--resume-from-checkpoint",
+                   trained["run"] / "checkpoint-1")
     refused(result, f"error: --resume-from-checkpoint {trained['run'] / 'checkpoint-1'}: not a checkpoint of "
                     f"--output-dir {folder}", f"--output-dir {trained['run']}", "copy that whole output dir")
     assert file_hashes(folder) == before and sorted(p.name for p in folder.iterdir()) == ["metrics.jsonl", "notes.txt"]
@@ -252,7 +253,7 @@ def test_15_disk_full_in_a_checkpoint_save_names_the_file_and_is_never_resumed(t
         half = out / "checkpoint-2" / "trainer_state.json"
     failed = train(*trained["args"], "--output-dir", out)
     monkeypatch.undo()
-    output = refused(failed, f"error: no space left on device ", f"while writing {half}",
+    output = refused(failed, "error: no space left on device ", f"while writing {half}",
                      "checkpoint-2 is incomplete", "will not be resumed", "mounted at", "then: checkpoint-1 is the "
                      "latest complete checkpoint")
     assert "enforce fail" not in output.splitlines()[0] and "unexpected" not in output
@@ -276,7 +277,7 @@ def test_15_disk_full_anywhere_else_is_the_same_refusal(tmp_path):
     for error in (OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.parquet")),
                   OSError(errno.EDQUOT, "Disk quota exceeded"), RuntimeError(ENFORCE_FAIL)):
         @click.command()
-        def cmd():
+        def cmd(error=error):
             def body():
                 raise error
 
