@@ -54,8 +54,10 @@ def check_resume(checkpoint: str | None, out: Path, latest: bool = False) -> Non
         raise JobError(f"--resume-from-checkpoint {ckpt}: no such directory; resume from a complete checkpoint-N "
                        "folder")
     if not is_complete(ckpt):
-        raise JobError(f"{given}: no trainer_state.json in it (not a Trainer checkpoint, or one interrupted while "
-                       f"being saved) or not a whole one; resume from a complete checkpoint-N folder{other}")
+        what = "its trainer_state.json is not whole" if (ckpt / TRAINER_STATE).exists() else \
+            "no trainer_state.json in it"
+        raise JobError(f"{given}: {what} (not a Trainer checkpoint, or one interrupted while being saved); resume "
+                       f"from a complete checkpoint-N folder{other}")
     if ckpt.is_symlink() or not CHECKPOINT.fullmatch(ckpt.name) or ckpt.resolve().parent != out.resolve():
         raise JobError(
             f"{given}: not a checkpoint of --output-dir {out} (a resume continues the run in its own output dir: it "

@@ -105,7 +105,7 @@ def test_a_resume_names_a_complete_checkpoint_of_this_output_dir_and_run(tmp_pat
     with pytest.raises(JobError, match="not a symlink"):
         check_resume(str(out / "checkpoint-7"), out, latest=True)
     (out / "checkpoint-2" / "trainer_state.json").write_text('{"global_st')  # half written (disk full)
-    with pytest.raises(JobError, match=r"no trainer_state.json in it .* or not a whole one.*latest of this run's: "
+    with pytest.raises(JobError, match=r"its trainer_state.json is not whole .*latest of this run's: "
                                        r"--resume-from-checkpoint .*checkpoint-1\)"):
         check_resume(str(out / "checkpoint-2"), out)
 
