@@ -145,7 +145,8 @@ def main(config_file, debug, **given):
         resolved.append(resolve_config(config_file, given))
         click.echo(summary_text(run_train(resolved[0], log=lambda m: click.echo(m, err=True))))
 
-    run_cli(body, debug, next_step=lambda: next_step(resolved[0] if resolved else None, config_file, given))
+    run_cli(body, debug, next_step=lambda: next_step(resolved[0] if resolved else None, config_file, given),
+            writes_to=lambda: resolved[0].output_dir if resolved else None)
 
 
 def command_line(config_file, given: dict, **changes) -> str:

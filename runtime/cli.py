@@ -14,10 +14,10 @@ from schemas.encoding import EncodingConfig
 EXIT_FAILED, EXIT_REFUSED = 1, 2
 
 
-def run_cli(body, debug: bool, next_step=None) -> None:
+def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
     """Run a command body, turning the errors users can act on into one paragraph and exit code 2. `next_step`: the
     command's own advice after an interruption or a full disk, `() -> str` (default: precompute-ref's, where the same
-    command resumes)."""
+    command resumes); `writes_to`: `() -> folder or None`, where the command writes (named when the disk is full)."""
     from schemas.format import CacheError
     from schemas.stamps import WeightsError
 
@@ -41,7 +41,8 @@ def run_cli(body, debug: bool, next_step=None) -> None:
         except Exception as e:
             if not is_no_space(e):
                 raise
-            raise no_space_error(e) from e  # a save no one wrapped in runtime.disk.writing
+            folder = writes_to() if writes_to else None
+            raise no_space_error(e, folder) from e  # a save no one wrapped in runtime.disk.writing
     except (DataError, JobError, CacheError, WeightsError, click.UsageError) as e:
         if debug:
             traceback.print_exc()

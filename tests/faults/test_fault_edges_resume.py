@@ -349,3 +349,25 @@ def test_16_precompute_keeps_its_advice(llama_dir, dpo_data, tmp_path, monkeypat
     result = precompute("--model", llama_dir, "--data", dpo_data, "--out", tmp_path / "cache")
     assert result.exit_code == 130, result.output
     assert "interrupted; re-run the same command to resume" in result.output
+
+
+def test_15_precompute_disk_full_names_its_cache_folder(llama_dir, dpo_data, tmp_path, monkeypatch):
+    """Neighbour: the other command: a shard write that finds the disk full (pyarrow's OSError text, no file name) is
+    told as the same refusal, naming the file under --out being written; the same command then resumes."""
+    import pyarrow.parquet as pq
+
+    real = pq.write_table
+
+    def full(table, where, *a, **k):
+        where.write(b"PAR1 half")
+        raise OSError("[Errno 28] Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", full)
+    out = tmp_path / "cache"
+    failed = precompute("--model", llama_dir, "--data", dpo_data, "--out", out)
+    monkeypatch.setattr(pq, "write_table", real)
+    output = refused(failed, "error: no space left on device ", f"while writing {out}",
+                     "then: re-run the same command to resume")
+    assert "unexpected" not in output
+    again = precompute("--model", llama_dir, "--data", dpo_data, "--out", out)
+    assert again.exit_code == 0, again.output
