@@ -371,3 +371,30 @@ def test_15_precompute_disk_full_names_its_cache_folder(llama_dir, dpo_data, tmp
     assert "unexpected" not in output
     again = precompute("--model", llama_dir, "--data", dpo_data, "--out", out)
     assert again.exit_code == 0, again.output
+
+
+def test_16_the_printed_command_overrides_what_a_config_file_says(tmp_path):
+    """Neighbour (another option): --overwrite-output-dir and --resume-from-checkpoint set in a --config file are
+    overridden on the printed command line, so that it does what it says."""
+    from dpo.cli import next_step, resolve_config
+
+    out = tmp_path / "run"
+    ckpt = out / "checkpoint-3"
+    ckpt.mkdir(parents=True)
+    rm.write_json(out / rm.RUN_RECORD, rm.run_record("d" * 32, "2026-01-01T00:00:00+00:00"))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: m\ndata: d.jsonl\noutput_dir: {out}\noverwrite_output_dir: true\n")
+    given = {"learning_rate": 0.5, "report_to": None}
+    cfg = resolve_config(str(config), given)
+    assert next_step(cfg, str(config), given) == "nothing was saved to --output-dir yet; re-run the same command"
+    cfg.run_id = "d" * 32
+    text = next_step(cfg, str(config), given)
+    assert "nothing to resume" in text
+    assert shlex.split(text.splitlines()[-1]) == ["train-dpo", "--config", str(config), "--learning-rate", "0.5",
+                                                  "--overwrite-output-dir"]
+    (ckpt / "trainer_state.json").write_text('{"global_step": 3}')
+    (ckpt / rm.CHECKPOINT_RECORD).write_text(json.dumps({"run_id": "d" * 32}))
+    text = next_step(cfg, str(config), given)
+    assert text.startswith("checkpoint-3 is the latest complete checkpoint")
+    assert shlex.split(text.splitlines()[-1])[3:] == ["--learning-rate", "0.5", "--resume-from-checkpoint", str(ckpt),
+                                                      "--no-overwrite-output-dir"]
