@@ -48,7 +48,9 @@ def prepare_metrics(path: Path, checkpoint: str | None) -> set:
         path.unlink(missing_ok=True)
         return set()
     step = resumed_step(checkpoint)
-    kept = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("step", 0) <= step]
+    # a last line without its newline was cut off while being written: after the checkpoint, it is dropped anyway
+    lines = path.read_text().split("\n")[:-1]
+    kept = [r for r in map(json.loads, filter(str.strip, lines)) if r.get("step", 0) <= step]
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     tmp.replace(path)

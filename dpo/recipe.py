@@ -10,6 +10,7 @@ from pathlib import Path
 
 from runtime.checkpoint import Checkpoint
 from runtime.cli import field_help
+from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.hub import resolve_model
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig
@@ -100,8 +101,8 @@ class TrainConfig:
     save_total_limit: int | None = _f(None, "Keep at most N checkpoints.", "Training")
     report_to: str = _f("none", "Comma-separated trackers (tensorboard, wandb, ...) or none; checked before any "
                                 "work. Name the run with --run-name.", "Training")
-    resume_from_checkpoint: str | None = _f(None, "A checkpoint-N folder, or true for the latest in --output-dir.",
-                                            "Training")
+    resume_from_checkpoint: str | None = _f(None, "A checkpoint-N folder of this --output-dir's run, or true for the "
+                                                  "latest there.", "Training")
     dataloader_num_workers: int = _f(0, "Data loader worker processes.", "Training")
     use_cpu: bool = _f(False, "Train on CPU even if a GPU is present (needed for --bf16 on CPU).", "Training")
     fsdp: str = _f("", "FSDP mode, e.g. 'full_shard auto_wrap' (under torchrun).", "Training")
@@ -110,14 +111,17 @@ class TrainConfig:
     # ours
     trust_remote_code: bool = _f(False, "Allow custom model code from checkpoint folders.", "Model")
     plot: bool = _f(True, "Write metrics.png at the end.", "Output")
-    overwrite_output_dir: bool = _f(False, "Train into an --output-dir that already holds a run's files (they are "
-                                           "overwritten as the Trainer saves).", "Output")
+    overwrite_output_dir: bool = _f(False, "Start a new run in an --output-dir that holds an earlier run's files "
+                                           "(its checkpoints, record, manifest and metrics are deleted; nothing else "
+                                           "is).", "Output")
     batch_layout: str = _f("auto", "padded, prefix_shared (each prompt once per pair, pairs packed with a tree mask) "
                                    "or auto (prefix_shared when it is less work and matches the plain forward on a "
                                    "probe; dpo/layout.py).", "Training", choices=("auto", "padded", "prefix_shared"))
     # every other transformers.TrainingArguments option given (generated options; see dpo/cli.py)
     training_args: dict = field(default_factory=dict, metadata={"cli": False})
     lora: lora.LoraOptions = field(default_factory=lora.LoraOptions, metadata={"cli": False})  # dpo/lora.py options
+    # set once the run starts writing --output-dir (dpo/resume.start_run): in its checkpoints and run manifest
+    run_id: str | None = field(default=None, init=False, metadata={"cli": False})
 
     def loss_config(self) -> LossConfig:
         return LossConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossConfig)})  # same names
@@ -282,6 +286,7 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
 
     from .layout import PrefixSharedCollator
     from .provenance import record_in
+    from .resume import start_run
     from .trainer import DPOTrainer, MetricsFile, PairCollator
 
     pad = run.policy.pad_id
@@ -289,7 +294,10 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
     timer.mark("layout")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if Dist.joined().rank == 0:
+        cfg.run_id = start_run(cfg, log)
     seen = prepare_metrics(out / "metrics.jsonl", cfg.resume_from_checkpoint) if Dist.joined().rank == 0 else set()
+    record = run.record | {"run_id": cfg.run_id}  # what each checkpoint says it was trained on, and by which run
     trainer = DPOTrainer(
         model=policy,
         args=args,
@@ -300,7 +308,7 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
         callbacks=[MetricsFile(out / "metrics.jsonl", seen)],
         loss_config=cfg.loss_config(),
         ref_model=ref_model,
-        save_with=lambda folder: record_in(folder, run.record),
+        save_with=lambda folder: record_in(folder, record),
     )
     return trainer, layout
 
@@ -326,7 +334,8 @@ def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) 
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": run.verify_s, "eval": final_eval,
                "phases": timer.phases}
     if trainer.is_world_process_zero():
-        _finish(cfg, out, run, summary, timer)
+        with writing(out, "the run's last files (metrics.png, run-manifest.json) are incomplete"):
+            _finish(cfg, out, run, summary, timer)
     return summary
 
 
@@ -359,6 +368,7 @@ def _finish(cfg, out: Path, run: Run, summary: dict, timer: PhaseTimer) -> None:
     else:
         sections = {"final_model_hash": model_hash(out)}
     timer.mark("final_hash")
-    manifest = write_run_manifest(cfg, out, run.record, run.train, run.policy.base_hash, summary, **sections)
+    manifest = write_run_manifest(cfg, out, run.record, run.train, run.policy.base_hash, summary, run_id=cfg.run_id,
+                                  **sections)
     summary["final_model_hash"] = manifest["final_model_hash"]
     timer.mark("manifest")  # in the summary only: the manifest is written by then

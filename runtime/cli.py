@@ -16,25 +16,44 @@ from schemas.encoding import EncodingConfig
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 
 
-def run_cli(body, debug: bool) -> None:
-    """Run a command body, turning the errors users can act on into one paragraph and exit code 2."""
+def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
+    """Run a command body, turning the errors users can act on into one paragraph and exit code 2. `next_step`: the
+    command's own advice after an interruption or a full disk, `() -> str` (default: precompute-ref's, where the same
+    command resumes); `writes_to`: `() -> folder or None`, where the command writes (named when the disk is full)."""
     from schemas.format import CacheError
     from schemas.stamps import WeightsError
 
     from .data import DataError
+    from .disk import NoSpaceError, is_no_space, no_space_error
     from .errors import JobError
 
+    def carry_on() -> str:
+        if next_step is None:
+            return "re-run the same command to resume"
+        try:
+            return next_step()
+        except Exception as e:  # the advice must not hide what happened
+            return f"(no advice: {type(e).__name__}: {e})"
+
     try:
-        body()
+        try:
+            body()
+        except (DataError, JobError, CacheError, WeightsError, click.UsageError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            if not is_no_space(e):
+                raise
+            folder = writes_to() if writes_to else None
+            raise no_space_error(e, folder) from e  # a save no one wrapped in runtime.disk.writing
     except (DataError, JobError, CacheError, WeightsError, click.UsageError) as e:
         if debug:
             traceback.print_exc()
         if isinstance(e, click.UsageError):
             raise
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {e}" + (f"\n  then: {carry_on()}" if isinstance(e, NoSpaceError) else ""), err=True)
         sys.exit(EXIT_REFUSED)
     except KeyboardInterrupt:
-        click.echo("interrupted; re-run the same command to resume", err=True)
+        click.echo(f"interrupted; {carry_on()}", err=True)
         sys.exit(130)
     except Exception as e:
         if debug:

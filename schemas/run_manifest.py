@@ -14,6 +14,8 @@ from .stamps import canonical_json, file_sha256
 RUN_MANIFEST = "run-manifest.json"
 RUN_KIND = "refcache-train-dpo-run"
 CHECKPOINT_RECORD = "refcache-reference.json"
+RUN_RECORD = "refcache-run.json"  # in --output-dir from a run's start: which run the folder's checkpoints belong to
+RUN_RECORD_KIND = "refcache-train-dpo-run-record"
 CACHE_MANIFEST = "manifest.json"  # the cache's own manifest (format.MANIFEST; not imported, to keep this module light)
 
 
@@ -58,6 +60,26 @@ def build_run_manifest(*, reference: dict, initial_model: dict, data: dict, eval
     return {"kind": RUN_KIND, "reference": reference, "initial_model": initial_model, "data": data,
             "eval_data": eval_data, "config": config, "seed": config.get("seed"), "software": software,
             "result": result, "final_model_hash": final_model_hash, "finished_at": finished_at, **sections}
+
+
+def run_record(run_id: str, started_at: str) -> dict:
+    """The output dir's run record: a new run (fresh or --overwrite-output-dir) gets a new `run_id`, a resume keeps
+    it; every checkpoint's record and the run manifest carry the same `run_id`."""
+    return {"kind": RUN_RECORD_KIND, "run_id": run_id, "started_at": started_at}
+
+
+def read_run_record(run_dir) -> dict:
+    path = Path(run_dir) / RUN_RECORD
+    try:
+        if path.is_symlink():
+            raise OSError("a symbolic link")
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise RunManifestError(f"{path} is missing or not a train-dpo run record ({e})") from None
+    if not isinstance(record, dict) or record.get("kind") != RUN_RECORD_KIND or not isinstance(record.get("run_id"),
+                                                                                              str):
+        raise RunManifestError(f"{path} is not a train-dpo run record (kind {RUN_RECORD_KIND!r} with a run_id)")
+    return record
 
 
 def write_json(path: Path, obj: dict) -> None:

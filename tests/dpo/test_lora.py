@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -257,8 +258,11 @@ def test_resume_a_lora_run_reaches_the_same_adapter(tmp_path, llama_dir, dpo_dat
     full = tmp_path / "full"
     train(llama_dir, dpo_data, full, **common)
     assert (full / "checkpoint-3" / "adapter_model.safetensors").is_file()
-    resumed = tmp_path / "resumed"
-    train(llama_dir, dpo_data, resumed, resume_from_checkpoint=str(full / "checkpoint-3"), **common)
+    resumed = tmp_path / "resumed"  # a copy of the run (record and checkpoint-3): a resume continues in its own dir
+    resumed.mkdir()
+    shutil.copy(full / "refcache-run.json", resumed)
+    shutil.copytree(full / "checkpoint-3", resumed / "checkpoint-3")
+    train(llama_dir, dpo_data, resumed, resume_from_checkpoint=str(resumed / "checkpoint-3"), **common)
     assert sorted(step_records(resumed)) == [4, 5, 6]
     for step in (4, 5, 6):
         for key in ("loss", "rewards/margins", "logps/chosen"):

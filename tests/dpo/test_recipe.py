@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -151,11 +152,14 @@ def test_resume_from_checkpoint_reaches_the_same_final_step(tmp_path, llama_dir,
     assert summary["steps"] == 6
     assert (full / "checkpoint-3").is_dir() and (full / "checkpoint-6").is_dir()
 
-    resumed = tmp_path / "resumed"
+    resumed = tmp_path / "resumed"  # a copy of the run (record and checkpoint-3): a resume continues in its own dir
+    resumed.mkdir()
+    shutil.copy(full / "refcache-run.json", resumed)
+    shutil.copytree(full / "checkpoint-3", resumed / "checkpoint-3")
     result = _cli(["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir", resumed,
                    "--max-steps", 6, "--save-steps", 3, "--use-cpu", "--learning-rate", 1e-3,
                    "--per-device-train-batch-size", 4, "--logging-steps", 1, "--seed", 7, "--no-plot",
-                   "--resume-from-checkpoint", full / "checkpoint-3"])
+                   "--resume-from-checkpoint", resumed / "checkpoint-3"])
     assert result.exit_code == 0, result.output
     assert "trained 6 steps" in result.output
     manifest = json.loads((resumed / "run-manifest.json").read_text())

@@ -251,18 +251,18 @@ def test_7_a_used_output_dir_needs_overwrite_output_dir(trained):
 
 
 def test_8_resume_against_another_cache_is_refused(trained, tmp_path):
-    ckpt = trained["run"] / "checkpoint-1"
+    run = copy_tree(trained["run"], tmp_path / "run")  # a resume continues in the run's own output dir
+    ckpt = run / "checkpoint-1"
     record = json.loads((ckpt / "refcache-reference.json").read_text())
     assert record["cache"]["manifest_sha256"] and record["data_fingerprint"]
     args = list(trained["args"])
     i = args.index("--ref-cache")
     other = [*args[:i + 1], trained["other_cache"], *args[i + 2:]]
-    refused = train(*other, "--output-dir", tmp_path / "resumed", "--resume-from-checkpoint", ckpt)
+    refused = train(*other, "--output-dir", run, "--resume-from-checkpoint", ckpt)
     assert refused.exit_code == 2, refused.output
     assert "trained with another cache" in refused.output
-    no_record = copy_tree(ckpt, tmp_path / "checkpoint-1")
-    (no_record / "refcache-reference.json").unlink()
-    refused = train(*args, "--output-dir", tmp_path / "resumed2", "--resume-from-checkpoint", no_record)
+    (ckpt / "refcache-reference.json").unlink()
+    refused = train(*args, "--output-dir", run, "--resume-from-checkpoint", ckpt)
     assert refused.exit_code == 2 and "does not say which reference" in refused.output, refused.output
 
 

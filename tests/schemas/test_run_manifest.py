@@ -113,3 +113,21 @@ def test_a_record_from_before_cache_id_is_compared_by_manifest_sha256(tmp_path):
         "the checkpoint was trained with another cache"]
     role, found = run_cache_findings({"reference": record(old)}, cache, STAMPS)
     assert role is None and "names a cache manifest with sha256" in found[0].message
+
+
+def test_run_record_is_read_back_and_a_forged_or_linked_one_refused(tmp_path):
+    """Issue 22 item 6: the output dir's run record (which run its checkpoints belong to)."""
+    from schemas.run_manifest import RUN_RECORD, read_run_record, run_record, write_json
+
+    write_json(tmp_path / RUN_RECORD, run_record("f" * 32, "2026-01-01T00:00:00+00:00"))
+    assert read_run_record(tmp_path)["run_id"] == "f" * 32
+    (tmp_path / "other").mkdir()
+    write_json(tmp_path / "other" / RUN_RECORD, {"kind": "something-else", "run_id": "f" * 32})
+    with pytest.raises(RunManifestError, match="is not a train-dpo run record"):
+        read_run_record(tmp_path / "other")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / RUN_RECORD).symlink_to(tmp_path / RUN_RECORD)
+    with pytest.raises(RunManifestError, match="a symbolic link"):
+        read_run_record(tmp_path / "linked")
+    with pytest.raises(RunManifestError, match="is missing"):
+        read_run_record(tmp_path / "nowhere")
