@@ -26,7 +26,7 @@ from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolv
 from runtime.data import Encoded, encode_rows, load_rows
 from runtime.distributed import Dist, distributed
 from runtime.errors import JobError
-from runtime.head import verified_head
+from runtime.logprobs import verified_head
 from runtime.paths import check_apart
 from schemas import format as fmt
 from schemas import rules

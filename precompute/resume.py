@@ -36,12 +36,10 @@ def _previous_manifest(out: Path, stamps: dict, encoding: EncodingConfig) -> dic
         manifest = fmt.read_manifest(out)
     except fmt.CacheError as e:
         raise JobError(f"{out} holds an unreadable cache ({e.message}); {OVERWRITE}") from None
-    refuse = f"{out} already holds a different cache; {OVERWRITE}"
-    for key in fmt.STAMPS:
-        if manifest["stamps"][key] != stamps[key]:
-            raise JobError(f"{refuse}\n  {key}: existing {manifest['stamps'][key]}, this job {stamps[key]}")
-    if manifest["encoding"] != encoding.to_dict():
-        raise JobError(f"{refuse}\n  encoding: existing {manifest['encoding']}, this job {encoding.to_dict()}")
+    recorded = {**manifest["stamps"], "encoding": manifest["encoding"]}
+    for f in rules.stamp_findings(recorded, {**{k: stamps[k] for k in fmt.STAMPS}, "encoding": encoding.to_dict()}):
+        raise JobError(f"{out} already holds a different cache; {OVERWRITE}\n  {f.kind}: existing {f.found}, "
+                       f"this job {f.expected}")
     return manifest
 
 

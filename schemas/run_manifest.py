@@ -100,14 +100,16 @@ def run_cache_findings(run: dict, cache_root, stamps: dict) -> tuple[str | None,
     if not roles:
         return None, [Finding("run_cache", "run", "the run was trained against a live reference, not a cache")]
     sha = file_sha256(Path(cache_root) / CACHE_MANIFEST)
+    from .rules import stamp_findings  # (polars and pyarrow: only where a run is compared with a cache)
+
+    differ = {role: [f.kind for f in stamp_findings(record.get("stamps"), stamps)] for role, record in roles.items()}
     for role, record in roles.items():
-        if record.get("manifest_sha256") == sha and record.get("stamps") == stamps:
+        if record.get("manifest_sha256") == sha and not differ[role]:
             return role, []
-    record = next(iter(roles.values()))
+    role, record = next(iter(roles.items()))
     problems = []
     if record.get("manifest_sha256") != sha:
         problems.append(f"it names a cache manifest with sha256 {record.get('manifest_sha256')}, this cache's is {sha}")
-    if record.get("stamps") != stamps:
-        wrong = [k for k in stamps if (record.get("stamps") or {}).get(k) != stamps[k]]
-        problems.append(f"its stamps {', '.join(wrong) or '(all)'} differ from this cache's")
+    if differ[role]:
+        problems.append(f"its stamps {', '.join(differ[role])} differ from this cache's")
     return None, [Finding("run_cache", "run", "; ".join(problems))]

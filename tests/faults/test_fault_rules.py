@@ -19,6 +19,7 @@ from conftest import pref_rows, write_jsonl
 from faultkit import (TRAIN, audit, copy_tree, edit_manifest, failed_checks, file_hashes, manifest_of, precompute,
                       restamp, rewrite_rows, set_metadata, train)
 from schemas import format as fmt
+from schemas.cache import open_cache
 from schemas.stamps import model_hash, weight_files
 
 ROWS, PER_SHARD = 12, 4
@@ -50,7 +51,7 @@ def same_as_clean(out: Path, clean: Path):
         m["source"].pop("data")
         m["model"].pop("path")
     assert ours == theirs
-    fmt.open_cache(out)
+    open_cache(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def test_2_rerun_with_another_dtype_is_refused_or_starts_over_with_overwrite(wor
     assert again.exit_code == 0, again.output
     assert scored_now(again.output) == ROWS
     assert manifest_of(out)["computation"]["dtype"] == "bfloat16"
-    fmt.open_cache(out)
+    open_cache(out)
 
 
 @pytest.mark.parametrize("option", [["--attn-implementation", "eager"], ["--batching", "full_forward"],
@@ -327,7 +328,7 @@ def test_each_rule_refused_by_open_cache_and_reported_by_audit(world, tmp_path, 
     root = copy_tree(world["clean"], tmp_path / "cache")
     damage(root)
     with pytest.raises(fmt.CacheError) as err:
-        fmt.open_cache(root)
+        open_cache(root)
     assert err.value.kind == kind and err.value.remedy
     code, report, output = audit(root)
     assert code == 1, output
@@ -339,7 +340,7 @@ def test_a_value_nudged_past_the_sum_tolerance_is_refused_by_train_dpo_and_audit
 
     root = copy_tree(world["clean"], tmp_path / "cache")
     value_nudged(root)
-    cache = fmt.open_cache(root)  # the file hashes were restamped: only the value rules can see it
+    cache = open_cache(root)  # the file hashes were restamped: only the value rules can see it
     with pytest.raises(fmt.CacheError) as err:
         check_values(cache, [f"r{i:04d}" for i in range(ROWS)])
     assert err.value.kind == "values" and (err.value.shard, err.value.row) == (S0, 2)

@@ -1,0 +1,109 @@
+"""A pytest plugin that records, per test id, the first line of every refusal a test sees: each JobError, CacheError,
+DataError, WeightsError, BadRowError or RunManifestError constructed, and each 'error:' or FAIL line a command run
+in process (click's CliRunner) prints. Used to show that a refactoring leaves the messages as they were:
+
+    REFCACHE_SNAPSHOT=/tmp/before.json python -m pytest -p helpers.snapshot --basetemp=/tmp/snap tests/faults ...
+
+(with tests/ on PYTHONPATH), once before and once after, then `python tests/helpers/snapshot.py before after`.
+Paths under the temporary folders are replaced by <tmp> so two runs compare."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+TMP = re.compile(r"(/private)?/tmp/[^\s'\",;:)]*")
+_current = {"id": None}
+_seen: dict[str, list[str]] = {}
+
+
+def _norm(line: str) -> str:
+    return TMP.sub("<tmp>", line)
+
+
+def _record(kind: str, text: str) -> None:
+    if _current["id"] is None or not text:
+        return
+    line = f"{kind}: {_norm(text.splitlines()[0] if text.splitlines() else text)}"
+    lines = _seen.setdefault(_current["id"], [])
+    if line not in lines:
+        lines.append(line)
+
+
+def _wrap(cls) -> None:
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _record(type(self).__name__, str(self))
+
+    cls.__init__ = __init__
+
+
+def pytest_configure(config):
+    if not os.environ.get("REFCACHE_SNAPSHOT"):
+        return
+    from click.testing import CliRunner
+
+    from runtime.data import DataError
+    from runtime.errors import JobError
+    from schemas.encoding import BadRowError
+    from schemas.findings import CacheError
+    from schemas.run_manifest import RunManifestError
+    from schemas.stamps import WeightsError
+
+    for cls in (JobError, CacheError, DataError, WeightsError, BadRowError, RunManifestError):
+        _wrap(cls)
+    invoke = CliRunner.invoke
+
+    def recording_invoke(self, *args, **kwargs):
+        result = invoke(self, *args, **kwargs)
+        try:
+            out = result.output
+        except Exception:  # noqa: BLE001 - a result without captured output records nothing
+            out = ""
+        for line in out.splitlines():
+            if line.startswith("error:") or re.search(r"\bFAIL\b", line):
+                _record("cli", line.strip())
+        _record("exit", str(result.exit_code))
+        return result
+
+    CliRunner.invoke = recording_invoke
+
+
+def pytest_runtest_setup(item):
+    _current["id"] = item.nodeid
+
+
+def pytest_runtest_teardown(item):
+    _current["id"] = None
+
+
+def pytest_unconfigure(config):
+    path = os.environ.get("REFCACHE_SNAPSHOT")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(_seen, f, indent=1, sort_keys=True)
+
+
+def compare(before: str, after: str) -> int:
+    a, b = (json.load(open(p, encoding="utf-8")) for p in (before, after))
+    differ = 0
+    for test in sorted(set(a) | set(b)):
+        if a.get(test) != b.get(test):
+            differ += 1
+            print(f"== {test}")
+            for line in a.get(test) or []:
+                if line not in (b.get(test) or []):
+                    print(f"  - {line}")
+            for line in b.get(test) or []:
+                if line not in (a.get(test) or []):
+                    print(f"  + {line}")
+    print(f"{differ} of {len(set(a) | set(b))} tests differ")
+    return differ
+
+
+if __name__ == "__main__":
+    sys.exit(1 if compare(sys.argv[1], sys.argv[2]) else 0)
