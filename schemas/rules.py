@@ -344,25 +344,24 @@ def skipped_findings(root: Path, manifest: dict) -> tuple[int, list[Finding]]:
 STAMP_WHAT = {"model_hash": "model", "tokenizer_hash": "tokenizer"}
 
 
-def stamp_findings(recorded: dict, now: dict, *, where: str = "the cache", remedies: dict | None = None,
+def stamp_findings(stamps: dict, now: dict, *, where: str = "the cache", remedies: dict | None = None,
                    tokenizer_parts: dict | None = None) -> list[Finding]:
-    """The one comparison of stamps: each stamp the caller knows (`now`, key -> value; None: not known, not
-    compared) against the one `recorded` (a manifest's `stamps`, plus `encoding` where the caller compares it).
+    """The one comparison of stamps: each stamp the caller knows (`now`, key -> value) against the recorded one (`stamps`: a manifest's, plus `encoding` where the caller compares it).
     expected = the caller's value, found = the recorded one. With `tokenizer_parts` (this tokenizer's per-part
     hashes) a tokenizer mismatch names the parts that differ from the manifest's `tokenizer.parts`, given in
-    `recorded["tokenizer"]`."""
-    recorded = recorded if isinstance(recorded, dict) else {}
+    `stamps["tokenizer"]`."""
+    stamps = stamps if isinstance(stamps, dict) else {}
     out = []
     for key, value in now.items():
-        found = recorded.get(key)
-        if value is None or value == found:
+        found = stamps.get(key)
+        if value == found:
             continue
         if key == "encoding":
             message = f"encoding config mismatch with {where}"
         elif key in STAMP_WHAT:
             message = f"{key} mismatch: {where} was not computed with this {STAMP_WHAT[key]}"
             if key == "tokenizer_hash":
-                message += _tokenizer_difference(recorded.get("tokenizer"), tokenizer_parts)
+                message += _tokenizer_difference(stamps.get("tokenizer"), tokenizer_parts)
         else:
             message = f"{key} mismatch with {where}"
         out.append(Finding("stamps", key, message, expected=value, found=found,
@@ -419,12 +418,13 @@ def use_findings(cache, *, model_hash=None, tokenizer_hash=None, tokenizer_parts
                  rows=None, option=str, remedies: dict | None = None):
     """An open cache (schemas/cache.py) against what its user will train on, lazily in order (so the user stops
     at the first, before it encodes a row): the encoding options it asks for, its model and tokenizer hashes, then
-    its rows, `rows(encoding)` -> id -> mask checksum, encoded with the cache's encoding."""
+    its rows, `rows(encoding)` -> id -> mask checksum, encoded with the cache's encoding. A hash or request given as
+None is not compared."""
     where, remedies = f"the cache {cache.root}", remedies or {}
     yield from option_findings(cache.encoding, encoding_request or {}, where=where, option=option,
                                remedy=remedies.get("encoding", RERUN))
-    yield from stamp_findings({**cache.stamps, "tokenizer": cache.manifest.get("tokenizer")},
-                              {"model_hash": model_hash, "tokenizer_hash": tokenizer_hash}, where=where,
+    known = {k: v for k, v in (("model_hash", model_hash), ("tokenizer_hash", tokenizer_hash)) if v is not None}
+    yield from stamp_findings({**cache.stamps, "tokenizer": cache.manifest.get("tokenizer")}, known, where=where,
                               remedies=remedies, tokenizer_parts=tokenizer_parts)
     if rows is not None:
         yield from row_findings(cache.index, rows(cache.encoding), where=where, remedies=remedies)
