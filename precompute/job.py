@@ -34,7 +34,7 @@ from schemas.encoding import EncodingConfig
 from schemas.stamps import combined_mask_checksum, ids_checksum, tokenizer_hash, tokenizer_parts
 
 from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score_pairs
-from .resume import Resume, clear_cache_dir, finished_shards  # noqa: F401  (re-exported)
+from .resume import COMPUTATION, Resume, clear_cache_dir, finished_shards  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -211,7 +211,8 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist) -> 
             f"{str(job.dtype).removeprefix('torch.')}")
         model, computation, mode, pad_id, budget = _load(cfg, job, log)
         if resume.computation is not None:  # compared after load, before any row is scored
-            differs = rules.computation_findings(resume.computation, computation, where=str(job.out))
+            differs = rules.computation_findings(resume.computation, computation, where=str(job.out),
+                                                  remedy=COMPUTATION)
             if differs:
                 raise JobError(f"{differs[0].message}; {differs[0].remedy}")
         stats = {**_score_shards(model, job.encoded, mine, job.out, job.stamps, cfg, pad_id, mode, computation,

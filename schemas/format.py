@@ -148,12 +148,14 @@ class Footer:
 def read_footer(path: Path) -> Footer:
     """A shard's footer, read once (the one reader of Parquet footers). Raises what pyarrow raises on a damaged
     file (pa.ArrowException, OSError, ValueError)."""
-    footer = pq.read_metadata(path)
-    raw = footer.metadata or {}
+    with pq.ParquetFile(path) as file:
+        # the Arrow schema's metadata (what pq.read_table and other readers see), not the Parquet key-value list
+        # beside it: a damaged footer can make the two differ
+        schema, rows = file.schema_arrow, file.metadata.num_rows
     # errors="replace": bytes that are not UTF-8 cannot equal a stamp, and must fail as a mismatch, not a crash
-    meta = {k.decode(errors="replace")[len(META_PREFIX) :]: v.decode(errors="replace") for k, v in raw.items()
-            if k.startswith(META_PREFIX.encode())}
-    return Footer(meta, footer.num_rows, footer.schema.to_arrow_schema())
+    meta = {k.decode(errors="replace")[len(META_PREFIX) :]: v.decode(errors="replace")
+            for k, v in (schema.metadata or {}).items() if k.startswith(META_PREFIX.encode())}
+    return Footer(meta, rows, schema)
 
 
 def read_shard_metadata(path: Path) -> dict[str, str]:

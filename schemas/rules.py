@@ -251,9 +251,11 @@ def value_findings(df: pl.DataFrame, name: str | None = None) -> list[Finding]:
 # computation
 
 
-def computation_findings(recorded: dict, now: dict, *, partial: bool = False, where: str = "the cache") -> list[Finding]:
+def computation_findings(recorded: dict, now: dict, *, partial: bool = False, where: str = "the cache",
+                         remedy: str = RERUN) -> list[Finding]:
     """Every key of the recorded computation (dtype, device type, attention implementation, mode, head path, token
-    budget, ...) against this run's. With partial=True keys this run does not know yet are not compared."""
+    budget, ...) against this run's. With partial=True keys this run does not know yet are not compared. `remedy`:
+    the caller's (precompute-ref's resume: precompute/resume.COMPUTATION)."""
     out = []
     for key in sorted(set(recorded) | set(now)):
         if partial and key not in now:
@@ -261,8 +263,7 @@ def computation_findings(recorded: dict, now: dict, *, partial: bool = False, wh
         if recorded.get(key) != now.get(key):
             out.append(Finding("computation", "computation", f"{where} was computed with {key}={recorded.get(key)!r}, "
                                f"this run uses {key}={now.get(key)!r}", expected={key: recorded.get(key)},
-                               found={key: now.get(key)},
-                               remedy="run with the recorded settings to resume, or pass --overwrite to start over"))
+                               found={key: now.get(key)}, remedy=remedy))
     return out
 
 

@@ -19,8 +19,13 @@ _current = {"id": None}
 _seen: dict[str, list[str]] = {}
 
 
+SECONDS = re.compile(r"\b\d+\.\d+ s\b")
+PID = re.compile(r"\bpid \d+")
+
+
 def _norm(line: str) -> str:
-    return TMP.sub("<tmp>", line)
+    """Temporary paths, durations and process ids differ from run to run."""
+    return PID.sub("pid <n>", SECONDS.sub("<t> s", TMP.sub("<tmp>", line)))
 
 
 def _record(kind: str, text: str) -> None:
@@ -89,7 +94,8 @@ def pytest_unconfigure(config):
 
 
 def compare(before: str, after: str) -> int:
-    a, b = (json.load(open(p, encoding="utf-8")) for p in (before, after))
+    a, b = ({t: [_norm(line) for line in lines] for t, lines in json.load(open(p, encoding="utf-8")).items()}
+            for p in (before, after))
     differ = 0
     for test in sorted(set(a) | set(b)):
         if a.get(test) != b.get(test):

@@ -16,7 +16,6 @@ import pytest
 from conftest import gpt2_style, manifest_of, pref_rows, read_cache, shard_hashes, write_jsonl
 from conftest import precompute_ok as ok
 from runtime.data import DataError, encode_rows, load_rows, row_format
-from schemas import format as fmt
 from schemas.cache import open_cache
 from schemas.encoding import EncodingConfig
 
