@@ -1,10 +1,13 @@
-"""Every rule that says whether a cache is sound, each defined once, each returning findings (schemas/findings.py).
+"""Every rule that says whether a cache is sound, and every comparison of a cache with its caller, each defined once,
+each returning findings (schemas/findings.py).
 
-Who uses them: `open_cache` (train-dpo) raises the first finding of `cache_findings`; audit-ref runs every rule and
-reports all findings per rule; precompute-ref's resume judges the shards it would keep with `shard_file_findings`
-(against the previous manifest), `shard_footer_findings` and `computation_findings`, and rescored or refuses on any
-finding. The value rules (`VALUE_RULES`) are polars expressions, used by train-dpo on the rows it joins and by
-audit-ref on every row. One tolerance per check: `SUM_TOLERANCE`.
+Who uses them: `open_cache` (schemas/cache.py, train-dpo's reader) raises the first finding of `cache_findings`;
+train-dpo then compares the open cache with itself in one call, `use_findings` (encoding options, model and tokenizer
+hashes, its own rows), and checks the values it trains on (`VALUE_RULES`); audit-ref runs every rule and reports all
+findings per rule; precompute-ref's resume judges the shards it would keep with `shard_file_findings` (against the
+previous manifest), `shard_footer_findings` and `computation_findings`, and rescored or refuses on any finding.
+Stamps are compared by `stamp_findings` only. A caller supplies only its remedy text. One tolerance per check:
+`SUM_TOLERANCE`.
 """
 
 from __future__ import annotations
