@@ -166,7 +166,7 @@ def test_skip_bad_rows_lists_and_counts_them(llama_dir, tmp_path):
                                            "empty_field": 2, "missing_field": 1, "prompt_too_long": 1}
     assert source["skipped"] == 9 and source["identical_pairs"] == 1 and source["rows_in"] == 16
     cache = open_cache(out)
-    ids = cache.read(["id"]).column("id").to_pylist()
+    ids = cache.index.column("id").to_pylist()
     assert ids == ["r0000", "r0001", "same", "r0002", "r0003", "r0004", "r0005"]
     same = read_cache(out).filter(pl.col("id") == "same").row(0, named=True)
     np.testing.assert_allclose(same["chosen_logps"], same["rejected_logps"], rtol=0, atol=1e-6)
