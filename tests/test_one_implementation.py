@@ -6,7 +6,6 @@ Cross-cutting (reads every room), so top level."""
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
 
 import pytest
@@ -148,7 +147,7 @@ def test_use_findings_compares_stamps_with_stamp_findings():
     assert "stamp_findings" in {getattr(n.func, "id", None) for n in ast.walk(use) if isinstance(n, ast.Call)}
 
 
-def test_the_scan_sees_a_twin(tmp_path, monkeypatch):
+def test_the_scan_sees_a_twin(tmp_path):
     """Control: a footer read through an alias and a stamp comparison through renamed variables are both found, in
     whichever room they hide; code that only passes a stamp on is not."""
     for room in ROOMS:
@@ -176,4 +175,3 @@ def test_the_scan_sees_a_twin(tmp_path, monkeypatch):
         "    return checkpoint.model_hash == cache.expected\n")
     assert footer_reads(tmp_path) == {"dpo.twin.stamp_of", "audit.twin.rows"}
     assert stamp_comparisons(tmp_path) == {"dpo.twin.same", "audit.twin.ok"}
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
