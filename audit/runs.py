@@ -10,6 +10,7 @@ import polars as pl
 
 from schemas import run_manifest
 from schemas.encoding import EncodingConfig
+from schemas.rules import stamp_findings
 from schemas.stamps import (WeightsError, adapter_config_fingerprint, adapter_fields, adapter_hash, merged_model_hash,
                             model_hash)
 
@@ -85,7 +86,7 @@ def _audit_peft(run_dir: str, peft: dict, manifest: dict) -> Check:
     if reference != expected:
         problems.append(f"its reference hash {_short(reference)} is not "
                         f"{'base + init adapter' if init else 'the base'} ({_short(expected)})")
-    if reference != manifest["stamps"]["model_hash"]:
+    if stamp_findings(manifest["stamps"], {"model_hash": reference}):
         problems.append(f"its reference {_short(reference)} is not the cache's model "
                         f"{_short(manifest['stamps']['model_hash'])}")
     try:

@@ -8,7 +8,7 @@ exactly the work of a real cache of that size. Timed (page cache warm, median of
   open_cache(fast)        the same without the sha256 (--fast-verify)
   check_rows              every training row's id and mask checksum looked up in the cache (train-dpo's row check)
   check_values            read and check every cached log-prob (count, sum, finite, <= 0) and join them to the rows
-  verify (all)            open_cache + check_stamps + check_rows + check_values: train-dpo's verification minus
+  verify (all)            open_cache + rules.use_findings (stamps, rows) + check_values: train-dpo's verification minus
                           encoding the data (which depends on the tokenizer; see verify_and_join on data/)
 Model hashing: bench/bench_hash.py (schemas.stamps.model_hash vs sha256sum on a ~200 MB safetensors file), run a few
 times; its figures are best-of-N within a run, the median over runs is reported here.
@@ -76,7 +76,8 @@ def build_cache(root: Path, shards: int, seed: int = 0) -> dict:
 
 def bench_cache(shards: int, reps: int, work: Path) -> dict:
     from dpo.verify import check_values
-    from schemas.format import open_cache
+    from schemas.cache import open_cache
+    from schemas.rules import row_findings, use_findings
 
     root = work / f"cache-{shards}"
     t = time.perf_counter()
@@ -87,16 +88,18 @@ def bench_cache(shards: int, reps: int, work: Path) -> dict:
     ids = list(expected)
     cache = open_cache(root)
 
+    def check_rows(c):
+        assert not row_findings(c.index, expected)
+
     def verify_all():
         c = open_cache(root)
-        c.check_stamps(model_hash="a" * 64, tokenizer_hash="b" * 64, encoding=c.encoding)
-        c.check_rows(expected)
+        assert not list(use_findings(c, model_hash="a" * 64, tokenizer_hash="b" * 64, rows=lambda encoding: expected))
         check_values(c, ids)
 
     times = common.interleaved({
         "open_cache": lambda: open_cache(root),
         "open_cache_fast": lambda: open_cache(root, verify_files=False),
-        "check_rows": lambda: cache.check_rows(expected),
+        "check_rows": lambda: check_rows(cache),
         "check_values": lambda: check_values(cache, ids),
         "verify_all": verify_all,
     }, reps=reps, warmup=1)

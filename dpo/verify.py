@@ -1,8 +1,9 @@
 """Everything train-dpo checks before it uses a single cached value, and the join of cached values to rows.
 
-Order: cache manifest and files, model hash, tokenizer hash, encoding config, then every training row is encoded
-here with the cache's encoding and its mask checksum compared with the cached one. Only then are the cached
-per-token log-probs read and joined to the rows by id.
+One call into the rules (schemas/rules.py) after the cache is opened (schemas/cache.py: manifest, files, footers,
+checksums): the encoding options asked for, model hash, tokenizer hash, then every training row encoded here with
+the cache's encoding and its mask checksum compared with the cached one. Then one scan of the columns it trains on
+(`check_values`), the cached per-token log-probs joined to the rows by id.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import pyarrow as pa
 from runtime.data import Encoded, load_rows, usable_rows
 from runtime.errors import JobError
 from schemas.encoding import EncodingConfig
-from schemas.format import Cache, CacheError, StampMismatch, open_cache, read_columns
-from schemas.rules import value_findings
+from schemas.cache import Cache, open_cache
+from schemas.findings import CacheError
+from schemas.rules import use_findings, value_findings
 from schemas.stamps import model_hash, tokenizer_hash, tokenizer_parts
 
 
@@ -56,36 +58,30 @@ def declared_reference(ref_model: str | None, hashed: str | None, ref_model_hash
     return hashed or ref_model_hash
 
 
-def check_encoding(cache: Cache, requested: dict) -> EncodingConfig:
-    """The cache's encoding config; a conflicting value given on the command line is an error."""
-    recorded = cache.encoding
-    for key, value in requested.items():
-        if value is not None and getattr(recorded, key) != value:
-            raise StampMismatch(
-                "encoding",
-                f"--{key.replace('_', '-')} {value} conflicts with the cache {cache.root}, made with "
-                f"{key}={getattr(recorded, key)}",
-                remedy="drop the option (the cache's value is used), or re-run precompute-ref with it into a new --out",
-                expected=value,
-                found=getattr(recorded, key),
-            )
-    return recorded
+# train-dpo's remedies for what the rules find (schemas/rules.py, use_findings); the rules' own are precompute-ref's
+REMEDIES = {
+    "model_hash": "pass the reference the cache was computed from (--ref-model / --ref-model-hash), or re-run "
+    "precompute-ref with this model into a new --out",
+    "tokenizer_hash": "use the tokenizer the cache was made with (including its chat template), or re-run "
+    "precompute-ref with this tokenizer into a new --out",
+    "encoding": "drop the option (the cache's value is used), or re-run precompute-ref with it into a new --out",
+    "rows_missing": "precompute these rows too: re-run precompute-ref over the full data into a new --out",
+}
+TRAINED_ON = ("chosen_input_ids", "rejected_input_ids", "chosen_logps", "rejected_logps", "chosen_logp",
+              "rejected_logp")
+
+
+def option_name(key: str) -> str:
+    return f"--{key.replace('_', '-')}"
 
 
 def check_values(cache: Cache, ids: list[str]) -> pa.Table:
-    """Read the cached values of `ids` and check them: one value per completion token, sums equal to the
-    per-token values, every value finite and <= 0."""
+    """The one scan of the columns train-dpo uses: the cached values of `ids`, checked by the value rules (one
+    value per completion token, sums equal to the per-token values, every value finite and <= 0)."""
     want = pl.DataFrame({"id": ids, "order": range(len(ids))})
-    frames = []
-    for path in cache.shard_paths:
-        # Read with pyarrow, which refuses a damaged file (one behind a forged manifest: the file hash matched) with
-        # a CacheError; polars' own reader, and polars given metadata that is not UTF-8, can panic on such a file.
-        shard = pl.from_arrow(read_columns(path, ["id", "chosen_input_ids", "rejected_input_ids", "chosen_logps",
-                                                  "rejected_logps", "chosen_logp", "rejected_logp"])
-                              .replace_schema_metadata(None))
-        shard = shard.with_row_index("row").with_columns(pl.lit(path.name).alias("shard"))
-        frames.append(shard.join(want, on="id", how="inner"))
-    values = pl.concat(frames).sort("order")
+    # Read with pyarrow (Cache.scan), which refuses a damaged file (one behind a forged manifest: the file hash
+    # matched) with a CacheError; polars' own reader, and polars given metadata that is not UTF-8, can panic on one.
+    values = pl.from_arrow(cache.scan(TRAINED_ON)).join(want, on="id", how="inner").sort("order")
     for finding in value_findings(values):  # the value rules of schemas/rules.py; the first one found is raised
         raise finding.error()
     return values.select(
@@ -131,18 +127,22 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
     cache = open_cache(cache_dir, verify_files=verify_files)
     t_files = time.perf_counter() - t0
     expected_model = expected_model_hash or reference_hash(model_dir, ref_model, ref_model_hash)
-    encoding = check_encoding(cache, encoding_request or {})
-    cache.check_stamps(model_hash=expected_model, tokenizer_hash=tokenizer_hash(tokenizer), encoding=encoding,
-                       tokenizer_parts=tokenizer_parts(tokenizer))
-    if encoding.add_bos is True:
+    found = {}
+
+    def rows(encoding: EncodingConfig) -> dict[str, str]:
+        found["source"] = source = load_rows(data, split)
+        found["encoded"] = encoded = usable_rows(source, tokenizer, encoding, on_bad_row, data)
+        return dict(zip(encoded.ids, (p.mask_checksum for p in encoded.pairs)))
+
+    for finding in use_findings(cache, model_hash=expected_model, tokenizer_hash=tokenizer_hash(tokenizer),
+                                tokenizer_parts=tokenizer_parts(tokenizer), encoding_request=encoding_request,
+                                rows=rows, option=option_name, remedies=REMEDIES):
+        error = finding.error()
+        raise (_explained(error, cache, split, found["encoded"]) if finding.rule == "rows" else error) from None
+    source, encoded = found["source"], found["encoded"]
+    if cache.encoding.add_bos is True:
         log(f"note: {cache.root} was made with BOS always prepended (before refcache followed the tokenizer); "
             "training uses the same ids")
-    source = load_rows(data, split)
-    encoded = usable_rows(source, tokenizer, encoding, on_bad_row, data)
-    try:
-        cache.check_rows(dict(zip(encoded.ids, (p.mask_checksum for p in encoded.pairs))))
-    except CacheError as e:
-        raise _explained(e, cache, split, encoded) from None
     table = encoded_table(encoded)
     for name, column in zip(("ref_chosen_logps", "ref_rejected_logps"), check_values(cache, encoded.ids).columns):
         table = table.append_column(name, column)

@@ -26,7 +26,7 @@ from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolv
 from runtime.data import Encoded, load_rows, usable_rows
 from runtime.distributed import Dist, distributed
 from runtime.errors import JobError
-from runtime.head import verified_head
+from runtime.logprobs import verified_head
 from runtime.paths import check_apart
 from schemas import format as fmt
 from schemas import rules
@@ -34,7 +34,7 @@ from schemas.encoding import EncodingConfig
 from schemas.stamps import combined_mask_checksum, ids_checksum, tokenizer_hash, tokenizer_parts
 
 from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score_pairs
-from .resume import Resume, clear_cache_dir, finished_shards  # re-exported too
+from .resume import COMPUTATION, Resume, clear_cache_dir, finished_shards
 
 
 @dataclass
@@ -209,7 +209,8 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist) -> 
             f"{str(job.dtype).removeprefix('torch.')}")
         model, computation, mode, pad_id, budget = _load(cfg, job, log)
         if resume.computation is not None:  # compared after load, before any row is scored
-            differs = rules.computation_findings(resume.computation, computation, where=str(job.out))
+            differs = rules.computation_findings(resume.computation, computation, where=str(job.out),
+                                                  remedy=COMPUTATION)
             if differs:
                 raise JobError(f"{differs[0].message}; {differs[0].remedy}")
         stats = {**_score_shards(model, job.encoded, mine, job.out, job.stamps, cfg, pad_id, mode, computation,

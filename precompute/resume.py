@@ -20,6 +20,7 @@ from schemas.encoding import EncodingConfig
 TEMP = re.compile(r"^\..+\.tmp-\d+$")  # format.atomic_write's temporary names
 SHARD = re.compile(r"^shard-\d{5}\.parquet$")  # plan_shards' names
 OVERWRITE = "use --overwrite to replace it, or choose another --out"
+COMPUTATION = "run with the recorded settings to resume, or pass --overwrite to start over"  # the remedy of a resume
 
 
 @dataclass
@@ -36,12 +37,10 @@ def _previous_manifest(out: Path, stamps: dict, encoding: EncodingConfig) -> dic
         manifest = fmt.read_manifest(out)
     except fmt.CacheError as e:
         raise JobError(f"{out} holds an unreadable cache ({e.message}); {OVERWRITE}") from None
-    refuse = f"{out} already holds a different cache; {OVERWRITE}"
-    for key in fmt.STAMPS:
-        if manifest["stamps"][key] != stamps[key]:
-            raise JobError(f"{refuse}\n  {key}: existing {manifest['stamps'][key]}, this job {stamps[key]}")
-    if manifest["encoding"] != encoding.to_dict():
-        raise JobError(f"{refuse}\n  encoding: existing {manifest['encoding']}, this job {encoding.to_dict()}")
+    recorded = {**manifest["stamps"], "encoding": manifest["encoding"]}
+    for f in rules.stamp_findings(recorded, {**{k: stamps[k] for k in fmt.STAMPS}, "encoding": encoding.to_dict()}):
+        raise JobError(f"{out} already holds a different cache; {OVERWRITE}\n  {f.kind}: existing {f.found}, "
+                       f"this job {f.expected}")
     return manifest
 
 
@@ -76,7 +75,8 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
             damage = [f for f in found if f.rule == "shard_files"]
             if not damage:
                 recorded = rules.footer_computation(meta) or {}
-                differs = rules.computation_findings(recorded, claimed, partial=True, where=path.name)
+                differs = rules.computation_findings(recorded, claimed, partial=True, where=path.name,
+                                                       remedy=COMPUTATION)
                 if differs or found:
                     _refuse(differs or found, f"{out} already holds a different cache")
                 computations[path.name] = recorded
@@ -94,7 +94,7 @@ def _agreed(previous: dict | None, computations: dict[str, dict]) -> dict | None
     for name, comp in computations.items():
         if recorded is None:
             recorded = comp
-        found = rules.computation_findings(recorded, comp, where="an earlier shard")
+        found = rules.computation_findings(recorded, comp, where="an earlier shard", remedy=COMPUTATION)
         if found:
             _refuse(found, f"{name} was scored with other settings than the rest of the cache")
     return recorded if computations else None

@@ -1,5 +1,5 @@
-"""Which way `logprobs.token_logps` gets a model's output-head values, decided once per model by comparing each
-way with the model's own `logits` (log_softmax) on a short unpadded sequence.
+"""The head paths `logprobs.token_logps` can take to a model's output-head values and how close each must come to
+the model's own `logits` (log_softmax) on a short unpadded sequence; `logprobs.verified_head` decides once per model.
 
 The fast way (`hook`: output embeddings applied to the hidden states of the scored positions, in chunks) is only
 right for models whose head is that projection and nothing more; some scale, soft-cap or otherwise post-process
@@ -19,33 +19,3 @@ PROBE_TOKENS = 24
 def tolerance(dtype: torch.dtype) -> float:
     """Largest per-token difference from the model's own logits a head path may show on the check."""
     return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
-
-
-def verified_head(model) -> str:
-    """The first of HEADS that reproduces the model's own log-probs (cached on the model; `logits` always does,
-    it is the model's own output)."""
-    from .logprobs import reference_logps, token_logps, unwrap
-
-    inner = unwrap(model)
-    found = getattr(inner, "_refcache_head", None)
-    if found is not None:
-        return found
-    vocab = inner.get_output_embeddings().weight.shape[0]
-    device = next(inner.parameters()).device
-    ids = ((torch.arange(PROBE_TOKENS, device=device) * 7919 + 3) % vocab).tolist()
-    with torch.no_grad():
-        truth = reference_logps(model, ids[:1], ids[1:])
-        found = "logits"
-        for head in HEADS[:-1]:
-            try:
-                got = token_logps(model, {"input_ids": torch.as_tensor([ids], device=device)},
-                                  torch.zeros(len(ids) - 1, dtype=torch.long, device=device),
-                                  torch.arange(len(ids) - 1, device=device),
-                                  torch.as_tensor(ids[1:], device=device), head=head)
-            except Exception:  # e.g. a forward that takes no logits_to_keep mask, or a hook that never runs
-                continue
-            if got.shape == truth.shape and float((got - truth).abs().max()) <= tolerance(inner.dtype):
-                found = head
-                break
-    inner._refcache_head = found
-    return found

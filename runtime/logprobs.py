@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .head import HEADS, PROBE_TOKENS, tolerance
+
 CHUNK_ELEMENTS = 2**25  # logits held at once (~128 MiB in float32)
 
 
@@ -26,7 +28,7 @@ def unwrap(model):
 
 
 def _project(inner, hidden: torch.Tensor) -> torch.Tensor:
-    """The output embeddings applied to hidden states, nothing else: `head.verified_head` only lets this path run
+    """The output embeddings applied to hidden states, nothing else: `verified_head` only lets this path run
     on models whose own logits it reproduces (no soft-capping, scaling or other post-processing)."""
     return inner.get_output_embeddings()(hidden).float()
 
@@ -49,7 +51,7 @@ def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int
                 return_output: bool = False, head: str | None = None):
     """Log-prob of `targets[i]` predicted from position (rows[i], sources[i]) of a forward over `inputs`.
 
-    `head` (default: `head.verified_head(model)`, decided once per model against its own logits):
+    `head` (default: `verified_head(model)`, decided once per model against its own logits):
       hook            the base model's hidden states at those positions, projected by the output embeddings in
                       chunks inside a hook (so DDP/FSDP/DeepSpeed see a normal forward, and sharded output weights
                       are materialised); memory bounded by `chunk_elements`;
@@ -58,8 +60,6 @@ def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int
     Returns float32, differentiable when grad is enabled; with return_output, also the model's output (e.g. the
     key/value cache when `inputs` sets use_cache).
     """
-    from .head import verified_head
-
     head = head or verified_head(model)
     inner = unwrap(model)
     step = max(1, chunk_elements // inner.get_output_embeddings().weight.shape[0])
@@ -167,3 +167,31 @@ def pad_sequences(sequences: list[list[int]], pad_id: int, device=None) -> tuple
         ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
         mask[i, : len(s)] = 1
     return ids.to(device), mask.to(device)
+
+
+def verified_head(model) -> str:
+    """The first of HEADS that reproduces the model's own log-probs (cached on the model; `logits` always does,
+    it is the model's own output)."""
+    inner = unwrap(model)
+    found = getattr(inner, "_refcache_head", None)
+    if found is not None:
+        return found
+    vocab = inner.get_output_embeddings().weight.shape[0]
+    device = next(inner.parameters()).device
+    ids = ((torch.arange(PROBE_TOKENS, device=device) * 7919 + 3) % vocab).tolist()
+    with torch.no_grad():
+        truth = reference_logps(model, ids[:1], ids[1:])
+        found = "logits"
+        for head in HEADS[:-1]:
+            try:
+                got = token_logps(model, {"input_ids": torch.as_tensor([ids], device=device)},
+                                  torch.zeros(len(ids) - 1, dtype=torch.long, device=device),
+                                  torch.arange(len(ids) - 1, device=device),
+                                  torch.as_tensor(ids[1:], device=device), head=head)
+            except Exception:  # e.g. a forward that takes no logits_to_keep mask, or a hook that never runs
+                continue
+            if got.shape == truth.shape and float((got - truth).abs().max()) <= tolerance(inner.dtype):
+                found = head
+                break
+    inner._refcache_head = found
+    return found

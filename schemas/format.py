@@ -1,7 +1,8 @@
 """Cache format version 1: a directory with `manifest.json` and zstd Parquet shards. See FORMAT.md.
 
-Writers use `shard_table`, `write_shard` and `write_manifest` (both atomic: temp file, fsync, rename). Readers use
-`open_cache`, which refuses anything that does not match the manifest with a typed `CacheError`.
+Writers use `shard_table`, `write_shard` and `write_manifest` (both atomic: temp file, fsync, rename). The pieces a
+reader is made of are here too (`read_manifest`, `shard_path`, `read_footer`, `read_columns`); the reader itself is
+`schemas/cache.py` (`open_cache`), which judges them by the rules of `schemas/rules.py`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .encoding import EncodingConfig, row_mask_checksum
-from .findings import RERUN, CacheError, StampMismatch  # re-exported too
+from .findings import RERUN, CacheError, StampMismatch  # noqa: F401  (re-exported)
 from .stamps import canonical_json, combined_mask_checksum, file_sha256, ids_checksum
 
 FORMAT_VERSION = 1
@@ -135,11 +136,30 @@ def write_manifest(root: Path, manifest: dict) -> None:
     atomic_write(Path(root) / MANIFEST, lambda f: f.write(data))
 
 
-def read_shard_metadata(path: Path) -> dict[str, str]:
-    meta = pq.read_schema(path).metadata or {}
+@dataclass
+class Footer:
+    """What a shard's Parquet footer says: its refcache metadata (without the prefix), row count and schema."""
+
+    meta: dict[str, str]
+    rows: int
+    schema: pa.Schema
+
+
+def read_footer(path: Path) -> Footer:
+    """A shard's footer, read once (the one reader of Parquet footers). Raises what pyarrow raises on a damaged
+    file (pa.ArrowException, OSError, ValueError)."""
+    with pq.ParquetFile(path) as file:
+        # the Arrow schema's metadata (what pq.read_table and other readers see), not the Parquet key-value list
+        # beside it: a damaged footer can make the two differ
+        schema, rows = file.schema_arrow, file.metadata.num_rows
     # errors="replace": bytes that are not UTF-8 cannot equal a stamp, and must fail as a mismatch, not a crash
-    return {k.decode(errors="replace")[len(META_PREFIX) :]: v.decode(errors="replace") for k, v in meta.items()
-            if k.startswith(META_PREFIX.encode())}
+    meta = {k.decode(errors="replace")[len(META_PREFIX) :]: v.decode(errors="replace")
+            for k, v in (schema.metadata or {}).items() if k.startswith(META_PREFIX.encode())}
+    return Footer(meta, rows, schema)
+
+
+def read_shard_metadata(path: Path) -> dict[str, str]:
+    return read_footer(path).meta
 
 
 def read_columns(path: Path, columns=None) -> pa.Table:
@@ -153,10 +173,10 @@ def read_columns(path: Path, columns=None) -> pa.Table:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reading and verifying
+# reading
 
 
-def _shard_path(root: Path, name) -> Path:
+def shard_path(root: Path, name) -> Path:
     """A manifest's shard name, trusted only if it is a plain file name that stays inside the cache directory."""
     if not isinstance(name, str) or not SHARD_NAME.match(name):
         raise CacheError(
@@ -173,101 +193,6 @@ def _shard_path(root: Path, name) -> Path:
             shard=name,
         )
     return path
-
-
-@dataclass
-class Cache:
-    root: Path
-    manifest: dict
-
-    @property
-    def stamps(self) -> dict:
-        return self.manifest["stamps"]
-
-    @property
-    def encoding(self) -> EncodingConfig:
-        return EncodingConfig.from_dict(self.manifest["encoding"])
-
-    @property
-    def shard_paths(self) -> list[Path]:
-        return [self.root / s["file"] for s in self.manifest["shards"]]
-
-    def read(self, columns=None) -> pa.Table:
-        return pa.concat_tables([read_columns(p, columns) for p in self.shard_paths])
-
-    def check_stamps(self, *, model_hash=None, tokenizer_hash=None, encoding: EncodingConfig | None = None,
-                     tokenizer_parts: dict | None = None):
-        """Compare the cache's stamps with the caller's; raise StampMismatch naming the first that differs."""
-        remedies = {
-            "model_hash": "pass the reference the cache was computed from (--ref-model / --ref-model-hash), or "
-            "re-run precompute-ref with this model into a new --out",
-            "tokenizer_hash": "use the tokenizer the cache was made with (including its chat template), or re-run "
-            "precompute-ref with this tokenizer into a new --out",
-            "encoding": "drop the conflicting encoding option so the cache's value is used, or re-run precompute-ref "
-            "with the new encoding into a new --out",
-        }
-        wanted = {"model_hash": model_hash, "tokenizer_hash": tokenizer_hash}
-        for stamp, value in wanted.items():
-            if value is not None and value != self.stamps[stamp]:
-                raise StampMismatch(
-                    stamp,
-                    f"{stamp} mismatch: the cache {self.root} was not computed with this "
-                    + ("model" if stamp == "model_hash" else "tokenizer" + self._tokenizer_difference(tokenizer_parts)),
-                    remedy=remedies[stamp],
-                    expected=value,
-                    found=self.stamps[stamp],
-                )
-        if encoding is not None and encoding != self.encoding:
-            raise StampMismatch(
-                "encoding",
-                f"encoding config mismatch with the cache {self.root}",
-                remedy=remedies["encoding"],
-                expected=encoding.to_json(),
-                found=self.encoding.to_json(),
-            )
-
-    def _tokenizer_difference(self, parts: dict | None) -> str:
-        recorded = (self.manifest.get("tokenizer") or {}).get("parts")
-        if not parts:
-            return ""
-        if not isinstance(recorded, dict):
-            return " (the cache records no per-part tokenizer hashes, so what differs cannot be named)"
-        differ = [k for k in parts if recorded.get(k) != parts[k]]
-        return f"; it differs in: {', '.join(differ)}" if differ else ""
-
-    def check_rows(self, expected: dict[str, str]) -> None:
-        """Every expected row (id -> mask checksum from the caller's own encoding) must be cached, identically."""
-        table = self.read(["id", "mask_checksum"])
-        cached = dict(zip(table.column("id").to_pylist(), table.column("mask_checksum").to_pylist()))
-        missing = [i for i in expected if i not in cached]
-        if missing:
-            raise CacheError(
-                "rows_missing",
-                f"{len(missing)} of {len(expected)} data rows are not in the cache {self.root}; first ids: "
-                + ", ".join(missing[:5]),
-                remedy="precompute these rows too: re-run precompute-ref over the full data into a new --out",
-            )
-        for rid, checksum in expected.items():
-            if cached[rid] != checksum:
-                where = _row_locations(self)  # only to name the place in the error
-                raise StampMismatch(
-                    "mask_checksum",
-                    f"mask checksum mismatch for row {rid!r}: its token ids differ from the cached ones (data edited, "
-                    "or a different tokenizer or encoding)",
-                    remedy=RERUN,
-                    expected=checksum,
-                    found=cached[rid],
-                    shard=where[rid][0],
-                    row=where[rid][1],
-                )
-
-
-def _row_locations(cache: Cache) -> dict[str, tuple[str, int]]:
-    out = {}
-    for path in cache.shard_paths:
-        for i, rid in enumerate(read_columns(path, ["id"]).column("id").to_pylist()):
-            out[rid] = (path.name, i)
-    return out
 
 
 def read_manifest(root: Path) -> dict:
@@ -311,27 +236,3 @@ def read_manifest(root: Path) -> dict:
             raise CacheError("manifest", f"{path}: shard entry {s!r} has a field of the wrong type (sha256, mask_checksum "
                              "and ids_checksum are strings; rows and bytes are counts)", remedy=RERUN)
     return manifest
-
-
-def open_cache(root, *, verify_files: bool = True) -> Cache:
-    """Open a cache and check it against its own manifest (schemas/rules.py, `cache_findings`); raise the first
-    finding as a CacheError. verify_files=False skips the shards' sha256 (--fast-verify)."""
-    from .rules import cache_findings
-
-    root = Path(root)
-    if not root.is_dir():
-        raise CacheError("incomplete", f"{root} is not a directory", remedy="pass the --out directory of precompute-ref")
-    cache = Cache(root, read_manifest(root))
-    for finding in cache_findings(root, cache.manifest, hash_files=verify_files):
-        raise finding.error()
-    return cache
-
-
-def read_cache(root, *, verify_files: bool = True):
-    """The cache's rows as a polars LazyFrame over its shards in manifest order, after the manifest, shard sizes,
-    sha256s and stamps have been verified (open_cache). Reading the folder directly needs a glob, because manifest.json
-    sits beside the shards: pl.scan_parquet(f"{root}/*.parquet")."""
-    import polars as pl
-
-    cache = open_cache(root, verify_files=verify_files)
-    return pl.scan_parquet([str(p) for p in cache.shard_paths])

@@ -1,10 +1,13 @@
-"""Every rule that says whether a cache is sound, each defined once, each returning findings (schemas/findings.py).
+"""Every rule that says whether a cache is sound, and every comparison of a cache with its caller, each defined once,
+each returning findings (schemas/findings.py).
 
-Who uses them: `open_cache` (train-dpo) raises the first finding of `cache_findings`; audit-ref runs every rule and
-reports all findings per rule; precompute-ref's resume judges the shards it would keep with `shard_file_findings`
-(against the previous manifest), `shard_footer_findings` and `computation_findings`, and rescored or refuses on any
-finding. The value rules (`VALUE_RULES`) are polars expressions, used by train-dpo on the rows it joins and by
-audit-ref on every row. One tolerance per check: `SUM_TOLERANCE`.
+Who uses them: `open_cache` (schemas/cache.py, train-dpo's reader) raises the first finding of `cache_findings`;
+train-dpo then compares the open cache with itself in one call, `use_findings` (encoding options, model and tokenizer
+hashes, its own rows), and checks the values it trains on (`VALUE_RULES`); audit-ref runs every rule and reports all
+findings per rule; precompute-ref's resume judges the shards it would keep with `shard_file_findings` (against the
+previous manifest), `shard_footer_findings` and `computation_findings`, and rescored or refuses on any finding.
+Stamps are compared by `stamp_findings` only. A caller supplies only its remedy text. One tolerance per check:
+`SUM_TOLERANCE`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import format as fmt
 from .encoding import EncodingConfig, row_mask_checksum
@@ -52,7 +54,7 @@ def shard_file_findings(root: Path, entry: dict, *, hash_files: bool = True) -> 
     sha256 equal to the entry's. Returns the path when the name is acceptable."""
     name = entry["file"]
     try:
-        path = fmt._shard_path(root, name)
+        path = fmt.shard_path(root, name)
     except CacheError as e:
         return None, [Finding("shard_files", e.kind, e.message, shard=e.shard or str(name), remedy=e.remedy)]
     if not path.is_file():
@@ -88,9 +90,8 @@ def shard_footer_findings(path: Path, want: dict, rows: int) -> tuple[dict, list
     key of `want` (rule shard_stamps). Returns the footer metadata it read."""
     name = path.name
     try:
-        meta = fmt.read_shard_metadata(path)
-        count = pq.ParquetFile(path).metadata.num_rows
-        schema = pq.read_schema(path)
+        footer = fmt.read_footer(path)
+        meta, count, schema = footer.meta, footer.rows, footer.schema
     except (pa.ArrowException, OSError, ValueError) as e:
         return {}, [Finding("shard_files", "shard_unreadable", f"shard {name} is not a readable Parquet file ({e})",
                             shard=name)]
@@ -165,10 +166,9 @@ def unique_id_findings(ids_by_shard: list[tuple[str, list]]) -> list[Finding]:
 
 def cache_checksum_findings(row_checks: list, manifest: dict) -> list[Finding]:
     total = combined_mask_checksum(row_checks, EncodingConfig.from_dict(manifest["encoding"]).to_json())
-    if total == manifest["stamps"]["mask_checksum"]:
-        return []
     return [Finding("cache_checksum", "mask_checksum", "the shards' rows do not add up to the manifest's mask checksum "
-                    "(rows moved between shards?)", expected=manifest["stamps"]["mask_checksum"], found=total)]
+                    "(rows moved between shards?)", expected=f.found, found=f.expected)
+            for f in stamp_findings(manifest["stamps"], {"mask_checksum": total})]
 
 
 def row_checksum_findings(df: pl.DataFrame, name: str) -> list[Finding]:
@@ -252,9 +252,11 @@ def value_findings(df: pl.DataFrame, name: str | None = None) -> list[Finding]:
 # computation
 
 
-def computation_findings(recorded: dict, now: dict, *, partial: bool = False, where: str = "the cache") -> list[Finding]:
+def computation_findings(recorded: dict, now: dict, *, partial: bool = False, where: str = "the cache",
+                         remedy: str = RERUN) -> list[Finding]:
     """Every key of the recorded computation (dtype, device type, attention implementation, mode, head path, token
-    budget, ...) against this run's. With partial=True keys this run does not know yet are not compared."""
+    budget, ...) against this run's. With partial=True keys this run does not know yet are not compared. `remedy`:
+    the caller's (precompute-ref's resume: precompute/resume.COMPUTATION)."""
     out = []
     for key in sorted(set(recorded) | set(now)):
         if partial and key not in now:
@@ -262,8 +264,7 @@ def computation_findings(recorded: dict, now: dict, *, partial: bool = False, wh
         if recorded.get(key) != now.get(key):
             out.append(Finding("computation", "computation", f"{where} was computed with {key}={recorded.get(key)!r}, "
                                f"this run uses {key}={now.get(key)!r}", expected={key: recorded.get(key)},
-                               found={key: now.get(key)},
-                               remedy="run with the recorded settings to resume, or pass --overwrite to start over"))
+                               found={key: now.get(key)}, remedy=remedy))
     return out
 
 
@@ -279,10 +280,11 @@ def footer_computation(meta: dict) -> dict | None:
 # a whole cache
 
 
-def cache_findings(root: Path, manifest: dict, *, hash_files: bool = True):
+def cache_findings(root: Path, manifest: dict, *, hash_files: bool = True, read: dict | None = None):
     """Every rule open_cache applies, lazily in order (so a reader can stop at the first): manifest, each shard's
     file and footer, unlisted files, shard checksums and ids, unique ids, the cache checksum. Values are checked by
-    the reader on the rows it uses (VALUE_RULES)."""
+    the reader on the rows it uses (VALUE_RULES). `read` (shard name -> table) receives the id and mask_checksum
+    columns read here, so the reader does not read them again."""
     yield from manifest_findings(manifest)
     encoding = EncodingConfig.from_dict(manifest["encoding"])
     sound = []
@@ -299,6 +301,8 @@ def cache_findings(root: Path, manifest: dict, *, hash_files: bool = True):
     every, ids_by_shard = [], []
     for entry in manifest["shards"]:
         table = fmt.read_columns(root / entry["file"], ["id", "mask_checksum"])
+        if read is not None:
+            read[entry["file"]] = table
         checks, ids = table.column("mask_checksum").to_pylist(), table.column("id").to_pylist()
         yield from shard_checksum_findings(entry["file"], entry, checks, ids, encoding.to_json())
         every.extend(checks)
@@ -330,3 +334,100 @@ def skipped_findings(root: Path, manifest: dict) -> tuple[int, list[Finding]]:
         problems.append(f"rows_in {source.get('rows_in')} != rows {manifest.get('rows')} + skipped "
                         f"{source.get('skipped')}")
     return len(lines), [Finding("skipped_counts", "manifest", "; ".join(problems))] if problems else []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a cache against its caller (train-dpo's run, precompute-ref's resume, audit-ref's model, a run's record)
+#
+# Each caller supplies only its own remedy text (`remedies`, by finding kind) and, where its words differ, how it
+# names an option; what is compared, and the message's first line, are the rule's.
+
+
+STAMP_WHAT = {"model_hash": "model", "tokenizer_hash": "tokenizer"}
+
+
+def stamp_findings(stamps: dict, now: dict, *, where: str = "the cache", remedies: dict | None = None,
+                   tokenizer_parts: dict | None = None) -> list[Finding]:
+    """The one comparison of stamps: each stamp the caller knows (`now`, key -> value) against the recorded one
+    (`stamps`: a manifest's, plus `encoding` where the caller compares it).
+    expected = the caller's value, found = the recorded one. With `tokenizer_parts` (this tokenizer's per-part
+    hashes) a tokenizer mismatch names the parts that differ from the manifest's `tokenizer.parts`, given in
+    `stamps["tokenizer"]`."""
+    stamps = stamps if isinstance(stamps, dict) else {}
+    out = []
+    for key, value in now.items():
+        found = stamps.get(key)
+        if value == found:
+            continue
+        if key == "encoding":
+            message = f"encoding config mismatch with {where}"
+        elif key in STAMP_WHAT:
+            message = f"{key} mismatch: {where} was not computed with this {STAMP_WHAT[key]}"
+            if key == "tokenizer_hash":
+                message += _tokenizer_difference(stamps.get("tokenizer"), tokenizer_parts)
+        else:
+            message = f"{key} mismatch with {where}"
+        out.append(Finding("stamps", key, message, expected=value, found=found,
+                           remedy=(remedies or {}).get(key, RERUN)))
+    return out
+
+
+def _tokenizer_difference(tokenizer: dict | None, parts: dict | None) -> str:
+    recorded = (tokenizer or {}).get("parts") if isinstance(tokenizer, dict) else None
+    if not parts:
+        return ""
+    if not isinstance(recorded, dict):
+        return " (the cache records no per-part tokenizer hashes, so what differs cannot be named)"
+    differ = [k for k in parts if recorded.get(k) != parts[k]]
+    return f"; it differs in: {', '.join(differ)}" if differ else ""
+
+
+def option_findings(recorded: EncodingConfig, requested: dict, *, where: str = "the cache", option=str,
+                    remedy: str = RERUN) -> list[Finding]:
+    """Encoding values the caller asks for (None: not asked) against the cache's encoding config; `option` names a
+    key the caller's way (train-dpo: its command-line option)."""
+    out = []
+    for key, value in requested.items():
+        if value is not None and getattr(recorded, key) != value:
+            out.append(Finding("stamps", "encoding", f"{option(key)} {value} conflicts with {where}, made with "
+                               f"{key}={getattr(recorded, key)}", expected=value, found=getattr(recorded, key),
+                               remedy=remedy))
+    return out
+
+
+def row_findings(index, expected: dict[str, str], *, where: str = "the cache",
+                 remedies: dict | None = None) -> list[Finding]:
+    """The caller's rows (id -> mask checksum of its own encoding) against the cached ones: every row cached, with
+    the same token ids. `index`: the cache's id, mask_checksum, shard and row columns (a pyarrow table)."""
+    remedies = remedies or {}
+    ids, checks = index.column("id").to_pylist(), index.column("mask_checksum").to_pylist()
+    cached = {rid: i for i, rid in enumerate(ids)}
+    missing = [i for i in expected if i not in cached]
+    if missing:
+        return [Finding("rows", "rows_missing", f"{len(missing)} of {len(expected)} data rows are not in {where}; "
+                        "first ids: " + ", ".join(missing[:5]), count=len(missing),
+                        remedy=remedies.get("rows_missing", RERUN))]
+    for rid, checksum in expected.items():
+        i = cached[rid]
+        if checks[i] != checksum:
+            return [Finding("rows", "mask_checksum", f"mask checksum mismatch for row {rid!r}: its token ids differ "
+                            "from the cached ones (data edited, or a different tokenizer or encoding)",
+                            expected=checksum, found=checks[i], shard=index.column("shard")[i].as_py(),
+                            row=index.column("row")[i].as_py(), remedy=remedies.get("mask_checksum", RERUN))]
+    return []
+
+
+def use_findings(cache, *, model_hash=None, tokenizer_hash=None, tokenizer_parts=None, encoding_request=None,
+                 rows=None, option=str, remedies: dict | None = None):
+    """An open cache (schemas/cache.py) against what its user will train on, lazily in order (so the user stops
+    at the first, before it encodes a row): the encoding options it asks for, its model and tokenizer hashes, then
+    its rows, `rows(encoding)` -> id -> mask checksum, encoded with the cache's encoding. A hash or request given as
+None is not compared."""
+    where, remedies = f"the cache {cache.root}", remedies or {}
+    yield from option_findings(cache.encoding, encoding_request or {}, where=where, option=option,
+                               remedy=remedies.get("encoding", RERUN))
+    known = {k: v for k, v in (("model_hash", model_hash), ("tokenizer_hash", tokenizer_hash)) if v is not None}
+    yield from stamp_findings({**cache.stamps, "tokenizer": cache.manifest.get("tokenizer")}, known, where=where,
+                              remedies=remedies, tokenizer_parts=tokenizer_parts)
+    if rows is not None:
+        yield from row_findings(cache.index, rows(cache.encoding), where=where, remedies=remedies)

@@ -238,10 +238,11 @@ def assert_not_valid(out: Path):
     import pytest
 
     from schemas import format as fmt
+    from schemas.cache import open_cache
 
     assert not (Path(out) / fmt.MANIFEST).exists()
     with pytest.raises(fmt.CacheError):
-        fmt.open_cache(out)
+        open_cache(out)
 
 
 def precompute_in_process(model, data, out, rows_per_shard=10) -> Path:

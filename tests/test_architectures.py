@@ -31,7 +31,7 @@ import torch
 from precompute import MODES
 from precompute.modes import choose_mode, score_pairs, shape_dependent, unsupported
 from runtime.errors import JobError
-from runtime.head import verified_head
+from runtime.logprobs import verified_head
 from runtime.logprobs import reference_logps
 from schemas.encoding import EncodedPair
 

@@ -27,7 +27,7 @@ HEAD_ELEMENTS = 2**28  # logits one forward may hold when the model's own head h
 def effective_budget(model, token_budget: int, longest: int) -> int:
     """token_budget, lowered where the model's own head makes the logits (head.py) so that a forward's logits stay
     within HEAD_ELEMENTS (never below one sequence of the job)."""
-    from runtime.head import verified_head
+    from runtime.logprobs import verified_head
 
     if verified_head(model) == "hook":
         return token_budget

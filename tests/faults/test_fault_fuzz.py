@@ -30,6 +30,7 @@ from conftest import build_tokenizer, pref_rows, write_jsonl
 from faultkit import edit_manifest, restamp, rewrite_rows
 from runtime.data import DataError, Source, encode_rows
 from schemas import format as fmt
+from schemas.cache import open_cache
 from schemas.encoding import (CHAT_TEMPLATE_MODES, ROLES, TRUNCATION_MODES, BadRowError, EncodedPair, EncodingConfig,
                               encode_pair, row_mask_checksum)
 
@@ -184,7 +185,7 @@ class Scratch:
 
 def opens_or_refuses(root: Path):
     try:
-        fmt.open_cache(root)
+        open_cache(root)
     except fmt.CacheError as e:
         assert e.kind and e.remedy and str(e)
         return

@@ -22,6 +22,7 @@ import pytest
 from conftest import pref_rows, write_jsonl
 from faultkit import TRAIN, Zygote, audit, file_hashes, manifest_of, precompute, train, wait_for
 from schemas import format as fmt
+from schemas.cache import open_cache
 from schemas.stamps import model_hash
 
 ROWS, PER_SHARD = 24, 6  # four shards
@@ -114,7 +115,7 @@ def test_precompute_killed_then_rerun_equals_a_clean_run(world, phase):
     assert all(n.startswith(".") and ".tmp-" in n and not n.endswith((".parquet", ".json")) for n in temps), temps
     assert [n.rsplit("-", 1)[0] + "-" for n in temps] == ([temp] if temp else [])
     with pytest.raises(fmt.CacheError) as err:
-        fmt.open_cache(out)
+        open_cache(out)
     assert err.value.kind == "incomplete"
     code, report, output = audit(out)
     assert code == 2 and report is None and "no manifest.json" in output
@@ -131,7 +132,7 @@ def test_precompute_killed_then_rerun_equals_a_clean_run(world, phase):
     ours, theirs = manifest_of(out), manifest_of(clean)
     for key in ("shards", "stamps", "encoding", "rows", "format_version", "computation"):
         assert ours[key] == theirs[key], key
-    fmt.open_cache(out)
+    open_cache(out)
 
 
 def test_train_killed_between_checkpoints_resumes_to_the_uninterrupted_weights(world):
@@ -219,7 +220,7 @@ def test_second_writer_and_reader_are_refused_while_a_writer_runs(world):
     assert scored_now(stdout) == (ROWS, ROWS)
     assert file_hashes(busy, "*.parquet") == file_hashes(world["clean"], "*.parquet")
     assert manifest_of(busy)["shards"] == manifest_of(world["clean"])["shards"]
-    fmt.open_cache(busy)
+    open_cache(busy)
 
 
 # ---------------------------------------------------------------------------------------------------------------

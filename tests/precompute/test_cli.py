@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from conftest import HELPERS, dir_state, pref_rows, shard_hashes, write_jsonl
 from precompute.cli import main
 from schemas import format as fmt
+from schemas.cache import open_cache
 
 PRECOMPUTE_REF = str(Path(sys.executable).parent / "precompute-ref")
 PAUSE_HELPER = str(HELPERS / "precompute_pause.py")
@@ -75,7 +76,7 @@ def test_run_killed_mid_shard_resumes_to_the_clean_run_bytes(llama_dir, tmp_path
     assert sorted(p.name for p in out.iterdir()) == sorted([*clean, fmt.MANIFEST, fmt.LOCK])  # no temp files
     assert json.loads((out / fmt.MANIFEST).read_text())["shards"] == \
         json.loads((tmp_path / "clean" / fmt.MANIFEST).read_text())["shards"]
-    fmt.open_cache(out)
+    open_cache(out)
 
 
 def test_second_process_on_the_same_cache_is_refused(llama_dir, tmp_path):
@@ -94,7 +95,7 @@ def test_second_process_on_the_same_cache_is_refused(llama_dir, tmp_path):
     assert second.returncode == 2, second.stderr
     assert f"being written by another precompute-ref process (pid {os.getpid()})" in second.stderr
     assert second.stdout == ""
-    fmt.open_cache(out)
+    open_cache(out)
 
 
 def test_bad_row_exit_code_and_message(llama_dir, tmp_path):

@@ -21,6 +21,7 @@ import torch
 from conftest import assert_not_valid, dir_state, manifest_of, pref_rows, read_cache, write_jsonl
 from conftest import precompute_cli as cli, precompute_ok as ok
 from schemas import format as fmt
+from schemas.cache import open_cache
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. the cached numbers equal an independent plain forward
@@ -164,8 +165,8 @@ def test_skip_bad_rows_lists_and_counts_them(llama_dir, tmp_path):
     assert source["skipped_by_reason"] == {"bad_json": 1, "bad_message": 1, "bad_type": 2, "duplicate_id": 1,
                                            "empty_field": 2, "missing_field": 1, "prompt_too_long": 1}
     assert source["skipped"] == 9 and source["identical_pairs"] == 1 and source["rows_in"] == 16
-    cache = fmt.open_cache(out)
-    ids = cache.read(["id"]).column("id").to_pylist()
+    cache = open_cache(out)
+    ids = cache.index.column("id").to_pylist()
     assert ids == ["r0000", "r0001", "same", "r0002", "r0003", "r0004", "r0005"]
     same = read_cache(out).filter(pl.col("id") == "same").row(0, named=True)
     np.testing.assert_allclose(same["chosen_logps"], same["rejected_logps"], rtol=0, atol=1e-6)

@@ -13,6 +13,7 @@ import pytest
 from conftest import build_llama, dir_state, manifest_of, pref_rows, save_checkpoint, shard_hashes, write_jsonl
 from conftest import assert_not_valid, precompute_cli as cli, precompute_ok as ok, scored_now
 from schemas import format as fmt
+from schemas.cache import open_cache
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +46,7 @@ def test_two_clean_runs_are_byte_identical_and_resume_rescores_only_missing_shar
     assert scored_now(result) == (30, 4 + 4 + 2)  # shards 5, 6 (4 rows each) and 7 (2 rows)
     assert shard_hashes(out) == clean
     assert sorted(p.name for p in out.iterdir()) == sorted([*clean, fmt.MANIFEST, fmt.LOCK])  # no temp files left
-    fmt.open_cache(out)
+    open_cache(out)
     assert scored_now(ok(*args, "--out", out)) == (30, 0)  # finished: nothing to redo
 
 
@@ -95,7 +96,7 @@ def test_rerun_with_a_different_job_is_refused_until_overwrite(
 
     result = ok(*args, "--overwrite")
     assert scored_now(result) == (12, 12)
-    cache = fmt.open_cache(out)
+    cache = open_cache(out)
     if change == "max_length":
         assert cache.manifest["encoding"]["max_length"] == 64
     if change.startswith("model"):
@@ -124,5 +125,5 @@ def test_a_second_writer_is_refused_while_the_lock_is_held(llama_dir, finished):
             assert result.exit_code == 2, result.output
             assert "being written by another precompute-ref process" in result.output
             assert dir_state(out) == before  # --overwrite did not clear a cache someone else holds
-    fmt.open_cache(out)
+    open_cache(out)
     assert scored_now(ok(*args)) == (12, 0)  # once the lock is free, the same job resumes (nothing to do)

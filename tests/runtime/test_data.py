@@ -16,7 +16,7 @@ import pytest
 from conftest import gpt2_style, manifest_of, pref_rows, read_cache, shard_hashes, write_jsonl
 from conftest import precompute_ok as ok
 from runtime.data import DataError, encode_rows, load_rows, row_format
-from schemas import format as fmt
+from schemas.cache import open_cache
 from schemas.encoding import EncodingConfig
 
 FORMATS = ["standard", "conversational", "implicit"]
@@ -234,7 +234,7 @@ def test_jsonl_reference_per_format(reference_caches, data_format, tokenizer):
     manifest = manifest_of(out)
     assert manifest["rows"] == 12 and manifest["source"]["rows_in"] == 12
     assert [s["rows"] for s in manifest["shards"]] == [5, 5, 2]
-    fmt.open_cache(out)  # the project's own verifier accepts it
+    open_cache(out)  # the project's own verifier accepts it
     first = df.row(0, named=True)
     text = tokenizer.decode(first["prompt_input_ids"] + first["chosen_input_ids"])
     if data_format == "conversational":  # the chat template was applied
@@ -264,7 +264,7 @@ def test_every_container_gives_the_same_cache(llama_dir, reference_caches, tmp_p
     if container == "dir":
         assert [Path(f).name for f in manifest["source"]["files"]] == [
             "train-00000-of-00002.jsonl", "train-00001-of-00002.jsonl"]
-    fmt.open_cache(out)
+    open_cache(out)
 
 
 def test_ids_without_an_id_column_are_stable_content_hashes(llama_dir, tmp_path):

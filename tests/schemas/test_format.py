@@ -14,15 +14,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, pref_rows
+from schemas.cache import Cache, open_cache
 from schemas.encoding import EncodingConfig, encode_pair, row_id, row_mask_checksum
 from schemas.format import (
     FORMAT_VERSION,
     MANIFEST,
     SHARD_SCHEMA,
-    Cache,
     CacheError,
     StampMismatch,
-    open_cache,
     read_shard_metadata,
     shard_table,
     write_manifest,
@@ -212,14 +211,11 @@ def test_complete_cache_opens(pristine, encoded):
                                 "mask_checksum": combined_mask_checksum([r["checksum"] for r in encoded],
                                                                         ENC.to_json())}
         assert [p.name for p in cache.shard_paths] == [f"shard-{i:05d}.parquet" for i in range(SHARDS)]
-        table = cache.read()
+        table = cache.scan()
         assert table.column("id").to_pylist() == [r["id"] for r in encoded]
         assert table.column("chosen_logps").to_pylist() == [r["chosen_logps"] for r in encoded]
-        assert cache.read(["id"]).column_names == ["id"]
-        cache.check_stamps(model_hash=MODEL_HASH, tokenizer_hash=TOKENIZER_HASH, encoding=ENC)
-        cache.check_stamps()
-        cache.check_rows({r["id"]: r["checksum"] for r in encoded})
-        cache.check_rows({encoded[5]["id"]: encoded[5]["checksum"]})  # a subset of the cached rows is fine
+        assert table.column("row").to_pylist() == [i % ROWS_PER_SHARD for i in range(len(encoded))]
+        assert cache.scan(["chosen_logp"]).column_names == ["chosen_logp", "id", "mask_checksum", "shard", "row"]
 
 
 def test_format_md_snippet_reads_a_cache(pristine, encoded):
@@ -416,52 +412,6 @@ def test_duplicate_row_id(tmp_path, encoded):
     write_cache(tmp_path / "cache", rows, shards=2)
     e = refused(tmp_path / "cache", "duplicate_id")
     assert (e.shard, e.row) == ("shard-00001.parquet", 0)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# stamps and rows against the caller's
-
-
-@pytest.mark.parametrize("kind", ["model_hash", "tokenizer_hash", "encoding"])
-def test_check_stamps(pristine, kind):
-    cache = open_cache(pristine)
-    mine = {"model_hash": MODEL_HASH, "tokenizer_hash": TOKENIZER_HASH, "encoding": ENC}
-    mine[kind] = EncodingConfig(max_length=512) if kind == "encoding" else hashlib.sha256(b"mine").hexdigest()
-    with pytest.raises(StampMismatch) as err:
-        cache.check_stamps(**mine)
-    e = err.value
-    assert e.kind == kind
-    expected = mine[kind].to_json() if kind == "encoding" else mine[kind]
-    found = ENC.to_json() if kind == "encoding" else cache.stamps[kind]
-    assert (e.expected, e.found) == (expected, found)
-    assert f"expected: {expected}" in str(e) and f"found:    {found}" in str(e)
-    assert "re-run precompute-ref" in e.remedy and f"remedy:   {e.remedy}" in str(e)
-
-
-def test_check_rows_missing(pristine, encoded):
-    cache = open_cache(pristine)
-    wanted = {r["id"]: r["checksum"] for r in encoded}
-    wanted["not-cached"] = encoded[0]["checksum"]
-    with pytest.raises(CacheError) as err:
-        cache.check_rows(wanted)
-    e = err.value
-    assert e.kind == "rows_missing" and not isinstance(e, StampMismatch)
-    assert "not-cached" in str(e) and "1 of 13" in str(e) and f"remedy:   {e.remedy}" in str(e)
-
-
-def test_check_rows_checksum(pristine, encoded):
-    cache = open_cache(pristine)
-    wanted = {r["id"]: r["checksum"] for r in encoded}
-    target = encoded[ROWS_PER_SHARD + 2]  # shard 1, row 2
-    mine = row_mask_checksum(target["prompt"][:-1], [target["prompt"][-1]] + target["chosen"], target["rejected"])
-    wanted[target["id"]] = mine
-    with pytest.raises(StampMismatch) as err:
-        cache.check_rows(wanted)
-    e = err.value
-    assert e.kind == "mask_checksum" and (e.shard, e.row) == ("shard-00001.parquet", 2)
-    assert (e.expected, e.found) == (mine, target["checksum"])
-    assert target["id"] in str(e) and "where:    shard shard-00001.parquet, row 2" in str(e)
-    assert f"remedy:   {e.remedy}" in str(e)
 
 
 # ---------------------------------------------------------------------------------------------------------------

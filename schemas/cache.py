@@ -1,0 +1,77 @@
+"""The reader: a cache opened once. `open_cache` reads the manifest, each shard's footer once and its id and
+mask_checksum columns once, judges them by the rules of schemas/rules.py (`cache_findings`) and raises the first
+finding as a CacheError; the `Cache` it returns keeps what it read, so comparing it with a caller
+(`rules.use_findings`) reads nothing again, and `Cache.scan` reads each further column once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from . import format as fmt
+from .encoding import EncodingConfig
+from .findings import CacheError
+from .rules import cache_findings
+
+INDEX = ("id", "mask_checksum")  # the columns open_cache reads (the checksum rules need them)
+
+
+@dataclass
+class Cache:
+    root: Path
+    manifest: dict
+    index: pa.Table  # id, mask_checksum, shard, row of every cached row, in manifest order
+
+    @property
+    def stamps(self) -> dict:
+        return self.manifest["stamps"]
+
+    @property
+    def encoding(self) -> EncodingConfig:
+        return EncodingConfig.from_dict(self.manifest["encoding"])
+
+    @property
+    def shard_paths(self) -> list[Path]:
+        return [self.root / s["file"] for s in self.manifest["shards"]]
+
+    def scan(self, columns=None) -> pa.Table:
+        """`columns` (default: every column of a shard) beside the index, each shard read once, in manifest order;
+        the index's columns are not read again."""
+        extra = [c for c in (columns or fmt.SHARD_SCHEMA.names) if c not in INDEX]
+        tables = [fmt.read_columns(p, extra).replace_schema_metadata(None) for p in self.shard_paths]
+        table = pa.concat_tables(tables) if tables else pa.table({c: [] for c in extra})
+        for name in self.index.column_names:
+            table = table.append_column(name, self.index.column(name))
+        return table
+
+
+def open_cache(root, *, verify_files: bool = True) -> Cache:
+    """Open a cache and check it against its own manifest (schemas/rules.py, `cache_findings`); raise the first
+    finding as a CacheError. verify_files=False skips the shards' sha256 (--fast-verify)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CacheError("incomplete", f"{root} is not a directory", remedy="pass the --out directory of precompute-ref")
+    manifest = fmt.read_manifest(root)
+    read: dict[str, pa.Table] = {}
+    for finding in cache_findings(root, manifest, hash_files=verify_files, read=read):
+        raise finding.error()
+    parts = []
+    for entry in manifest["shards"]:
+        table = read[entry["file"]].replace_schema_metadata(None)
+        parts.append(table.append_column("shard", pa.array([entry["file"]] * table.num_rows, pa.string()))
+                     .append_column("row", pa.array(range(table.num_rows), pa.uint32())))
+    schema = pa.schema([("id", pa.string()), ("mask_checksum", pa.string()), ("shard", pa.string()),
+                        ("row", pa.uint32())])
+    return Cache(root, manifest, pa.concat_tables(parts) if parts else schema.empty_table())
+
+
+def read_cache(root, *, verify_files: bool = True):
+    """The cache's rows as a polars LazyFrame over its shards in manifest order, after the manifest, shard sizes,
+    sha256s and stamps have been verified (open_cache). Reading the folder directly needs a glob, because manifest.json
+    sits beside the shards: pl.scan_parquet(f"{root}/*.parquet")."""
+    import polars as pl
+
+    cache = open_cache(root, verify_files=verify_files)
+    return pl.scan_parquet([str(p) for p in cache.shard_paths])

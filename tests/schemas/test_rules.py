@@ -1,0 +1,302 @@
+"""The rule book itself (schemas/rules.py): every rule run over a small cache and a caller that matches it finds
+nothing; each damage, and each difference between the cache and its caller, is found by its own rule (rule and
+kind) and by no other (the caller's comparisons run on a sound cache, as a reader refuses a damaged one first).
+Damage that two rules see by their nature (a shard named outside the cache leaves its real file unlisted) names
+both."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from schemas import format as fmt
+from schemas import rules
+from schemas.encoding import EncodingConfig, row_mask_checksum
+from schemas.stamps import combined_mask_checksum, file_sha256
+
+ENC = EncodingConfig(max_length=64)
+COMP = {"dtype": "float32", "device_type": "cpu", "mode": "single"}
+MODEL, TOKENIZER = "m" * 64, "t" * 64
+SHARDS, PER_SHARD = 2, 3
+
+
+def rows_of(n: int = SHARDS * PER_SHARD) -> list[dict]:
+    out = []
+    for i in range(n):
+        prompt, chosen, rejected = [1, 2, 3 + i], [4 + i, 5], [6, 7 + i, 8]
+        out.append({"id": f"r{i}", "prompt": prompt, "chosen": chosen, "rejected": rejected,
+                    "chosen_logps": [-0.5, -1.0 - i], "rejected_logps": [-0.25, -2.0, -0.125 * i],
+                    "checksum": row_mask_checksum(prompt, chosen, rejected)})
+    return out
+
+
+def table_of(rows) -> pa.Table:
+    return fmt.shard_table([r["id"] for r in rows], [r["prompt"] for r in rows], [r["chosen"] for r in rows],
+                           [r["rejected"] for r in rows], [r["chosen_logps"] for r in rows],
+                           [r["rejected_logps"] for r in rows])
+
+
+def write_shard(root: Path, name: str, table: pa.Table, **stamps) -> dict:
+    return fmt.write_shard(root / name, table, model_hash=stamps.get("model_hash", MODEL),
+                           tokenizer_hash=stamps.get("tokenizer_hash", TOKENIZER), encoding=ENC, computation=COMP)
+
+
+def restamp(root: Path, manifest: dict) -> None:
+    """The manifest's cache checksum recomputed from the shards, as a forger who knows the format would."""
+    checks = [c for e in manifest["shards"]
+              for c in pq.read_table(root / e["file"], columns=["mask_checksum"]).column(0).to_pylist()]
+    manifest["stamps"]["mask_checksum"] = combined_mask_checksum(checks, ENC.to_json())
+    fmt.write_manifest(root, manifest)
+
+
+def write_cache(root: Path, rows) -> dict:
+    root.mkdir(parents=True)
+    entries = [write_shard(root, f"shard-{i:05d}.parquet", table_of(rows[i * PER_SHARD:(i + 1) * PER_SHARD]))
+               for i in range(SHARDS)]
+    manifest = {"format_version": fmt.FORMAT_VERSION, "stamps": {"model_hash": MODEL, "tokenizer_hash": TOKENIZER},
+                "encoding": ENC.to_dict(), "computation": COMP, "shards": entries, "rows": len(rows),
+                "source": {"rows_in": len(rows), "skipped": 0, "skipped_by_reason": {}}}
+    restamp(root, manifest)
+    return manifest
+
+
+def every_rule(root: Path, caller: dict) -> set[tuple[str, str]]:
+    """(rule, kind) of every finding of every rule, run the way audit-ref runs them (a shard failing shard_files is
+    left out of the row rules; the cache checksum waits for every shard), then a sound cache against `caller`."""
+    manifest = fmt.read_manifest(root)
+    found = list(rules.manifest_findings(manifest))
+    frames, every, ids_by_shard = [], [], []
+    for entry in manifest["shards"]:
+        path, problems = rules.shard_file_findings(root, entry)
+        if not problems:
+            want = rules.expected_footer(manifest["stamps"], ENC, entry, manifest.get("computation"))
+            problems = rules.shard_footer_findings(path, want, entry["rows"])[1]
+        found += problems
+        if any(f.rule == "shard_files" for f in problems):
+            continue
+        table = pq.read_table(path).replace_schema_metadata(None)
+        found += rules.shard_checksum_findings(entry["file"], entry, table.column("mask_checksum").to_pylist(),
+                                               table.column("id").to_pylist(), ENC.to_json())
+        import polars as pl
+
+        df = pl.from_arrow(table).with_row_index("row").with_columns(pl.lit(entry["file"]).alias("shard"))
+        found += rules.row_checksum_findings(df, entry["file"]) + rules.value_findings(df, entry["file"])
+        frames.append(table.append_column("shard", pa.array([entry["file"]] * table.num_rows))
+                      .append_column("row", pa.array(range(table.num_rows), pa.uint32())))
+        every += table.column("mask_checksum").to_pylist()
+        ids_by_shard.append((entry["file"], table.column("id").to_pylist()))
+    found += rules.unlisted_findings(root, [e["file"] for e in manifest["shards"]])
+    found += rules.unique_id_findings(ids_by_shard)
+    if len(frames) == len(manifest["shards"]) and not any(f.rule == "shard_checksums" for f in found):
+        found += rules.cache_checksum_findings(every, manifest)
+    found += rules.skipped_findings(root, manifest)[1]
+    if found:  # a reader refuses the cache before it compares it with its caller
+        return {(f.rule, f.kind) for f in found}
+    found += rules.computation_findings(manifest["computation"], caller["computation"])
+    index = pa.concat_tables(frames).select(["id", "mask_checksum", "shard", "row"])
+    cache = SimpleNamespace(root=root, manifest=manifest, stamps=manifest["stamps"], encoding=ENC, index=index)
+    found += rules.use_findings(cache, model_hash=caller["model_hash"], tokenizer_hash=caller["tokenizer_hash"],
+                                encoding_request=caller["encoding"], rows=lambda encoding: caller["rows"])
+    return {(f.rule, f.kind) for f in found}
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("rules") / "cache"
+    write_cache(root, rows_of())
+    return root
+
+
+def matching_caller() -> dict:
+    return {"model_hash": MODEL, "tokenizer_hash": TOKENIZER, "encoding": {"max_length": None}, "computation": COMP,
+            "rows": {r["id"]: r["checksum"] for r in rows_of()}}
+
+
+def shard_rewritten(edit):
+    """Damage: shard 1 rewritten with `edit(rows) -> table`, its manifest entry and the cache checksum made to match
+    (only the rule that reads the edited thing can see it)."""
+    def damage(root, manifest, caller):
+        name = manifest["shards"][1]["file"]
+        manifest["shards"][1] = write_shard(root, name, edit(rows_of()[PER_SHARD:2 * PER_SHARD]))
+        restamp(root, manifest)
+    return damage
+
+
+def footer_rewritten(edit_table=None, edit_meta=None):
+    """Damage: shard 0 written again by hand, keeping (or editing) its footer metadata; the entry's bytes and sha256
+    made to match."""
+    def damage(root, manifest, caller):
+        entry = manifest["shards"][0]
+        path = root / entry["file"]
+        table = pq.read_table(path)
+        meta = dict(table.schema.metadata)
+        table = (edit_table or (lambda t: t))(table.replace_schema_metadata(None))
+        pq.write_table(table.replace_schema_metadata((edit_meta or (lambda m: m))(meta)), path)
+        entry.update(bytes=path.stat().st_size, sha256=file_sha256(path))
+        fmt.write_manifest(root, manifest)
+    return damage
+
+
+def manifest_edit(edit):
+    def damage(root, manifest, caller):
+        edit(manifest)
+        fmt.write_manifest(root, manifest)
+    return damage
+
+
+def caller_edit(edit):
+    def damage(root, manifest, caller):
+        edit(caller)
+    return damage
+
+
+def with_column(table: pa.Table, name: str, values) -> pa.Table:
+    i = table.schema.get_field_index(name)
+    return table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
+
+
+def swap_rows(table: pa.Table) -> pa.Table:
+    return table.take([1, 0, *range(2, table.num_rows)])
+
+
+def flip_byte(root, manifest, caller):
+    path = root / manifest["shards"][0]["file"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def positive(rows):
+    rows[0]["chosen_logps"] = [0.5, -1.0]
+    return table_of(rows)
+
+
+def short_list(rows):
+    rows[0]["chosen_logps"] = rows[0]["chosen_logps"][:1]
+    return table_of(rows)
+
+
+def other_checksum(rows):
+    t = table_of(rows)
+    return with_column(t, "mask_checksum", ["0" * 64] + t.column("mask_checksum").to_pylist()[1:])
+
+
+def skipped_line(root, manifest, caller):
+    (root / fmt.SKIPPED).write_text(json.dumps({"id": "x", "reason": "too_long"}) + "\n")
+
+
+def duplicate_id(root, manifest, caller):
+    rows = rows_of()
+    rows[PER_SHARD]["id"] = rows[0]["id"]
+    for p in root.iterdir():
+        p.unlink()
+    root.rmdir()
+    manifest.clear()
+    manifest.update(write_cache(root, rows))
+    caller["rows"] = {r["id"]: r["checksum"] for r in rows}
+
+
+CASES = {  # name: (damage, the findings it must produce, and no other)
+    "manifest rows": (manifest_edit(lambda m: (m.update(rows=m["rows"] + 1), m["source"].update(rows_in=m["rows"]))),
+                      {("manifest", "manifest")}),
+    "shard missing": (lambda root, m, c: (root / m["shards"][1]["file"]).unlink(), {("shard_files", "shard_missing")}),
+    "shard size": (manifest_edit(lambda m: m["shards"][0].update(bytes=m["shards"][0]["bytes"] + 1)),
+                   {("shard_files", "shard_size")}),
+    "shard hash": (flip_byte, {("shard_files", "shard_hash")}),
+    "shard name": (manifest_edit(lambda m: m["shards"][0].update(file="../elsewhere.parquet")),
+                   {("shard_files", "shard_path"), ("shard_files", "shard_unlisted")}),  # shard-00000 now unlisted
+    "shard unlisted": (lambda root, m, c: shutil.copy(root / m["shards"][0]["file"], root / "extra.parquet"),
+                       {("shard_files", "shard_unlisted")}),
+    "shard rows": (manifest_edit(lambda m: (m["shards"][0].update(rows=m["shards"][0]["rows"] + 1),
+                                            m.update(rows=m["rows"] + 1), m["source"].update(rows_in=m["rows"]))),
+                   {("shard_files", "shard_rows")}),
+    "footer model hash": (footer_rewritten(edit_meta=lambda m: {**m, b"refcache.model_hash": b"other"}),
+                          {("shard_stamps", "model_hash")}),
+    "footer computation": (footer_rewritten(edit_meta=lambda m: {**m, b"refcache.computation": b'{"dtype": "x"}'}),
+                           {("shard_stamps", "computation")}),
+    "rows reordered": (footer_rewritten(edit_table=swap_rows),
+                       {("shard_checksums", "mask_checksum"), ("shard_checksums", "ids_checksum")}),
+    "stored row checksum": (shard_rewritten(other_checksum), {("row_checksums", "mask_checksum")}),
+    "cache checksum": (manifest_edit(lambda m: m["stamps"].update(mask_checksum="0" * 64)),
+                       {("cache_checksum", "mask_checksum")}),
+    "duplicate id": (duplicate_id, {("unique_ids", "duplicate_id")}),
+    "list length": (shard_rewritten(short_list), {("list_lengths", "values")}),
+    "sum": (shard_rewritten(lambda rows: with_column(table_of(rows), "chosen_logp", [0.0] * len(rows))),
+            {("sums", "values")}),
+    "positive log-prob": (shard_rewritten(positive), {("logprob_values", "values")}),
+    "skipped list": (skipped_line, {("skipped_counts", "manifest")}),
+    "caller computation": (caller_edit(lambda c: c.update(computation={**COMP, "dtype": "bfloat16"})),
+                           {("computation", "computation")}),
+    "caller model": (caller_edit(lambda c: c.update(model_hash="x" * 64)), {("stamps", "model_hash")}),
+    "caller tokenizer": (caller_edit(lambda c: c.update(tokenizer_hash="x" * 64)), {("stamps", "tokenizer_hash")}),
+    "caller encoding option": (caller_edit(lambda c: c.update(encoding={"max_length": 32})), {("stamps", "encoding")}),
+    "caller row missing": (caller_edit(lambda c: c["rows"].update({"new": "0" * 64})), {("rows", "rows_missing")}),
+    "caller row differs": (caller_edit(lambda c: c["rows"].update(r1="0" * 64)), {("rows", "mask_checksum")}),
+}
+
+
+def test_a_sound_cache_and_its_caller_find_nothing(pristine):
+    assert every_rule(pristine, matching_caller()) == set()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_rule_fires_on_its_case_and_only_there(pristine, tmp_path, case):
+    damage, expected = CASES[case]
+    root = Path(shutil.copytree(pristine, tmp_path / "cache"))
+    caller = matching_caller()
+    damage(root, fmt.read_manifest(root), caller)
+    assert every_rule(root, caller) == expected
+
+
+def test_every_rule_has_a_case():
+    """A rule added to the book without a case here fails (rules as audit-ref and train-dpo name them)."""
+    covered = {rule for _, expected in CASES.values() for rule, _ in expected}
+    assert covered == {"manifest", "shard_files", "shard_stamps", "shard_checksums", "row_checksums", "cache_checksum",
+                       "unique_ids", *rules.VALUE_RULES, "skipped_counts", "computation", "stamps", "rows"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the comparisons with a caller, one by one: what each finding says
+
+
+def test_stamp_findings_name_the_stamp_and_carry_the_callers_remedy():
+    recorded = {"model_hash": MODEL, "tokenizer_hash": TOKENIZER,
+                "tokenizer": {"parts": {"vocab": "a", "chat_template": "b"}}}
+    (f,) = rules.stamp_findings(recorded, {"model_hash": "x", "tokenizer_hash": TOKENIZER}, where="the cache /c",
+                                remedies={"model_hash": "pass --ref-model"})
+    assert (f.kind, f.expected, f.found, f.remedy) == ("model_hash", "x", MODEL, "pass --ref-model")
+    assert f.message == "model_hash mismatch: the cache /c was not computed with this model"
+    assert f.error().__class__.__name__ == "StampMismatch"
+    (f,) = rules.stamp_findings(recorded, {"tokenizer_hash": "y"}, where="the cache /c",
+                                tokenizer_parts={"vocab": "a", "chat_template": "other"})
+    assert f.message == "tokenizer_hash mismatch: the cache /c was not computed with this tokenizer; it differs in: " \
+        "chat_template"
+    assert f.remedy == fmt.RERUN  # no remedy given: the rule book's own
+    assert rules.stamp_findings(recorded, {"model_hash": MODEL, "tokenizer_hash": TOKENIZER}) == []
+    (f,) = rules.stamp_findings({}, {"model_hash": MODEL})  # a record without stamps matches nothing
+    assert f.found is None
+
+
+def test_option_findings_name_the_option_the_callers_way():
+    (f,) = rules.option_findings(ENC, {"max_length": 32, "truncation_mode": None}, where="the cache /c",
+                                 option=lambda k: "--" + k.replace("_", "-"), remedy="drop it")
+    assert f.message == "--max-length 32 conflicts with the cache /c, made with max_length=64"
+    assert (f.kind, f.expected, f.found, f.remedy) == ("encoding", 32, 64, "drop it")
+
+
+def test_row_findings_name_the_shard_and_row(pristine):
+    index = pa.table({"id": ["a", "b", "c"], "mask_checksum": ["1", "2", "3"], "shard": ["s0", "s0", "s1"],
+                      "row": pa.array([0, 1, 0], pa.uint32())})
+    assert rules.row_findings(index, {"c": "3", "a": "1"}) == []
+    (f,) = rules.row_findings(index, {"a": "1", "c": "9"})
+    assert (f.kind, f.shard, f.row, f.expected, f.found) == ("mask_checksum", "s1", 0, "9", "3")
+    (f,) = rules.row_findings(index, {"a": "1", "x": "1", "y": "2"}, where="the cache /c",
+                              remedies={"rows_missing": "precompute them"})
+    assert (f.kind, f.count, f.remedy) == ("rows_missing", 2, "precompute them")
+    assert f.message == "2 of 3 data rows are not in the cache /c; first ids: x, y"
