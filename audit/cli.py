@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from runtime.cli import quiet_libraries, run_cli
+from runtime.tolerance import describe_replay
 from schemas import format as fmt
 
 from .cache import audit_cache
@@ -99,8 +100,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
 @click.option("--all", "replay_all", is_flag=True, help="Replay every row.")
 @click.option("--seed", default=0, help="Seed of the replay sample.")
 @click.option("--tolerance", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Per-token replay tolerance. [default: 1e-4 for float32, 5e-2 for bfloat16/float16, wider when "
-                   "the recorded device type differs]")
+              help=f"Per-token replay tolerance. [default: {describe_replay()}]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the report as JSON here.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow custom model code from the checkpoint folder.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")

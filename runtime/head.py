@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from .tolerance import head_tolerance
+
 HEADS = ("hook", "logits_to_keep", "logits")
 PROBE_TOKENS = 24
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """Largest per-token difference from the model's own logits a head path may show on the check."""
-    return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
 
 
 def verified_head(model) -> str:
@@ -44,7 +41,7 @@ def verified_head(model) -> str:
                                   torch.as_tensor(ids[1:], device=device), head=head)
             except Exception:  # e.g. a forward that takes no logits_to_keep mask, or a hook that never runs
                 continue
-            if got.shape == truth.shape and float((got - truth).abs().max()) <= tolerance(inner.dtype):
+            if got.shape == truth.shape and float((got - truth).abs().max()) <= head_tolerance(inner.dtype):
                 found = head
                 break
     inner._refcache_head = found

@@ -57,10 +57,10 @@ def _cell(text: str) -> str:
 
 
 from .choose import (  # noqa: E402  (these read REGISTRY)
-    FALLBACK, HEAD_ELEMENTS, candidates, choose_mode, effective_budget, probe_pairs, probe_tolerance, unsupported)
+    FALLBACK, HEAD_ELEMENTS, candidates, choose_mode, effective_budget, probe_pairs, unsupported)
 from runtime.architecture import shape_dependent  # noqa: E402
 from .scoring import estimated_cost, plan_batches, score_pairs  # noqa: E402
 
 __all__ = ["FALLBACK", "HEAD_ELEMENTS", "MODES", "REGISTRY", "BatchingMode", "batching_help", "candidates",
            "choose_mode", "effective_budget", "estimated_cost", "lookup", "plan_batches", "probe_pairs",
-           "probe_tolerance", "readme_table", "score_pairs", "shape_dependent", "unsupported"]
+           "readme_table", "score_pairs", "shape_dependent", "unsupported"]
