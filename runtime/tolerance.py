@@ -15,16 +15,16 @@ Per token, |value - reference_logps| may be at most `per_token` of the dtype the
                      rounding step of 0.125, and two orders of summation can end a step or two apart, so 0.25 is
                      two steps of such a logit. This is rounding, not a mistake (test_architectures.py checks that
                      a mistake moves values much further).
-  any other dtype    the bfloat16 row (a quantized model reports a half-precision dtype).
+  any other dtype    the bfloat16 row, as coarse as the coarsest named.
 
 Two named parts of the same policy:
   HEAD_SHARE      the head check (head.py) compares the output projection applied to the same hidden states with
                   the model's own logits. Only the projection's summation order differs, and the head it picks
                   also runs where no probe follows (train-dpo's padded layout, the live policy), so it may use a
                   tenth of the budget: 1e-5 in float32, 0.025 in bf16/fp16.
-  ACROSS_DEVICES  a replay on another device type than the cache records (a CUDA cache replayed on a CPU) runs
-                  other kernels (matmul blocking, fused attention, reductions) that round differently at every
-                  layer. In float32 that is about the size of the budget on a deep model, hence x10 (1e-3). In
+  across_devices  (a field of each row) a replay on another device type than the cache records (a CUDA cache
+                  replayed on a CPU) runs other kernels (matmul blocking, fused attention, reductions) that round
+                  differently at every layer. In float32 that is about the size of the budget on a deep model, hence x10 (1e-3). In
                   bf16/fp16 the budget is already rounding-sized, hence x2 (0.5).
 """
 
@@ -68,10 +68,10 @@ def head_tolerance(dtype: torch.dtype | str) -> float:
 
 
 def replay_tolerance(dtype: torch.dtype | str, recorded_device: str | None, local_device: str) -> float:
-    """audit-ref's per-token replay tolerance: the probe's, times ACROSS_DEVICES when the cache records another
-    device type than this one (nothing recorded: no allowance)."""
+    """audit-ref's per-token replay tolerance: the probe's, times the row's `across_devices` when the cache records
+    another device type than this one (nothing recorded: no allowance)."""
     row = precision(dtype)
-    across = recorded_device is not None and recorded_device != local_device
+    across = bool(recorded_device) and recorded_device != local_device
     return row.per_token * (row.across_devices if across else 1)
 
 

@@ -42,11 +42,23 @@ def test_a_dtype_the_policy_does_not_name_gets_the_low_precision_row():
 
 def test_replay_widens_only_across_device_types():
     assert replay_tolerance("float32", "cpu", "cpu") == 1e-4 == probe_tolerance(torch.float32)  # the guarantee
-    assert replay_tolerance("float32", None, "cuda") == 1e-4  # nothing recorded: no allowance
+    assert replay_tolerance("float32", None, "cuda") == replay_tolerance("float32", "", "cuda") == 1e-4  # none
     assert replay_tolerance("float32", "cuda", "cpu") == pytest.approx(1e-3)  # x10
     assert replay_tolerance("bfloat16", "cpu", "cpu") == 0.25
     assert replay_tolerance("bfloat16", "cuda", "cpu") == pytest.approx(0.5)  # x2
     assert replay_tolerance("float16", "mps", "cuda") == pytest.approx(0.5)
+
+
+def test_a_nan_anywhere_fails_the_probe():
+    """Python's max drops a NaN that is not first (the probe's old `max(...)` did); the probe's difference keeps it."""
+    import numpy as np
+
+    from runtime.probe import max_difference
+
+    truth = [np.zeros(3, np.float32), np.zeros(2, np.float32)]
+    assert np.isnan(max_difference([np.full(3, 1e-6), np.array([0.0, np.nan])], truth))
+    assert max_difference([np.full(3, 1e-6), np.array([0.0, -2e-6])], truth) == pytest.approx(2e-6)
+    assert max_difference([np.zeros(0)], [np.zeros(0)]) == 0.0
 
 
 def test_the_readme_and_audit_help_quote_the_policy():
@@ -101,7 +113,7 @@ def figure_names(modules) -> set[str]:
     found: set[str] = set()
     while True:
         before = len(found)
-        for module, tree in modules:
+        for _, tree in modules:
             for node in ast.walk(tree):
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
                     if is_figure_expression(node.value, found):
@@ -129,7 +141,7 @@ def is_figure_expression(node, names: set[str]) -> bool:
 
 def figure_comparisons(modules) -> list[str]:
     """Ordering comparisons outside the policy of a value with a figure expression, the other side neither a
-    constant nor a figure (that would be a parameter's range check, as in `0 <= label_smoothing < 0.5`)."""
+    constant nor a figure (`beta <= 0`, a parameter's check)."""
     names = figure_names(modules)
     found = []
     for module, tree in modules:
@@ -177,11 +189,14 @@ def test_the_scan_finds_a_differently_spelled_twin():
         "a constant": "LIMIT = 2e-2\ndef ok(d): return d <= LIMIT\n",
         "a helper": "def allowed(dtype):\n    return 1e-4 if dtype else 0.25\ndef ok(d, t): return d <= allowed(t)\n",
         "a local": "def ok(d, exact):\n    bound = 1e-4 if exact else 3.0\n    return not d > bound\n",
-        "an attribute": "class C:\n    def __init__(self):\n        self.tol = 5e-2\n    def ok(self, d): return d < self.tol\n",
+        "an attribute": ("class C:\n    def __init__(self):\n        self.tol = 5e-2\n"
+                         "    def ok(self, d): return d < self.tol\n"),
         "a literal": "def ok(d): return abs(d) <= 1e-5\n",
     }
     for what, source in twins.items():
         assert figure_comparisons([("dpo/twin.py", ast.parse(source))]), what
+    not_figures = "def ok(x, ratio, s):\n    return 0 <= x and ratio <= 1.0 and s > 1e5 and 0.5 < 1\n"
+    assert figure_comparisons([("dpo/twin.py", ast.parse(not_figures))]) == []
     named = ast.parse("def default_tolerance(dtype): return 1\nPROBE_TOLERANCE = 3\n")
     assert len(tolerance_definitions([("audit/twin.py", named)])) == 2
 
