@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from runtime.cli import EXIT_FAILED, EXIT_OK, dataclass_options, field_help, given_values, quiet_libraries, run_cli
+from runtime.tolerance import describe_replay
 from schemas import format as fmt
 
 from .cache import audit_cache
@@ -53,7 +54,7 @@ class AuditOptions:
     seed: int = field(default=0, metadata=field_help("Seed of the replay sample."))
     tolerance: float | None = field(default=None, metadata=field_help(
         "Per-token replay tolerance.", click_type=click.FloatRange(min=0, min_open=True),
-        show_default="1e-4 for float32, 5e-2 for bfloat16/float16, wider when the recorded device type differs"))
+        show_default=describe_replay()))
     json: str | None = field(default=None, metadata=field_help(
         "Also write the report as JSON here.", click_type=click.Path(dir_okay=False)))
     trust_remote_code: bool = field(default=False, metadata=field_help(

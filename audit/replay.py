@@ -17,15 +17,6 @@ from .checks import FAIL, PASS, SKIP, Check
 from .checks import short as _short
 
 
-def default_tolerance(dtype: str, recorded_device: str | None, local_device: str) -> float:
-    """Per-token replay tolerance: what the recorded dtype allows, wider when replaying on another device type."""
-    base = 1e-4 if dtype == "float32" else 5e-2
-    if recorded_device and recorded_device != local_device:
-        base *= 10 if dtype == "float32" else 2
-    return base
-
-
-
 def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, sample: int | None, seed: int,
                 tolerance: float | None, trust_remote_code: bool):
     """Model and tokenizer hash checks and the replay; returns (checks, tokenizer, tokenizer_ok)."""
@@ -60,12 +51,13 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
     mode made the cache), in the recorded dtype on this machine's device, and compare per token with the cached
     values. `checkpoint`: a runtime.checkpoint.Checkpoint; `sample=None` replays every row."""
     from runtime.checkpoint import preserved_rng, resolve_device, resolve_dtype
+    from runtime.tolerance import replay_tolerance
 
     t0 = time.perf_counter()
     comp = manifest.get("computation") or {}
     dtype = comp.get("dtype", "float32")
     device = resolve_device("auto")
-    tol = tolerance if tolerance is not None else default_tolerance(dtype, comp.get("device_type"), device.type)
+    tol = tolerance if tolerance is not None else replay_tolerance(dtype, comp.get("device_type"), device.type)
     count = index.height if sample is None else min(sample, index.height)
     picks = np.sort(np.random.default_rng(seed).choice(index.height, size=count, replace=False))
     found = Differences(tol)

@@ -15,13 +15,16 @@ the model's own plain forward; otherwise padded, with one log line saying why.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import numpy as np
 import torch
 
-from runtime.logprobs import completion_logps, reference_logps, token_logps
+from runtime import cost
+from runtime.logprobs import completion_logps, token_logps
 from runtime.architecture import tree_mask_unsupported
 from runtime.packing import additive_mask, pack_rows, tree_inputs
+from runtime.probe import disagreement
 from schemas.encoding import EncodedPair
 
 
@@ -81,20 +84,17 @@ def pair_logps(model, inputs: dict) -> torch.Tensor:
 
 def estimated_work(lengths: np.ndarray, batch_size: int, hidden: int, seed: int = 0, max_batches: int = 256) -> dict:
     """Token-equivalent work per layout over random batches like the Trainer's sampler draws (`lengths`: [pairs, 3]
-    prompt, chosen, rejected). Slots through the layers (padding included) plus attention scores weighted
-    1 / (6 * hidden) of a token, as precompute's estimate; a custom or padding mask makes the kernel compute every
-    score, causal attention without padding about half."""
+    prompt, chosen, rejected), by runtime/cost.py, the model precompute-ref's modes are weighed by: padded is
+    right-padded rows of sequences, prefix_shared rows of packed pairs under the tree mask."""
     order = np.random.default_rng(seed).permutation(len(lengths))
     work = {"padded": 0.0, "prefix_shared": 0.0}
     for start in range(0, min(len(order), batch_size * max_batches), batch_size):
         P, C, R = lengths[order[start:start + batch_size]].T
         seqs = np.concatenate([P + C, P + R])
-        width = seqs.max()
-        share = 0.5 if (seqs == width).all() else 1.0
-        work["padded"] += len(seqs) * width + len(seqs) * width**2 * share / (6 * hidden)
+        work["padded"] += cost.work(*cost.padded_rows(seqs), hidden)
         rows = pack_rows((P + C + R).tolist(), pack=True)
-        row_width = max(int(sum(P[i] + C[i] + R[i] for i in r)) for r in rows)
-        work["prefix_shared"] += len(rows) * row_width + len(rows) * row_width**2 / (6 * hidden)
+        work["prefix_shared"] += cost.work(*cost.tree_rows([int(sum(P[i] + C[i] + R[i] for i in r)) for r in rows]),
+                                           hidden)
     return work
 
 
@@ -118,36 +118,30 @@ def probe_pairs(table, lengths: np.ndarray) -> list[EncodedPair]:
 
 
 @torch.no_grad()
-def probe_difference(model, pairs: list[EncodedPair], pad_id: int) -> float:
-    """Largest |packed - plain| per-token log-prob over `pairs`, the packed values from one prefix_shared batch."""
+def prefix_shared_logps(model, pairs: list[EncodedPair], pad_id: int) -> list[torch.Tensor]:
+    """Per-token log-probs of `pairs` from one prefix_shared batch, in the probe's order (chosen, rejected of each
+    pair)."""
     device = next(model.parameters()).device
     rows = [{"prompt_ids": p.prompt_ids, "chosen_ids": p.chosen_ids, "rejected_ids": p.rejected_ids} for p in pairs]
     batch = {k: v.to(device) for k, v in PrefixSharedCollator(pad_id)(rows).items()}
-    got = pair_logps(model, batch).cpu()
-    want = torch.cat([reference_logps(model, p.prompt_ids, c).cpu() for side in ("chosen_ids", "rejected_ids")
-                      for p in pairs for c in [getattr(p, side)]])
-    return float((got - want).abs().max())
-
-
-LOW_PRECISION_TOLERANCE = 0.25  # per-token log-prob, bf16/fp16 weights or autocast (8 or 11 significant bits)
+    lens = [len(p.chosen_ids) for p in pairs] + [len(p.rejected_ids) for p in pairs]
+    parts = pair_logps(model, batch).cpu().split(lens)
+    return [parts[k] for i in range(len(pairs)) for k in (i, len(pairs) + i)]
 
 
 def probe_reasons(models: list, sample: list[EncodedPair], pad_id: int, autocast: torch.dtype | None) -> list[str]:
-    """Why the probe rejects prefix_shared, or []: each model in its own dtype, then (mixed precision) under the
-    autocast the Trainer runs the forward in, where kernels, mask dtype and rounding differ."""
+    """Why the probe (runtime/probe.py) rejects prefix_shared, or []: each model in its own dtype, then (mixed
+    precision) under the autocast the Trainer runs the forward in, where kernels, mask dtype and rounding differ; the
+    tolerance is that of the dtype the forward computes in."""
     for dtype in [None] + ([autocast] if autocast is not None else []):
         where = f" under {str(dtype).removeprefix('torch.')} autocast" if dtype else ""
         for m in models:  # a live reference under --bf16 is loaded in bf16, the policy in float32
-            exact = dtype is None and m.dtype == torch.float32
-            tolerance = 1e-4 if exact else LOW_PRECISION_TOLERANCE
             device = next(m.parameters()).device.type
-            try:
-                with torch.autocast(device, dtype=dtype) if dtype else contextlib.nullcontext():
-                    diff = probe_difference(m, sample, pad_id)
-            except Exception as e:  # an architecture whose forward rejects the tree inputs
-                return [f"not supported by this model{where} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"]
-            if not diff <= tolerance:
-                return [f"differs from the plain forward by {diff:.2e}{where} on the probe pairs"]
+            with torch.autocast(device, dtype=dtype) if dtype else contextlib.nullcontext():
+                reason = disagreement(m, partial(prefix_shared_logps, m, pad_id=pad_id), sample, dtype=dtype,
+                                      where=where)
+            if reason:
+                return [reason]
     return []
 
 

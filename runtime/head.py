@@ -10,12 +10,9 @@ positions only where it takes a boolean `logits_to_keep` mask (`logits_to_keep`)
 
 from __future__ import annotations
 
-import torch
+
 
 HEADS = ("hook", "logits_to_keep", "logits")
 PROBE_TOKENS = 24
 
 
-def tolerance(dtype: torch.dtype) -> float:
-    """Largest per-token difference from the model's own logits a head path may show on the check."""
-    return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2

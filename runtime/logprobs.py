@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .head import HEADS, PROBE_TOKENS, tolerance
+from .head import HEADS, PROBE_TOKENS
+from .tolerance import head_tolerance
 
 CHUNK_ELEMENTS = 2**25  # logits held at once (~128 MiB in float32)
 
@@ -190,7 +191,7 @@ def verified_head(model) -> str:
                                   torch.as_tensor(ids[1:], device=device), head=head)
             except Exception:  # e.g. a forward that takes no logits_to_keep mask, or a hook that never runs
                 continue
-            if got.shape == truth.shape and float((got - truth).abs().max()) <= tolerance(inner.dtype):
+            if got.shape == truth.shape and float((got - truth).abs().max()) <= head_tolerance(inner.dtype):
                 found = head
                 break
     inner._refcache_head = found

@@ -12,10 +12,10 @@ from runtime.architecture import shape_dependent
 
 from .base import BatchingMode
 from .choose import (
-    FALLBACK, HEAD_ELEMENTS, candidates, choose_mode, effective_budget, probe_pairs, probe_tolerance, unsupported)
+    FALLBACK, HEAD_ELEMENTS, candidates, choose_mode, effective_budget, probe_pairs, unsupported)
 from .registry import MODES, REGISTRY, batching_help, lookup, readme_table
 from .scoring import estimated_cost, score_pairs
 
 __all__ = ["FALLBACK", "HEAD_ELEMENTS", "MODES", "REGISTRY", "BatchingMode", "batching_help", "candidates",
            "choose_mode", "effective_budget", "estimated_cost", "lookup", "probe_pairs",
-           "probe_tolerance", "readme_table", "score_pairs", "shape_dependent", "unsupported"]
+           "readme_table", "score_pairs", "shape_dependent", "unsupported"]

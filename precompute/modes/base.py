@@ -15,6 +15,7 @@ import torch
 from schemas.encoding import EncodedPair
 
 from runtime.architecture import shape_dependent
+from runtime.cost import work
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 
@@ -39,21 +40,18 @@ class BatchingMode:
         raise NotImplementedError
 
     def batch_cost(self, lengths: Lengths, batch) -> tuple[float, float]:
-        """(slots, attention scores) the kernel computes for one batch: see estimated_cost."""
+        """(slots, attention scores) the kernel computes for one batch (runtime/cost.py has one per layout)."""
         raise NotImplementedError
 
     def estimated_cost(self, pairs: list[EncodedPair], token_budget: int, hidden: int) -> float:
-        """Work of scoring `pairs`, in token equivalents: every slot that runs through the layers (padding
-        included) plus the attention scores the kernel computes, each weighted 1 / (6 * hidden) of a token (a
-        layer's linear maps cost about 24 h^2 FLOPs per token, attention about 4 h per score). Masked scores count:
-        a custom or padding mask makes the kernel compute them anyway; causal attention without padding skips the
-        upper triangle, as flash attention does per sequence (varlen)."""
+        """Work of scoring `pairs`, in token equivalents: runtime.cost.work of every batch's slots and attention
+        scores (the cost model train-dpo's layouts are weighed by too)."""
         lengths = Lengths.of(pairs)
         slots = scores = 0.0
         for batch in self.plan(pairs, token_budget):
             batch_slots, batch_scores = self.batch_cost(lengths, batch)
             slots, scores = slots + batch_slots, scores + batch_scores
-        return float(slots + scores / (6 * hidden))
+        return work(slots, scores, hidden)
 
     def unsupported(self, model, longest: int, attn: str) -> str | None:
         """Why this mode cannot run on `model` with attention `attn`, or None. `longest`: the longest prompt +
@@ -100,8 +98,3 @@ def split(flat, lengths: torch.Tensor) -> list[np.ndarray]:
     """Flattened values cut into consecutive parts of `lengths`."""
     flat = flat.cpu().numpy() if isinstance(flat, torch.Tensor) else flat
     return np.split(flat, np.cumsum(lengths.numpy())[:-1])
-
-
-def causal(lengths: np.ndarray) -> float:
-    """Share of the score matrix computed: without padding transformers lets the kernel skip the upper triangle."""
-    return 0.5 if (lengths == lengths[0]).all() else 1.0

@@ -2,20 +2,20 @@
 cheapest), once it reproduces `runtime.logprobs.reference_logps` on a probe of the job's own pairs.
 
 Every mode, asked for or ranked, is checked against reference_logps on real pairs (short ones and the job's longest)
-before it runs; the first that agrees is taken (a requested mode falls back to full_forward, then single; auto to
-the next cheapest, then single), else the job is refused. The choice depends only on the data, the model and the
+before it runs (runtime/probe.py, at the tolerance of runtime/tolerance.py); the first that agrees is taken (a
+requested mode falls back to full_forward, then single; auto to the next cheapest, then single), else the job is
+refused. The choice depends only on the data, the model and the
 device, so a resumed job picks the same mode again. Reads the registry only: a new mode needs nothing here.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from functools import partial
 
 from schemas.encoding import EncodedPair
 
 from runtime.errors import JobError
-from runtime.logprobs import reference_logps
+from runtime.probe import disagreement, reference_values
 
 from .registry import REGISTRY, lookup
 from .scoring import estimated_cost, score_pairs
@@ -69,10 +69,11 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
             log(warning)
     order, cost = _order(model, requested, sample, token_budget)
     probe = probe_pairs(sample, long_pairs=long_pairs)
-    truth = [reference_logps(model, p.prompt_ids, c).cpu().numpy() for p in probe for c in (p.chosen_ids, p.rejected_ids)]
+    truth = reference_values(model, probe)
     rejected = []
     for mode in order:
-        reason = unsupported(mode, model, longest) or _disagrees(model, mode, probe, truth, pad_id)
+        reason = unsupported(mode, model, longest) or disagreement(
+            model, partial(_mode_values, model, mode, pad_id=pad_id), probe, truth=truth)
         if reason is None:
             ratio = (f"; estimated {cost['full_forward'] / cost[mode]:.2f}x less work than full_forward"
                      if mode in cost else "")
@@ -115,20 +116,7 @@ def probe_pairs(sample: list[EncodedPair], prompt_cap: int = 24, completion_cap:
     return probe
 
 
-def _disagrees(model, mode: str, probe: list[EncodedPair], truth: list[np.ndarray], pad_id: int) -> str | None:
-    try:
-        got_c, got_r, _ = score_pairs(model, probe, pad_id, 1 << 30, mode)
-    except Exception as e:  # an architecture whose forward rejects the inputs this mode needs
-        return f"not supported by this model ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-    got = [x for pair in zip(got_c, got_r) for x in pair]
-    if any(len(a) != len(b) for a, b in zip(got, truth)):
-        return "returns the wrong number of values"
-    diff = max(float(np.max(np.abs(a - b), initial=0.0)) for a, b in zip(got, truth))
-    if not diff <= probe_tolerance(model.dtype):  # NaN fails
-        return f"differs from the reference forward by {diff:.2e} on this model"
-    return None
-
-
-def probe_tolerance(dtype: torch.dtype) -> float:
-    """Largest per-token difference from reference_logps a mode may show on the probe."""
-    return 1e-4 if dtype in (torch.float32, torch.float64) else 0.25
+def _mode_values(model, mode: str, pairs: list[EncodedPair], pad_id: int) -> list:
+    """`mode`'s values for `pairs` in one batch, in the probe's order (chosen, rejected of each pair)."""
+    got_c, got_r, _ = score_pairs(model, pairs, pad_id, 1 << 30, mode)
+    return [x for pair in zip(got_c, got_r) for x in pair]

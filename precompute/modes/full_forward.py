@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from runtime.cost import padded_rows
 from runtime.logprobs import completion_logps, pad_sequences
 from runtime.packing import length_batches
 
-from .base import BatchingMode, causal, sequence, sequence_lengths, split
+from .base import BatchingMode, sequence, sequence_lengths, split
 
 
 class FullForward(BatchingMode):
@@ -27,8 +28,7 @@ class FullForward(BatchingMode):
         return batch, split(flat, clen), {"processed": int(mask.sum()), "slots": mask.numel()}
 
     def batch_cost(self, lengths, batch):
-        L = lengths.seqs[batch]
-        return len(L) * L.max(), len(L) * L.max() ** 2 * causal(L)
+        return padded_rows(lengths.seqs[batch])
 
     def in_auto(self, attn):
         return True

@@ -15,9 +15,10 @@ import torch
 
 from schemas.encoding import EncodedPair
 
+from runtime.cost import causal
 from runtime.logprobs import pad_sequences, token_logps, unwrap
 
-from .base import BatchingMode, causal
+from .base import BatchingMode
 from runtime.architecture import state_layers, window_too_short
 
 

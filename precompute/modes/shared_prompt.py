@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.cost import tree_rows
 from runtime.logprobs import token_logps
 from runtime.packing import pack_rows, row_batches, tree_batch
 
@@ -32,8 +33,7 @@ class SharedPrompt(BatchingMode):
 
     def batch_cost(self, lengths, batch):
         P, C, R = lengths.P, lengths.C, lengths.R
-        width = max(sum(P[i] + C[i] + R[i] for i in row) for row in batch)
-        return len(batch) * width, len(batch) * width**2
+        return tree_rows([sum(P[i] + C[i] + R[i] for i in row) for row in batch])
 
     def unsupported(self, model, longest, attn):
         return tree_mask_unsupported(model, longest, attn)  # the rule train-dpo's prefix_shared layout follows too

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.cost import unpadded_sequences
 from runtime.logprobs import reset_position_state, token_logps
 
 from .base import BatchingMode, sequence, split
@@ -35,8 +36,7 @@ class Single(BatchingMode):
         return batch, split(flat, torch.tensor([len(completion)])), counts
 
     def batch_cost(self, lengths, batch):
-        L = lengths.seqs[batch]
-        return L.sum(), (L**2).sum() / 2
+        return unpadded_sequences(lengths.seqs[batch])
 
     def unsupported(self, model, longest, attn):
         return None

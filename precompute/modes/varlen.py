@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runtime.cost import unpadded_sequences
 from runtime.logprobs import token_logps
 
 from .base import FLASH, BatchingMode, sequence, sequence_lengths, split
@@ -60,8 +61,7 @@ class Varlen(BatchingMode):
         return batch, split(flat, torch.tensor([len(c) for _, c in seqs])), counts
 
     def batch_cost(self, lengths, batch):
-        L = lengths.seqs[batch]
-        return L.sum(), (L**2).sum() / 2
+        return unpadded_sequences(lengths.seqs[batch])
 
     def unsupported(self, model, longest, attn):
         return super().unsupported(model, longest, attn) or state_across_rows(model)

@@ -1,6 +1,6 @@
 """audit/replay.py: audit-ref --model replays cached rows through the plain forward of the shipped data/ model: all 40
 rows pass in float32 and a 1e-3 change in one token is found and located; the sample is seeded; the tolerance
-follows the recorded dtype and device."""
+(runtime/tolerance.py, tests/runtime/test_tolerance.py) follows the recorded dtype and device."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 
 from conftest import DATA, audit_ref as audit, check_of as check, float32_sum
 from conftest import precompute_in_process as precompute, rewrite_shard
-from audit.replay import default_tolerance
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,11 +59,3 @@ def test_replay_sample_is_seeded(data_cache):
     for info in infos:  # the rows named are the rows replayed: their completion tokens add up to the replayed count
         assert info["tokens"] == sum(len(cached[i]["chosen_input_ids"]) + len(cached[i]["rejected_input_ids"])
                                      for i in info["sampled"])
-
-
-def test_default_tolerance_follows_the_recorded_dtype_and_device():
-    assert default_tolerance("float32", "cpu", "cpu") == 1e-4
-    assert default_tolerance("float32", None, "cuda") == 1e-4  # nothing recorded: no cross-device allowance
-    assert default_tolerance("float32", "cuda", "cpu") == pytest.approx(1e-3)  # 10x across device types
-    assert default_tolerance("bfloat16", "cpu", "cpu") == 5e-2
-    assert default_tolerance("bfloat16", "cuda", "cpu") == pytest.approx(0.1)  # 2x across device types

@@ -269,7 +269,7 @@ def test_probe_catches_a_layout_that_is_wrong(tokenizer, monkeypatch):
     monkeypatch.setattr(layout, "tree_inputs", positions_not_restarted)
     logs: list[str] = []
     assert choose_layout("prefix_shared", [build_llama(len(tokenizer))], rows, 4, 0, logs.append) == "padded"
-    assert "differs from the plain forward" in logs[0]
+    assert "differs from the reference forward" in logs[0]
 
 
 def test_probe_includes_the_longest_pair():

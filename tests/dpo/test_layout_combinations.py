@@ -16,6 +16,8 @@ from conftest import TORCHRUN, WORDS, build_llama, run_in_session, save_checkpoi
 from dpo.layout import choose_layout
 from dpo.recipe import TrainConfig, run_train
 from precompute.job import PrecomputeConfig, run_precompute
+from runtime.probe import max_difference, reference_values
+from runtime.tolerance import probe_tolerance
 from schemas.encoding import EncodingConfig
 from schemas.stamps import model_hash
 
@@ -192,7 +194,7 @@ def test_probe_under_autocast_catches_what_only_low_precision_breaks(tokenizer, 
     model = build_llama(len(tokenizer))
     assert choose_layout("prefix_shared", [model], rows, 4, 0, logs.append) == "prefix_shared"
     assert choose_layout("prefix_shared", [model], rows, 4, 0, logs.append, autocast=torch.bfloat16) == "padded"
-    assert "differs from the plain forward by 1.00e+00 under bfloat16 autocast" in logs[1]
+    assert "differs from the reference forward by 1.00e+00 under bfloat16 autocast" in logs[1]
 
 
 def test_a_bf16_live_reference_is_probed_at_its_own_dtypes_tolerance(tokenizer):
@@ -207,7 +209,8 @@ def test_a_bf16_live_reference_is_probed_at_its_own_dtypes_tolerance(tokenizer):
     policy = build_llama(len(tokenizer), hidden=128, layers=4)
     reference = build_llama(len(tokenizer), hidden=128, layers=4, seed=1).to(torch.bfloat16)
     sample = layout.probe_pairs(table, layout.table_lengths(table))
-    assert 1e-4 < layout.probe_difference(reference, sample, 0) < layout.LOW_PRECISION_TOLERANCE
+    diff = max_difference(layout.prefix_shared_logps(reference, sample, 0), reference_values(reference, sample))
+    assert probe_tolerance(torch.float32) < diff < probe_tolerance(torch.bfloat16)
     logs: list[str] = []
     assert choose_layout("auto", [policy, reference], table, 4, 0, logs.append, autocast=torch.bfloat16) == \
         "prefix_shared", logs
@@ -239,7 +242,7 @@ def test_attention_that_cannot_take_the_tree_mask_falls_back_before_the_probe(to
 
     model = build_llama(len(tokenizer))
     model.config._attn_implementation = implementation
-    monkeypatch.setattr(layout, "probe_difference", lambda *a: pytest.fail("the probe ran"))
+    monkeypatch.setattr(layout, "disagreement", lambda *a, **k: pytest.fail("the probe ran"))
     logs: list[str] = []
     for requested in ("auto", "prefix_shared"):
         assert choose_layout(requested, [model], _table(random_rows(6)), 4, 0, logs.append) == "padded"
