@@ -126,16 +126,33 @@ def reset_position_state(model) -> None:
 
 
 @torch.no_grad()
-def reference_logps(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
-    """THE definition of a reference log-prob: the model's own forward over the unpadded sequence
-    prompt + completion as a batch of one (fresh position state), its own `logits` after log_softmax, at each
-    completion token. Every batching mode and head path is checked against this; it uses none of them."""
+def reference_log_softmax(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """THE definition of the reference's distribution: the model's own forward over the unpadded sequence
+    prompt + completion as a batch of one (fresh position state), its own `logits` after log_softmax (float32), at
+    the positions that predict each completion token: [completion tokens, vocabulary]. Every batching mode and head
+    path is checked against this; it uses none of them."""
     device = next(unwrap(model).parameters()).device
     ids = torch.as_tensor([list(prompt_ids) + list(completion_ids)], device=device)
     reset_position_state(model)
     logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : ids.shape[1] - 1].float()
     reset_position_state(model)
-    return logits.log_softmax(-1).gather(-1, ids[0, len(prompt_ids) :, None]).squeeze(-1)
+    return logits.log_softmax(-1)
+
+
+def reference_logps(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """THE definition of a reference log-prob: `reference_log_softmax` at each completion token."""
+    logps = reference_log_softmax(model, prompt_ids, completion_ids)
+    return logps.gather(-1, torch.as_tensor(list(completion_ids), device=logps.device)[:, None]).squeeze(-1)
+
+
+def reference_top_k(model, prompt_ids: list[int], completion_ids: list[int], k: int):
+    """The truth for a top-k cache, from `reference_log_softmax`: per completion token the k most probable ids
+    ([T, k], most probable first), their log-probs ([T, k]) and the tail, the log of the probability mass outside
+    them ([T]), as a log-sum-exp over those tokens themselves (no cancellation; -inf when k is the vocabulary)."""
+    logps = reference_log_softmax(model, prompt_ids, completion_ids)
+    top_logps, top_ids = logps.topk(k, dim=-1)
+    rest = logps.scatter(-1, top_ids, float("-inf"))
+    return top_ids, top_logps, rest.logsumexp(-1)
 
 
 def completion_logps(

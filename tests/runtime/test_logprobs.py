@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import build_llama
-from runtime.logprobs import completion_logps, pad_sequences, reference_logps, token_logps, unwrap
+from runtime.logprobs import completion_logps, pad_sequences, reference_logps, reference_top_k, token_logps, unwrap
 
 VOCAB = 300
 PAD = 0
@@ -162,3 +162,25 @@ def test_unwrap_finds_the_model_inside_wrappers(model):
 
     compiled = type("Compiled", (), {"_orig_mod": model})()
     assert unwrap(Wrapper(Wrapper(model))) is model and unwrap(compiled) is model and unwrap(model) is model
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("k", [1, 8, VOCAB - 1, VOCAB])
+def test_reference_top_k_is_the_plain_forwards_sorted_distribution(model, k):
+    """Ids and log-probs against a float64 sort of the plain forward's softmax; the tail against the float64 sum of
+    the probabilities left out (exactly 0 mass, -inf, when k is the whole vocabulary)."""
+    import numpy as np
+
+    for prompt, completion in sequences():
+        ids = torch.tensor([prompt + completion])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double()
+        probs = logits.softmax(-1).numpy()
+        top_ids, top_logps, tail = reference_top_k(model, prompt, completion, k)
+        assert top_ids.shape == top_logps.shape == (len(completion), k) and tail.shape == (len(completion),)
+        for t in range(len(completion)):
+            order = np.argsort(-probs[t], kind="stable")[:k]
+            assert top_ids[t].tolist() == order.tolist()
+            assert np.allclose(top_logps[t].numpy(), np.log(probs[t][order]), atol=TOL)
+            left = np.delete(probs[t], order).sum()
+            assert (tail[t] == float("-inf")) if k == VOCAB else abs(float(tail[t]) - np.log(left)) < 1e-4
+        assert torch.equal(top_logps[:, 0] >= top_logps[:, -1], torch.ones(len(completion), dtype=torch.bool))
