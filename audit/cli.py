@@ -23,7 +23,9 @@ from pathlib import Path
 import click
 
 from runtime.cli import quiet_libraries, run_cli
+from runtime.paths import check_apart
 from schemas import format as fmt
+from schemas.files import atomic_write, check_destination
 
 from .cache import audit_cache
 from .checks import FAIL, PASS, SECTIONS, SKIP, Check
@@ -117,6 +119,9 @@ def main(cache, model, data, run_dir, sample, replay_all, seed, tolerance, json_
         raise click.UsageError(f"--json {json_path}: its folder does not exist")
 
     def body():
+        if json_path:  # the report is an output like any other: apart from every input, the cache's files included
+            check_apart(json_path, "--json", {"CACHE": cache, "--model": model, "--data": data, "--run": run_dir})
+            check_destination(json_path)  # a link there is refused now, not after the audit
         if model or data:
             quiet_libraries()
         report = run_audit(cache, model=model, data=data, run=run_dir, sample=None if replay_all else
@@ -124,7 +129,8 @@ def main(cache, model, data, run_dir, sample, replay_all, seed, tolerance, json_
                            trust_remote_code=trust_remote_code)
         click.echo(render(report))
         if json_path:
-            Path(json_path).write_text(json.dumps(_jsonable(report), indent=2) + "\n", encoding="utf-8")
+            text = json.dumps(_jsonable(report), indent=2) + "\n"
+            atomic_write(Path(json_path), lambda f: f.write(text.encode("utf-8")))
         sys.exit(EXIT_CHECK_FAILED if report["failed"] else EXIT_OK)
 
     run_cli(body, debug)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 from runtime.errors import JobError
+from runtime.locks import is_lock_file
 from runtime.paths import check_apart
+from schemas.files import atomic_write, refusal, remove_file, why_unsafe
 
 
 def check_output_dir(cfg) -> None:
@@ -22,14 +25,36 @@ def check_output_dir(cfg) -> None:
         raise JobError(f"--output-dir {out}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise JobError(f"--output-dir {out}: {existing} is not writable")
-    check_apart(out, "--output-dir", {"--model": cfg.model, "--ref-model": cfg.ref_model, "--ref-cache": cfg.ref_cache,
-                                      "--eval-ref-cache": cfg.eval_ref_cache, "--data": cfg.data,
-                                      "--eval-data": cfg.eval_data})
-    used = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    check_apart(out, "--output-dir", inputs(cfg))
+    used = sorted(p.name for p in out.iterdir() if not is_lock_file(p)) if out.is_dir() else []  # the lock: no use
     if used and not cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
         raise JobError(f"--output-dir {out} already holds files ({', '.join(used[:5])}{' …' if len(used) > 5 else ''})"
                        ": a second run would mix its checkpoints and metrics with them; pass --overwrite-output-dir to "
                        "train over them, --resume-from-checkpoint to continue that run, or choose a new --output-dir")
+    if used:
+        check_no_links(out)
+
+
+def inputs(cfg) -> dict:
+    """Every path train-dpo reads ({option: path}); the DeepSpeed and FSDP configs only where they name a file (the
+    Trainer also takes them as JSON text)."""
+    files = {"--deepspeed": cfg.deepspeed, "--fsdp-config": cfg.fsdp_config}
+    return {"--model": cfg.model, "--ref-model": cfg.ref_model, "--ref-cache": cfg.ref_cache,
+            "--eval-ref-cache": cfg.eval_ref_cache, "--data": cfg.data, "--eval-data": cfg.eval_data,
+            "--init-adapter": cfg.lora.init_adapter, "--config": cfg.config_file} | {
+        k: v for k, v in files.items() if isinstance(v, str) and os.path.lexists(v)}
+
+
+def check_no_links(out: Path) -> None:
+    """A used --output-dir (overwritten or resumed) must hold no symlink, hard-linked or special file anywhere: the
+    Trainer writes its files in place, and would write through them into files outside the folder."""
+    for folder, dirs, names in os.walk(out):
+        for name in sorted(dirs + names):
+            path = Path(folder) / name
+            st = path.lstat()
+            why = why_unsafe(st) if not stat.S_ISDIR(st.st_mode) else None
+            if why:
+                raise refusal(path, why)
 
 
 def resumed_step(checkpoint: str) -> int:
@@ -45,11 +70,10 @@ def prepare_metrics(path: Path, checkpoint: str | None) -> set:
     logged after it will be logged again). Returns the (step, kind) pairs already present, which are not written
     twice."""
     if not checkpoint or not path.exists():
-        path.unlink(missing_ok=True)
+        remove_file(path)
         return set()
     step = resumed_step(checkpoint)
     kept = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("step", 0) <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    tmp.replace(path)
+    data = "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
     return {(r.get("step"), metrics_kind(r)) for r in kept}

@@ -3,6 +3,7 @@ what is ours is the batch layout, the loss on cached (or live) reference log-pro
 
 from __future__ import annotations
 
+import io
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from runtime.logprobs import pad_sequences
+from schemas.files import append_text, atomic_write
 
 from .layout import pair_logps
 from .losses import LossConfig, dpo_loss
@@ -113,8 +115,7 @@ class MetricsFile(TrainerCallback):
             if key in self.seen:
                 return
             self.seen.add(key)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_text(self.path, json.dumps(record) + "\n")
 
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:
@@ -142,4 +143,6 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.savefig(out_png, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
+    atomic_write(out_png, lambda f: f.write(png.getvalue()))

@@ -16,6 +16,7 @@ EXIT_FAILED, EXIT_REFUSED = 1, 2
 
 def run_cli(body, debug: bool) -> None:
     """Run a command body, turning the errors users can act on into one paragraph and exit code 2."""
+    from schemas.files import UnsafeDestination
     from schemas.format import CacheError
     from schemas.stamps import WeightsError
 
@@ -24,7 +25,7 @@ def run_cli(body, debug: bool) -> None:
 
     try:
         body()
-    except (DataError, JobError, CacheError, WeightsError, click.UsageError) as e:
+    except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, click.UsageError) as e:
         if debug:
             traceback.print_exc()
         if isinstance(e, click.UsageError):

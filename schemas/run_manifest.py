@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .files import atomic_write
 from .findings import Finding
 from .stamps import file_sha256
 
@@ -44,9 +45,8 @@ def build_run_manifest(*, reference: dict, initial_model: dict, data: dict, eval
 
 
 def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    data = (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
 
 
 def read_run_manifest(run_dir) -> dict:

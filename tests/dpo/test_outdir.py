@@ -15,7 +15,8 @@ from runtime.errors import JobError
 def config(tmp_path, out, **changes):
     values = dict(output_dir=str(out), model=str(tmp_path / "model"), ref_model=None, ref_cache=str(tmp_path / "cache"),
                   eval_ref_cache=None, data=str(tmp_path / "prefs.jsonl"), eval_data=None, overwrite_output_dir=False,
-                  resume_from_checkpoint=None)
+                  resume_from_checkpoint=None, config_file=None, deepspeed=None, fsdp_config=None,
+                  lora=SimpleNamespace(init_adapter=None))
     return SimpleNamespace(**{**values, **changes})
 
 
