@@ -84,7 +84,7 @@ def test_1_audit_json_is_apart_from_every_input(world, llama_dir, tmp_path, wher
     data = Path(shutil.copy(world["data"], tmp_path / "prefs.jsonl"))
     run = tmp_path / "run"
     run.mkdir()
-    (run / "run-manifest.json").write_text("{}\n")
+    (run / "run-manifest.json").write_text(json.dumps({"kind": "refcache-train-dpo-run", "reference": {}}))
     target = {"cache_manifest": cache / fmt.MANIFEST, "cache_shard": cache / "shard-00000.parquet",
               "inside_cache": cache / "report.json", "data_file": data, "inside_model": model / "report.json",
               "run_manifest": run / "run-manifest.json", "symlink_to_manifest": tmp_path / "report.json",
@@ -144,8 +144,11 @@ def test_2_a_cache_whose_skipped_jsonl_is_not_its_own_is_refused(world, tmp_path
     assert everything(out) == before
 
 
-@pytest.mark.parametrize("other", ["notes_file", "folder", "hidden_file", "foreign_parquet", "foreign_manifest"])
-@pytest.mark.parametrize("into", ["empty_folder", "cache"])
+OTHERS = ["notes_file", "folder", "hidden_file", "foreign_parquet"]
+
+
+@pytest.mark.parametrize("into, other", [("empty_folder", o) for o in [*OTHERS, "foreign_manifest"]]
+                         + [("cache", o) for o in OTHERS])
 def test_2_out_holding_files_that_are_not_a_caches_is_refused(world, tmp_path, other, into):
     out = copy_tree(world["clean"], tmp_path / "out") if into == "cache" else tmp_path / "out"
     out.mkdir(exist_ok=True)
@@ -154,10 +157,8 @@ def test_2_out_holding_files_that_are_not_a_caches_is_refused(world, tmp_path, o
     if other == "folder":
         (out / name).mkdir()
         (out / name / "mine.txt").write_text("mine")
-    elif other == "foreign_manifest" and into == "empty_folder":
-        (out / name).write_text('{"name": "a web app manifest"}')
     elif other == "foreign_manifest":
-        pytest.skip("the cache's own manifest is there")
+        (out / name).write_text('{"name": "a web app manifest"}')
     else:
         (out / name).write_bytes(b"PAR1 not a cache's PAR1" if name.endswith(".parquet") else b"mine")
     before = everything(out)
@@ -233,9 +234,11 @@ def test_3_train_dpo_refuses_a_symlink_in_a_used_output_dir(llama_dir, dpo_data,
 # 5: one train-dpo per output dir
 
 
-HOLD = """import sys
-from runtime.locks import exclusive
-with exclusive(sys.argv[1], "train-dpo", "--output-dir"):
+HOLD = """import fcntl, os, sys
+with open(os.path.join(sys.argv[1], ".refcache.lock"), "a+") as f:  # what a running train-dpo holds
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    f.write(str(os.getpid()))
+    f.flush()
     print("held", flush=True)
     sys.stdin.read()
 """
