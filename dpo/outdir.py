@@ -1,5 +1,6 @@
 """train-dpo's --output-dir: apart from every input, never a used folder unless asked (--overwrite-output-dir) or
-resuming, and metrics.jsonl consistent with the checkpoint a run resumes from."""
+resuming (and then holding no link the Trainer would write through), and metrics.jsonl consistent with the checkpoint
+a run resumes from. The lock that keeps a second run out is runtime.locks, taken in recipe.py."""
 
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ def _take_output_dir(cfg: TrainConfig, held: contextlib.ExitStack) -> None:
         held.enter_context(locks.exclusive(out, "train-dpo", "--output-dir"))
         check_output_dir(cfg)
 
-    Dist.joined().share(take, what="the output dir")
+    Dist.joined().share(take)
 
 
 def _open_policy(cfg: TrainConfig, log) -> Checkpoint:
