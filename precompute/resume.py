@@ -177,7 +177,7 @@ def _own_skipped(out: Path, manifest: dict | None) -> bool:
                  if line.strip()]
     except (OSError, ValueError):
         return False
-    if not lines or not all(isinstance(r, dict) and {"row", "reason"} <= r.keys() for r in lines):
+    if not lines or not all(isinstance(r, dict) and "row" in r and isinstance(r.get("reason"), str) for r in lines):
         return False
     return manifest is None or not rules.skipped_findings(out, manifest)[1]
 
