@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 from runtime.errors import JobError
+from runtime.hub import resolve_data
 from runtime.locks import is_lock_file
 from runtime.paths import check_apart
 from schemas.files import atomic_write, refusal, remove_file, why_unsafe
@@ -37,11 +38,12 @@ def check_output_dir(cfg) -> None:
 
 
 def inputs(cfg) -> dict:
-    """Every path train-dpo reads ({option: path}); the DeepSpeed and FSDP configs only where they name a file (the
-    Trainer also takes them as JSON text)."""
+    """Every path train-dpo reads ({option: path}; a data set named by hub id: its local snapshot); the DeepSpeed and
+    FSDP configs only where they name a file (the Trainer also takes them as JSON text)."""
     files = {"--deepspeed": cfg.deepspeed, "--fsdp-config": cfg.fsdp_config}
     return {"--model": cfg.model, "--ref-model": cfg.ref_model, "--ref-cache": cfg.ref_cache,
-            "--eval-ref-cache": cfg.eval_ref_cache, "--data": cfg.data, "--eval-data": cfg.eval_data,
+            "--eval-ref-cache": cfg.eval_ref_cache, "--data": resolve_data(cfg.data),
+            "--eval-data": resolve_data(cfg.eval_data),
             "--init-adapter": cfg.lora.init_adapter, "--config": cfg.config_file} | {
         k: v for k, v in files.items() if isinstance(v, str) and os.path.lexists(v)}
 

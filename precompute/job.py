@@ -19,7 +19,7 @@ import click
 import torch
 
 from runtime.cli import field_help
-from runtime.hub import resolve_model
+from runtime.hub import resolve_data, resolve_model
 from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype, software_versions
 from runtime.data import Encoded, encode_rows, load_rows
 from runtime.distributed import Dist, distributed
@@ -140,7 +140,7 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     out = Path(cfg.out)
     cfg.model = resolve_model(cfg.model)  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
-    check_apart(out, "--out", {"--model": cfg.model, "--data": cfg.data, "--adapter": cfg.adapter})
+    check_apart(out, "--out", {"--model": cfg.model, "--data": resolve_data(cfg.data), "--adapter": cfg.adapter})
     device = resolve_device(cfg.device)  # a bad --device is refused before any work
     tokenizer = checkpoint.tokenizer
     source = load_rows(cfg.data, cfg.split)

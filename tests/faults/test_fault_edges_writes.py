@@ -115,6 +115,24 @@ def test_1_train_dpo_output_dir_holding_its_config_is_refused(llama_dir, dpo_dat
     assert names(out) == ["config.json"] and json.loads(config.read_text()) == {"learning_rate": 1e-3}
 
 
+def test_1_precompute_out_inside_a_hub_data_sets_snapshot_is_refused(world, tmp_path):
+    """--data named by hub id is the snapshot folder in the local Hugging Face cache it resolves to."""
+    from huggingface_hub import constants
+
+    root = Path(constants.HF_HUB_CACHE) / "datasets--acme--edges-prefs"
+    snap = root / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("0" * 40)
+    shutil.copy(world["data"], snap / "train.jsonl")
+    try:
+        result = precompute(*world["args"], "--data", "acme/edges-prefs", "--out", snap / "cache")
+        refused(result, f"error: --out {snap / 'cache'} is inside --data {snap}: writing there could overwrite")
+        assert names(snap) == ["train.jsonl"]
+    finally:
+        shutil.rmtree(root)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2: precompute-ref writes only into an empty folder or one holding only its own cache
 
