@@ -101,7 +101,7 @@ def audit_cache(root: Path, manifest: dict) -> CacheScan:
     checks = [Check("manifest", FAIL, "; ".join(f.message for f in manifest_problems)) if manifest_problems else
               Check("manifest", PASS, f"format version {manifest['format_version']}, {len(manifest['shards'])} "
                     f"shard(s), {sum(e['rows'] for e in manifest['shards']):,} rows")]
-    result = lambda n: from_findings(n, found[n], checked[n], *WHAT[n], unchecked_shards=unverified)  # noqa: E731
+    result = lambda n: from_findings(n, found[n], checked[n], *WHAT[n], unchecked_shards=unverified)
     checks += [result("shard_files"), result("shard_stamps"), result("row_checksums"), result("shard_checksums")]
     if unverified or found["shard_checksums"]:
         checks.append(Check("cache_checksum", SKIP, "needs every shard to pass shard_files and shard_checksums"))

@@ -32,7 +32,7 @@ def short(h) -> str:
 def from_findings(name: str, findings: list, checked: int, unit: str, what: str, unchecked_shards: int = 0) -> Check:
     """One check from the findings of its rule over `checked` shards or rows: FAIL naming the first, PASS, or SKIP
     when nothing could be checked."""
-    units = lambda n: f"{n:,} {unit}{'s' if n != 1 else ''}"  # noqa: E731
+    units = lambda n: f"{n:,} {unit}{'s' if n != 1 else ''}"
     if findings:
         first = findings[0]
         failed = sum(f.count for f in findings)

@@ -117,7 +117,7 @@ class Differences:
         """The replay check: PASS, or FAIL at the first token beyond the tolerance; `info` gains the statistics."""
         tokens = np.concatenate(self.tokens) if self.tokens else np.zeros(0)
         seqs = np.asarray(self.seqs) if self.seqs else np.zeros(0)
-        stat = lambda a, f: float(f(a)) if a.size else 0.0  # noqa: E731
+        stat = lambda a, f: float(f(a)) if a.size else 0.0
         info = {"rows": info["rows"], "tokens": int(tokens.size), **info,
                 "token_max_abs_diff": stat(tokens, np.max), "token_mean_abs_diff": stat(tokens, np.mean),
                 "sequence_max_abs_diff": stat(seqs, np.max), "sequence_mean_abs_diff": stat(seqs, np.mean),

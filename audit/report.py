@@ -45,7 +45,7 @@ def _cell(v) -> str:
 
 def table(headers: list[str], rows: list[list]) -> str:
     cells = [[_cell(v) for v in r] for r in rows]
-    numeric = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    numeric = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     right = [bool(rows) and all(numeric(r[i]) for r in rows) for i in range(len(headers))]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 

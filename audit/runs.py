@@ -57,7 +57,7 @@ def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
         checks = [Check("run_cache", FAIL, f"{run_dir}: {problems[0].message}")]
     else:
         checks = [Check("run_cache", PASS, f"{run_dir}: trained on this cache as its "
-                        f"{'train' if role == 'cache' else 'eval'} cache (manifest sha256 and stamps match)")]
+                        f"{'train' if role == 'cache' else 'eval'} cache (its content, cache_id, and stamps match)")]
     if run.get("peft"):  # the checkpoint is an adapter (train-dpo --use-peft)
         return checks + [_audit_peft(run_dir, run["peft"], manifest)]
     recorded = run.get("final_model_hash")

@@ -31,7 +31,7 @@ LONG = dict(prompt=512, completion=128)
 def long_pairs(n: int, vocab: int, prompt: int, completion: int, seed: int = 0) -> list[dict]:
     """Prompts of exactly `prompt` words, completions of `completion` (word tokenizer: one token per word)."""
     rng = np.random.default_rng(seed)
-    words = lambda k: " ".join(f"w{i}" for i in rng.integers(3, vocab, size=k))  # noqa: E731
+    words = lambda k: " ".join(f"w{i}" for i in rng.integers(3, vocab, size=k))
     return [{"id": f"p{i:05d}", "prompt": words(prompt), "chosen": " " + words(completion),
              "rejected": " " + words(completion)} for i in range(n)]
 

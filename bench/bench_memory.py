@@ -64,7 +64,7 @@ def main():
     args = ap.parse_args()
     size = QUICK if args.quick else FULL
     work = common.workdir("memory")
-    log = lambda m: print(m, flush=True)  # noqa: E731
+    log = lambda m: print(m, flush=True)
     saved = common.result_path("memory", args.quick)
     runs = {}
     if args.reuse and saved.exists() and json.loads(saved.read_text())["size"] == size:

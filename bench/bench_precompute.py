@@ -70,7 +70,7 @@ def prepare(case: dict, work: Path):
 PHASES = {  # phase -> (module, attribute)
     "load tokenizer": ("runtime.checkpoint", "load_tokenizer"),
     "load data": ("precompute.job", "load_rows"),
-    "encode": ("precompute.job", "encode_rows"),
+    "encode": ("precompute.job", "usable_rows"),
     "model hash": ("runtime.checkpoint", "model_hash"),
     "load model": ("runtime.checkpoint", "Checkpoint.load_model"),
     "mode probe": ("precompute.job", "choose_mode"),
@@ -179,7 +179,7 @@ def trl_precompute(model_dir, rows, max_length: int, pairs_per_batch: int, dev, 
 
 def has_trl() -> bool:
     try:
-        import trl  # noqa: F401
+        import trl  # noqa: F401  (availability probe)
         return True
     except ImportError:
         return False

@@ -128,7 +128,7 @@ def main():
     args = common.parser(__doc__).parse_args()
     size = QUICK if args.quick else FULL
     work = common.workdir("sweep")
-    log = lambda m: print(m, flush=True)  # noqa: E731
+    log = lambda m: print(m, flush=True)
     try:
         res = sweep(size, work, log)
     finally:

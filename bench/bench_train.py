@@ -223,7 +223,7 @@ def child_args(size, model_dir, data, cache, work, mode, profile=False) -> list[
 
 def summarize(rounds: list[dict]) -> dict:
     """Pool the rounds of one configuration."""
-    pooled = lambda key: [v for r in rounds for v in r[key]]  # noqa: E731
+    pooled = lambda key: [v for r in rounds for v in r[key]]
     out = {"mode": rounds[0]["mode"], "rounds": rounds,
            "step": common.stats(pooled("step_s")), "step_peak": common.stats(pooled("step_peak_rss_mb")),
            "maxrss": common.stats([r["maxrss_mb"] for r in rounds]),
@@ -304,7 +304,7 @@ def main():
 
 def _has_trl() -> bool:
     try:
-        import trl  # noqa: F401
+        import trl  # noqa: F401  (availability probe)
         return True
     except ImportError:
         return False

@@ -191,7 +191,7 @@ def render_precompute(P: dict) -> list[str]:
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in P["cases"]:
         tps = c["tokens_per_s"]
-        get = lambda k: f"{tps[k]:,.0f}" if k in tps else "-"  # noqa: E731
+        get = lambda k: f"{tps[k]:,.0f}" if k in tps else "-"
         L.append(f"| {c['case']} | {c['params'] / 1e6:.1f}M | {c['pairs']} | {c['tokens']:,} | "
                  f"{c['padding_fraction']:.1%} | {c.get('mode', 'full_forward')} | {get('refcache')} | "
                  f"{get('score_only')} | {get('score_full_forward')} | {get('bare')} | {get('trl')} | "

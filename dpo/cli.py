@@ -136,14 +136,55 @@ def main(config_file, debug, **given):
     against a live reference with --ref-model and no --ref-cache."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    resolved = []
+
     def body():
         from .recipe import run_train
 
         quiet_libraries()
-        cfg = resolve_config(config_file, given)
-        click.echo(summary_text(run_train(cfg, log=lambda m: click.echo(m, err=True))))
+        resolved.append(resolve_config(config_file, given))
+        click.echo(summary_text(run_train(resolved[0], log=lambda m: click.echo(m, err=True))))
 
-    run_cli(body, debug)
+    run_cli(body, debug, next_step=lambda: next_step(resolved[0] if resolved else None, config_file, given),
+            writes_to=lambda: resolved[0].output_dir if resolved else None)
+
+
+def command_line(config_file, given: dict, **changes) -> str:
+    """The train-dpo command line of these options (`given`: click's values; `changes`: options to set, None to
+    drop one)."""
+    import shlex
+
+    values = {**given_values(given), **changes}
+    words = ["train-dpo"] + (["--config", config_file] if config_file else [])
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            for v in value if isinstance(value, list) else [value]:
+                words += [flag, str(v)]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def next_step(cfg, config_file, given: dict) -> str:
+    """After Ctrl-C (or a full disk): the command that resumes this run from its latest complete checkpoint, or,
+    with none saved yet, the one that starts it again."""
+    from .resume import resumable
+
+    if cfg is None or cfg.run_id is None:  # --output-dir not written yet
+        return "nothing was saved to --output-dir yet; re-run the same command"
+    latest = resumable(Path(cfg.output_dir), cfg.run_id)
+    # a value from --config is overridden on the command line; one given there is replaced
+    if latest:
+        again = command_line(config_file, given, resume_from_checkpoint=str(latest[-1]),
+                             overwrite_output_dir=False if cfg.overwrite_output_dir else None)
+        return f"{latest[-1].name} is the latest complete checkpoint; resume from it with\n  {again}"
+    again = command_line(config_file, given, overwrite_output_dir=True,
+                         resume_from_checkpoint="false" if cfg.resume_from_checkpoint else None)
+    return (f"no checkpoint was saved yet, so there is nothing to resume; start again into the same --output-dir "
+            f"with\n  {again}")
 
 
 def process_main():

@@ -24,8 +24,6 @@ from runtime.architecture import tree_mask_unsupported
 from runtime.packing import additive_mask, pack_rows, tree_inputs
 from schemas.encoding import EncodedPair
 
-LAYOUTS = ("auto", "padded", "prefix_shared")
-
 
 class PrefixSharedCollator:
     """Rows -> packed rows of [prompt | chosen | rejected] segments with a boolean tree mask; the scoring indices

@@ -98,7 +98,7 @@ def token_weights(lengths: torch.Tensor, n_pairs: int, ld_alpha: float, dtype=to
 def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig):
     """Loss and metrics for a batch laid out as [chosen_0..chosen_{B-1}, rejected_0..rejected_{B-1}].
 
-    policy_logps and ref_logps are flat per-token values (see precompute.logprobs.completion_logps); lengths holds
+    policy_logps and ref_logps are flat per-token values (see runtime.logprobs.completion_logps); lengths holds
     each sequence's completion length. Returns (mean loss, dict of per-pair metric tensors, detached).
     """
     n = len(lengths) // 2

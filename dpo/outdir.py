@@ -33,8 +33,6 @@ def check_output_dir(cfg) -> None:
         raise JobError(f"--output-dir {out} already holds files ({', '.join(used[:5])}{' …' if len(used) > 5 else ''})"
                        ": a second run would mix its checkpoints and metrics with them; pass --overwrite-output-dir to "
                        "train over them, --resume-from-checkpoint to continue that run, or choose a new --output-dir")
-    if used:
-        check_no_links(out)
 
 
 def inputs(cfg) -> dict:
@@ -50,7 +48,8 @@ def inputs(cfg) -> dict:
 
 def check_no_links(out: Path) -> None:
     """A used --output-dir (overwritten or resumed) must hold no symlink, hard-linked or special file anywhere: the
-    Trainer writes its files in place, and would write through them into files outside the folder."""
+    Trainer writes its files in place, and would write through them into files outside the folder. Checked after
+    dpo/resume.py's own refusals (a symlinked checkpoint or metrics file), which name the remedy for those."""
     for folder, dirs, names in os.walk(out):
         for name in sorted(dirs + names):
             path = Path(folder) / name
@@ -76,7 +75,9 @@ def prepare_metrics(path: Path, checkpoint: str | None) -> set:
         remove_file(path)
         return set()
     step = resumed_step(checkpoint)
-    kept = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("step", 0) <= step]
+    # a last line without its newline was cut off while being written: after the checkpoint, it is dropped anyway
+    lines = path.read_text().split("\n")[:-1]
+    kept = [r for r in map(json.loads, filter(str.strip, lines)) if r.get("step", 0) <= step]
     data = "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8")
     atomic_write(path, lambda f: f.write(data))
     return {(r.get("step"), metrics_kind(r)) for r in kept}

@@ -7,7 +7,10 @@ from pathlib import Path
 
 from runtime.errors import JobError
 
-from .outdir import check_output_dir
+from .outdir import check_no_links, check_output_dir
+from .resume import check_resume, overwrite_plan
+
+TRUE = ("true", "yes", "1")
 
 
 def check_reference_options(cfg) -> None:
@@ -36,9 +39,16 @@ def check_training_options(cfg):
         args = cfg.training_arguments()
     except ValueError as e:  # transformers' own checks of the training options
         raise JobError(training_options_error(cfg, e)) from None
+    latest = cfg.resume_from_checkpoint is not None and cfg.resume_from_checkpoint.strip().lower() in TRUE
     cfg.resume_from_checkpoint = latest_checkpoint(cfg.resume_from_checkpoint, Path(cfg.output_dir))
+    if cfg.resume_from_checkpoint and cfg.overwrite_output_dir:
+        raise JobError("--overwrite-output-dir starts a new run over the output dir's, --resume-from-checkpoint "
+                       "continues that run: give one of them")
     check_output_dir(cfg)
-    check_resume(cfg.resume_from_checkpoint)
+    if cfg.overwrite_output_dir:
+        overwrite_plan(Path(cfg.output_dir))  # refuses what it could not prove an earlier run's own
+    check_resume(cfg.resume_from_checkpoint, Path(cfg.output_dir), latest)
+    check_no_links(Path(cfg.output_dir))
     return args
 
 
@@ -72,7 +82,7 @@ def training_options_error(cfg, e: ValueError) -> str:
 
 def latest_checkpoint(value: str | None, out: Path) -> str | None:
     """--resume-from-checkpoint true means the latest checkpoint-N in --output-dir, as in the Trainer."""
-    if value is None or value.strip().lower() not in ("true", "yes", "1"):
+    if value is None or value.strip().lower() not in TRUE:
         return None if value is None or value.strip().lower() in ("false", "no", "0", "") else value
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -80,16 +90,6 @@ def latest_checkpoint(value: str | None, out: Path) -> str | None:
     if latest is None:
         raise JobError(f"--resume-from-checkpoint true: no checkpoint-N folder in --output-dir {out}")
     return latest
-
-
-def check_resume(checkpoint: str | None) -> None:
-    """A checkpoint to resume from must be complete: the Trainer writes trainer_state.json last, and a folder without
-    it (a save that was interrupted) fails deep inside the Trainer, after verification (some transformers versions
-    instead restart at step 0 from the half-saved weights)."""
-    if checkpoint and not (Path(checkpoint) / "trainer_state.json").is_file():
-        reason = ("no such directory" if not Path(checkpoint).is_dir() else
-                  "no trainer_state.json in it (not a Trainer checkpoint, or one interrupted while being saved)")
-        raise JobError(f"--resume-from-checkpoint {checkpoint}: {reason}; resume from a complete checkpoint-N folder")
 
 
 def has_accelerator() -> bool:

@@ -14,7 +14,7 @@ from schemas import run_manifest as rm
 
 def reference_record(cfg, train, evaluation, live_hash: str | None = None) -> dict:
     """This run's record, from the verification reports (cache stamps) and the data fingerprints; `live_hash`: the
-    model hash of the live --ref-model folder (no cache)."""
+    model hash of the live --ref-model folder (no cache: `train` and `evaluation` are EncodedOnly, with no stamps)."""
     eval_cache = cfg.eval_ref_cache or cfg.ref_cache
     live = {"path": str(cfg.ref_model), "model_hash": live_hash} if not cfg.ref_cache else None
     return rm.reference_record(

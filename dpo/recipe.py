@@ -12,6 +12,7 @@ from pathlib import Path
 from runtime import locks
 from runtime.checkpoint import Checkpoint
 from runtime.cli import field_help
+from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.hub import resolve_model
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig
@@ -19,11 +20,11 @@ from schemas.stamps import model_hash
 
 from . import lora
 from .losses import LOSS_TYPES, LossConfig
-from .outdir import check_output_dir, prepare_metrics
+from .outdir import check_no_links, check_output_dir, prepare_metrics
 from .phases import PhaseTimer
 from .preflight import check_reference_options, check_training_options, has_accelerator
 from .preflight import latest_checkpoint  # noqa: F401  (re-exported)
-from .verify import Verified, encode_only, verify_and_join
+from .verify import EncodedOnly, Verified, declared_reference, encode_only, verify_and_join
 
 
 def _f(default, help, group, **extra):
@@ -102,8 +103,8 @@ class TrainConfig:
     save_total_limit: int | None = _f(None, "Keep at most N checkpoints.", "Training")
     report_to: str = _f("none", "Comma-separated trackers (tensorboard, wandb, ...) or none; checked before any "
                                 "work. Name the run with --run-name.", "Training")
-    resume_from_checkpoint: str | None = _f(None, "A checkpoint-N folder, or true for the latest in --output-dir.",
-                                            "Training")
+    resume_from_checkpoint: str | None = _f(None, "A checkpoint-N folder of this --output-dir's run, or true for the "
+                                                  "latest there.", "Training")
     dataloader_num_workers: int = _f(0, "Data loader worker processes.", "Training")
     use_cpu: bool = _f(False, "Train on CPU even if a GPU is present (needed for --bf16 on CPU).", "Training")
     fsdp: str = _f("", "FSDP mode, e.g. 'full_shard auto_wrap' (under torchrun).", "Training")
@@ -112,8 +113,9 @@ class TrainConfig:
     # ours
     trust_remote_code: bool = _f(False, "Allow custom model code from checkpoint folders.", "Model")
     plot: bool = _f(True, "Write metrics.png at the end.", "Output")
-    overwrite_output_dir: bool = _f(False, "Train into an --output-dir that already holds a run's files (they are "
-                                           "overwritten as the Trainer saves).", "Output")
+    overwrite_output_dir: bool = _f(False, "Start a new run in an --output-dir that holds an earlier run's files "
+                                           "(its checkpoints, record, manifest and metrics are deleted; nothing else "
+                                           "is).", "Output")
     batch_layout: str = _f("auto", "padded, prefix_shared (each prompt once per pair, pairs packed with a tree mask) "
                                    "or auto (prefix_shared when it is less work and matches the plain forward on a "
                                    "probe; dpo/layout.py).", "Training", choices=("auto", "padded", "prefix_shared"))
@@ -121,9 +123,11 @@ class TrainConfig:
     training_args: dict = field(default_factory=dict, metadata={"cli": False})
     config_file: str | None = field(default=None, metadata={"cli": False})  # --config: an input like the others
     lora: lora.LoraOptions = field(default_factory=lora.LoraOptions, metadata={"cli": False})  # dpo/lora.py options
+    # set once the run starts writing --output-dir (dpo/resume.start_run): in its checkpoints and run manifest
+    run_id: str | None = field(default=None, init=False, metadata={"cli": False})
 
     def loss_config(self) -> LossConfig:
-        return LossConfig(self.beta, self.loss_type, self.label_smoothing, self.rpo_alpha, self.ld_alpha)
+        return LossConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossConfig)})  # same names
 
     def encoding_request(self) -> dict:
         return {"max_length": self.max_length, "truncation_mode": self.truncation_mode,
@@ -163,8 +167,8 @@ class Run:
     policy: Checkpoint  # --model, with --init-adapter merged in on load (LoRA)
     live: Checkpoint | None  # the live --ref-model (the policy's own Checkpoint when it names the same folder)
     reference: str | None  # the model hash the caches carry (hashed once, for train and eval caches alike)
-    train: Verified
-    evaluation: Verified | None
+    train: Verified | EncodedOnly  # EncodedOnly with a live reference: nothing to verify against
+    evaluation: Verified | EncodedOnly | None
     record: dict
     verify_s: float
 
@@ -200,6 +204,7 @@ def _take_output_dir(cfg: TrainConfig, held: contextlib.ExitStack) -> None:
         out.mkdir(parents=True, exist_ok=True)
         held.enter_context(locks.exclusive(out, "train-dpo", "--output-dir"))
         check_output_dir(cfg)
+        check_no_links(out)
 
     Dist.joined().share(take)
 
@@ -228,7 +233,7 @@ def _verify(cfg: TrainConfig, policy: Checkpoint, log) -> Run:
     initial_hash = policy.base_hash
     reference = None
     if cfg.ref_cache is not None:
-        reference = cfg.ref_model_hash or (_hashed_reference(cfg, policy) if cfg.ref_model else policy.model_hash)
+        reference = _declared_reference(cfg, policy)
     elif cfg.lora.use_peft:
         lora.check_live_reference(policy, live)
     with lora.explained_reference(cfg.lora, cfg.model, initial_hash):
@@ -250,6 +255,14 @@ def _same_folder(a: str | None, b: str) -> bool:
 def _hashed_reference(cfg: TrainConfig, policy: Checkpoint) -> str:
     """The model hash of --ref-model beside a cache: only hashed, never loaded (nor checked as a model to load)."""
     return policy.base_hash if _same_folder(cfg.ref_model, cfg.model) else model_hash(cfg.ref_model)
+
+
+def _declared_reference(cfg: TrainConfig, policy: Checkpoint) -> str:
+    """The model hash the cache(s) must carry, train and eval alike: --ref-model's, --ref-model-hash, else the
+    policy's starting point (with --init-adapter, base + adapter). --ref-model and --ref-model-hash are two
+    declarations of one reference: where they disagree neither is taken."""
+    hashed = _hashed_reference(cfg, policy) if cfg.ref_model else None
+    return declared_reference(cfg.ref_model, hashed, cfg.ref_model_hash) or policy.model_hash
 
 
 def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None, log):
@@ -292,6 +305,7 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
 
     from .layout import PrefixSharedCollator
     from .provenance import record_in
+    from .resume import start_run
     from .trainer import DPOTrainer, MetricsFile, PairCollator
 
     pad = run.policy.pad_id
@@ -299,7 +313,10 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
     timer.mark("layout")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if Dist.joined().rank == 0:
+        cfg.run_id = start_run(cfg, log)
     seen = prepare_metrics(out / "metrics.jsonl", cfg.resume_from_checkpoint) if Dist.joined().rank == 0 else set()
+    record = run.record | {"run_id": cfg.run_id}  # what each checkpoint says it was trained on, and by which run
     trainer = DPOTrainer(
         model=policy,
         args=args,
@@ -310,7 +327,7 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
         callbacks=[MetricsFile(out / "metrics.jsonl", seen)],
         loss_config=cfg.loss_config(),
         ref_model=ref_model,
-        save_with=lambda folder: record_in(folder, run.record),
+        save_with=lambda folder: record_in(folder, record),
     )
     return trainer, layout
 
@@ -336,7 +353,8 @@ def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) 
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": run.verify_s, "eval": final_eval,
                "phases": timer.phases}
     if trainer.is_world_process_zero():
-        _finish(cfg, out, run, summary, timer)
+        with writing(out, "the run's last files (metrics.png, run-manifest.json) are incomplete"):
+            _finish(cfg, out, run, summary, timer)
     return summary
 
 
@@ -369,6 +387,7 @@ def _finish(cfg, out: Path, run: Run, summary: dict, timer: PhaseTimer) -> None:
     else:
         sections = {"final_model_hash": model_hash(out)}
     timer.mark("final_hash")
-    manifest = write_run_manifest(cfg, out, run.record, run.train, run.policy.base_hash, summary, **sections)
+    manifest = write_run_manifest(cfg, out, run.record, run.train, run.policy.base_hash, summary, run_id=cfg.run_id,
+                                  **sections)
     summary["final_model_hash"] = manifest["final_model_hash"]
     timer.mark("manifest")  # in the summary only: the manifest is written by then

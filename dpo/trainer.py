@@ -6,11 +6,14 @@ from __future__ import annotations
 import io
 import json
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from runtime.disk import writing
 from runtime.logprobs import pad_sequences
 from schemas.files import append_text, atomic_write
 
@@ -62,10 +65,24 @@ class DPOTrainer(Trainer):
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def save_model(self, output_dir=None, _internal_call=False):
-        super().save_model(output_dir, _internal_call)
-        # Inside _save_checkpoint this runs before trainer_state.json, which marks a checkpoint complete.
-        if self.save_with is not None and self.args.should_save:
-            self.save_with(Path(output_dir or self.args.output_dir))
+        folder = Path(output_dir or self.args.output_dir)
+        final = writing(folder, "the model saved there is incomplete") if not _internal_call else nullcontext()
+        with final:  # (a checkpoint's save says so itself: _save_checkpoint)
+            super().save_model(output_dir, _internal_call)
+            # Inside _save_checkpoint this runs before trainer_state.json, which marks a checkpoint complete.
+            if self.save_with is not None and self.args.should_save:
+                self.save_with(folder)
+
+    def _save_checkpoint(self, model, trial):
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        with writing(folder, f"{folder.name} is incomplete (no whole trainer_state.json) and will not be resumed"):
+            if self.save_with is not None and self.args.should_save:
+                # The record first: a folder interrupted at any later point is provably ours (--overwrite-output-dir
+                # may retire it); and a stale trainer_state.json must not make a re-save look complete before it is.
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / "trainer_state.json").unlink(missing_ok=True)
+                self.save_with(folder)
+            super()._save_checkpoint(model, trial)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         lengths = inputs["completion_lens"]
@@ -115,7 +132,8 @@ class MetricsFile(TrainerCallback):
             if key in self.seen:
                 return
             self.seen.add(key)
-            append_text(self.path, json.dumps(record) + "\n")
+            with writing(self.path):
+                append_text(self.path, json.dumps(record) + "\n")
 
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import polars as pl
 import pyarrow as pa
 
-from runtime.data import Encoded, encode_rows, load_rows
+from runtime.data import Encoded, load_rows, usable_rows
+from runtime.errors import JobError
 from schemas.encoding import EncodingConfig
 from schemas.format import Cache, CacheError, StampMismatch, open_cache, read_columns
 from schemas.rules import value_findings
@@ -29,11 +30,30 @@ class Verified:
     report: dict
 
 
+@dataclass
+class EncodedOnly:
+    """Rows for a live reference: encoded, not verified (no cache to verify them against)."""
+
+    table: pa.Table  # id, prompt_ids, chosen_ids, rejected_ids
+    fingerprint: str
+    report: dict  # rows and mode only
+
+
 def reference_hash(model_dir: str, ref_model: str | None, ref_model_hash: str | None) -> str:
     """The model hash the cache must carry: the declared reference, else the policy's starting checkpoint."""
-    if ref_model_hash:
-        return ref_model_hash
-    return model_hash(ref_model or model_dir)
+    hashed = model_hash(ref_model) if ref_model else None
+    return declared_reference(ref_model, hashed, ref_model_hash) or model_hash(model_dir)
+
+
+def declared_reference(ref_model: str | None, hashed: str | None, ref_model_hash: str | None) -> str | None:
+    """The reference declared by --ref-model (`hashed`: its model hash) and/or --ref-model-hash, None when neither
+    is given. They are two declarations of one reference: where they disagree, neither is taken."""
+    if hashed and ref_model_hash and hashed != ref_model_hash:
+        raise JobError(
+            f"--ref-model {ref_model} and --ref-model-hash disagree on the reference: the folder hashes to {hashed}, "
+            f"--ref-model-hash declares {ref_model_hash}; pass only the one that names the model the cache was "
+            "computed with (precompute-ref records it as stamps.model_hash in the cache's manifest.json)")
+    return hashed or ref_model_hash
 
 
 def check_encoding(cache: Cache, requested: dict) -> EncodingConfig:
@@ -118,7 +138,7 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
         log(f"note: {cache.root} was made with BOS always prepended (before refcache followed the tokenizer); "
             "training uses the same ids")
     source = load_rows(data, split)
-    encoded = encode_rows(source, tokenizer, encoding, on_bad_row)
+    encoded = usable_rows(source, tokenizer, encoding, on_bad_row, data)
     try:
         cache.check_rows(dict(zip(encoded.ids, (p.mask_checksum for p in encoded.pairs))))
     except CacheError as e:
@@ -140,8 +160,8 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
     return Verified(table, source.fingerprint, report)
 
 
-def encode_only(*, tokenizer, data, split, encoding: EncodingConfig, on_bad_row="error") -> Verified:
+def encode_only(*, tokenizer, data, split, encoding: EncodingConfig, on_bad_row="error") -> EncodedOnly:
     """Rows for live-reference mode (no cache to verify against)."""
     source = load_rows(data, split)
-    encoded = encode_rows(source, tokenizer, encoding, on_bad_row)
-    return Verified(encoded_table(encoded), source.fingerprint, {"rows": len(encoded.ids), "mode": "live reference"})
+    encoded = usable_rows(source, tokenizer, encoding, on_bad_row, data)
+    return EncodedOnly(encoded_table(encoded), source.fingerprint, {"rows": len(encoded.ids), "mode": "live reference"})

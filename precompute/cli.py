@@ -37,7 +37,7 @@ def main(debug, **options):
             f"completion token)"
         )
 
-    run_cli(body, debug)
+    run_cli(body, debug, writes_to=lambda: options.get("out"))
 
 
 def process_main():

@@ -21,7 +21,7 @@ import torch
 from runtime.cli import field_help
 from runtime.hub import resolve_data, resolve_model
 from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype, software_versions
-from runtime.data import Encoded, encode_rows, load_rows
+from runtime.data import Encoded, load_rows, usable_rows
 from runtime.distributed import Dist, distributed
 from runtime import locks
 from runtime.errors import JobError
@@ -34,7 +34,7 @@ from schemas.files import remove_file
 from schemas.stamps import combined_mask_checksum, ids_checksum, tokenizer_hash, tokenizer_parts
 
 from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score_pairs
-from .resume import Resume, clear_cache_dir, finished_shards, own_files  # noqa: F401  (re-exported)
+from .resume import Resume, clear_cache_dir, finished_shards, own_files  # re-exported too
 
 
 @dataclass
@@ -144,9 +144,7 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     device = resolve_device(cfg.device)  # a bad --device is refused before any work
     tokenizer = checkpoint.tokenizer
     source = load_rows(cfg.data, cfg.split)
-    encoded = encode_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row)
-    if not encoded.pairs:
-        raise JobError(f"{cfg.data}: no usable rows ({len(encoded.skipped)} skipped: {encoded.skipped_by_reason})")
+    encoded = usable_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row, cfg.data)
     if encoded.skipped:
         log(f"skipped {len(encoded.skipped)} bad rows: {encoded.skipped_by_reason} (listed in {out / fmt.SKIPPED})")
     if encoded.identical:
@@ -213,7 +211,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log):
     encoded, plan = job.encoded, job.plan
     pad = job.checkpoint.pad_id
     first = encoded.pairs[plan[0]["start"] : plan[0]["stop"]]
-    seq = lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))  # noqa: E731
+    seq = lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
     longest_pair = max(encoded.pairs, key=seq)
     longest = seq(longest_pair)
     budget = effective_budget(model, cfg.token_budget, longest)
@@ -255,8 +253,29 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
         "shards": entries,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    fmt.write_manifest(out, manifest)
+    if not _says_the_same(out, manifest):
+        fmt.write_manifest(out, manifest)
     return entries
+
+
+def _says_the_same(out: Path, manifest: dict) -> bool:
+    """The manifest already in `out` says all that `manifest` would, apart from when, with which software and from
+    which paths the cache was made: it is kept as it is (a no-op rerun, or one from another directory, changes no
+    file). A run names a cache by its content (schemas.run_manifest.cache_id), so a rewritten one is the same cache
+    too; keeping it also keeps runs that pinned the manifest's bytes resumable."""
+    if not (out / fmt.MANIFEST).is_file():
+        return False
+    try:
+        there = fmt.read_manifest(out)
+    except fmt.CacheError:
+        return False
+
+    def content(m: dict) -> dict:
+        kept = {k: v for k, v in m.items() if k not in ("created_at", "software", "model")}
+        kept["source"] = {k: v for k, v in (m.get("source") or {}).items() if k not in ("data", "files")}
+        return kept
+
+    return content(there) == content(json.loads(json.dumps(manifest)))
 
 
 def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: float) -> dict:

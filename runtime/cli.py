@@ -11,29 +11,50 @@ import click
 
 from schemas.encoding import EncodingConfig
 
-EXIT_FAILED, EXIT_REFUSED = 1, 2
+# Every command's exit codes: 0 done (audit-ref: every check passed), 1 failed (a check failed, an unexpected error),
+# 2 refused (bad input, a cache or output folder that does not match, a usage error).
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 
 
-def run_cli(body, debug: bool) -> None:
-    """Run a command body, turning the errors users can act on into one paragraph and exit code 2."""
+def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
+    """Run a command body, turning the errors users can act on into one paragraph and exit code 2. `next_step`: the
+    command's own advice after an interruption or a full disk, `() -> str` (default: precompute-ref's, where the same
+    command resumes); `writes_to`: `() -> folder or None`, where the command writes (named when the disk is full)."""
     from schemas.files import UnsafeDestination
     from schemas.format import CacheError
     from schemas.stamps import WeightsError
 
     from .data import DataError
+    from .disk import NoSpaceError, is_no_space, no_space_error
     from .errors import JobError
 
+    def carry_on() -> str:
+        if next_step is None:
+            return "re-run the same command to resume"
+        try:
+            return next_step()
+        except Exception as e:  # the advice must not hide what happened
+            return f"(no advice: {type(e).__name__}: {e})"
+
     try:
-        body()
+        try:
+            body()
+        except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, click.UsageError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            if not is_no_space(e):
+                raise
+            folder = writes_to() if writes_to else None
+            raise no_space_error(e, folder) from e  # a save no one wrapped in runtime.disk.writing
     except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, click.UsageError) as e:
         if debug:
             traceback.print_exc()
         if isinstance(e, click.UsageError):
             raise
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {e}" + (f"\n  then: {carry_on()}" if isinstance(e, NoSpaceError) else ""), err=True)
         sys.exit(EXIT_REFUSED)
     except KeyboardInterrupt:
-        click.echo("interrupted; re-run the same command to resume", err=True)
+        click.echo(f"interrupted; {carry_on()}", err=True)
         sys.exit(130)
     except Exception as e:
         if debug:
@@ -87,10 +108,9 @@ def encoding_options(f):
     return dataclass_options(EncodingConfig, group="Encoding")(f)
 
 
-def encoding_from(max_length, truncation_mode, chat_template, base: EncodingConfig | None = None) -> EncodingConfig:
-    base = base or EncodingConfig()
+def encoding_from(max_length, truncation_mode, chat_template) -> EncodingConfig:
     given = {"max_length": max_length, "truncation_mode": truncation_mode, "chat_template": chat_template}
-    return EncodingConfig(**{**base.to_dict(), **{k: v for k, v in given.items() if v is not None}})
+    return EncodingConfig(**{k: v for k, v in given.items() if v is not None})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,11 +186,10 @@ def _help_text(fld: dataclasses.Field) -> str:
     return text + (f" [default: {default}]" if default is not None and not fld.metadata.get("required") else "")
 
 
-def dataclass_options(cls, *, group: str | None = None, skip=(), names: list | None = None, enforce_required=True):
-    """(enforce_required=False: required fields are checked by the caller, e.g. after merging a config file.)"""
+def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True):
     """A decorator adding one click option per init field of dataclass `cls`, in both spellings (--learning-rate and
     --learning_rate), default None so that only given values are collected (the dataclass keeps its defaults).
-    `names`, when given, receives the field names added, to tell this dataclass's values from others'."""
+    enforce_required=False: required fields are checked by the caller, e.g. after merging a config file."""
     hints = typing.get_type_hints(cls)
 
     def decorate(f):
@@ -197,8 +216,6 @@ def dataclass_options(cls, *, group: str | None = None, skip=(), names: list | N
             else:
                 decls = [kebab] + ([snake] if snake != kebab else [])
                 f = click.option(*decls, fld.name, type=kind, multiple=multiple, **common)(f)
-            if names is not None:
-                names.append(fld.name)
         return f
 
     return decorate

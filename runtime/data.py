@@ -11,7 +11,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.encoding import BadRowError, EncodedPair, EncodingConfig, encode_pair, row_id
+from schemas.encoding import BadRowError, ChatTemplateError, EncodedPair, EncodingConfig, encode_pair, row_id
+
+from .errors import JobError
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -233,6 +235,8 @@ def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: s
             if rid in seen:
                 raise BadRowError("duplicate_id", f"id {rid!r} already used at {seen[rid][0]}, row {seen[rid][1]}")
             pair = encode_pair(row, tokenizer, config)
+        except ChatTemplateError as e:  # the template itself, not this row: no row can be encoded
+            raise JobError(str(e)) from None
         except BadRowError as e:
             if on_bad_row == "error":
                 raise DataError(file, n, str(e)) from None
@@ -244,3 +248,12 @@ def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: s
         out.pairs.append(pair)
         out.identical += pair.chosen_ids == pair.rejected_ids
     return out
+
+
+def usable_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: str, data) -> Encoded:
+    """`encode_rows` for a job that needs rows: none left (an empty data set, or every row bad and skipped) is
+    refused naming `data` (the --data / --eval-data value) and the skip counts."""
+    encoded = encode_rows(source, tokenizer, config, on_bad_row)
+    if not encoded.pairs:
+        raise DataError(data, None, f"no usable rows ({len(encoded.skipped)} skipped: {encoded.skipped_by_reason})")
+    return encoded

@@ -16,6 +16,11 @@ BOS follows the tokenizer and the template, as the SFT model saw it (and as TRL 
 tokens the tokenizer itself puts before a text (none for GPT-2/Pythia style tokenizers), chat-templated text gets
 exactly what the template renders. Caches made before this rule record `add_bos: true` (always prepend BOS) and are
 still encoded that way, so they verify unchanged.
+
+Data text is data, and none of it is dropped: a row holding the text of a special token is refused (it would be read
+as that control token, and an EOS in a completion would end it there), every field of a message and the row's
+`tools` / `chat_template_kwargs` reach the chat template (a field the template does not render is refused), and a
+template that fails on a row makes a bad row. Rows without such text are tokenized exactly as before.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,9 +144,30 @@ def _text(value: str, what: str) -> str:
 # row validation and prompt extraction
 
 
+def _check_value(value: Any, where: str) -> None:
+    """A message field other than role/content: what JSON holds (the template reads it), its text valid Unicode."""
+    if isinstance(value, str):
+        _text(value, where)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_value(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise BadRowError("bad_type", f"{where} has a key of type {type(k).__name__}, not text")
+            _text(k, f"a key of {where}")
+            _check_value(v, f"{where}.{k}")
+    elif value is not None and not isinstance(value, (bool, int, float)):
+        raise BadRowError("bad_type", f"{where} is {type(value).__name__}, which JSON cannot hold")
+
+
 def _check_messages(value: Any, field: str) -> list[dict]:
+    """The messages with every field they carry, so that the chat template sees all of them (a field it does not
+    render is refused in `_render`). A null field is left out: loaders fill a key that only some messages have
+    with null in the others, and a template may test for the key."""
     if not value:
         raise BadRowError("empty_field", f"'{field}' is an empty message list")
+    out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise BadRowError("bad_message", f"'{field}'[{i}] is not a {{'role', 'content'}} message")
@@ -149,7 +176,14 @@ def _check_messages(value: Any, field: str) -> list[dict]:
         if not isinstance(m["content"], str):
             raise BadRowError("bad_type", f"'{field}'[{i}].content is {type(m['content']).__name__}, not text")
         _text(m["content"], f"'{field}'[{i}].content")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+        for key, v in m.items():
+            if key not in ("role", "content"):
+                if not isinstance(key, str):
+                    raise BadRowError("bad_type", f"'{field}'[{i}] has a key of type {type(key).__name__}")
+                _check_value(v, f"'{field}'[{i}].{key}")
+        out.append({"role": m["role"], "content": m["content"],
+                    **{k: v for k, v in m.items() if k not in ("role", "content") and v is not None}})
+    return out
 
 
 def _field(row: dict, key: str):
@@ -164,6 +198,88 @@ def _field(row: dict, key: str):
     if isinstance(value, list):
         return _check_messages(value, key)
     raise BadRowError("bad_type", f"'{key}' is {type(value).__name__}; expected a string or a list of messages")
+
+
+def _data_texts(value, where: str):
+    """(where, text) for every string of a row field that reaches the tokenizer, message fields and keys included."""
+    if isinstance(value, str):
+        yield where, value
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _data_texts(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _data_texts(k, f"a key of {where}")
+            yield from _data_texts(v, f"{where}.{k}")
+
+
+_CONTROLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its added tokens' state, texts)
+
+
+def control_tokens(tokenizer) -> list[str]:
+    """The texts the tokenizer reads as control tokens: its named special tokens (bos, eos, pad, ... and the
+    additional ones) and every added token flagged special. Added tokens that are not special are ordinary
+    vocabulary (the tokenizer reads them in any text, as it did when the model was trained) and are not listed."""
+    state = (len(tokenizer), tuple(str(getattr(tokenizer, f"{k}_token", None)) for k in ("bos", "eos", "pad", "unk")))
+    try:
+        cached = _CONTROLS.get(tokenizer)
+    except TypeError:  # not weakly referable: listed every time
+        cached = None
+    if cached is not None and cached[0] == state:  # listing them costs about 1 ms for a tokenizer with 250 of them
+        return cached[1]
+    texts = dict.fromkeys(str(t) for t in tokenizer.all_special_tokens)
+    for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if token.special:
+            texts[token.content] = None
+    texts = [t for t in texts if t]
+    try:
+        _CONTROLS[tokenizer] = (state, texts)
+    except TypeError:
+        pass
+    return texts
+
+
+def refuse_control_text(row: dict, tokenizer) -> None:
+    """Data text is data: a special token's text inside a row would be read as that control token (an EOS in a
+    completion would end it there). The tokenizer cannot be told which parts of a rendered chat template are the
+    template's own tokens and which are message text, so such a row is refused, naming the field and the token."""
+    controls = control_tokens(tokenizer)
+    for key in ("prompt", "chosen", "rejected", "tools", "chat_template_kwargs"):
+        for where, text in _data_texts(row.get(key), f"'{key}'"):
+            found = [(text.find(t), t) for t in controls if t in text]
+            if found:
+                at, token = min(found, key=lambda f: (f[0], -len(f[1])))
+                raise BadRowError(
+                    "special_token_text",
+                    f"{where} contains {token!r}, the text of the tokenizer's special token (id "
+                    f"{tokenizer.convert_tokens_to_ids(token)}), at "
+                    f"character {at}; data text is never read as control tokens: remove it (refcache ends every "
+                    "completion with EOS itself)")
+
+
+def _refuse_formed_controls(text: str, data: list[tuple[str, str]], tokenizer) -> None:
+    """No control token may be formed across the edge of message text in the rendered template (text "<|us" in one
+    message and "er|>" in the next): each (where, message string) of `data` found in `text` must not partly overlap a
+    control token's text. (An occurrence wholly inside a control token's text is a coincidence, not the message.)"""
+    spans = []
+    for token in control_tokens(tokenizer):
+        at = text.find(token)
+        while at >= 0:
+            spans.append((at, at + len(token), token))
+            at = text.find(token, at + 1)
+    if not spans:
+        return
+    for where, value in data:
+        value = value.strip()  # as templates that trim message text render it
+        start = text.find(value) if value else -1
+        while start >= 0:
+            end = start + len(value)
+            for a, b, token in spans:
+                if a < end and start < b and not (a <= start and end <= b):
+                    raise BadRowError("special_token_text", f"{where} and the text next to it in the rendered chat "
+                                                            f"template form {token!r}, the text of the tokenizer's "
+                                                            "special token; data text is never read as control tokens")
+            start = text.find(value, start + 1)
 
 
 def _split_implicit_prompt(chosen, rejected):
@@ -212,30 +328,132 @@ def parse_row(row: dict):
 # tokenization
 
 
+def _template_inputs(row: dict, tokenizer) -> dict:
+    """What the row gives the chat template besides its messages, as TRL reads it: `tools` (a list of tool schemas,
+    or that list as a JSON string) and `chat_template_kwargs` (a mapping of template variables)."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as e:
+            raise BadRowError("bad_type", f"'tools' is a string but not JSON ({e})") from None
+    if tools is not None and not isinstance(tools, list):
+        raise BadRowError("bad_type", f"'tools' is {type(tools).__name__}; expected a list of tool schemas")
+    _check_value(tools, "'tools'")
+    kwargs = row.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRowError("bad_type", f"'chat_template_kwargs' is {type(kwargs).__name__}; expected a mapping")
+    _check_value(kwargs, "'chat_template_kwargs'")
+    kwargs = {k: v for k, v in (kwargs or {}).items() if v is not None}
+    if kwargs:
+        import inspect
+
+        reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters) & set(kwargs)
+        if reserved:
+            raise BadRowError("bad_type", f"'chat_template_kwargs' sets {sorted(reserved)}, which are arguments of "
+                                          "apply_chat_template, not template variables")
+    return {**({"tools": tools} if tools else {}), **kwargs}
+
+
 def _uses_template(conversational: bool, config: EncodingConfig) -> bool:
     return config.chat_template == "on" or (config.chat_template == "auto" and conversational)
 
 
-def _render(tokenizer, prompt, completion, conversational: bool, config: EncodingConfig) -> tuple[str, str]:
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot be used at all (it is not valid Jinja): an error for the whole job."""
+
+
+def _apply_template(tokenizer, messages: list[dict], inputs: dict, **kwargs) -> str:
+    """The template's text for `messages`. A template that fails on this row (its own raise_exception, a sandbox
+    violation, an error on these values) makes a bad row; one that does not compile fails the job."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **inputs, **kwargs)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(
+            f"the chat template of the tokenizer {getattr(tokenizer, 'name_or_path', '') or '(in memory)'} is not "
+            f"valid Jinja (line {e.lineno}: {e.message}); fix chat_template.jinja / tokenizer_config.json in the "
+            "model folder") from None
+    except Exception as e:
+        raise BadRowError("template_error", f"the chat template failed on this row ({type(e).__name__}: "
+                                            f"{str(e).splitlines()[0][:300] if str(e) else 'no message'})") from None
+
+
+def _empty(value) -> bool:
+    return value is None or (isinstance(value, (str, list, dict)) and not value)
+
+
+def _check_rendered(tokenizer, prompt: list[dict], completion: list[dict], inputs, full_text: str, field_of) -> None:
+    """Every non-empty message field besides role/content, and the row's tools, must change what the template
+    renders: a field the template leaves out would be dropped silently. (chat_template_kwargs are settings, which
+    may well equal the template's defaults: they are passed, not checked.)"""
+    conversation = prompt + completion
+    for i, m in enumerate(conversation):
+        for key in m:
+            if key in ("role", "content") or _empty(m[key]):
+                continue
+            without = [*conversation[:i], {k: v for k, v in m.items() if k != key}, *conversation[i + 1 :]]
+            try:
+                dropped = _apply_template(tokenizer, without, inputs) == full_text
+            except BadRowError:  # the template needs the field (it fails without it): it is used
+                dropped = False
+            if dropped:
+                raise BadRowError("field_not_rendered", f"{field_of(i)}.{key} is not rendered by the chat template, "
+                                                        "so it would be dropped; remove it or use a template that "
+                                                        "renders it")
+    if "tools" in inputs and _apply_template(tokenizer, conversation, {k: v for k, v in inputs.items()
+                                                                      if k != "tools"}) == full_text:
+        raise BadRowError("field_not_rendered", "'tools' is not rendered by the chat template, so it would be "
+                                                "dropped; remove it or use a template that renders it")
+
+
+def _render(tokenizer, prompt, completion, conversational: bool, config: EncodingConfig, inputs: dict,
+            side: str = "chosen", implicit: bool = False) -> tuple[str, str]:
     """Return (prompt_text, completion_text) with the chat template applied where the config says so."""
     use_template = _uses_template(conversational, config)
     if conversational and not use_template:
         raise BadRowError("needs_chat_template", "conversational row but the encoding config has chat_template=off")
     if not use_template:
+        if inputs:
+            what = "'tools'" if "tools" in inputs else "'chat_template_kwargs'"
+            raise BadRowError("field_not_rendered", f"{what} is given but the row is not rendered with a chat "
+                                                    "template, so it would be dropped")
         return prompt, completion
     if not getattr(tokenizer, "chat_template", None):
         raise BadRowError("needs_chat_template", "the tokenizer has no chat template for a conversational row")
     if not conversational:
         prompt = [{"role": "user", "content": prompt}]
         completion = [{"role": "assistant", "content": completion}]
-    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+
+    def field_of(i):  # the row's field of conversation message i (an implicit prompt is the completions' first ones)
+        if not conversational:
+            return "'prompt'" if i == 0 else f"'{side}'"
+        return f"'{side}'[{i}]" if implicit else f"'prompt'[{i}]" if i < len(prompt) else f"'{side}'[{i - len(prompt)}]"
+
+    prompt_text = _apply_template(tokenizer, prompt, inputs, add_generation_prompt=True)
+    full_text = _apply_template(tokenizer, prompt + completion, inputs)
+    _check_rendered(tokenizer, prompt, completion, inputs, full_text, field_of)
+    conversation = prompt + completion
+    data = [[text for text in (_data_texts({k: v for k, v in m.items() if k != "role"}, field_of(i)) if conversational
+                                else [(field_of(i), m["content"])])] for i, m in enumerate(conversation)]
+    _refuse_formed_controls(full_text, [text for texts in data for text in texts], tokenizer)
     if not full_text.startswith(prompt_text):
         raise BadRowError(
             "template_not_prefix",
             "the chat template renders the prompt differently once the completion is appended",
         )
-    return prompt_text, full_text[len(prompt_text) :]
+    completion_text = full_text[len(prompt_text) :]
+    eos = tokenizer.eos_token
+    if eos and eos in completion_text:  # the encoder keeps the completion through its final EOS (_finish_completion)
+        last = completion_text.rindex(eos)
+        before, after = completion_text[:last], completion_text[last + len(eos) :]
+        for where, value in (text for texts in data[len(prompt) :] for text in texts):
+            value = value.strip()
+            if value and value in after and value not in before:  # (also before it: rendered where it is kept)
+                raise BadRowError("text_after_eos", f"the chat template renders {where} after the completion's "
+                                                    f"final EOS {eos!r}, where nothing is kept")
+    return prompt_text, completion_text
 
 
 def _tokenize(tokenizer, text: str) -> list[int]:
@@ -277,9 +495,14 @@ def _finish_completion(ids: list[int], eos_id, config: EncodingConfig) -> list[i
 def encode_pair(row: dict, tokenizer, config: EncodingConfig) -> EncodedPair:
     """Encode one preference row. Raises BadRowError with a stable reason for rows that cannot be used."""
     prompt, chosen, rejected, conversational = parse_row(row)
-    p_text, c_text = _render(tokenizer, prompt, chosen, conversational, config)
-    p_text_r, r_text = _render(tokenizer, prompt, rejected, conversational, config)
-    assert p_text == p_text_r
+    refuse_control_text(row, tokenizer)
+    inputs = _template_inputs(row, tokenizer)
+    implicit = "prompt" not in row
+    p_text, c_text = _render(tokenizer, prompt, chosen, conversational, config, inputs, "chosen", implicit)
+    p_text_r, r_text = _render(tokenizer, prompt, rejected, conversational, config, inputs, "rejected", implicit)
+    if p_text != p_text_r:
+        raise BadRowError("template_not_prefix", "the chat template renders the prompt differently before the "
+                                                 "chosen and the rejected completion")
     prompt_ids = _tokenize(tokenizer, p_text)
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     prompt_ids = _bos_prefix(tokenizer, prompt_ids, _uses_template(conversational, config), config) + prompt_ids

@@ -50,8 +50,3 @@ class Finding:
         cls = StampMismatch if self.kind in STAMP_KINDS else CacheError
         return cls(self.kind, self.message, remedy=self.remedy, expected=self.expected, found=self.found,
                    shard=self.shard, row=self.row)
-
-
-def raise_first(findings) -> None:
-    for f in findings:
-        raise f.error()

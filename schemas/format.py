@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from .encoding import EncodingConfig, row_mask_checksum
 from .files import atomic_write
-from .findings import RERUN, CacheError, StampMismatch  # noqa: F401  (re-exported)
+from .findings import RERUN, CacheError, StampMismatch  # re-exported too
 from .stamps import canonical_json, combined_mask_checksum, file_sha256, ids_checksum
 
 FORMAT_VERSION = 1

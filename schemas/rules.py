@@ -23,8 +23,6 @@ from .findings import RERUN, CacheError, Finding
 from .stamps import canonical_json, combined_mask_checksum, file_sha256, ids_checksum
 
 SUM_TOLERANCE = 1e-6  # a stored float64 sum vs the float64 sum of the stored float32 values
-FOOTER_KEYS = ("format_version", "model_hash", "tokenizer_hash", "mask_checksum", "ids_checksum", "encoding",
-               "computation")
 
 
 def _short(h) -> str:
@@ -220,7 +218,7 @@ VALUE_WHAT = {
 
 def _describe(rule: str, r: dict) -> str:
     if rule == "list_lengths":
-        n = lambda v: None if v is None else len(v)  # noqa: E731
+        n = lambda v: None if v is None else len(v)
         return (f"chosen {n(r['chosen_input_ids'])} tokens / {n(r['chosen_logps'])} log-probs, rejected "
                 f"{n(r['rejected_input_ids'])} / {n(r['rejected_logps'])}")
     if rule == "sums":

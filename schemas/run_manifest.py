@@ -4,16 +4,19 @@ them. See FORMAT.md, "Run manifest"."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 from .files import atomic_write
 from .findings import Finding
-from .stamps import file_sha256
+from .stamps import canonical_json, file_sha256
 
 RUN_MANIFEST = "run-manifest.json"
 RUN_KIND = "refcache-train-dpo-run"
 CHECKPOINT_RECORD = "refcache-reference.json"
+RUN_RECORD = "refcache-run.json"  # in --output-dir from a run's start: which run the folder's checkpoints belong to
+RUN_RECORD_KIND = "refcache-train-dpo-run-record"
 CACHE_MANIFEST = "manifest.json"  # the cache's own manifest (format.MANIFEST; not imported, to keep this module light)
 
 
@@ -21,10 +24,26 @@ class RunManifestError(ValueError):
     """A run manifest or checkpoint record that is missing or malformed."""
 
 
+def cache_id(manifest: dict) -> str:
+    """A cache's identity: its content (stamps, encoding, and each shard file by name and sha256, in order), not the
+    bytes of manifest.json, which also say when, by which software and from which paths it was made; a rerun that
+    rewrites only those (a no-op rerun, --overwrite or a rescored shard giving the same files, another cwd) is the
+    same cache, and a run trained on it still resumes and audits."""
+    shards = [[e.get("file"), e.get("sha256")] for e in manifest.get("shards") or [] if isinstance(e, dict)]
+    content = {"stamps": manifest.get("stamps"), "encoding": manifest.get("encoding"), "shards": shards}
+    return hashlib.sha256(b"refcache-cache-id-v1" + canonical_json(content).encode("utf-8")).hexdigest()
+
+
 def cache_record(cache_dir, stamps: dict) -> dict:
-    """How a run names a cache: its path, the sha256 of its manifest.json and its stamps."""
-    return {"path": str(cache_dir), "manifest_sha256": file_sha256(Path(cache_dir) / CACHE_MANIFEST),
-            "stamps": dict(stamps)}
+    """How a run names a cache: its path, its `cache_id` and stamps (what is compared), and the sha256 of its
+    manifest.json as it was (recorded only; the identity of runs recorded before cache_id)."""
+    path = Path(cache_dir) / CACHE_MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        manifest = None
+    return {"path": str(cache_dir), "cache_id": cache_id(manifest) if isinstance(manifest, dict) else None,
+            "manifest_sha256": file_sha256(path), "stamps": dict(stamps)}
 
 
 def reference_record(*, train_cache: dict | None, eval_cache: dict | None, live_model: str | None,
@@ -42,6 +61,26 @@ def build_run_manifest(*, reference: dict, initial_model: dict, data: dict, eval
     return {"kind": RUN_KIND, "reference": reference, "initial_model": initial_model, "data": data,
             "eval_data": eval_data, "config": config, "seed": config.get("seed"), "software": software,
             "result": result, "final_model_hash": final_model_hash, "finished_at": finished_at, **sections}
+
+
+def run_record(run_id: str, started_at: str) -> dict:
+    """The output dir's run record: a new run (fresh or --overwrite-output-dir) gets a new `run_id`, a resume keeps
+    it; every checkpoint's record and the run manifest carry the same `run_id`."""
+    return {"kind": RUN_RECORD_KIND, "run_id": run_id, "started_at": started_at}
+
+
+def read_run_record(run_dir) -> dict:
+    path = Path(run_dir) / RUN_RECORD
+    try:
+        if path.is_symlink():
+            raise OSError("a symbolic link")
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise RunManifestError(f"{path} is missing or not a train-dpo run record ({e})") from None
+    if not isinstance(record, dict) or record.get("kind") != RUN_RECORD_KIND or not isinstance(record.get("run_id"),
+                                                                                              str):
+        raise RunManifestError(f"{path} is not a train-dpo run record (kind {RUN_RECORD_KIND!r} with a run_id)")
+    return record
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -72,19 +111,22 @@ def read_checkpoint_record(checkpoint) -> dict:
     return record
 
 
-def _cache_key(record) -> tuple | None:
-    if not isinstance(record, dict):
-        return None
-    return record.get("manifest_sha256"), json.dumps(record.get("stamps"), sort_keys=True)
+def same_cache(recorded, now) -> bool:
+    """Two cache records name the same cache: the same stamps and cache_id (a record written before cache_id: the
+    same manifest sha256). The one rule for a resume (reference_findings) and audit-ref --run (run_cache_findings)."""
+    if not isinstance(recorded, dict) or not isinstance(now, dict):
+        return recorded == now
+    key = "cache_id" if recorded.get("cache_id") and now.get("cache_id") else "manifest_sha256"
+    return recorded.get(key) == now.get(key) and recorded.get("stamps") == now.get("stamps")
 
 
 def reference_findings(recorded: dict, now: dict) -> list[Finding]:
-    """A resumed run against its checkpoint's record: the same caches (manifest sha256 and stamps), the same live
-    reference and the same data fingerprints, or a finding naming what differs."""
+    """A resumed run against its checkpoint's record: the same caches (same_cache), the same live reference and the
+    same data fingerprints, or a finding naming what differs."""
     out = []
     for key in ("cache", "eval_cache", "live_model", "data_fingerprint", "eval_data_fingerprint"):
         a, b = recorded.get(key), now.get(key)
-        same = _cache_key(a) == _cache_key(b) if key in ("cache", "eval_cache") else a == b
+        same = same_cache(a, b) if key in ("cache", "eval_cache") else a == b
         if not same:
             out.append(Finding("resume", "reference", f"the checkpoint was trained with another {key}", expected=a,
                                found=b, remedy="resume with the --ref-cache/--ref-model, --data and --eval-data the "
@@ -93,20 +135,24 @@ def reference_findings(recorded: dict, now: dict) -> list[Finding]:
 
 
 def run_cache_findings(run: dict, cache_root, stamps: dict) -> tuple[str | None, list[Finding]]:
-    """audit-ref --run: the run names this cache (as its train or its eval cache) by manifest sha256 and stamps.
+    """audit-ref --run: the run names this cache (as its train or its eval cache): same_cache.
     Returns (which role it had, findings)."""
     ref = run.get("reference") or {}
     roles = {k: ref.get(k) for k in ("cache", "eval_cache") if isinstance(ref.get(k), dict)}
     if not roles:
         return None, [Finding("run_cache", "run", "the run was trained against a live reference, not a cache")]
-    sha = file_sha256(Path(cache_root) / CACHE_MANIFEST)
+    this = cache_record(cache_root, stamps)
     for role, record in roles.items():
-        if record.get("manifest_sha256") == sha and record.get("stamps") == stamps:
+        if same_cache(record, this):
             return role, []
     record = next(iter(roles.values()))
     problems = []
-    if record.get("manifest_sha256") != sha:
-        problems.append(f"it names a cache manifest with sha256 {record.get('manifest_sha256')}, this cache's is {sha}")
+    if record.get("cache_id") and record.get("cache_id") != this["cache_id"]:
+        problems.append(f"it names a cache with cache_id {record['cache_id']} (its content: stamps, encoding and "
+                        f"shard files), this cache's is {this['cache_id']}")
+    elif not record.get("cache_id") and record.get("manifest_sha256") != this["manifest_sha256"]:
+        problems.append(f"it names a cache manifest with sha256 {record.get('manifest_sha256')}, this cache's is "
+                        f"{this['manifest_sha256']}")
     if record.get("stamps") != stamps:
         wrong = [k for k in stamps if (record.get("stamps") or {}).get(k) != stamps[k]]
         problems.append(f"its stamps {', '.join(wrong) or '(all)'} differ from this cache's")

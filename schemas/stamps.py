@@ -58,11 +58,29 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     spec.pop("truncation", None)  # runtime settings, reset on every load
     spec.pop("padding", None)
     specials = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    code = tokenizer_code(tokenizer)
     return {
         "backend": spec,
         "special_tokens": {k: (str(v) if v is not None else None) for k, v in specials.items()},
         "chat_template": getattr(tokenizer, "chat_template", None),
-    }
+    } | ({"code": code} if code is not None else {})  # only then: a tokenizer without custom code keeps its hash
+
+
+def tokenizer_code(tokenizer) -> list | None:
+    """`code_digests` of the folder a tokenizer's custom class (auto_map, --trust-remote-code) was loaded from: that
+    code can change the ids as much as the vocabulary can. None for a tokenizer of transformers' own classes."""
+    if not any(c.__module__.startswith("transformers_modules") for c in type(tokenizer).__mro__):
+        return None
+    folder = Path(getattr(tokenizer, "name_or_path", None) or ".")
+    for source in ("tokenizer_config.json", "config.json"):
+        try:
+            auto_map = json.loads((folder / source).read_text(encoding="utf-8")).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if auto_map:
+            return code_digests(folder, auto_map, source)
+    raise WeightsError(f"{folder}: the tokenizer's class {type(tokenizer).__name__} is custom code, but no auto_map "
+                       "in the folder says which files it comes from; refcache cannot hash it")
 
 
 TOKENIZER_PARTS = ("vocab", "merges", "model", "normalizer", "pre_tokenizer", "post_processor", "decoder",
@@ -79,7 +97,9 @@ def tokenizer_parts(tokenizer) -> dict[str, str]:
               **{k: backend.get(k) for k in ("normalizer", "pre_tokenizer", "post_processor", "decoder",
                                              "added_tokens")},
               "special_tokens": fp["special_tokens"], "chat_template": fp["chat_template"]}
-    return {k: hashlib.sha256(_canonical(values[k])).hexdigest()[:16] for k in TOKENIZER_PARTS}
+    parts = TOKENIZER_PARTS + (("code",) if "code" in fp else ())
+    values["code"] = fp.get("code")
+    return {k: hashlib.sha256(_canonical(values[k])).hexdigest()[:16] for k in parts}
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -167,7 +187,7 @@ def _read_header(f, path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def model_config_fingerprint(model_dir: str | os.PathLike) -> dict:
+def _read_config(model_dir: str | os.PathLike) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise WeightsError(f"{model_dir}: no config.json")
@@ -177,7 +197,11 @@ def model_config_fingerprint(model_dir: str | os.PathLike) -> dict:
         raise WeightsError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise WeightsError(f"{path}: not a JSON object")
-    return config_fields(config)
+    return config
+
+
+def model_config_fingerprint(model_dir: str | os.PathLike) -> dict:
+    return config_fields(_read_config(model_dir))
 
 
 def config_fields(config: dict) -> dict:
@@ -193,10 +217,48 @@ def model_hash(model_dir: str | os.PathLike, *, config: dict | None = None, file
     `files` (its `weight_files`), so neither is read again; the hash is the same.
     """
     tensors = _tensor_index(files if files is not None else weight_files(model_dir, config))
+    config = config if config is not None else _read_config(model_dir)
     h = hashlib.sha256(b"refcache-model-v1")
-    h.update(_canonical(config_fields(config) if config is not None else model_config_fingerprint(model_dir)))
+    h.update(_canonical(config_fields(config)))
+    if config.get("auto_map"):  # only then: a model without custom code keeps the hash it always had
+        h.update(b"refcache-model-code-v1" + _canonical(code_digests(model_dir, config["auto_map"])))
     _hash_tensors(h, tensors)
     return h.hexdigest()
+
+
+def code_digests(folder: str | os.PathLike, auto_map, source: str = "config.json") -> list[list[str]]:
+    """[path, sha256] of the Python files a checkpoint folder's custom code can come from, where its `auto_map` (in
+    `source`) makes transformers run code from it (with trust_remote_code): every *.py file directly in the folder
+    and in the folder of each auto_map module. transformers 5.x (dynamic_module_utils) takes an entry
+    'module.Class' (or 'sub/module.Class') from module.py there and the files it imports relatively
+    (`from .x import y`), which it looks for in that same folder. Refused, as code that cannot be hashed: an entry
+    naming another repository ('org/repo--module.Class'), a module outside the folder or one it does not hold.
+    Modules imported absolutely (installed packages) are not the folder's."""
+    root = Path(os.path.normpath(folder))
+    if not isinstance(auto_map, dict):
+        raise WeightsError(f"{root / source}: auto_map is not a JSON object")
+    dirs = {root}
+    for key, refs in auto_map.items():
+        for ref in refs if isinstance(refs, list) else [refs]:
+            if ref is None:
+                continue
+            if not isinstance(ref, str) or "." not in ref:
+                raise WeightsError(f"{root / source}: auto_map {key} = {ref!r} is not a 'module.Class' name")
+            if "--" in ref:
+                raise WeightsError(
+                    f"{root / source}: auto_map {key} = {ref!r} runs code from another repository, which refcache "
+                    "cannot hash with the model; copy that code into the checkpoint folder and name it "
+                    "'module.Class' there")
+            module = Path(os.path.normpath(root / (ref.rsplit(".", 1)[0] + ".py")))
+            if root != module.parent and root not in module.parents:
+                raise WeightsError(f"{root / source}: auto_map {key} = {ref!r} names code outside the checkpoint "
+                                   "folder, which refcache cannot hash with the model")
+            if not module.is_file():
+                raise WeightsError(f"{root / source}: auto_map {key} = {ref!r} names {module.relative_to(root)}, "
+                                   "which is not in the checkpoint folder (its code cannot be hashed)")
+            dirs.add(module.parent)
+    files = sorted(p for d in dirs for p in d.iterdir() if p.name.endswith(".py") and p.is_file())
+    return [[p.relative_to(root).as_posix(), file_sha256(p)] for p in files]
 
 
 def _hash_tensors(h, tensors: dict) -> None:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,7 +268,7 @@ def audit_ref(cache, *args, json_path=None):
     json_path = Path(json_path or Path(cache).parent / "audit.json")
     json_path.unlink(missing_ok=True)
     result = CliRunner().invoke(main, [str(cache), *map(str, args), "--json", str(json_path)], catch_exceptions=False)
-    strict = lambda c: pytest.fail(f"--json wrote {c}, which is not JSON")  # noqa: E731
+    strict = lambda c: pytest.fail(f"--json wrote {c}, which is not JSON")
     report = json.loads(json_path.read_text(), parse_constant=strict) if json_path.exists() else None
     return result.exit_code, report, result.output
 
@@ -362,4 +363,31 @@ def make_lora_adapter(model_dir: Path, out: Path, seed: int = 3) -> Path:
             if "lora_B" in name:
                 p.normal_(0, 0.2)
     wrapped.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+SCALED_MODELING = '''from transformers import LlamaForCausalLM
+
+from .scale import FACTOR
+
+
+class ScaledLlamaForCausalLM(LlamaForCausalLM):
+    """A Llama whose logits are multiplied by FACTOR (scale.py): custom code that changes what the model computes."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * FACTOR
+        return out
+'''
+
+
+def make_custom_code_model(model_dir: Path, out: Path, factor: float = 1.0) -> Path:
+    """A copy of a Llama checkpoint whose config.json auto_map loads modeling_scaled.ScaledLlamaForCausalLM from the
+    folder (run only with trust_remote_code), importing FACTOR relatively from scale.py."""
+    shutil.copytree(model_dir, out)
+    (out / "modeling_scaled.py").write_text(SCALED_MODELING)
+    (out / "scale.py").write_text(f"FACTOR = {factor!r}\n")
+    config = json.loads((out / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_scaled.ScaledLlamaForCausalLM"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

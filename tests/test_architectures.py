@@ -170,7 +170,7 @@ def build(name: str, dtype=torch.float32):
 
 def job_pairs() -> list[EncodedPair]:
     rng = np.random.default_rng(0)
-    ids = lambda n: rng.integers(3, VOCAB, n).tolist()  # noqa: E731
+    ids = lambda n: rng.integers(3, VOCAB, n).tolist()
     return [EncodedPair(ids(p), ids(c), ids(r)) for p, c, r in
             ((2, 3, 1), (5, 7, 4), (9, 1, 12), (40, 6, 9), (75, 12, 5))]  # short and long prompts in one job
 
@@ -190,7 +190,7 @@ def score(model, pairs, mode) -> list[np.ndarray] | None:
 
 
 def worst(got, ref) -> float:
-    if got is None:
+    if got is None or len(got) != len(ref):  # a missing sequence is as wrong as a wrong one
         return float("inf")
     return max(float(np.max(np.abs(g - t), initial=0.0)) if g.shape == t.shape else float("inf")
                for g, t in zip(got, ref))

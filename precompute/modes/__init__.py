@@ -2,65 +2,20 @@
 
 Every mode gives the numbers of `runtime.logprobs.reference_logps` (the model's own forward over one unpadded
 sequence); the stamps never depend on the mode. A mode is one BatchingMode subclass in a module of its own (plan,
-score, estimated cost, unsupported reasons, description) and one line in REGISTRY below; `--batching` (its choices
-and help), auto (choose.py), the manifest's `computation.batching` and the README's table of modes read it.
+score, estimated cost, unsupported reasons, description) and one line in REGISTRY (registry.py), which `--batching`
+(its choices and help), auto (choose.py), the manifest's `computation.batching` and the README's table of modes read.
 """
 
 from __future__ import annotations
 
+from runtime.architecture import shape_dependent
+
 from .base import BatchingMode
-from .full_forward import FullForward
-from .kv_cache import KvCache
-from .packed import Packed
-from .shared_prompt import SharedPrompt
-from .single import Single
-from .varlen import Varlen
-
-# The order is --batching's and the README's; on equal estimates auto takes full_forward, then the later-registered.
-REGISTRY: dict[str, BatchingMode] = {mode.name: mode for mode in (
-    FullForward(),
-    Varlen(),
-    KvCache(),
-    SharedPrompt(),
-    Packed(),
-    Single(),
-)}
-MODES = tuple(REGISTRY)  # the modes registered at import
-
-
-def lookup(name: str) -> BatchingMode:
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown batching mode {name!r}; one of {', '.join(REGISTRY)}") from None
-
-
-def batching_help() -> str:
-    """--batching's help text: every registered mode with its description, then what auto does."""
-    modes = " ".join(f"{name}: {mode.description}." for name, mode in REGISTRY.items())
-    return ("How pairs go through the model (same numbers either way). " + modes + " auto estimates the work of "
-            "each mode the attention supports on the first shard and takes the cheapest. Every mode is first "
-            "checked against the model's plain forward of single sequences on real pairs (the longest included) and "
-            "falls back if it differs; models whose numbers depend on batch shape (ALiBi, dynamic/longrope RoPE) "
-            "run single.")
-
-
-def readme_table(indent: str = "  ") -> str:
-    """The README's table of modes (tests/precompute/test_mode_registry.py checks the README holds exactly this)."""
-    rows = ["| mode | what it does (`computation.batching` in the manifest) | runs with |", "|---|---|---|"]
-    rows += [f"| `{name}` | {_cell(mode.description)} | {_cell(mode.runs_with)} |" for name, mode in REGISTRY.items()]
-    return "\n".join(indent + row for row in rows)
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")  # a bar inside a table cell
-
-
-from .choose import (  # noqa: E402  (these read REGISTRY)
+from .choose import (
     FALLBACK, HEAD_ELEMENTS, candidates, choose_mode, effective_budget, probe_pairs, probe_tolerance, unsupported)
-from runtime.architecture import shape_dependent  # noqa: E402
-from .scoring import estimated_cost, plan_batches, score_pairs  # noqa: E402
+from .registry import MODES, REGISTRY, batching_help, lookup, readme_table
+from .scoring import estimated_cost, score_pairs
 
 __all__ = ["FALLBACK", "HEAD_ELEMENTS", "MODES", "REGISTRY", "BatchingMode", "batching_help", "candidates",
-           "choose_mode", "effective_budget", "estimated_cost", "lookup", "plan_batches", "probe_pairs",
+           "choose_mode", "effective_budget", "estimated_cost", "lookup", "probe_pairs",
            "probe_tolerance", "readme_table", "score_pairs", "shape_dependent", "unsupported"]

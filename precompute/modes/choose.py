@@ -17,7 +17,7 @@ from schemas.encoding import EncodedPair
 from runtime.errors import JobError
 from runtime.logprobs import reference_logps
 
-from . import REGISTRY, lookup
+from .registry import REGISTRY, lookup
 from .scoring import estimated_cost, score_pairs
 
 FALLBACK = ("full_forward", "single")  # after a mode asked for by name; auto ends with single

@@ -6,7 +6,7 @@ import torch
 
 from schemas.encoding import EncodedPair
 
-from . import lookup
+from .registry import lookup
 from .base import sequence
 
 
@@ -31,11 +31,6 @@ def score_pairs(model, pairs: list[EncodedPair], pad_id: int, token_budget: int,
         if on_batch:
             on_batch(len(order) / 2, tokens)
     return values[0::2], values[1::2], stats
-
-
-def plan_batches(pairs: list[EncodedPair], mode: str, token_budget: int) -> list:
-    """The batches `mode` scores `pairs` in (see BatchingMode.plan)."""
-    return lookup(mode).plan(pairs, token_budget)
 
 
 def estimated_cost(pairs: list[EncodedPair], mode: str, token_budget: int, hidden: int) -> float:

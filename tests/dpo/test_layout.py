@@ -54,7 +54,13 @@ def assert_same_run(a: Path, b: Path, steps: int, start: Path):
     assert wa.keys() == wb.keys()
     w0 = load_file(start / "model.safetensors")
     for name in wa:
-        assert torch.allclose(wa[name], wb[name], rtol=TOL, atol=TOL), name
+        # Adam divides each gradient by its own running RMS, so an element whose gradient is ~0 moves by up to the
+        # learning rate on float32 rounding alone: single elements differ by ~1e-5 after 10 steps at lr 1e-4 (seen
+        # on this project's CPUs). The training trajectory is compared as a whole instead: the two runs' weight
+        # updates agree to 1e-3 of their size, and no element is further apart than half of one step at lr 1e-4.
+        da, db = wa[name] - w0[name], wb[name] - w0[name]
+        assert float((da - db).norm()) <= 1e-3 * max(float(da.norm()), 1e-12), name
+        assert float((da - db).abs().max()) <= 5e-5, name
     assert max(float((wa[n] - w0[n]).abs().max()) for n in wa) > 1e-4  # they trained: not both still the start
 
 
@@ -85,7 +91,7 @@ def run_both(model, data, root: Path, **kwargs) -> tuple[Path, Path]:
 
 def random_rows(n, seed=0, prompt=(1, 40), completion=(1, 12)):
     rng = random.Random(seed)
-    ids = lambda lo_hi: [rng.randrange(3, 300) for _ in range(rng.randint(*lo_hi))]  # noqa: E731
+    ids = lambda lo_hi: [rng.randrange(3, 300) for _ in range(rng.randint(*lo_hi))]
     return [{"prompt_ids": ids(prompt), "chosen_ids": ids(completion), "rejected_ids": ids(completion),
              "ref_chosen_logps": [float(i)], "ref_rejected_logps": [-float(i)]} for i in range(n)]
 
@@ -163,7 +169,7 @@ def test_ten_steps_on_the_shipped_data_equal_the_padded_layout(tmp_path, shipped
 
 def long_prompt_rows(n=24, seed=5) -> list[dict]:
     rng = random.Random(seed)
-    words = lambda a, b: " ".join(rng.choice(WORDS) for _ in range(rng.randint(a, b)))  # noqa: E731
+    words = lambda a, b: " ".join(rng.choice(WORDS) for _ in range(rng.randint(a, b)))
     return [{"id": f"l{i:03d}", "prompt": words(60, 140) + "?", "chosen": "sure " + words(2, 10),
              "rejected": "hmm " + words(2, 10)} for i in range(n)]
 
@@ -271,7 +277,7 @@ def test_probe_includes_the_longest_pair():
     table = _table(rows)
     lengths = layout.table_lengths(table)
     probe = layout.probe_pairs(table, lengths)
-    total = lambda p: len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)  # noqa: E731
+    total = lambda p: len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)
     assert max(map(total, probe)) == int(lengths.sum(1).max())
     assert min(map(total, probe)) == int(lengths.sum(1).min())
     assert len({len(p.prompt_ids) for p in probe}) == len(probe) == 3

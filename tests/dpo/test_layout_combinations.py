@@ -83,7 +83,7 @@ def long_prompts(tmp_path_factory, tokenizer) -> dict:
             p.add_(torch.randn_like(p) * 0.003)
     reference = save_checkpoint(perturbed, tokenizer, root / "reference")
     rng = random.Random(5)
-    words = lambda a, b: " ".join(rng.choice(WORDS) for _ in range(rng.randint(a, b)))  # noqa: E731
+    words = lambda a, b: " ".join(rng.choice(WORDS) for _ in range(rng.randint(a, b)))
     rows = [{"id": f"l{i:03d}", "prompt": words(40, 100) + "?", "chosen": "sure " + words(2, 10),
              "rejected": "hmm " + words(2, 10)} for i in range(16)]
     data = write_jsonl(root / "data" / "train.jsonl", rows)
@@ -201,7 +201,7 @@ def test_a_bf16_live_reference_is_probed_at_its_own_dtypes_tolerance(tokenizer):
     from dpo import layout
 
     rng = random.Random(1)
-    ids = lambda a, b: [rng.randrange(3, 300) for _ in range(rng.randint(a, b))]  # noqa: E731
+    ids = lambda a, b: [rng.randrange(3, 300) for _ in range(rng.randint(a, b))]
     table = _table([{"prompt_ids": ids(100, 300), "chosen_ids": ids(5, 40), "rejected_ids": ids(5, 40)}
                     for _ in range(8)])
     policy = build_llama(len(tokenizer), hidden=128, layers=4)
@@ -219,7 +219,7 @@ def test_a_bf16_live_reference_is_probed_at_its_own_dtypes_tolerance(tokenizer):
 
 def random_rows(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
-    ids = lambda a, b: [rng.randrange(3, 300) for _ in range(rng.randint(a, b))]  # noqa: E731
+    ids = lambda a, b: [rng.randrange(3, 300) for _ in range(rng.randint(a, b))]
     return [{"prompt_ids": ids(30, 60), "chosen_ids": ids(1, 8), "rejected_ids": ids(1, 8)} for _ in range(n)]
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
 from conftest import DATA, assert_close, count_models, make_lora_adapter, records, step_records
@@ -33,7 +34,7 @@ def train(model, data, out, lora: LoraOptions | None = None, **kwargs) -> dict:
     return run_train(cfg, log=lambda m: None)
 
 
-def cli(args) -> "click.testing.Result":  # noqa: F821
+def cli(args) -> Result:
     return CliRunner().invoke(train_main, [str(a) for a in args], catch_exceptions=False)
 
 
@@ -257,8 +258,11 @@ def test_resume_a_lora_run_reaches_the_same_adapter(tmp_path, llama_dir, dpo_dat
     full = tmp_path / "full"
     train(llama_dir, dpo_data, full, **common)
     assert (full / "checkpoint-3" / "adapter_model.safetensors").is_file()
-    resumed = tmp_path / "resumed"
-    train(llama_dir, dpo_data, resumed, resume_from_checkpoint=str(full / "checkpoint-3"), **common)
+    resumed = tmp_path / "resumed"  # a copy of the run (record and checkpoint-3): a resume continues in its own dir
+    resumed.mkdir()
+    shutil.copy(full / "refcache-run.json", resumed)
+    shutil.copytree(full / "checkpoint-3", resumed / "checkpoint-3")
+    train(llama_dir, dpo_data, resumed, resume_from_checkpoint=str(resumed / "checkpoint-3"), **common)
     assert sorted(step_records(resumed)) == [4, 5, 6]
     for step in (4, 5, 6):
         for key in ("loss", "rewards/margins", "logps/chosen"):

@@ -4,8 +4,10 @@ accumulation and the other loss types (dpo/recipe.py). Options and config files:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -15,6 +17,7 @@ from click.testing import CliRunner
 
 from conftest import DPO_PAIRS, REPO, assert_close, count_models, records, step_records
 from dpo.cli import main
+from dpo.losses import LossConfig
 from dpo.recipe import TrainConfig, latest_checkpoint, run_train
 from runtime.errors import JobError
 from schemas.stamps import file_sha256, model_hash, tokenizer_hash
@@ -149,11 +152,14 @@ def test_resume_from_checkpoint_reaches_the_same_final_step(tmp_path, llama_dir,
     assert summary["steps"] == 6
     assert (full / "checkpoint-3").is_dir() and (full / "checkpoint-6").is_dir()
 
-    resumed = tmp_path / "resumed"
+    resumed = tmp_path / "resumed"  # a copy of the run (record and checkpoint-3): a resume continues in its own dir
+    resumed.mkdir()
+    shutil.copy(full / "refcache-run.json", resumed)
+    shutil.copytree(full / "checkpoint-3", resumed / "checkpoint-3")
     result = _cli(["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir", resumed,
                    "--max-steps", 6, "--save-steps", 3, "--use-cpu", "--learning-rate", 1e-3,
                    "--per-device-train-batch-size", 4, "--logging-steps", 1, "--seed", 7, "--no-plot",
-                   "--resume-from-checkpoint", full / "checkpoint-3"])
+                   "--resume-from-checkpoint", resumed / "checkpoint-3"])
     assert result.exit_code == 0, result.output
     assert "trained 6 steps" in result.output
     manifest = json.loads((resumed / "run-manifest.json").read_text())
@@ -216,6 +222,15 @@ def test_other_losses_train_end_to_end(tmp_path, llama_dir, dpo_data, dpo_cache,
     assert losses[-1] < losses[0]  # full-batch steps on the same data lower the loss
     manifest = json.loads((out / "run-manifest.json").read_text())
     assert all(manifest["config"][k] == v for k, v in options.items())
+
+
+def test_loss_config_takes_every_loss_option_by_name():
+    """Each LossConfig field comes from the TrainConfig option of the same name (set apart from its default)."""
+    given = {"beta": 0.3, "loss_type": "ipo", "label_smoothing": 0.2, "rpo_alpha": 0.5, "ld_alpha": 0.7}
+    assert set(given) == {f.name for f in dataclasses.fields(LossConfig)}  # a new loss option: add it here too
+    assert all(given[k] != getattr(LossConfig(), k) for k in given)
+    cfg = TrainConfig(model="m", data="d", output_dir="o", **given)
+    assert cfg.loss_config() == LossConfig(**given)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,16 @@ def test_phase_timer_adds_up_wall_and_cpu_time():
     work, idle = timer.phases["work"], timer.phases["idle"]
     assert work["cpu_s"] > 0.01 and work["wall_s"] >= work["cpu_s"] * 0.5
     assert idle["cpu_s"] < work["cpu_s"]
-    timer.mark("work")  # a phase marked twice accumulates
-    assert timer.phases["work"]["cpu_s"] >= work["cpu_s"]
+    first = dict(work)  # a copy: mark() updates the phase's dict in place
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for i in range(2_000_000):  # more CPU work, in phase "work" again
+        x += i
+    cpu1, wall1 = time.process_time(), time.perf_counter()
+    timer.mark("work")  # a phase marked twice accumulates: the first time plus the second
+    again = timer.phases["work"]
+    assert cpu1 - cpu0 > 0.01
+    assert again["cpu_s"] == pytest.approx(first["cpu_s"] + (cpu1 - cpu0), abs=0.01)
+    assert again["wall_s"] >= first["wall_s"] + (wall1 - wall0) - 0.002  # (each figure rounded to the ms)
 
 
 def test_run_manifest_records_every_phase(tmp_path, llama_dir, dpo_data, dpo_cache):

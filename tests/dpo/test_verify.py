@@ -234,3 +234,24 @@ def test_eval_cache_given_as_ref_cache_says_so(tmp_path, llama_dir):
         verify_and_join(tokenizer=AutoTokenizer.from_pretrained(llama_dir), model_dir=str(llama_dir),
                         data=str(tmp_path / "d"), split="train", cache_dir=str(tmp_path / "eval-cache"),
                         log=lambda m: None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a live reference: rows encoded, nothing verified, and the type says so
+
+
+def test_live_rows_are_encoded_not_verified(llama_dir, dpo_data, dpo_cache):
+    from transformers import AutoTokenizer
+
+    from dpo.verify import EncodedOnly, Verified, encode_only, verify_and_join
+    from schemas.encoding import EncodingConfig
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    live = encode_only(tokenizer=tok, data=str(dpo_data), split="train", encoding=EncodingConfig())
+    assert isinstance(live, EncodedOnly) and not isinstance(live, Verified)
+    assert live.report == {"rows": live.table.num_rows, "mode": "live reference"} and live.table.num_rows > 0
+    assert not any(name.startswith("ref_") for name in live.table.column_names)  # no reference values to trust
+    cached = verify_and_join(tokenizer=tok, model_dir=str(llama_dir), data=str(dpo_data), split="train",
+                             cache_dir=str(dpo_cache), log=lambda m: None)
+    assert isinstance(cached, Verified) and "stamps" in cached.report
+    assert cached.table.select(["id", "prompt_ids", "chosen_ids", "rejected_ids"]).equals(live.table)  # same rows

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import DPO_PAIRS, pref_rows
-from faultkit import TRAIN, assert_one_paragraph, audit, copy_tree, precompute, train
+from faultkit import TRAIN, assert_one_paragraph, copy_tree, precompute, train
 from schemas import format as fmt
 
 GOOD = [json.dumps(r) for r in pref_rows(4, seed=11)]  # ids r0000..r0003

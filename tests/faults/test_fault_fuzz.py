@@ -404,6 +404,7 @@ def test_forged_values_never_reach_training_unchecked(small_cache, row, side, va
         except fmt.CacheError:
             return
         table = verified.table.to_pylist()
+        assert len(table) == json.loads((root / fmt.MANIFEST).read_text())["rows"]  # no row dropped on the way
         for r in table:
             for s in ("chosen", "rejected"):
                 logps = r[f"ref_{s}_logps"]

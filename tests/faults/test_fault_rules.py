@@ -251,18 +251,18 @@ def test_7_a_used_output_dir_needs_overwrite_output_dir(trained):
 
 
 def test_8_resume_against_another_cache_is_refused(trained, tmp_path):
-    ckpt = trained["run"] / "checkpoint-1"
+    run = copy_tree(trained["run"], tmp_path / "run")  # a resume continues in the run's own output dir
+    ckpt = run / "checkpoint-1"
     record = json.loads((ckpt / "refcache-reference.json").read_text())
     assert record["cache"]["manifest_sha256"] and record["data_fingerprint"]
     args = list(trained["args"])
     i = args.index("--ref-cache")
     other = [*args[:i + 1], trained["other_cache"], *args[i + 2:]]
-    refused = train(*other, "--output-dir", tmp_path / "resumed", "--resume-from-checkpoint", ckpt)
+    refused = train(*other, "--output-dir", run, "--resume-from-checkpoint", ckpt)
     assert refused.exit_code == 2, refused.output
     assert "trained with another cache" in refused.output
-    no_record = copy_tree(ckpt, tmp_path / "checkpoint-1")
-    (no_record / "refcache-reference.json").unlink()
-    refused = train(*args, "--output-dir", tmp_path / "resumed2", "--resume-from-checkpoint", no_record)
+    (ckpt / "refcache-reference.json").unlink()
+    refused = train(*args, "--output-dir", run, "--resume-from-checkpoint", ckpt)
     assert refused.exit_code == 2 and "does not say which reference" in refused.output, refused.output
 
 
@@ -347,12 +347,112 @@ def test_a_value_nudged_past_the_sum_tolerance_is_refused_by_train_dpo_and_audit
     assert failed_checks(report) == {"sums"}
 
 
-def test_one_implementation_of_each_rule():
-    """No second `_sum64`, one sum tolerance, one shard-footer check (grep over the sources)."""
+# ---------------------------------------------------------------------------------------------------------------
+# one implementation of the sums rule and of the footer check, found by what the code does (an AST scan of the
+# product's rooms), so that a twin spelled differently is found too (see also tests/test_one_implementation.py)
+
+
+def _product_modules():
+    import ast
+
     repo = Path(__file__).resolve().parents[2]
-    sources = [p for room in ("schemas", "runtime", "precompute", "dpo", "audit") for p in (repo / room).rglob("*.py")]
-    text = {p: p.read_text() for p in sources}
-    assert [p.name for p, t in text.items() if "def _sum64" in t] == ["rules.py"]
-    assert [p.name for p, t in text.items() if re.search(r"^SUM_TOLERANCE\s*=", t, re.M)] == ["rules.py"]
-    footer_readers = sorted(p.name for p, t in text.items() if re.search(r"meta\.get\(key\) != ", t))
-    assert footer_readers == ["rules.py"]
+    for room in ("schemas", "runtime", "precompute", "dpo", "audit"):
+        for path in sorted((repo / room).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+            yield path.relative_to(repo).as_posix(), tree, parents
+
+
+def _function_of(node, parents) -> str:
+    import ast
+
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return node.name
+    return "<module>"
+
+
+def _names_bound_to(func, is_source) -> set[str]:
+    """Names a function binds (plainly or by tuple unpacking) to an expression for which is_source holds."""
+    import ast
+
+    bound = set()
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                pairs = (zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple)
+                         and isinstance(node.value, ast.Tuple) else [(target, node.value)])
+                bound |= {t.id for t, v in pairs if isinstance(t, ast.Name) and is_source(v)}
+    return bound
+
+
+def _uses(node, names: set[str]) -> bool:
+    import ast
+
+    return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(node))
+
+
+def test_one_float64_sum_and_one_sum_tolerance():
+    """The stored sums are the float64 sum of the float32 values: computed once by the writer (format.shard_table)
+    and once by the check (rules._sum64), and compared with a tolerance in one place, with one constant."""
+    import ast
+
+    def float64_sum(node) -> bool:  # a .sum() over something cast to float64, however it is spelled
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sum"
+                and any(isinstance(n, ast.Attribute) and n.attr in ("Float64", "float64") for n in ast.walk(node)))
+
+    modules = list(_product_modules())
+    sums = {(name, _function_of(n, parents)) for name, tree, parents in modules for n in ast.walk(tree)
+            if float64_sum(n)}
+    assert sums == {("schemas/format.py", "shard_table"), ("schemas/rules.py", "_sum64")}
+    summing = {f for _, f in sums}
+
+    def is_sum(node) -> bool:
+        return float64_sum(node) or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                                     and node.func.id in summing)
+
+    def absolute(node) -> bool:
+        return any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "abs"
+                   for n in ast.walk(node))
+
+    compared = []  # |a float64 sum - something| against a tolerance
+    for name, tree, _ in modules:
+        for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            sum_names = _names_bound_to(func, is_sum)
+            for cmp in (n for n in ast.walk(func) if isinstance(n, ast.Compare)):
+                sides = [cmp.left, *cmp.comparators]
+                if any(absolute(s) and (_uses(s, sum_names) or any(is_sum(n) for n in ast.walk(s))) for s in sides):
+                    compared.append((name, func.name, [ast.unparse(s) for s in sides if not absolute(s)]))
+    assert compared == [("schemas/rules.py", "_close", ["SUM_TOLERANCE"])]
+    tolerances = [(name, t.id) for name, tree, _ in modules for node in tree.body if isinstance(node, ast.Assign)
+                  for t in node.targets if isinstance(t, ast.Name) and t.id == "SUM_TOLERANCE"]
+    assert tolerances == [("schemas/rules.py", "SUM_TOLERANCE")]
+
+
+def test_one_footer_read_and_one_footer_comparison():
+    """A shard's key-value footer is read by one function (format.read_shard_metadata) and compared with what the
+    manifest says in one (rules.shard_footer_findings); resume only asks whether a footer is refcache's."""
+    import ast
+
+    def footer_read(node) -> bool:  # <a Parquet schema>.metadata, not the file metadata's row count
+        return (isinstance(node, ast.Attribute) and node.attr == "metadata" and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "attr", None) in ("read_schema", "schema", "schema_arrow"))
+
+    def reads_footer(node) -> bool:
+        return (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+                == "read_shard_metadata")
+
+    modules = list(_product_modules())
+    reads = [(name, _function_of(n, parents)) for name, tree, parents in modules for n in ast.walk(tree)
+             if footer_read(n)]
+    assert reads == [("schemas/format.py", "read_shard_metadata")]
+    comparing = []
+    for name, tree, _ in modules:
+        for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            footers = _names_bound_to(func, reads_footer)
+            for cmp in (n for n in ast.walk(func) if isinstance(n, ast.Compare)
+                        and any(isinstance(o, (ast.Eq, ast.NotEq)) for o in n.ops)):
+                if _uses(cmp, footers) or any(reads_footer(n) for n in ast.walk(cmp)):
+                    comparing.append((name, func.name))
+    assert sorted(set(comparing)) == [("schemas/rules.py", "shard_footer_findings")]

@@ -151,16 +151,17 @@ def run(command, args):
 def zygote(spec_path):
     import json
 
-    import datasets  # noqa: F401  everything heavy, imported once before forking (no torch op has run yet)
-    import transformers  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer  # noqa: F401
+    # Everything heavy, imported once before forking (no torch op has run yet): imported for the import's sake.
+    import datasets  # noqa: F401  (preloaded)
+    import transformers  # noqa: F401  (preloaded)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer  # noqa: F401  (preloaded)
 
-    import dpo.cli  # noqa: F401
-    import dpo.recipe  # noqa: F401
-    import dpo.trainer  # noqa: F401
-    import audit.cli  # noqa: F401
-    import precompute.cli  # noqa: F401
-    import precompute.job  # noqa: F401
+    import dpo.cli
+    import dpo.recipe
+    import dpo.trainer  # noqa: F401  (preloaded)
+    import audit.cli  # noqa: F401  (preloaded)
+    import precompute.cli
+    import precompute.job  # noqa: F401  (preloaded)
 
     runs = json.loads(Path(spec_path).read_text())
     children = {}

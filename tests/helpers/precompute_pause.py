@@ -32,7 +32,7 @@ def write_table(table, where, *args, **kwargs):
 
 pq.write_table = write_table  # schemas.format calls pq.write_table through the module
 
-from precompute.cli import main  # noqa: E402
+from precompute.cli import main  # noqa: E402  (after the patch above)
 
 if __name__ == "__main__":
     main()

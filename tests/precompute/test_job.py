@@ -57,8 +57,8 @@ def test_cached_logps_equal_plain_transformers_forward(request, tmp_path, model_
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    bos, eos = tok.bos_token_id, tok.eos_token_id
-    plain = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = tok.eos_token_id
+    plain = lambda text: tok(text, add_special_tokens=False)["input_ids"]
     truncated = 0
     for row, rec in zip(rows, df.iter_rows(named=True)):
         prompt = rec["prompt_input_ids"]
@@ -234,7 +234,7 @@ def test_run_precompute_leaves_global_rng_and_checkpoint_unchanged(llama_dir, tm
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(Checkpoint, "load_model", load_drawing_random_numbers)
-    cfg = lambda out: job.PrecomputeConfig(model=str(llama_dir), data=str(data), out=str(out), progress=False)  # noqa: E731
+    cfg = lambda out: job.PrecomputeConfig(model=str(llama_dir), data=str(data), out=str(out), progress=False)
 
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
     before = rng_snapshot()

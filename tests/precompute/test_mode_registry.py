@@ -55,7 +55,7 @@ def toy_class():
 @pytest.fixture(scope="module")
 def model_and_pairs():
     rng = np.random.default_rng(0)
-    ids = lambda n: rng.integers(3, 250, n).tolist()  # noqa: E731
+    ids = lambda n: rng.integers(3, 250, n).tolist()
     pairs = [EncodedPair(ids(p), ids(c), ids(r)) for p, c, r in ((3, 4, 2), (7, 2, 5), (12, 6, 6), (30, 9, 4))]
     return build_llama(260), pairs
 
@@ -65,6 +65,7 @@ def test_a_registered_mode_is_scored_weighed_and_probed(toy_class, model_and_pai
     monkeypatch.setitem(REGISTRY, "toy", toy_class())  # the one registry line
     assert modes.candidates("sdpa")[0] == "toy" and "toy" not in modes.MODES  # MODES: those registered at import
     want, got = score_pairs(model, pairs, 0, 64, "full_forward"), score_pairs(model, pairs, 0, 64, "toy")
+    assert len(got[0]) == len(got[1]) == len(want[0]) == len(pairs)  # zip below would stop at the shorter
     assert all(np.array_equal(a, b) for a, b in zip(want[0] + want[1], got[0] + got[1])) and want[2] == got[2]
     messages = []
     assert choose_mode(model, "auto", pairs, 39, 0, 4096, messages.append) == "toy"

@@ -50,6 +50,7 @@ def scored(request, tmp_path_factory):
 def test_modes_equal_plain_forward(scored, mode):
     model, pairs, pad = scored
     chosen, rejected, stats = score_pairs(model, pairs, pad, token_budget=256, mode=mode)
+    assert len(chosen) == len(rejected) == len(pairs)  # every pair scored (zip would stop at the shorter)
     worst = 0.0
     for pair, c, r in zip(pairs, chosen, rejected):
         pc, pr = plain_logps(model, pair)
@@ -74,11 +75,12 @@ def test_modes_equal_plain_forward(scored, mode):
 @pytest.mark.parametrize("mode", ["kv_cache", "packed", "varlen", "single"])
 def test_one_token_completions(scored, mode):
     model, pairs, pad = scored
-    one = lambda ids: ids[:1]  # noqa: E731
+    one = lambda ids: ids[:1]
     mixed = [EncodedPair(p.prompt_ids, one(p.chosen_ids), p.rejected_ids) for p in pairs[:6]]
     only = [EncodedPair(p.prompt_ids, one(p.chosen_ids), one(p.rejected_ids)) for p in pairs[6:9]]
     for group in (mixed + only, only):  # one-token completions beside longer ones, and alone in a batch
         chosen, rejected, _ = score_pairs(model, group, pad, token_budget=4096, mode=mode)
+        assert len(chosen) == len(rejected) == len(group)
         for pair, c, r in zip(group, chosen, rejected):
             pc, pr = plain_logps(model, pair)
             assert c.shape == pc.shape and r.shape == pr.shape
@@ -91,6 +93,7 @@ def test_bfloat16_within_the_recorded_dtype_tolerance(scored, mode):
     half = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.bfloat16).eval()
     want_c, want_r, _ = score_pairs(half, pairs, pad, 256, "full_forward")
     got_c, got_r, _ = score_pairs(half, pairs, pad, 256, mode)
+    assert len(got_c) == len(got_r) == len(want_c) == len(pairs)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(want_c + want_r, got_c + got_r))
     assert diff <= 5e-2  # audit-ref's per-token replay tolerance for half precision
 

@@ -71,7 +71,7 @@ def test_facts_read_from_the_config():
 
 def _table(n=6, prompt=40, completion=6, seed=0):
     rng = np.random.default_rng(seed)
-    ids = lambda k: rng.integers(3, VOCAB, size=k).tolist()  # noqa: E731
+    ids = lambda k: rng.integers(3, VOCAB, size=k).tolist()
     return pa.Table.from_pylist([{"prompt_ids": ids(prompt), "chosen_ids": ids(completion),
                                   "rejected_ids": ids(completion)} for _ in range(n)])
 

@@ -85,6 +85,34 @@ def test_bad_row_names_file_row_and_reason(tokenizer, tmp_path):
     assert skipped.skipped_by_reason == {"bad_json": 1, "duplicate_id": 1, "missing_field": 1}
 
 
+def test_no_usable_rows_is_one_refusal_naming_the_data_and_the_skips(tokenizer, tmp_path):
+    """Issue 22 item 14: every row skipped (or none there) is refused here, for precompute-ref and train-dpo alike."""
+    from runtime.data import Source, usable_rows
+
+    path = tmp_path / "prefs.jsonl"
+    path.write_text('{"id": "a", "prompt": "why?", "chosen": "yes</s>", "rejected": "no"}\n{"id": "b", "prompt": "x"}\n')
+    source = load_rows(path)
+    with pytest.raises(DataError) as e:
+        usable_rows(source, tokenizer, EncodingConfig(), "skip", str(path))
+    assert str(e.value) == (f"{path}: no usable rows (2 skipped: {{'missing_field': 1, 'special_token_text': 1}})")
+    with pytest.raises(DataError, match=r"^data: no usable rows \(0 skipped: \{\}\)$"):  # an empty saved data set
+        usable_rows(Source([], [], []), tokenizer, EncodingConfig(), "skip", "data")
+    assert encode_rows(source, tokenizer, EncodingConfig(), on_bad_row="skip").pairs == []  # audit still compares
+
+
+def test_an_invalid_chat_template_is_a_job_error_not_a_bad_row(tokenizer, tmp_path):
+    import copy
+
+    from runtime.errors import JobError
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{% if messages %}{{ messages[0]['content'] }}"  # no endif
+    source = load_rows(write_jsonl(tmp_path / "prefs.jsonl", pref_rows(3, fmt="conversational")))
+    for on_bad_row in ("error", "skip"):  # skipping cannot help: no row can be rendered
+        with pytest.raises(JobError, match="is not valid Jinja"):
+            encode_rows(source, tok, EncodingConfig(), on_bad_row=on_bad_row)
+
+
 def test_missing_path_and_unsupported_file_type_are_refused(tmp_path):
     with pytest.raises(DataError, match="no such file or directory"):
         load_rows(tmp_path / "nothing.jsonl")

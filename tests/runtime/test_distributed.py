@@ -85,6 +85,7 @@ def test_train_two_ranks_batch_b_matches_one_rank_batch_2b(work, llama_dir, sing
     one, two = metrics(work / "run-1"), metrics(work / "run-2")
     steps = [r for r in one if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert len(two) == len(one)  # zip below would stop at the shorter
     for a, b in zip(one, two):
         assert a["step"] == b["step"]
         for key, value in a.items():
@@ -112,7 +113,7 @@ def test_share_rank_zero_decides_and_every_rank_refuses(work):
     helper = REPO / "tests" / "helpers" / "share_ranks.py"
     out = work / "share"
     out.mkdir()
-    p = run([*TORCHRUN, str(helper), str(out)], work, env={"PYTHONPATH": str(REPO)})
+    run([*TORCHRUN, str(helper), str(out)], work, env={"PYTHONPATH": str(REPO)})
     ranks = sorted((json.loads(f.read_text()) for f in out.glob("share-rank*.json")), key=lambda r: r["rank"])
     assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
     zero, one = ranks

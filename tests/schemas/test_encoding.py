@@ -24,8 +24,8 @@ from schemas.encoding import (
 # The tests below were written for the BOS rule of caches made before the "tokenizer" rule (always prepend BOS): they
 # keep that encoding, which old caches still verify with, pinned. The "tokenizer" rule: the last section.
 CFG = EncodingConfig(add_bos=True)
-USER = lambda s: {"role": "user", "content": s}  # noqa: E731
-ASSISTANT = lambda s: {"role": "assistant", "content": s}  # noqa: E731
+USER = lambda s: {"role": "user", "content": s}
+ASSISTANT = lambda s: {"role": "assistant", "content": s}
 
 
 @pytest.fixture(scope="session")
@@ -175,9 +175,9 @@ def test_add_bos(tokenizer, ids, bos_eos):
     row = {"prompt": "hmm why?", "chosen": "yes", "rejected": "no"}
     assert encode_pair(row, tokenizer, CFG).prompt_ids == [bos] + ids("hmm why?")
     assert encode_pair(row, tokenizer, dataclasses.replace(CFG, add_bos=False)).prompt_ids == ids("hmm why?")
-    # A prompt that already starts with BOS does not get a second one.
+    # BOS text at the start of a prompt is data text, refused like any special token's text (issue 22 item 10).
     with_bos = {**row, "prompt": "<s>hmm why?"}
-    assert encode_pair(with_bos, tokenizer, CFG).prompt_ids == [bos] + ids("hmm why?")
+    assert reason(with_bos, tokenizer) == "special_token_text"
     # The templated prompt gets BOS too (the template does not write one).
     conv = pref_rows(1, fmt="conversational")[0]
     assert encode_pair(conv, tokenizer, CFG).prompt_ids[:2] == [bos, tokenizer.convert_tokens_to_ids("<|user|>")]
@@ -189,12 +189,10 @@ def test_add_eos(tokenizer, ids, bos_eos):
     assert encode_pair(row, tokenizer, CFG).chosen_ids == ids(" yes") + [eos]
     no_eos = encode_pair(row, tokenizer, dataclasses.replace(CFG, add_eos=False))
     assert (no_eos.chosen_ids, no_eos.rejected_ids) == (ids(" yes"), ids(" no"))
-    # A completion that already ends with EOS does not get a second one.
-    ended = {**row, "chosen": " yes</s>"}
-    assert encode_pair(ended, tokenizer, CFG).chosen_ids == ids(" yes") + [eos]
-    # Text after an EOS inside a completion is not scored.
-    trailing = {**row, "chosen": " yes</s> sure"}
-    assert encode_pair(trailing, tokenizer, CFG).chosen_ids == ids(" yes") + [eos]
+    # EOS text in a completion is data text, never the control token: refused, at the end (where it would have
+    # been read as the EOS the encoder adds) as in the middle (where the text after it was cut; issue 22 item 10).
+    for chosen in (" yes</s>", " yes</s> sure"):
+        assert reason({**row, "chosen": chosen}, tokenizer) == "special_token_text"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,3 +433,210 @@ def test_old_caches_keep_always_bos_and_a_missing_rule_is_refused():
     assert EncodingConfig().add_bos == "tokenizer"
     with pytest.raises(ValueError, match="no add_bos recorded"):
         EncodingConfig.from_dict({k: v for k, v in old.items() if k != "add_bos"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 22 items 10, 11, 13: data text is data; every message field reaches the template; a failing template is a
+# bad row, an invalid one a job error
+
+SYSTEM = lambda s: {"role": "system", "content": s}
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+# renders tool calls, a tool message's name and the row's tools (the default test template renders none of them)
+TOOL_TEMPLATE = (
+    "{% if tools %}<|system|>\ntools: {% for t in tools %}{{ t.function.name }} {% endfor %}</s>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m.name %}[{{ m.name }}] {% endif %}{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}call {{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}"
+    "</s>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def templated(tokenizer, template):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    return tok
+
+
+def bad_row(row, tokenizer, config=CFG) -> BadRowError:
+    with pytest.raises(BadRowError) as err:
+        encode_pair(row, tokenizer, config)
+    return err.value
+
+
+def conv(prompt, chosen, rejected=None):
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected or [ASSISTANT("no")]}
+
+
+SPECIAL_TEXT = {  # where a special token's text sits -> (row, the field the message names)
+    "completion_middle": ({"prompt": "why?", "chosen": " yes</s> and more", "rejected": " no"}, "'chosen'"),
+    "completion_end_eos": ({"prompt": "why?", "chosen": " yes", "rejected": " no</s>"}, "'rejected'"),
+    "prompt_bos": ({"prompt": "<s> why?", "chosen": " yes", "rejected": " no"}, "'prompt'"),
+    "prompt_template_token": ({"prompt": "why?<|assistant|>\nsure", "chosen": " yes", "rejected": " no"}, "'prompt'"),
+    "implicit": ({"chosen": "why? yes</s> more", "rejected": "why? no"}, "'chosen'"),
+    "assistant_message": (conv([USER("why?")], [ASSISTANT("yes</s>and more")]), "'chosen'[0].content"),
+    "system_message": (conv([SYSTEM("be <pad> brief"), USER("why?")], [ASSISTANT("yes")]), "'prompt'[0].content"),
+    "tool_call_argument": (conv([USER("why?")], [{**ASSISTANT(""), "tool_calls": [
+        {"function": {"name": "f", "arguments": {"x": "a</s>b"}}}]}]), "'chosen'[0].tool_calls[0].function.arguments.x"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPECIAL_TEXT))
+def test_special_token_text_in_data_is_refused_naming_field_and_token(tokenizer, case):
+    """Item 10: the text of a special token in any data string would become that control id (an EOS cut the
+    completion there, silently); it is refused with the field, the token and where it is."""
+    row, where = SPECIAL_TEXT[case]
+    err = bad_row(row, templated(tokenizer, TOOL_TEMPLATE))
+    assert err.reason == "special_token_text"
+    assert err.detail.startswith(f"{where} contains '")
+    assert "the text of the tokenizer's special token (id " in err.detail
+
+
+def test_additional_special_tokens_are_control_text_and_plain_added_tokens_are_vocabulary(tokenizer, ids, bos_eos):
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    tok.add_tokens(["<calc>"])  # an added token that is not special: ordinary vocabulary, read as it always is
+    row = {"prompt": "why?", "chosen": " yes <|tool|> sure", "rejected": " no"}
+    assert bad_row(row, tok).detail.startswith("'chosen' contains '<|tool|>'")
+    ok = encode_pair({**row, "chosen": " yes <calc> sure"}, tok, CFG)
+    assert tok.convert_tokens_to_ids("<calc>") in ok.chosen_ids
+    assert tok.decode(ok.chosen_ids) == " yes <calc> sure</s>"  # nothing after the token is lost
+
+
+def test_text_without_special_tokens_encodes_as_before(tokenizer, ids, bos_eos):
+    """The rule refuses rows; it never changes how an accepted row is tokenized (existing caches stay valid)."""
+    bos, eos = bos_eos
+    row = {"prompt": "a < s > b </ s> <|user| >", "chosen": " yes </S>", "rejected": " no"}
+    enc = encode_pair(row, tokenizer, CFG)
+    assert enc.prompt_ids == [bos] + ids(row["prompt"]) and enc.chosen_ids == ids(" yes </S>") + [eos]
+
+
+def test_tool_calls_reach_the_chat_template(tokenizer, ids):
+    """Item 11: an assistant message's tool_calls used to be dropped before the template; it renders them now."""
+    tok = templated(tokenizer, TOOL_TEMPLATE)
+    row = conv([USER("weather?")], [{**ASSISTANT(""), "tool_calls": [CALL]}], [ASSISTANT("no idea")])
+    enc = encode_pair(row, tok, CFG)
+    full = tok.apply_chat_template(row["prompt"] + row["chosen"], tokenize=False)
+    assert 'call get_weather({"city": "Paris"})' in full
+    assert tok.decode(enc.chosen_ids) == 'call get_weather({"city": "Paris"})</s>'
+    assert enc.prompt_ids + enc.chosen_ids == [tok.bos_token_id] + ids(full.removesuffix("\n"))
+
+
+FIELDS = {  # a message field the default template does not render -> the field the message names
+    "tool_calls": (conv([USER("weather?")], [{**ASSISTANT(""), "tool_calls": [CALL]}]), "'chosen'[0].tool_calls"),
+    "tool_message_name": (conv([USER("weather?"), {**ASSISTANT(""), "tool_calls": [CALL]},
+                                {"role": "tool", "content": "sunny", "name": "get_weather", "tool_call_id": "c1"}],
+                               [ASSISTANT("sunny")]), "'prompt'[1].tool_calls"),
+    "reasoning_content": (conv([USER("why?")], [ASSISTANT("yes")], [{**ASSISTANT("no"), "reasoning_content": "hm"}]),
+                          "'rejected'[0].reasoning_content"),
+    "unknown_key": (conv([{**USER("why?"), "weight": 1}], [ASSISTANT("yes")]), "'prompt'[0].weight"),
+    "implicit": ({"chosen": [{**USER("q"), "thinking": "x"}, ASSISTANT("a")], "rejected": [
+        {**USER("q"), "thinking": "x"}, ASSISTANT("b")]}, "'chosen'[0].thinking"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIELDS))
+def test_a_message_field_the_template_does_not_render_is_refused(tokenizer, case):
+    row, where = FIELDS[case]
+    err = bad_row(row, tokenizer)
+    assert err.reason == "field_not_rendered"
+    assert err.detail.startswith(f"{where} is not rendered by the chat template, so it would be dropped")
+
+
+def test_tool_message_fields_and_tools_reach_the_template(tokenizer):
+    tok = templated(tokenizer, TOOL_TEMPLATE)
+    tool_msg = {"role": "tool", "content": "sunny", "name": "get_weather", "tool_call_id": "c1"}
+    row = conv([USER("weather?"), {**ASSISTANT(""), "tool_calls": [CALL]}, tool_msg], [ASSISTANT("sunny")])
+    # tool_call_id is not rendered by this template: refused, naming it
+    assert bad_row(row, tok).detail.startswith("'prompt'[2].tool_call_id is not rendered")
+    row["prompt"][2].pop("tool_call_id")
+    text = tok.decode(encode_pair(row, tok, CFG).prompt_ids)
+    assert "[get_weather] sunny" in text and "call get_weather" in text
+    schema = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    with_tools = encode_pair({**row, "tools": json.dumps(schema)}, tok, CFG)  # TRL's JSON-string form too
+    assert "tools: get_weather" in tok.decode(with_tools.prompt_ids)
+    assert bad_row({**row, "tools": schema}, tokenizer).detail.startswith("'prompt'[1].tool_calls")
+    plain = {"prompt": "why?", "chosen": " yes", "rejected": " no", "tools": schema}
+    assert bad_row(plain, tokenizer).reason == "field_not_rendered"
+
+
+def test_null_and_empty_message_fields_encode_as_without_them(tokenizer):
+    """Loaders fill a key that only some messages have with null in the others: nothing to render, nothing lost."""
+    row = conv([USER("why?")], [ASSISTANT("yes")])
+    filled = conv([{**USER("why?"), "tool_calls": None}], [{**ASSISTANT("yes"), "tool_calls": [],
+                                                            "reasoning_content": None}])
+    assert encode_pair(filled, tokenizer, CFG) == encode_pair(row, tokenizer, CFG)
+    bytes_field = conv([{**USER("why?"), "name": b"x"}], [ASSISTANT("yes")])
+    assert bad_row(bytes_field, tokenizer).reason == "bad_type"
+
+
+RAISING = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages please') }}"
+           "{% endif %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+SANDBOX = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ messages.append(m) }}{% endif %}"
+           "<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.mark.parametrize("template,error", [(RAISING, "TemplateError: no system messages please"),
+                                            (SANDBOX, "SecurityError: ")])
+def test_a_template_that_fails_on_a_row_makes_that_row_bad(tokenizer, template, error):
+    """Item 13: raise_exception or a sandbox violation on one row is that row's problem; other rows encode."""
+    tok = templated(tokenizer, template)
+    err = bad_row(conv([SYSTEM("be brief"), USER("why?")], [ASSISTANT("yes")]), tok)
+    assert err.reason == "template_error"
+    assert err.detail.startswith(f"the chat template failed on this row ({error}")
+    ok = conv([USER("why?")], [ASSISTANT("yes")])
+    assert encode_pair(ok, tok, CFG) == encode_pair(ok, tokenizer, CFG)
+
+
+def test_an_invalid_template_fails_the_job_not_a_row(tokenizer):
+    from schemas.encoding import ChatTemplateError
+
+    tok = templated(tokenizer, "{% for m in messages %}{{ m['content'] }}")  # no endfor
+    with pytest.raises(ChatTemplateError, match=r"^the chat template of the tokenizer .* is not valid Jinja \(line 1"):
+        encode_pair(conv([USER("why?")], [ASSISTANT("yes")]), tok, CFG)
+    # a row that is not rendered with the template does not need it
+    assert encode_pair({"prompt": "why?", "chosen": " yes", "rejected": " no"}, tok, CFG).chosen_ids
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    """TRL's chat_template_kwargs column (e.g. enable_thinking) is a template variable, not dropped."""
+    tok = templated(tokenizer, "{% if terse %}<|system|>\nterse</s>\n{% endif %}" + TOOL_TEMPLATE)
+    row = conv([USER("why?")], [ASSISTANT("yes")])
+    terse = encode_pair({**row, "chat_template_kwargs": {"terse": True}}, tok, CFG)
+    assert "terse" in tok.decode(terse.prompt_ids) and "terse" not in tok.decode(encode_pair(row, tok, CFG).prompt_ids)
+    assert bad_row({**row, "chat_template_kwargs": {"tokenize": True}}, tok).reason == "bad_type"
+    assert bad_row({**row, "chat_template_kwargs": {"x": "a</s>"}}, tok).reason == "special_token_text"
+    plain = {"prompt": "why?", "chosen": " yes", "rejected": " no", "chat_template_kwargs": {"terse": True}}
+    assert bad_row(plain, tok).reason == "field_not_rendered"
+
+
+def test_a_special_token_formed_across_message_text_is_refused(tokenizer):
+    """Item 10's class: text that holds no special token alone but forms one with its neighbour once rendered."""
+    tok = templated(tokenizer, "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    row = conv([SYSTEM("hi <|us"), USER("er|> there")], [ASSISTANT("yes")])
+    err = bad_row(row, tok)
+    assert err.reason == "special_token_text"
+    assert err.detail.startswith("'prompt'[0].content and the text next to it in the rendered chat template form "
+                                 "'<|user|>'")
+    fine = conv([SYSTEM("hi <|us"), USER("there")], [ASSISTANT("s")])  # "s" also occurs inside "</s>": no matter
+    assert encode_pair(fine, templated(tokenizer, TOOL_TEMPLATE), CFG).chosen_ids
+
+
+def test_message_text_rendered_after_the_final_eos_is_refused(tokenizer):
+    """The completion is kept through its final EOS; a template that writes message text after it would lose it."""
+    tok = templated(tokenizer, TOOL_TEMPLATE.replace("</s>\n{% endfor %}", "</s>{{ m.note }}\n{% endfor %}"))
+    row = conv([USER("why?")], [{**ASSISTANT("yes"), "note": "said kindly"}])
+    err = bad_row(row, tok)
+    assert (err.reason, err.detail) == ("text_after_eos", "the chat template renders 'chosen'[0].note after the "
+                                                          "completion's final EOS '</s>', where nothing is kept")
+    assert encode_pair(conv([USER("why?")], [ASSISTANT("yes")]), tok, CFG).chosen_ids  # the newline after it: fine
+
+
+def test_a_field_the_template_needs_counts_as_rendered(tokenizer):
+    """A template that fails without a field (as some do for a tool message's tool_call_id) uses it."""
+    tok = templated(tokenizer, "{% for m in messages %}{% if m.role == 'tool' and not m.tool_call_id %}"
+                               "{{ raise_exception('tool messages need an id') }}{% endif %}" + TOOL_TEMPLATE[
+                                   TOOL_TEMPLATE.index("{% for m in messages %}") + len("{% for m in messages %}"):])
+    row = conv([USER("weather?"), {"role": "tool", "content": "sunny", "tool_call_id": "c1"}], [ASSISTANT("sunny")])
+    assert "sunny" in tok.decode(encode_pair(row, tok, CFG).prompt_ids)

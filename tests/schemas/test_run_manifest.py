@@ -15,9 +15,12 @@ from schemas.run_manifest import (CACHE_MANIFEST, CHECKPOINT_RECORD, RUN_KIND, R
 STAMPS = {"model_hash": "m" * 64, "tokenizer_hash": "t" * 64, "mask_checksum": "c" * 64}
 
 
-def make_cache(root, text='{"rows": 3}'):
+def make_cache(root, shard_sha="a", **extra):
+    """A cache manifest whose content (cache_id) is set by its one shard's sha256; `extra`: further keys."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / CACHE_MANIFEST).write_text(text)
+    manifest = {"stamps": STAMPS, "encoding": {"max_length": 8},
+                "shards": [{"file": "shard-00000.parquet", "rows": 3, "sha256": shard_sha * 64}], **extra}
+    (root / CACHE_MANIFEST).write_text(json.dumps(manifest))
     return root
 
 
@@ -53,7 +56,7 @@ def test_a_resume_against_another_reference_names_what_differs(tmp_path):
     cache = cache_record(make_cache(tmp_path / "cache"), STAMPS)
     moved = {**cache, "path": "/elsewhere"}  # the same cache at another path: only content counts
     assert reference_findings(record(cache), record(moved)) == []
-    other = cache_record(make_cache(tmp_path / "other", '{"rows": 4}'), STAMPS)
+    other = cache_record(make_cache(tmp_path / "other", "b"), STAMPS)
     found = reference_findings(record(cache), record(other, data="d2"))
     assert [f.message for f in found] == ["the checkpoint was trained with another cache",
                                           "the checkpoint was trained with another data_fingerprint"]
@@ -64,15 +67,67 @@ def test_a_resume_against_another_reference_names_what_differs(tmp_path):
 
 
 def test_run_cache_role_or_what_differs(tmp_path):
-    train, evaluation = make_cache(tmp_path / "train"), make_cache(tmp_path / "eval", '{"rows": 9}')
+    train, evaluation = make_cache(tmp_path / "train"), make_cache(tmp_path / "eval", "e")
     run = {"reference": record(cache_record(train, STAMPS), eval_cache=cache_record(evaluation, STAMPS))}
     assert run_cache_findings(run, train, STAMPS) == ("cache", [])
     assert run_cache_findings(run, evaluation, STAMPS) == ("eval_cache", [])
-    stranger = make_cache(tmp_path / "stranger", '{"rows": 1}')
+    stranger = make_cache(tmp_path / "stranger", "s")
     role, found = run_cache_findings(run, stranger, {**STAMPS, "mask_checksum": "z" * 64})
     assert role is None and len(found) == 1
-    assert "names a cache manifest with sha256" in found[0].message
+    assert "names a cache with cache_id" in found[0].message
     assert "its stamps mask_checksum differ" in found[0].message
     live = {"reference": record(None, live="org/ref")}
     assert run_cache_findings(live, train, STAMPS)[1][0].message == (
         "the run was trained against a live reference, not a cache")
+
+
+def test_a_cache_is_named_by_its_content_not_its_manifest_bytes(tmp_path):
+    """Issue 22, item 7: a manifest rewritten with another created_at, software or paths (a no-op rerun,
+    --overwrite, another cwd) is the same cache for a resume and for audit-ref --run; other shard files are not."""
+    from schemas.run_manifest import cache_id, same_cache
+
+    cache = make_cache(tmp_path / "cache", created_at="then", software={"refcache": "1"}, model={"path": "m"})
+    recorded = cache_record(cache, STAMPS)
+    make_cache(cache, created_at="now", software={"refcache": "2"}, model={"path": "/abs/m"}, source={"data": "x"})
+    now = cache_record(cache, STAMPS)
+    assert now["manifest_sha256"] != recorded["manifest_sha256"] and now["cache_id"] == recorded["cache_id"]
+    assert reference_findings(record(recorded), record(now)) == []
+    run = {"reference": record(recorded)}
+    assert run_cache_findings(run, cache, STAMPS) == ("cache", [])
+    manifest = json.loads((cache / CACHE_MANIFEST).read_text())
+    for edit in (lambda m: m["shards"][0].update(sha256="f" * 64), lambda m: m["shards"][0].update(file="x.parquet"),
+                 lambda m: m["encoding"].update(max_length=9), lambda m: m["stamps"].update(model_hash="x" * 64),
+                 lambda m: m["shards"].append(dict(m["shards"][0]))):
+        other = json.loads(json.dumps(manifest))
+        edit(other)
+        assert cache_id(other) != cache_id(manifest)
+    assert not same_cache(recorded, {**recorded, "cache_id": "0" * 64})
+
+
+def test_a_record_from_before_cache_id_is_compared_by_manifest_sha256(tmp_path):
+    cache = make_cache(tmp_path / "cache")
+    old = {k: v for k, v in cache_record(cache, STAMPS).items() if k != "cache_id"}
+    assert reference_findings(record(old), record(cache_record(cache, STAMPS))) == []
+    make_cache(cache, created_at="later")  # the same content, other bytes: an old record cannot know that
+    assert [f.message for f in reference_findings(record(old), record(cache_record(cache, STAMPS)))] == [
+        "the checkpoint was trained with another cache"]
+    role, found = run_cache_findings({"reference": record(old)}, cache, STAMPS)
+    assert role is None and "names a cache manifest with sha256" in found[0].message
+
+
+def test_run_record_is_read_back_and_a_forged_or_linked_one_refused(tmp_path):
+    """Issue 22 item 6: the output dir's run record (which run its checkpoints belong to)."""
+    from schemas.run_manifest import RUN_RECORD, read_run_record, run_record, write_json
+
+    write_json(tmp_path / RUN_RECORD, run_record("f" * 32, "2026-01-01T00:00:00+00:00"))
+    assert read_run_record(tmp_path)["run_id"] == "f" * 32
+    (tmp_path / "other").mkdir()
+    write_json(tmp_path / "other" / RUN_RECORD, {"kind": "something-else", "run_id": "f" * 32})
+    with pytest.raises(RunManifestError, match="is not a train-dpo run record"):
+        read_run_record(tmp_path / "other")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / RUN_RECORD).symlink_to(tmp_path / RUN_RECORD)
+    with pytest.raises(RunManifestError, match="a symbolic link"):
+        read_run_record(tmp_path / "linked")
+    with pytest.raises(RunManifestError, match="is missing"):
+        read_run_record(tmp_path / "nowhere")

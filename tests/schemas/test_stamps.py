@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, pref_rows
+from schemas.format import STAMPS
 from schemas.encoding import EncodingConfig, encode_pair
 from schemas.stamps import (
     WeightsError,
@@ -32,7 +33,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 BASE_CFG = EncodingConfig(max_length=128)
 # A fixed small dataset: standard rows (no template under chat_template=auto) and conversational rows (templated).
 ROWS = pref_rows(6, seed=3, fmt="standard") + pref_rows(4, seed=4, fmt="conversational")
-STAMPS = ("tokenizer_hash", "model_hash", "mask_checksum")
 
 
 def load_tokenizer(path):
@@ -409,6 +409,14 @@ VARIANTS = {
         lambda ws, tok: {"cfg": dataclasses.replace(BASE_CFG, add_bos=False)},
         {"mask_checksum"},
     ),
+    "add_eos off": (
+        lambda ws, tok: {"cfg": dataclasses.replace(BASE_CFG, add_eos=False)},
+        {"mask_checksum"},
+    ),
+    "chat_template on (the standard rows templated too)": (
+        lambda ws, tok: {"cfg": dataclasses.replace(BASE_CFG, chat_template="on")},
+        {"mask_checksum"},
+    ),
     # nothing that matters
     "tokenizer_config model_max_length": (
         lambda ws, tok: {"tok": ws.tokenizer(
@@ -440,11 +448,19 @@ def test_each_change_flips_exactly_its_stamps(name, ws, base_tok, llama_dir, bas
     assert changed == expected, f"{name}: changed {sorted(changed)}, expected {sorted(expected)}"
 
 
-def test_sensitivity_table_is_broad():
-    # The acceptance bar: at least ten distinct changes that flip one stamp and only it.
+def test_sensitivity_table_is_broad(ws, base_tok, base):
+    # The acceptance bar: at least ten distinct changes that flip one stamp and only it, for every stamp a cache
+    # carries (schemas.format.STAMPS), and a change of every field of the encoding config a cache records.
+    assert set(base) == set(STAMPS)  # all_stamps computes each stamp of the product's list, no more
     single = [n for n, (_, e) in VARIANTS.items() if len(e) == 1]
     assert len(single) >= 10
     assert {next(iter(VARIANTS[n][1])) for n in single} == set(STAMPS)
+    varied = set()
+    for make, _ in VARIANTS.values():
+        v = {"cfg": BASE_CFG, "base_cfg": BASE_CFG, **make(ws, base_tok)}
+        varied |= {f.name for f in dataclasses.fields(EncodingConfig)
+                   if getattr(v["cfg"], f.name) != getattr(v["base_cfg"], f.name)}
+    assert varied == {f.name for f in dataclasses.fields(EncodingConfig)}
 
 
 def test_per_row_checksums_show_what_changed(base_tok):
@@ -548,3 +564,86 @@ def test_tensor_in_two_files_is_refused(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(WeightsError, match="also appears"):
         model_hash(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# custom code (auto_map, --trust-remote-code): the files it comes from are part of the stamps (issue 22, item 8)
+
+# model_hash(data/sft-model) as computed by the code before custom code was hashed: a model without auto_map keeps it
+SFT_MODEL_HASH = "daa080e41d34848d3786bbce7a9f1c2ebe87d3387dedc9e4e6dcfe45dd5e88ec"
+SFT_TOKENIZER_HASH = "c18b6f6f664a44059cffab70487279661d1ff370f93106f27118fedff53b9f2d"
+
+
+def test_a_model_without_custom_code_keeps_its_hash():
+    assert model_hash(REPO / "data" / "sft-model") == SFT_MODEL_HASH
+    assert tokenizer_hash(load_tokenizer(REPO / "data" / "sft-model")) == SFT_TOKENIZER_HASH
+
+
+def test_custom_model_code_is_in_the_model_hash(llama_dir, tmp_path):
+    from runtime.checkpoint import Checkpoint
+    from support import make_custom_code_model
+
+    model = make_custom_code_model(llama_dir, tmp_path / "custom")
+    first = model_hash(model)
+    assert first != model_hash(llama_dir)  # the same tensors and config fields, but code computes the logits
+    assert Checkpoint.open(str(model), trust_remote_code=True).base_hash == first  # one function for every command
+    seen = {first}
+    for name, text in (("modeling_scaled.py", "# edited\n"), ("scale.py", "FACTOR = 2.0\n"),  # its relative import
+                       ("helpers.py", "X = 1\n")):  # any top-level .py: transformers looks for relative imports there
+        with open(model / name, "a") as f:
+            f.write(text)
+        seen.add(model_hash(model))
+    assert len(seen) == 4
+    (model / "notes.txt").write_text("not code")
+    (model / "sub").mkdir()
+    (model / "sub" / "unused.py").write_text("X = 2\n")  # transformers loads no module from a subfolder
+    assert model_hash(model) in seen
+
+
+@pytest.mark.parametrize("ref,message", [
+    ("org/repo--modeling_scaled.ScaledLlamaForCausalLM", "runs code from another repository"),
+    ("modeling_absent.ScaledLlamaForCausalLM", "names modeling_absent.py, which is not in the checkpoint folder"),
+    ("../modeling_scaled.ScaledLlamaForCausalLM", "names code outside the checkpoint folder"),
+])
+def test_custom_code_that_cannot_be_hashed_is_refused(llama_dir, tmp_path, ref, message):
+    from support import make_custom_code_model
+
+    model = make_custom_code_model(llama_dir, tmp_path / "custom")
+    edit_json(model / "config.json", lambda c: c["auto_map"].__setitem__("AutoModelForCausalLM", ref))
+    with pytest.raises(WeightsError, match=message):
+        model_hash(model)
+
+
+def test_custom_tokenizer_code_is_in_the_tokenizer_hash(llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from schemas.stamps import tokenizer_parts
+
+    folder = Path(shutil.copytree(llama_dir, tmp_path / "tok"))
+    plain = tokenizer_hash(load_tokenizer(folder))
+    code = "from transformers import PreTrainedTokenizerFast\n\n\nclass CustomTokenizer(PreTrainedTokenizerFast):\n"
+    (folder / "tokenization_custom.py").write_text(code + "    pass\n")
+    edit_json(folder / "tokenizer_config.json", lambda c: c.update(
+        auto_map={"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]}, tokenizer_class="CustomTokenizer"))
+    custom = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    assert type(custom).__name__ == "CustomTokenizer"
+    first = tokenizer_hash(custom)
+    assert first != plain and "code" in tokenizer_parts(custom)
+    (folder / "tokenization_custom.py").write_text(code + "    def _encode_plus(self, *a, **k):\n"
+                                                   "        return super()._encode_plus(*a, **k)\n")
+    assert tokenizer_hash(AutoTokenizer.from_pretrained(folder, trust_remote_code=True)) != first
+
+
+def test_custom_code_in_a_subfolder_is_hashed_there(llama_dir, tmp_path):
+    """auto_map 'sub/module.Class': transformers loads module.py and its relative imports from sub/."""
+    from support import make_custom_code_model
+
+    model = make_custom_code_model(llama_dir, tmp_path / "custom")
+    (model / "sub").mkdir()
+    for name in ("modeling_scaled.py", "scale.py"):
+        (model / name).rename(model / "sub" / name)
+    edit_json(model / "config.json", lambda c: c["auto_map"].__setitem__(
+        "AutoModelForCausalLM", "sub/modeling_scaled.ScaledLlamaForCausalLM"))
+    first = model_hash(model)
+    (model / "sub" / "scale.py").write_text("FACTOR = 2.0\n")
+    assert model_hash(model) != first
