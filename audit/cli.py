@@ -23,8 +23,10 @@ from pathlib import Path
 import click
 
 from runtime.cli import EXIT_FAILED, EXIT_OK, dataclass_options, field_help, given_values, quiet_libraries, run_cli
+from runtime.paths import check_apart
 from runtime.tolerance import describe_replay
 from schemas import format as fmt
+from schemas.files import atomic_write, check_destination
 
 from .cache import audit_cache
 from .checks import FAIL, PASS, SECTIONS, SKIP, Check
@@ -132,6 +134,10 @@ def main(cache, debug, **options):
         raise click.UsageError(f"--json {json_path}: its folder does not exist")
 
     def body():
+        if json_path:  # the report is an output like any other: apart from every input, the cache's files included
+            check_apart(json_path, "--json", {"CACHE": cache, "--model": opts.model, "--data": opts.data,
+                                              "--run": opts.run})
+            check_destination(json_path)  # a link there is refused now, not after the audit
         if opts.model or opts.data:
             quiet_libraries()
         report = run_audit(cache, model=opts.model, data=opts.data, run=opts.run,
@@ -139,7 +145,8 @@ def main(cache, debug, **options):
                            trust_remote_code=opts.trust_remote_code)
         click.echo(render(report))
         if json_path:
-            Path(json_path).write_text(json.dumps(_jsonable(report), indent=2) + "\n", encoding="utf-8")
+            text = json.dumps(_jsonable(report), indent=2) + "\n"
+            atomic_write(Path(json_path), lambda f: f.write(text.encode("utf-8")))
         sys.exit(EXIT_FAILED if report["failed"] else EXIT_OK)
 
     run_cli(body, debug)

@@ -106,7 +106,7 @@ def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
         raise click.UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
     trainer = {k: values.pop(k) for k in list(values) if k in TRAINER}
     lora = {k: values.pop(k) for k in list(values) if k in LORA}
-    return TrainConfig(**values, training_args=trainer, lora=LoraOptions(**lora))
+    return TrainConfig(**values, training_args=trainer, lora=LoraOptions(**lora), config_file=config_file)
 
 
 def summary_text(s: dict) -> str:

@@ -1,14 +1,19 @@
 """train-dpo's --output-dir: apart from every input, never a used folder unless asked (--overwrite-output-dir) or
-resuming, and metrics.jsonl consistent with the checkpoint a run resumes from."""
+resuming (and then holding no link the Trainer would write through), and metrics.jsonl consistent with the checkpoint
+a run resumes from. The lock that keeps a second run out is runtime.locks, taken in recipe.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 from runtime.errors import JobError
+from runtime.hub import resolve_data
+from runtime.locks import is_lock_file
 from runtime.paths import check_apart
+from schemas.files import atomic_write, refusal, remove_file, why_unsafe
 
 
 def check_output_dir(cfg) -> None:
@@ -22,14 +27,36 @@ def check_output_dir(cfg) -> None:
         raise JobError(f"--output-dir {out}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise JobError(f"--output-dir {out}: {existing} is not writable")
-    check_apart(out, "--output-dir", {"--model": cfg.model, "--ref-model": cfg.ref_model, "--ref-cache": cfg.ref_cache,
-                                      "--eval-ref-cache": cfg.eval_ref_cache, "--data": cfg.data,
-                                      "--eval-data": cfg.eval_data})
-    used = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    check_apart(out, "--output-dir", inputs(cfg))
+    used = sorted(p.name for p in out.iterdir() if not is_lock_file(p)) if out.is_dir() else []  # the lock: no use
     if used and not cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
         raise JobError(f"--output-dir {out} already holds files ({', '.join(used[:5])}{' …' if len(used) > 5 else ''})"
                        ": a second run would mix its checkpoints and metrics with them; pass --overwrite-output-dir to "
                        "train over them, --resume-from-checkpoint to continue that run, or choose a new --output-dir")
+
+
+def inputs(cfg) -> dict:
+    """Every path train-dpo reads ({option: path}; a data set named by hub id: its local snapshot); the DeepSpeed and
+    FSDP configs only where they name a file (the Trainer also takes them as JSON text)."""
+    files = {"--deepspeed": cfg.deepspeed, "--fsdp-config": cfg.fsdp_config}
+    return {"--model": cfg.model, "--ref-model": cfg.ref_model, "--ref-cache": cfg.ref_cache,
+            "--eval-ref-cache": cfg.eval_ref_cache, "--data": resolve_data(cfg.data),
+            "--eval-data": resolve_data(cfg.eval_data),
+            "--init-adapter": cfg.lora.init_adapter, "--config": cfg.config_file} | {
+        k: v for k, v in files.items() if isinstance(v, str) and os.path.lexists(v)}
+
+
+def check_no_links(out: Path) -> None:
+    """A used --output-dir (overwritten or resumed) must hold no symlink, hard-linked or special file anywhere: the
+    Trainer writes its files in place, and would write through them into files outside the folder. Checked after
+    dpo/resume.py's own refusals (a symlinked checkpoint or metrics file), which name the remedy for those."""
+    for folder, dirs, names in os.walk(out):
+        for name in sorted(dirs + names):
+            path = Path(folder) / name
+            st = path.lstat()
+            why = why_unsafe(st) if not stat.S_ISDIR(st.st_mode) else None
+            if why:
+                raise refusal(path, why)
 
 
 def resumed_step(checkpoint: str) -> int:
@@ -45,13 +72,12 @@ def prepare_metrics(path: Path, checkpoint: str | None) -> set:
     logged after it will be logged again). Returns the (step, kind) pairs already present, which are not written
     twice."""
     if not checkpoint or not path.exists():
-        path.unlink(missing_ok=True)
+        remove_file(path)
         return set()
     step = resumed_step(checkpoint)
     # a last line without its newline was cut off while being written: after the checkpoint, it is dropped anyway
     lines = path.read_text().split("\n")[:-1]
     kept = [r for r in map(json.loads, filter(str.strip, lines)) if r.get("step", 0) <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    tmp.replace(path)
+    data = "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
     return {(r.get("step"), metrics_kind(r)) for r in kept}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from runtime.errors import JobError
 
-from .outdir import check_output_dir
+from .outdir import check_no_links, check_output_dir
 from .resume import check_resume, overwrite_plan
 
 TRUE = ("true", "yes", "1")
@@ -48,6 +48,7 @@ def check_training_options(cfg):
     if cfg.overwrite_output_dir:
         overwrite_plan(Path(cfg.output_dir))  # refuses what it could not prove an earlier run's own
     check_resume(cfg.resume_from_checkpoint, Path(cfg.output_dir), latest)
+    check_no_links(Path(cfg.output_dir))
     return args
 
 

@@ -3,11 +3,13 @@ run manifest. With a cache the reference model is never constructed in this proc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime import locks
 from runtime.checkpoint import Checkpoint
 from runtime.cli import field_help
 from runtime.disk import writing
@@ -18,7 +20,7 @@ from schemas.stamps import model_hash
 
 from . import lora
 from .losses import LOSS_TYPES, LossConfig
-from .outdir import prepare_metrics
+from .outdir import check_no_links, check_output_dir, prepare_metrics
 from .phases import PhaseTimer
 from .preflight import check_reference_options, check_training_options, has_accelerator
 from .preflight import latest_checkpoint  # noqa: F401  (re-exported)
@@ -119,6 +121,7 @@ class TrainConfig:
                                    "probe; dpo/layout.py).", "Training", choices=("auto", "padded", "prefix_shared"))
     # every other transformers.TrainingArguments option given (generated options; see dpo/cli.py)
     training_args: dict = field(default_factory=dict, metadata={"cli": False})
+    config_file: str | None = field(default=None, metadata={"cli": False})  # --config: an input like the others
     lora: lora.LoraOptions = field(default_factory=lora.LoraOptions, metadata={"cli": False})  # dpo/lora.py options
     # set once the run starts writing --output-dir (dpo/resume.start_run): in its checkpoints and run manifest
     run_id: str | None = field(default=None, init=False, metadata={"cli": False})
@@ -185,9 +188,25 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     timer.mark("verify")
     model, ref_model = _load_models(cfg, run, args)
     timer.mark("load")
-    trainer, layout = _build_trainer(cfg, args, run, model, ref_model, log, timer)
-    timer.mark("setup")
-    return _train(cfg, trainer, run, layout, timer)
+    with contextlib.ExitStack() as held:
+        _take_output_dir(cfg, held)
+        trainer, layout = _build_trainer(cfg, args, run, model, ref_model, log, timer)
+        timer.mark("setup")
+        return _train(cfg, trainer, run, layout, timer)
+
+
+def _take_output_dir(cfg: TrainConfig, held: contextlib.ExitStack) -> None:
+    """Lock --output-dir for the whole run before anything is written in it, so that a second train-dpo into the
+    same folder is refused; then check it again (another run may have used it since the first check). Rank 0 holds
+    the lock for every rank of its job."""
+    def take():
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        held.enter_context(locks.exclusive(out, "train-dpo", "--output-dir"))
+        check_output_dir(cfg)
+        check_no_links(out)
+
+    Dist.joined().share(take)
 
 
 def _open_policy(cfg: TrainConfig, log) -> Checkpoint:

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 from runtime.errors import JobError
+from runtime.locks import is_lock_file
 from schemas import run_manifest as rm
 
 from .checkpoint_files import check_checkpoint_files
@@ -150,7 +151,7 @@ def overwrite_plan(out: Path) -> tuple[list[Path], list[Path]]:
     (a name it writes: checkpoint-N, the run record, run manifest, metrics) that an earlier run did not provably
     write: replacing it could destroy something that is not ours."""
     out = Path(out)
-    entries = sorted(out.iterdir()) if out.is_dir() and not out.is_symlink() else []
+    entries = sorted(p for p in out.iterdir() if not is_lock_file(p)) if out.is_dir() and not out.is_symlink() else []
     retire = [p for p in entries if _would_write(p.name) and _ours(p)]
     in_the_way = [p for p in entries if _would_write(p.name) and p not in retire]
     if in_the_way:

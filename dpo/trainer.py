@@ -3,6 +3,7 @@ what is ours is the batch layout, the loss on cached (or live) reference log-pro
 
 from __future__ import annotations
 
+import io
 import json
 from collections import defaultdict
 from contextlib import nullcontext
@@ -14,6 +15,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from runtime.disk import writing
 from runtime.logprobs import pad_sequences
+from schemas.files import append_text, atomic_write
 
 from .layout import pair_logps
 from .losses import LossConfig, dpo_loss
@@ -130,8 +132,8 @@ class MetricsFile(TrainerCallback):
             if key in self.seen:
                 return
             self.seen.add(key)
-            with writing(self.path), open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            with writing(self.path):
+                append_text(self.path, json.dumps(record) + "\n")
 
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:
@@ -159,4 +161,6 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.savefig(out_png, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
+    atomic_write(out_png, lambda f: f.write(png.getvalue()))

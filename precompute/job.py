@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,20 +19,22 @@ import click
 import torch
 
 from runtime.cli import field_help
-from runtime.hub import resolve_model
+from runtime.hub import resolve_data, resolve_model
 from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype, software_versions
 from runtime.data import Encoded, load_rows, usable_rows
 from runtime.distributed import Dist, distributed
+from runtime import locks
 from runtime.errors import JobError
 from runtime.logprobs import verified_head
 from runtime.paths import check_apart
 from schemas import format as fmt
 from schemas import rules
 from schemas.encoding import EncodingConfig
+from schemas.files import remove_file
 from schemas.stamps import combined_mask_checksum, ids_checksum, tokenizer_hash, tokenizer_parts
 
 from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score_pairs
-from .resume import COMPUTATION, Resume, clear_cache_dir, finished_shards
+from .resume import COMPUTATION, Resume, clear_cache_dir, finished_shards, own_files
 
 
 @dataclass
@@ -78,30 +78,6 @@ class PrecomputeConfig:
     trust_remote_code: bool = field(default=False, metadata=field_help(
         "Allow custom model code from the checkpoint folder.", "Model"))
     progress: bool = field(default=True, metadata=field_help("Show the progress bar.", "Output"))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the cache directory
-
-
-@contextlib.contextmanager
-def exclusive(out: Path):
-    """One writer per cache directory; the OS drops the lock if the process dies."""
-    lock_path = out / fmt.LOCK
-    with open(lock_path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise JobError(
-                f"{out} is being written by another precompute-ref process (pid {f.read().strip() or '?'}); wait for "
-                "it to finish or choose another --out"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        yield
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,7 +140,7 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     out = Path(cfg.out)
     cfg.model = resolve_model(cfg.model)  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
-    check_apart(out, "--out", {"--model": cfg.model, "--data": cfg.data, "--adapter": cfg.adapter})
+    check_apart(out, "--out", {"--model": cfg.model, "--data": resolve_data(cfg.data), "--adapter": cfg.adapter})
     device = resolve_device(cfg.device)  # a bad --device is refused before any work
     tokenizer = checkpoint.tokenizer
     source = load_rows(cfg.data, cfg.split)
@@ -183,10 +159,13 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
 
 
 def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) -> Resume:
-    """Take the directory (lock; --overwrite clears it) and judge what an earlier run left there."""
+    """Take the directory (lock; --overwrite clears it) and judge what an earlier run left there. A folder holding
+    anything but a cache's own files is refused before the lock file is made in it, and again under the lock."""
+    if job.out.is_dir():
+        own_files(job.out)
     try:
         job.out.mkdir(parents=True, exist_ok=True)
-        lock.enter_context(exclusive(job.out))
+        lock.enter_context(locks.exclusive(job.out, "precompute-ref", "--out"))  # one writer per cache
     except OSError as e:
         raise JobError(f"--out {job.out}: cannot write the cache directory there ({e.strerror or e})") from None
     if cfg.overwrite:
@@ -370,7 +349,7 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
 def _write_skipped(out: Path, encoded: Encoded) -> None:
     path = out / fmt.SKIPPED
     if not encoded.skipped:
-        path.unlink(missing_ok=True)
+        remove_file(path)
         return
     data = "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in encoded.skipped).encode("utf-8")
     fmt.atomic_write(path, lambda f: f.write(data))

@@ -1,4 +1,5 @@
-"""What precompute-ref keeps of an earlier run in --out (resume) and what --overwrite may delete.
+"""What --out may hold at all (a cache's own files: own_files), what precompute-ref keeps of an earlier run there
+(resume) and what --overwrite deletes.
 
 Resume judges every shard it would keep by the rules of schemas/rules.py: the file against the previous manifest
 (size and sha256) when one exists, the footer (schema, row count, stamps, the plan's mask and ids checksums) always,
@@ -8,16 +9,20 @@ and the computation that scored it against this run's. A damaged shard is scored
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import JobError
+from runtime.locks import is_lock_file
 from schemas import format as fmt
 from schemas import rules
 from schemas.encoding import EncodingConfig
+from schemas.files import TEMP, remove_file
 
-TEMP = re.compile(r"^\..+\.tmp-\d+$")  # format.atomic_write's temporary names
 SHARD = re.compile(r"^shard-\d{5}\.parquet$")  # plan_shards' names
 OVERWRITE = "use --overwrite to replace it, or choose another --out"
 COMPUTATION = "run with the recorded settings to resume, or pass --overwrite to start over"  # the remedy of a resume
@@ -54,9 +59,9 @@ def _refuse(findings, what: str):
 def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: EncodingConfig, claimed: dict) -> Resume:
     """Shards already written by an earlier run of this same job with these settings (`claimed`: the computation
     values known before the model is loaded)."""
-    for tmp in out.iterdir():
-        if TEMP.match(tmp.name):
-            tmp.unlink()
+    for path in own_files(out):
+        if TEMP.match(path.name):
+            remove_file(path)
     previous = _previous_manifest(out, stamps, encoding)
     listed = {e["file"]: e for e in previous["shards"]} if previous else {}
     planned = {s["file"]: s for s in plan}
@@ -100,31 +105,90 @@ def _agreed(previous: dict | None, computations: dict[str, dict]) -> dict | None
     return recorded if computations else None
 
 
-def clear_cache_dir(out: Path) -> None:
-    """--overwrite: delete the cache's own files (the manifest first, then the shards it lists or that carry a
-    refcache footer under the planned names, skipped.jsonl, temporary files), after making sure the folder holds
-    nothing else; the lock stays (this run holds it)."""
-    listed = set()
-    if (out / fmt.MANIFEST).exists():
-        try:
-            listed = {e["file"] for e in fmt.read_manifest(out)["shards"] if isinstance(e["file"], str)}
-        except fmt.CacheError:
-            listed = set()
-    own, foreign = [], []
+def own_files(out: Path) -> list[Path]:
+    """The files of --out that are a cache's own, which precompute-ref may replace or delete; the lock file is not
+    listed. Anything else there (another program's files, a folder, a link, a skipped.jsonl that is not a list of
+    this cache's skipped rows) is refused, naming it, before anything is written or deleted: precompute-ref writes
+    only into an empty folder or one holding its own cache. The one rule for a resume and for --overwrite.
+
+    A cache is there when manifest.json is a refcache manifest or a shard carries a refcache footer; then its
+    manifest.json, its shard-NNNNN.parquet files (a damaged one is scored again) and its skipped.jsonl (JSON Lines of
+    skipped rows, agreeing with the manifest's counts when there is one) are its own. Other .parquet files are its
+    own only with a refcache footer; temporary files of atomic writes always are."""
+    entries = {}
     for p in sorted(out.iterdir()):
-        if p.name == fmt.LOCK:
+        try:
+            entries[p] = os.lstat(p)
+        except FileNotFoundError:  # a temporary file another writer has just renamed (it holds the lock)
             continue
-        mine = p.is_file() and not p.is_symlink() and (
-            p.name in (fmt.MANIFEST, fmt.SKIPPED) or TEMP.match(p.name) or p.name in listed
-            or (SHARD.match(p.name) and _has_refcache_footer(p)))
-        (own if mine else foreign).append(p)
+    plain = {p for p, st in entries.items() if stat.S_ISREG(st.st_mode)}
+    manifest = _manifest_json(out / fmt.MANIFEST) if out / fmt.MANIFEST in plain else None
+    footers = {p for p in plain if p.suffix == ".parquet" and
+               (not SHARD.match(p.name) or manifest is None) and _has_refcache_footer(p)}
+    cache = manifest is not None or bool(footers)
+    own, foreign = [], []
+    for p, st in entries.items():
+        if is_lock_file(p):
+            continue
+        why = _not_own(p, st, plain, footers, cache, manifest)
+        if why is None:
+            own.append(p)
+        else:
+            foreign.append(f"{p.name} ({why})" if why else p.name)
     if foreign:
-        raise JobError(f"--overwrite: {out} holds files that are not this cache's own ("
-                       + ", ".join(p.name for p in foreign[:5]) + (" …" if len(foreign) > 5 else "")
-                       + "); nothing was deleted. Move them elsewhere, or choose another --out")
+        raise JobError(f"--out {out} holds files that are not this cache's own: "
+                       + ", ".join(foreign[:8]) + (" …" if len(foreign) > 8 else "")
+                       + "; nothing was written or deleted. precompute-ref writes only into an empty folder or one "
+                       "holding its own cache: move them elsewhere, or choose another --out")
+    return own
+
+
+def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict | None) -> str | None:
+    """Why `p` is not the cache's own ("" when no reason can be named), or None when it is."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symlink"
+    if stat.S_ISDIR(st.st_mode):
+        return "a folder"
+    if p not in plain:
+        return "not a regular file"
+    if TEMP.match(p.name):
+        return None
+    if p.name == fmt.MANIFEST:
+        return None if cache else "not a refcache manifest"
+    if p.suffix == ".parquet":
+        return None if p in footers or (cache and SHARD.match(p.name)) else "no refcache footer"
+    if p.name == fmt.SKIPPED:
+        return None if cache and _own_skipped(p.parent, manifest) else "not the list of rows this cache skipped"
+    return ""
+
+
+def _manifest_json(path: Path) -> dict | None:
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and "format_version" in manifest else None
+
+
+def _own_skipped(out: Path, manifest: dict | None) -> bool:
+    """skipped.jsonl as precompute-ref writes it (a row per line, with its reason), and the one the manifest counts."""
+    try:
+        lines = [json.loads(line) for line in (out / fmt.SKIPPED).read_text(encoding="utf-8").splitlines()
+                 if line.strip()]
+    except (OSError, ValueError):
+        return False
+    if not lines or not all(isinstance(r, dict) and "row" in r and isinstance(r.get("reason"), str) for r in lines):
+        return False
+    return manifest is None or not rules.skipped_findings(out, manifest)[1]
+
+
+def clear_cache_dir(out: Path) -> None:
+    """--overwrite: delete the cache's own files (own_files; the manifest first), refusing a folder that holds
+    anything else before deleting anything; the lock stays (this run holds it)."""
+    own = own_files(out)
     own.sort(key=lambda p: p.name != fmt.MANIFEST)  # the manifest first: from then on the directory reads incomplete
     for p in own:
-        p.unlink(missing_ok=True)
+        remove_file(p)
 
 
 def _has_refcache_footer(path: Path) -> bool:

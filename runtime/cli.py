@@ -20,6 +20,7 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
     """Run a command body, turning the errors users can act on into one paragraph and exit code 2. `next_step`: the
     command's own advice after an interruption or a full disk, `() -> str` (default: precompute-ref's, where the same
     command resumes); `writes_to`: `() -> folder or None`, where the command writes (named when the disk is full)."""
+    from schemas.files import UnsafeDestination
     from schemas.format import CacheError
     from schemas.stamps import WeightsError
 
@@ -38,14 +39,14 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
     try:
         try:
             body()
-        except (DataError, JobError, CacheError, WeightsError, click.UsageError, KeyboardInterrupt):
+        except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, click.UsageError, KeyboardInterrupt):
             raise
         except Exception as e:
             if not is_no_space(e):
                 raise
             folder = writes_to() if writes_to else None
             raise no_space_error(e, folder) from e  # a save no one wrapped in runtime.disk.writing
-    except (DataError, JobError, CacheError, WeightsError, click.UsageError) as e:
+    except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, click.UsageError) as e:
         if debug:
             traceback.print_exc()
         if isinstance(e, click.UsageError):

@@ -1,15 +1,17 @@
 """Where a job may write: never into, around or inside what it reads (the model, the reference, a cache, the
-data), so that no output can overwrite or delete an input."""
+data), so that no output can overwrite or delete an input. One rule for output folders (precompute-ref --out,
+train-dpo --output-dir) and output files (audit-ref --json) alike."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .errors import JobError
 
 
 def _related(a: Path, b: Path) -> str | None:
-    if a == b:
+    if a == b or (a.exists() and b.exists() and os.path.samefile(a, b)):  # samefile: a hard link or a bind mount
         return "is"
     if b in a.parents:
         return "is inside"
@@ -19,7 +21,8 @@ def _related(a: Path, b: Path) -> str | None:
 
 
 def check_apart(out, label: str, inputs: dict) -> None:
-    """Refuse an output folder that is, contains or is inside any of `inputs` ({option: path}, None skipped)."""
+    """Refuse an output (folder or file) that is, contains or is inside any of `inputs` ({option: path}, None
+    skipped). Paths are resolved first, so a symlink or a `..` on the way does not hide the relation."""
     target = Path(out).resolve()
     for option, path in inputs.items():
         if path is None:

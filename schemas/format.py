@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .encoding import EncodingConfig, row_mask_checksum
+from .files import atomic_write
 from .findings import RERUN, CacheError, StampMismatch  # noqa: F401  (re-exported)
 from .stamps import canonical_json, combined_mask_checksum, file_sha256, ids_checksum
 
@@ -49,24 +50,6 @@ SHARD_SCHEMA = pa.schema(
 
 # ---------------------------------------------------------------------------------------------------------------
 # writing
-
-
-def atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _list_array(values: list, value_type) -> pa.ListArray:

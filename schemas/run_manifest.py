@@ -8,6 +8,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from .files import atomic_write
 from .findings import Finding
 from .stamps import canonical_json, file_sha256
 
@@ -83,9 +84,8 @@ def read_run_record(run_dir) -> dict:
 
 
 def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    data = (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
 
 
 def read_run_manifest(run_dir) -> dict:

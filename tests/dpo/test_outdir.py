@@ -8,14 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from dpo.outdir import check_output_dir, prepare_metrics
+from dpo.outdir import check_no_links, check_output_dir, prepare_metrics
 from runtime.errors import JobError
 
 
 def config(tmp_path, out, **changes):
     values = dict(output_dir=str(out), model=str(tmp_path / "model"), ref_model=None, ref_cache=str(tmp_path / "cache"),
                   eval_ref_cache=None, data=str(tmp_path / "prefs.jsonl"), eval_data=None, overwrite_output_dir=False,
-                  resume_from_checkpoint=None)
+                  resume_from_checkpoint=None, config_file=None, deepspeed=None, fsdp_config=None,
+                  lora=SimpleNamespace(init_adapter=None))
     return SimpleNamespace(**{**values, **changes})
 
 
@@ -65,6 +66,46 @@ def test_prepare_metrics_starts_a_new_run_empty(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     write_metrics(metrics, [{"step": 1, "loss": 0.7}])
     assert prepare_metrics(metrics, None) == set() and not metrics.exists()
+
+
+def test_the_lock_file_does_not_make_a_folder_used_unless_it_is_a_symlink(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".refcache.lock").write_text("123")  # left by a finished run (the OS dropped its lock)
+    check_output_dir(config(tmp_path, out))
+    (out / ".refcache.lock").unlink()
+    (out / ".refcache.lock").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(JobError, match=r"already holds files \(.refcache.lock\)"):
+        check_output_dir(config(tmp_path, out))
+
+
+def test_a_used_folder_holding_a_link_is_refused_even_with_overwrite(tmp_path):
+    from schemas.files import UnsafeDestination
+
+    out = tmp_path / "run"
+    (out / "checkpoint-2").mkdir(parents=True)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious")
+    (out / "checkpoint-2" / "optimizer.pt").hardlink_to(victim)
+    check_output_dir(config(tmp_path, out, overwrite_output_dir=True))
+    with pytest.raises(UnsafeDestination, match=r"checkpoint-2/optimizer.pt is a hard link"):
+        check_no_links(out)
+    (out / "checkpoint-2" / "optimizer.pt").unlink()
+    (out / "checkpoint-2" / "optimizer.pt").symlink_to(victim)
+    with pytest.raises(UnsafeDestination, match=r"checkpoint-2/optimizer.pt is a symlink"):
+        check_no_links(out)
+    assert victim.read_text() == "precious"
+
+
+def test_every_input_option_is_kept_apart_config_and_adapter_included(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "ds.json").write_text("{}")
+    for changes, option in [({"config_file": str(out / "train.yaml")}, "--config"),
+                            ({"lora": SimpleNamespace(init_adapter=str(out / "adapter"))}, "--init-adapter"),
+                            ({"deepspeed": str(out / "ds.json")}, "--deepspeed")]:
+        with pytest.raises(JobError, match=rf"--output-dir {out} contains {option} "):
+            check_output_dir(config(tmp_path, out, overwrite_output_dir=True, **changes))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -33,3 +33,19 @@ def test_a_symlink_to_an_input_is_the_input(tmp_path, model):
 def test_apart_and_unset_inputs_pass(tmp_path, model):
     check_apart(tmp_path / "models" / "sft-cache", "--out", {"--model": model, "--ref-model": None})  # a sibling
     check_apart(tmp_path / "out", "--out", {})
+
+
+def test_an_output_file_inside_or_linked_to_an_input_is_refused(tmp_path, model):
+    """The same rule for a file (audit-ref --json): inside an input folder, through `..`, or another name (hard link)
+    of an input file."""
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("{}\n")
+    for out, relation, option in [(model / "config.json", "is inside", "--model"),
+                                  (model / ".." / "sft" / "report.json", "is inside", "--model"),
+                                  (data, "is", "--data")]:
+        with pytest.raises(JobError, match=rf"--json {out} {relation} {option} "):
+            check_apart(out, "--json", {"--model": model, "--data": data})
+    (tmp_path / "report.json").hardlink_to(data)
+    with pytest.raises(JobError, match=r"report.json is --data"):
+        check_apart(tmp_path / "report.json", "--json", {"--data": data})
+    check_apart(tmp_path / "audit.json", "--json", {"--model": model, "--data": data})

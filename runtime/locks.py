@@ -1,0 +1,44 @@
+"""One writer per output folder: precompute-ref's --out and train-dpo's --output-dir are held, for the whole job, by
+an exclusive lock on the folder's lock file (`.refcache.lock`, holding the writer's pid). The OS drops the lock when
+the process ends, however it ends; the file itself stays and is not a sign of use."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+from pathlib import Path
+
+from schemas.files import open_nofollow
+from schemas.format import LOCK
+
+from .errors import JobError
+
+
+def is_lock_file(path: Path) -> bool:
+    """The lock file of a folder: the name, and a plain file (a symlink of that name is not one)."""
+    try:
+        return path.name == LOCK and stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+@contextlib.contextmanager
+def exclusive(folder, command: str, option: str):
+    """Hold `folder`'s lock until the block ends, or refuse naming the process that holds it. The lock file is
+    opened without following a symlink (schemas.files.open_nofollow), so a link planted there is refused, never
+    truncated through."""
+    fd = open_nofollow(Path(folder) / LOCK, os.O_RDWR | os.O_CREAT)
+    with os.fdopen(fd, "r+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = f.read(32).strip() or "?"
+            raise JobError(f"{folder} is being written by another {command} process (pid {holder}); wait for it to "
+                           f"finish or choose another {option}") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
