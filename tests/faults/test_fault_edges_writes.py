@@ -22,6 +22,7 @@ import pytest
 from conftest import pref_rows, write_jsonl
 from faultkit import TRAIN, assert_one_paragraph, copy_tree, env, file_hashes, invoke, precompute, train
 from schemas import format as fmt
+from schemas.cache import open_cache
 
 ROWS, PER_SHARD = 12, 4
 
@@ -99,7 +100,7 @@ def test_1_audit_json_is_apart_from_every_input(world, llama_dir, tmp_path, wher
     refused(result, f"error: --json {target} ", "writing there could overwrite or delete an input; choose an --json "
                                                   "apart from it")
     assert everything(cache, model, data, run) == before
-    fmt.open_cache(cache)
+    open_cache(cache)
 
 
 def test_1_train_dpo_output_dir_holding_its_config_is_refused(llama_dir, dpo_data, dpo_cache, tmp_path):
