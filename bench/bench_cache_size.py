@@ -99,7 +99,7 @@ def main():
                   f"(log-probs {r['logps_bytes_per_completion_token']:.2f})  {r['bytes_per_pair']:.0f} B/pair", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"wrote {common.save('size', {'cases': results}, args.quick)}")
+    print(f"wrote {common.save('size', {'cases': results}, args)}")
 
 
 if __name__ == "__main__":

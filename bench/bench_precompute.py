@@ -177,14 +177,6 @@ def trl_precompute(model_dir, rows, max_length: int, pairs_per_batch: int, dev, 
     del trainer, model
 
 
-def has_trl() -> bool:
-    try:
-        import trl  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 def bench_case(case: dict, work: Path, dev) -> dict:
     from precompute.job import PrecomputeConfig, run_precompute, score_pairs
     from runtime.checkpoint import Checkpoint
@@ -225,7 +217,7 @@ def bench_case(case: dict, work: Path, dev) -> dict:
     if last["mode"] != "full_forward":  # then time full_forward beside it
         fns["score_full_forward"] = lambda: score_only("full_forward")
     trl_counts = {}
-    if case.get("trl") and has_trl():
+    if case.get("trl") and common.has_trl():
         rows = [json.loads(l) for l in (Path(data) / "train.jsonl" if Path(data).is_dir() else Path(data))
                 .read_text().splitlines() if l.strip()]
         pairs_per_batch = max(1, budget // (2 * longest))
@@ -302,19 +294,16 @@ def peak_memory(case: dict, work: Path) -> dict:
     model_dir, data, split, encoding = prepare(case, work)
     out = work / "peak-cache"
     shutil.rmtree(out, ignore_errors=True)
-    r = common.run_child([__file__, "--child-peak", str(model_dir), str(data), split, str(encoding.max_length),
-                          str(out)])
+    r = common.run_child(common.child_argv(__file__, "peak", model=model_dir, data=data, split=split,
+                                           seq=encoding.max_length, out=out))
     shutil.rmtree(out, ignore_errors=True)
     return {"case": case["name"], **r}
 
 
 def main():
-    ap = common.parser(__doc__)
-    ap.add_argument("--child-peak", nargs=5, help=argparse_hidden())
-    args = ap.parse_args()
-    if args.child_peak:
-        m, d, s, L, o = args.child_peak
-        print(json.dumps(child_peak(m, d, s, int(L), o)))
+    args = common.child_parser(__doc__, ["peak"], paths=("model", "data", "split", "out"), ints=("seq",)).parse_args()
+    if args.child:
+        print(json.dumps(child_peak(args.model, args.data, args.split, args.seq, args.out)))
         return
     common.quiet()
     dev = common.device()
@@ -340,14 +329,8 @@ def main():
                       f"{p['baseline_rss_mb']:.0f} MiB, weights {p['weights_mb']:.1f} MiB)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    path = common.save("precompute", {"cases": results, "peak_memory": peaks}, args.quick)
+    path = common.save("precompute", {"cases": results, "peak_memory": peaks}, args)
     print(f"wrote {path}")
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def main():
            "wall_4x_over_1x": wall[2] / wall[0], "wall_2x_over_1x": wall[1] / wall[0]}
     print(f"fit: {fixed:.2f} s fixed + {per_pair * 1000:.1f} ms/pair (R^2 {r2:.4f}); 4x/1x wall "
           f"{res['wall_4x_over_1x']:.2f}")
-    print(f"wrote {common.save('scaling', res, args.quick)}")
+    print(f"wrote {common.save('scaling', res, args)}")
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ def main():
               f"{hashing['ratio_model_hash_vs_sha256sum']:.2f}x", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"wrote {common.save('verify', {'caches': caches, 'data_verify': data, 'hash': hashing}, args.quick)}")
+    print(f"wrote {common.save('verify', {'caches': caches, 'data_verify': data, 'hash': hashing}, args)}")
 
 
 if __name__ == "__main__":

@@ -293,6 +293,52 @@ def run_child(args: list[str], env: dict | None = None, timeout: float = 1800) -
     return json.loads(lines[-1])
 
 
+def child_argv(script: str, mode: str, **options) -> list[str]:
+    """The argv of `script --child MODE --name value ...` (underscores in names become dashes; None is left out)."""
+    argv = [script, "--child", mode]
+    for name, value in options.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def rounds(n: int, modes, argv, show=lambda r: "") -> dict:
+    """Run every configuration's child process (`argv(mode)`) once per round, in turn (a, b, c, a, b, c, ...), so
+    that load from other processes falls on all of them alike; {mode: [result of each round]}. A configuration whose
+    child reports an "error" is not run again."""
+    out = {m: [] for m in modes}
+    for i in range(n):
+        for mode in modes:
+            if out[mode] and "error" in out[mode][-1]:
+                continue
+            t = time.perf_counter()
+            out[mode].append(run_child(argv(mode)))
+            print(f"round {i} {mode:<7} {show(out[mode][-1])} [{time.perf_counter() - t:.0f} s]", flush=True)
+    return out
+
+
+def run_process(cmd: list[str], log: Path) -> dict:
+    """Run a command as a user would (output to `log`); its wall seconds, and its own CPU seconds and peak RSS from
+    wait4 (the rusage of this child alone, not of every child so far)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({os.waitstatus_to_exitcode(status)}):\n{log.read_text()[-4000:]}")
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_mb": usage.ru_maxrss / 1024}
+
+
+def has_trl() -> bool:
+    try:
+        import trl  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # machine line and results
 
@@ -339,18 +385,18 @@ def machine_line(m: dict) -> str:
             f"{m['transformers']}, trl {m['trl'] or 'not installed'}; {m['date']}")
 
 
-def result_path(part: str, quick: bool = False) -> Path:
-    """bench/results/<part>-<device>.json; a --quick run's goes to <part>-<device>-quick.json, so that a smoke test
+def result_path(part: str, quick: bool = False, results: Path = RESULTS) -> Path:
+    """<results>/<part>-<device>.json; a --quick run's goes to <part>-<device>-quick.json, so that a smoke test
     never overwrites the committed full-run results."""
-    return RESULTS / f"{part}-{device().type}{'-quick' if quick else ''}.json"
+    return Path(results) / f"{part}-{device().type}{'-quick' if quick else ''}.json"
 
 
-def save(part: str, result: dict, quick: bool) -> Path:
-    """Write the part's results (result_path) and return the path."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {"part": part, "quick": quick, "machine": machine(), "loadavg_start": LOADAVG_START,
+def save(part: str, result: dict, args) -> Path:
+    """Write the part's results (result_path, under args.results) and return the path."""
+    result = {"part": part, "quick": args.quick, "machine": machine(), "loadavg_start": LOADAVG_START,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), **result}
-    path = result_path(part, quick)
+    path = result_path(part, args.quick, args.results)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=float) + "\n")
     return path
 
@@ -369,6 +415,7 @@ def parser(doc: str):
 
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, for a run in a few minutes")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder of the JSON results (default bench/results)")
     return ap
 
 
