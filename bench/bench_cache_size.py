@@ -88,17 +88,14 @@ def bench_case(name, model, seq, pairs, work) -> dict:
 def main():
     args = common.parser(__doc__).parse_args()
     common.quiet()
-    work = common.workdir("size")
     results = []
-    try:
+    with common.workdir("size") as work:
         for case in CASES[:3] if args.quick else CASES:
             r = bench_case(*case, work)
             results.append(r)
             print(f"{r['case']:<8} {r['pairs']:>4} pairs {r['bytes'] / 1e3:8.1f} kB  "
                   f"{r['bytes_per_completion_token']:.2f} B/completion token "
                   f"(log-probs {r['logps_bytes_per_completion_token']:.2f})  {r['bytes_per_pair']:.0f} B/pair", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {common.save('size', {'cases': results}, args)}")
 
 

@@ -16,7 +16,7 @@ numerator for every configuration, so the ratios are ratios of step time.
 from __future__ import annotations
 
 import json
-import shutil
+import os
 from pathlib import Path
 
 import common
@@ -107,18 +107,13 @@ def main():
     size = dict(model=args.model or ("5M" if args.quick else "35M"), batch=args.batch or 2,
                 warmup=args.warmup or 1, steps=args.steps or (2 if args.quick else 3))
     rounds = args.rounds or 2
-    work = common.workdir("layout")
     res = {"load_start": common.LOADAVG_START, "cases": {}}
-    try:
+    with common.workdir("layout") as work:
         for case in args.cases.split(","):
             case_size = {**size, "batch": 8} if case == "short" else size
             res["cases"][case] = run_case(case, case_size, work, rounds)
             for k, v in res["cases"][case]["ratios"].items():
                 print(f"{case}: tokens/s {k} {v:.3f}x", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    import os
-
     res["load_end"] = round(os.getloadavg()[0], 2)
     print(f"load average {res['load_start']} -> {res['load_end']}")
     path = common.save("layout", res, args)

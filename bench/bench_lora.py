@@ -16,7 +16,6 @@ LoRA: r 16, alpha 32, dropout 0.05, all linear layers of the blocks (TRL's Model
 from __future__ import annotations
 
 import json
-import shutil
 
 import common
 import train_steps as steps
@@ -56,8 +55,7 @@ def main():
     common.quiet()
     dev = common.device()
     size = GPU if dev.type == "cuda" else (QUICK if args.quick else FULL)
-    work = common.workdir("lora")
-    try:
+    with common.workdir("lora") as work:
         model_dir, data, cache, info = steps.prepare(size, work)
         modes = [m for m in MODES if m != "trl" or common.has_trl()]
         rounds = common.rounds(size["rounds"], modes, lambda m: steps.child_argv(__file__, size, model_dir, data,
@@ -74,8 +72,6 @@ def main():
             res["mem_cached_vs_trl"] = c["maxrss_mb"] / runs["trl"]["maxrss_mb"]
         steps.show_runs(runs)
         print("  ".join(f"{k} {v:.3f}" for k, v in res.items() if k.startswith(("ratio", "mem", "saved"))), flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {common.save('lora', res, args)}")
 
 

@@ -22,7 +22,6 @@ on cached_padded, the same layout; cached with the auto layout is shown beside).
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -51,13 +50,12 @@ def main():
     ap.add_argument("--reuse", action="store_true", help="keep the runs already saved (same size), run the others")
     args = ap.parse_args()
     size = QUICK if args.quick else FULL
-    work = common.workdir("memory")
     log = lambda m: print(m, flush=True)  # noqa: E731
     saved = common.result_path("memory", args.quick, args.results)
     runs = {}
     if args.reuse and saved.exists() and json.loads(saved.read_text())["size"] == size:
         runs = json.loads(saved.read_text())["runs"]
-    try:
+    with common.workdir("memory") as work:
         model_dir, data, cache, info = train_steps.prepare(size, work)
         params = common.n_params(common.build_llama(size["model"]))
         weights_mb = params * 4 / 2**20
@@ -71,8 +69,6 @@ def main():
             else:
                 runs[mode] = common.run_child(bench_train.child_argv(size, model_dir, data, cache, work, mode))
             log(f"{mode:<7} peak RSS {runs[mode]['maxrss_mb']:.0f} MiB [{time.perf_counter() - t:.0f} s]")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     c, a, p, t = (runs[m]["maxrss_mb"] for m in ("cached_padded", "cached", "policy", "trl"))
     floor = t - weights_mb
     res = {"size": size, "params": params, "weights_mb": weights_mb, **info, "runs": runs,

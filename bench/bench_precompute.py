@@ -307,9 +307,8 @@ def main():
         return
     common.quiet()
     dev = common.device()
-    work = common.workdir("precompute")
     results, peaks = [], []
-    try:
+    with common.workdir("precompute") as work:
         for case in cases(args.quick, dev):
             t = time.perf_counter()
             r = bench_case(case, work, dev)
@@ -327,8 +326,6 @@ def main():
                 p = peaks[-1]
                 print(f"peak memory {p['case']}: {p['peak_rss_mb']:.0f} MiB RSS (baseline after imports "
                       f"{p['baseline_rss_mb']:.0f} MiB, weights {p['weights_mb']:.1f} MiB)", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     path = common.save("precompute", {"cases": results, "peak_memory": peaks}, args)
     print(f"wrote {path}")
 

@@ -26,8 +26,7 @@ def main():
 
     dev = common.device()
     size = GPU if dev.type == "cuda" else (QUICK if args.quick else FULL)
-    work = common.workdir("scaling")
-    try:
+    with common.workdir("scaling") as work:
         model_dir = common.make_checkpoint(work, size["model"])
         vocab = common.MODELS[size["model"]]["vocab"]
         rows = common.synthetic_pairs(4 * size["pairs"], size["seq"], vocab, seed=4)
@@ -43,8 +42,6 @@ def main():
                                          log=lambda m: None)
             fns[f"{k}x"] = fn
         times = common.interleaved(fns, reps=size["reps"], warmup=1)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     pairs = np.array([k * size["pairs"] for k in (1, 2, 4)], float)
     wall = np.array([times[f"{k}x"]["median"] for k in (1, 2, 4)])
     per_pair, fixed = np.polyfit(pairs, wall, 1)

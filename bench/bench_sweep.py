@@ -16,7 +16,6 @@ interleaved (precompute, ours beta0, TRL beta0, ours beta1, ...) so that load fr
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -118,12 +117,9 @@ def report(res: dict, log) -> None:
 def main():
     args = common.parser(__doc__).parse_args()
     size = QUICK if args.quick else FULL
-    work = common.workdir("sweep")
     log = lambda m: print(m, flush=True)  # noqa: E731
-    try:
+    with common.workdir("sweep") as work:
         res = sweep(size, work, log)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     report(res, log)
     res["size"] = {**size, "params": common.n_params(common.build_llama(size["model"]))}
     print(f"wrote {common.save('sweep', res, args)}")

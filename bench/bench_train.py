@@ -16,7 +16,6 @@ steady per-step peak): bench/train_steps.py's child harness.
 from __future__ import annotations
 
 import json
-import shutil
 
 import common
 import train_steps as steps
@@ -81,8 +80,7 @@ def main():
     size = GPU if dev.type == "cuda" else (QUICK if args.quick else FULL)
     if dev.type == "cuda" and args.quick:
         size = {**size, "model": "35M", "warmup": 2, "steps": 5}
-    work = common.workdir("train")
-    try:
+    with common.workdir("train") as work:
         model_dir, data, cache, info = steps.prepare(size, work)
         modes = [m for m in MODES if m != "trl" or common.has_trl()]
         rounds = common.rounds(size["rounds"], modes, lambda m: child_argv(size, model_dir, data, cache, work, m),
@@ -118,8 +116,6 @@ def main():
             print(f"profiled {mode}", flush=True)
         print(f"cached/policy {res['ratio_cached_vs_policy']:.3f}x  cached/live {res['ratio_cached_vs_live']:.3f}x  "
               f"memory cached/policy {res['mem_cached_vs_policy']:.3f}x", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {common.save('train', res, args)}")
 
 

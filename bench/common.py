@@ -1,4 +1,8 @@
-"""Shared helpers of the bench/ suite: environment, device, model and data builders, timing, memory, results.
+"""The harness of the bench/ suite (no measurement of its own): environment, device, model and data builders, timing
+(`timeit`, `interleaved`: round-robin so that load from other processes falls on every contender alike), memory
+readings, child processes (`run_child`: one configuration per process, its result the JSON of its last stdout line;
+`child_parser`/`child_argv`, the options it is started with; `rounds`, configurations round-robin over processes;
+`run_process`, a command as a user runs it), and results (`parser`'s --quick and --results, `save`, `workdir`).
 
 Everything is built locally at fixed seeds: Llama-style models from a config, a synthetic word-level tokenizer
 (one token per word, so sequence lengths are exact) and synthetic preference pairs. Nothing comes from a hub.
@@ -22,12 +26,14 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DATASETS_VERBOSITY", "error")
 
+import contextlib
 import datetime
 import gc
 import json
 import platform
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -401,8 +407,14 @@ def save(part: str, result: dict, args) -> Path:
     return path
 
 
-def workdir(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f"refcache-bench-{prefix}-"))
+@contextlib.contextmanager
+def workdir(prefix: str):
+    """A scratch folder for one part's models, data and caches, removed when the part ends (or fails)."""
+    path = Path(tempfile.mkdtemp(prefix=f"refcache-bench-{prefix}-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def fmt_s(st: dict, unit: str = "s", scale: float = 1.0, digits: int = 3) -> str:
