@@ -54,20 +54,12 @@ def without_float_dictionary(cache_dir) -> int:
 
 
 def bench_case(name, model, seq, pairs, work) -> dict:
-    from precompute.job import PrecomputeConfig, run_precompute
-    from schemas.encoding import EncodingConfig
-
     if model == "data":
         model_dir, data = common.sft_data()
-        encoding = EncodingConfig()
     else:
-        model_dir = common.make_checkpoint(work, model)
-        rows = common.synthetic_pairs(pairs, seq, common.MODELS[model]["vocab"], seed=3)
-        data = common.write_jsonl(work / f"data-{seq}" / "train.jsonl", rows)
-        encoding = EncodingConfig(max_length=seq)
+        model_dir, data = common.synthetic_case(work, model, pairs, seq, seed=3, name=f"data-{seq}")
     out = work / f"cache-{seq}"
-    r = run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(out), progress=False,
-                                        encoding=encoding), log=lambda m: None)
+    r = common.precompute(model_dir, data, out, seq)
     cols = column_bytes(out)
     no_dict = without_float_dictionary(out)
     completion = r["bytes"] / r["bytes_per_completion_token"]

@@ -55,7 +55,6 @@ RUNNERS = {"shared": lambda a, t, o: run_ours(a, "prefix_shared", t, o),
 
 
 def prepare(case: str, size: dict, work: Path) -> dict:
-    from precompute.job import PrecomputeConfig, run_precompute
     from runtime.checkpoint import load_tokenizer
     from schemas.encoding import EncodingConfig
 
@@ -69,8 +68,7 @@ def prepare(case: str, size: dict, work: Path) -> dict:
         data = data_file = common.write_jsonl(work / case / "train.jsonl", rows)
         max_length = LONG["prompt"] + LONG["completion"] + 8
     cache = work / case / "cache"
-    run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(cache), progress=False,
-                                    encoding=EncodingConfig(max_length=max_length)), log=lambda m: None)
+    common.precompute(model_dir, data, cache, max_length)
     from runtime.data import encode_rows, load_rows
 
     encoded = encode_rows(load_rows(data), load_tokenizer(str(model_dir)), EncodingConfig(max_length=max_length))

@@ -58,9 +58,8 @@ def prepare(case: dict, work: Path):
     if case["model"] == "data":
         model_dir, data = common.sft_data()
         return model_dir, data, "train", EncodingConfig()
-    model_dir = common.make_checkpoint(work, case["model"])
-    rows = common.synthetic_pairs(case["pairs"], case["seq"], common.MODELS[case["model"]]["vocab"], seed=1)
-    data = common.write_jsonl(work / f"data-{case['name'].replace('@', '-')}" / "train.jsonl", rows)
+    model_dir, data = common.synthetic_case(work, case["model"], case["pairs"], case["seq"], seed=1,
+                                            name=f"data-{case['name'].replace('@', '-')}")
     return model_dir, data, "train", EncodingConfig(max_length=case["seq"])
 
 
@@ -276,15 +275,11 @@ def bench_case(case: dict, work: Path, dev) -> dict:
 # peak memory of one precompute run, in a process of its own
 
 def child_peak(model_dir: str, data: str, split: str, max_length: int, out: str) -> dict:
-    from precompute.job import PrecomputeConfig, run_precompute
-    from schemas.encoding import EncodingConfig
-
     common.quiet()
     import datasets, transformers, pyarrow.parquet  # noqa: F401,E401  (imports are not part of the job's peak)
     common.reset_peak()
     base = common.rss_mb()
-    res = run_precompute(PrecomputeConfig(model=model_dir, data=data, out=out, split=split, progress=False,
-                                          encoding=EncodingConfig(max_length=max_length)), log=lambda m: None)
+    res = common.precompute(model_dir, data, out, max_length, split=split)
     weights = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**20
     return {"peak_rss_mb": common.peak_rss_mb(), "baseline_rss_mb": base, "maxrss_mb": common.maxrss_mb(),
             "cuda_peak_mb": common.cuda_peak_mb(), "weights_mb": weights, "tokens_per_s": res["tokens_per_s"]}

@@ -21,9 +21,6 @@ GPU = dict(model="35M", seq=512, pairs=512, reps=3)
 def main():
     args = common.parser(__doc__).parse_args()
     common.quiet()
-    from precompute.job import PrecomputeConfig, run_precompute
-    from schemas.encoding import EncodingConfig
-
     dev = common.device()
     size = GPU if dev.type == "cuda" else (QUICK if args.quick else FULL)
     with common.workdir("scaling") as work:
@@ -37,9 +34,7 @@ def main():
 
             def fn(k=k, data=data, out=out):
                 shutil.rmtree(out, ignore_errors=True)
-                last[k] = run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(out),
-                                                          progress=False, encoding=EncodingConfig(max_length=size["seq"])),
-                                         log=lambda m: None)
+                last[k] = common.precompute(model_dir, data, out, size["seq"])
             fns[f"{k}x"] = fn
         times = common.interleaved(fns, reps=size["reps"], warmup=1)
     pairs = np.array([k * size["pairs"] for k in (1, 2, 4)], float)

@@ -75,9 +75,7 @@ def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log) ->
 
 
 def sweep(size: dict, work: Path, log) -> dict:
-    model = common.make_checkpoint(work, size["model"])
-    rows = common.synthetic_pairs(size["pairs"], size["seq"], common.MODELS[size["model"]]["vocab"], seed=3)
-    data = common.write_jsonl(work / "data" / "train.jsonl", rows)
+    model, data = common.synthetic_case(work, size["model"], size["pairs"], size["seq"], seed=3)
     cache = work / "cache"
     log("precompute-ref")
     pre = timed([sys.executable, "-m", "precompute.cli", "--model", str(model), "--data", str(data), "--out",

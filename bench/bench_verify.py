@@ -108,13 +108,11 @@ def bench_cache(shards: int, reps: int, work: Path) -> dict:
 def bench_data_verify(reps: int, work: Path) -> dict:
     """train-dpo's verify_and_join on the embedded data/ (400 pairs), tokenizer encoding included."""
     from dpo.verify import verify_and_join
-    from precompute.job import PrecomputeConfig, run_precompute
     from runtime.checkpoint import load_tokenizer
 
     model_dir, data = common.sft_data()
     cache = work / "data-cache"
-    run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(cache), progress=False),
-                   log=lambda m: None)
+    common.precompute(model_dir, data, cache)
     tok = load_tokenizer(str(model_dir))
     times = common.timeit(lambda: verify_and_join(tokenizer=tok, model_dir=str(model_dir), data=str(data),
                                                   split="train", cache_dir=str(cache), log=lambda m: None),

@@ -169,6 +169,22 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def synthetic_case(work: Path, model: str, pairs: int, seq: int, seed: int, name: str = "data") -> tuple[Path, Path]:
+    """A checkpoint of `model` under work, and `pairs` synthetic pairs of up to `seq` tokens in work/name/train.jsonl."""
+    rows = synthetic_pairs(pairs, seq, MODELS[model]["vocab"], seed)
+    return make_checkpoint(work, model), write_jsonl(Path(work) / name / "train.jsonl", rows)
+
+
+def precompute(model, data, out, max_length: int | None = None, **options) -> dict:
+    """precompute-ref's entry point (run_precompute), quiet, at `max_length` (None: the encoding's default)."""
+    from precompute.job import PrecomputeConfig, run_precompute
+    from schemas.encoding import EncodingConfig
+
+    encoding = EncodingConfig() if max_length is None else EncodingConfig(max_length=max_length)
+    return run_precompute(PrecomputeConfig(model=str(model), data=str(data), out=str(out), progress=False,
+                                           encoding=encoding, **options), log=lambda m: None)
+
+
 def sft_data() -> tuple[Path, Path]:
     """The embedded default: data/sft-model and data/prefs (train split)."""
     return DATA / "sft-model", DATA / "prefs"

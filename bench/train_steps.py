@@ -175,17 +175,11 @@ def step_line(r: dict) -> str:
 
 def prepare(size: dict, work: Path):
     """A checkpoint of size["model"], synthetic pairs for one epoch of every step, and their cache."""
-    from precompute.job import PrecomputeConfig, run_precompute
-    from schemas.encoding import EncodingConfig
-
-    model_dir = common.make_checkpoint(work, size["model"])
     pairs = size["batch"] * (size["warmup"] + size["steps"])  # one epoch covers every step
-    rows = common.synthetic_pairs(pairs, size["seq"], common.MODELS[size["model"]]["vocab"], seed=2)
-    data = common.write_jsonl(work / "data" / "train.jsonl", rows)
+    model_dir, data = common.synthetic_case(work, size["model"], pairs, size["seq"], seed=2)
     cache = work / "cache"
     t = time.perf_counter()
-    res = run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(cache), progress=False,
-                                          encoding=EncodingConfig(max_length=size["seq"])), log=lambda m: None)
+    res = common.precompute(model_dir, data, cache, size["seq"])
     return model_dir, data, cache, {"pairs": pairs, "precompute_s": time.perf_counter() - t, "tokens": res["tokens"],
                                     "padding_fraction": res["padding_fraction"]}
 
