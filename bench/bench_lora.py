@@ -7,7 +7,7 @@ TRL's DPOTrainer with peft, on the same model, data, batch, precision and LoRA c
   trl      trl.DPOTrainer(peft_config=...) with no ref_model: TRL's own adapter-disabled reference
 
 Each configuration runs in a process of its own, round-robin over the rounds so that load from other processes falls
-on all alike; step time and memory as bench/train_steps.py measures them (median step time after the warm-up; peak RSS).
+on all alike; step time (median after the warm-up) and peak RSS as bench/train_steps.py measures them.
 LoRA: r 16, alpha 32, dropout 0.05, all linear layers of the blocks (TRL's ModelConfig defaults, refcache's too).
 
     .venv/bin/python bench/bench_lora.py [--quick]

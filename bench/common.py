@@ -169,8 +169,9 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def synthetic_case(work: Path, model: str, pairs: int, seq: int, seed: int, name: str = "data") -> tuple[Path, Path]:
-    """A checkpoint of `model` under work, and `pairs` synthetic pairs of up to `seq` tokens in work/name/train.jsonl."""
+def synthetic_case(work: Path, model: str, pairs: int, seq: int, seed: int, name: str = "data"):
+    """(checkpoint, data file): `model` saved under work, `pairs` synthetic pairs of up to `seq` tokens in
+    work/name/train.jsonl."""
     rows = synthetic_pairs(pairs, seq, MODELS[model]["vocab"], seed)
     return make_checkpoint(work, model), write_jsonl(Path(work) / name / "train.jsonl", rows)
 
