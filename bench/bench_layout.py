@@ -30,7 +30,7 @@ LONG = dict(prompt=512, completion=128)
 def long_pairs(n: int, vocab: int, prompt: int, completion: int, seed: int = 0) -> list[dict]:
     """Prompts of exactly `prompt` words, completions of `completion` (word tokenizer: one token per word)."""
     rng = np.random.default_rng(seed)
-    words = lambda k: " ".join(f"w{i}" for i in rng.integers(3, vocab, size=k))  # noqa: E731
+    words = lambda k: " ".join(f"w{i}" for i in rng.integers(3, vocab, size=k))
     return [{"id": f"p{i:05d}", "prompt": words(prompt), "chosen": " " + words(completion),
              "rejected": " " + words(completion)} for i in range(n)]
 
@@ -80,7 +80,7 @@ def prepare(case: str, size: dict, work: Path) -> dict:
 
 def run_case(case: str, size: dict, work: Path, rounds: int) -> dict:
     info = prepare(case, size, work)
-    argv = lambda mode: steps.child_argv(__file__, {**size, "seq": info["max_length"]}, info["model"],  # noqa: E731
+    argv = lambda mode: steps.child_argv(__file__, {**size, "seq": info["max_length"]}, info["model"],
                                          info["data"], info["cache"], work, mode, data_file=info["data_file"])
     results = common.rounds(rounds, CONFIGS, argv, lambda r: f"{case} {steps.step_line(r)}")
     runs = {}

@@ -50,7 +50,7 @@ def main():
     ap.add_argument("--reuse", action="store_true", help="keep the runs already saved (same size), run the others")
     args = ap.parse_args()
     size = QUICK if args.quick else FULL
-    log = lambda m: print(m, flush=True)  # noqa: E731
+    log = lambda m: print(m, flush=True)
     saved = common.result_path("memory", args.quick, args.results)
     runs = {}
     if args.reuse and saved.exists() and json.loads(saved.read_text())["size"] == size:

@@ -109,7 +109,7 @@ def main():
 
 def flash_available() -> bool:
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn  # noqa: F401  (availability probe)
     except ImportError:
         return False
     return True

@@ -115,7 +115,7 @@ def report(res: dict, log) -> None:
 def main():
     args = common.parser(__doc__).parse_args()
     size = QUICK if args.quick else FULL
-    log = lambda m: print(m, flush=True)  # noqa: E731
+    log = lambda m: print(m, flush=True)
     with common.workdir("sweep") as work:
         res = sweep(size, work, log)
     report(res, log)

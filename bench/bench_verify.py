@@ -45,7 +45,7 @@ def build_cache(root: Path, shards: int, seed: int = 0) -> dict:
     lens = rng.integers(64, 193, size=(n, 3))
     ids = [rng.choice(ranks, size=int(k), p=p).tolist() for k in lens.ravel()]
     prompt, chosen, rejected = ids[0::3], ids[1::3], ids[2::3]
-    logps = lambda seqs: [(-rng.exponential(2.0, len(s))).astype(np.float32) for s in seqs]  # noqa: E731
+    logps = lambda seqs: [(-rng.exponential(2.0, len(s))).astype(np.float32) for s in seqs]
     base = fmt.shard_table([f"x{i}" for i in range(n)], prompt, chosen, rejected, logps(chosen), logps(rejected))
     checks = base.column("mask_checksum").to_pylist()
     encoding = EncodingConfig()

@@ -40,14 +40,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
 RESULTS = BENCH / "results"
 DATA = REPO / "data"
 sys.path.insert(0, str(REPO))
-
-import numpy as np
-import torch
 
 LOADAVG_START = round(os.getloadavg()[0], 2)  # 1-minute load average when the part started
 
@@ -356,7 +356,7 @@ def run_process(cmd: list[str], log: Path) -> dict:
 
 def has_trl() -> bool:
     try:
-        import trl  # noqa: F401
+        import trl  # noqa: F401  (availability probe)
         return True
     except ImportError:
         return False

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -27,8 +26,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="refcache-trl-"))
 os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(os.environ["HF_HOME"], "datasets"))
 
-from conftest import build_llama, pref_rows, save_checkpoint, write_jsonl  # noqa: E402
-from support import gpt2_style, llama_style  # noqa: E402
+from conftest import build_llama, pref_rows, save_checkpoint, write_jsonl  # noqa: E402  (after sys.path)
+from support import gpt2_style, llama_style  # noqa: E402  (after sys.path)
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
            "grad_norm")

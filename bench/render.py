@@ -185,7 +185,7 @@ def render_precompute(P: dict) -> list[str]:
 
 def render_phases(P: dict) -> list[str]:
     phases = list(P["cases"][0]["phases_s"])
-    share = lambda ph, p: "" if p == "total" else f" ({ph[p] / ph['total']:.0%})"  # noqa: E731
+    share = lambda ph, p: "" if p == "total" else f" ({ph[p] / ph['total']:.0%})"
     return table("case | " + " | ".join(phases), [[c["case"], *(f"{c['phases_s'][p] * 1000:,.0f} ms"
                                                                 + share(c["phases_s"], p) for p in phases)]
                                                   for c in P["cases"]])
@@ -193,7 +193,7 @@ def render_phases(P: dict) -> list[str]:
 
 def render_train(T: dict) -> list[str]:
     s, p = T["size"], T["runs"]["policy"]
-    parts = lambda r: f"{mb(r['rss_parts_mb']['RssAnon'])} / {mb(r['rss_parts_mb']['RssFile'])}"  # noqa: E731
+    parts = lambda r: f"{mb(r['rss_parts_mb']['RssAnon'])} / {mb(r['rss_parts_mb']['RssFile'])}"
     L = [f"{s['model']} model ({T['params'] / 1e6:.1f}M parameters), sequences up to {s['seq']} tokens, batch "
          f"{s['batch']} pairs, {T['pairs']} pairs (padding {T['padding_fraction']:.1%}); {s['rounds']} rounds x "
          f"({s['warmup']} warm-up + {s['steps']} timed steps) per configuration, each round a fresh process.", ""]
@@ -278,7 +278,7 @@ def render_scaling(S: dict) -> list[str]:
 
 
 def render_modes(M: dict) -> list[str]:
-    model = lambda c: f"{c.get('model', M['model'])} ({c.get('params', M['params']) / 1e6:.1f}M)"  # noqa: E731
+    model = lambda c: f"{c.get('model', M['model'])} ({c.get('params', M['params']) / 1e6:.1f}M)"
     L = [f"Models of bench/common.py ({M['dtype']}, {M.get('attn_implementation', 'sdpa')} attention); "
          "precompute.modes.score_pairs in each mode on the same pairs and the same loaded model, round-robin "
          f"(`{M['command']}`, {M['machine']['date']}). Estimated: the "
@@ -359,7 +359,7 @@ def render_sweep(S: dict) -> list[str]:
 
     def phases(runs: list[dict], label: str) -> list[str]:
         names = list(runs[0]["fixed"]["wall_s"])
-        cell = lambda f, n: f"{f['wall_s'][n]:.2f}" + (f" ({f['cpu_s'].get(n, 0):.2f})" if n in f["cpu_s"] else "")  # noqa: E731
+        cell = lambda f, n: f"{f['wall_s'][n]:.2f}" + (f" ({f['cpu_s'].get(n, 0):.2f})" if n in f["cpu_s"] else "")
         return table(f"{label} run | process wall | loop | fixed | " + " | ".join(names),
                      [[i + 1, f"{r['wall_s']:.1f} s", f"{r['loop_s']:.1f} s", f"{r['fixed']['fixed_s']:.1f} s",
                        *(cell(r["fixed"], n) for n in names)] for i, r in enumerate(runs)])

@@ -120,7 +120,7 @@ def run_trl(a, timer, out: str, live_reference: bool = True, data: str | None = 
         report_to="none", save_strategy="no", logging_steps=1000, disable_tqdm=True, dataloader_pin_memory=cuda,
     )
     args = DPOConfig(**{**options, **overrides})
-    load = lambda: AutoModelForCausalLM.from_pretrained(  # noqa: E731
+    load = lambda: AutoModelForCausalLM.from_pretrained(
         a.model, dtype=torch.bfloat16 if args.bf16 else torch.float32, use_safetensors=True)
     policy, ref = load(), load() if live_reference else None
     rows = [json.loads(line) for line in Path(data or a.data).read_text().splitlines() if line.strip()]
@@ -188,8 +188,8 @@ def summarize(rounds: list[dict]) -> dict:
     """Pool the rounds of one configuration (or keep its error)."""
     if "error" in rounds[0]:
         return {"error": rounds[0]["error"]}
-    pooled = lambda key: [v for r in rounds for v in r[key]]  # noqa: E731
-    median = lambda key: common.statistics.median(r[key] for r in rounds)  # noqa: E731
+    pooled = lambda key: [v for r in rounds for v in r[key]]
+    median = lambda key: common.statistics.median(r[key] for r in rounds)
     out = {"mode": rounds[0]["mode"], "rounds": rounds,
            "step": common.stats(pooled("step_s")), "step_peak": common.stats(pooled("step_peak_rss_mb")),
            "maxrss": common.stats([r["maxrss_mb"] for r in rounds]), "baseline_rss_mb": median("baseline_rss_mb")}
