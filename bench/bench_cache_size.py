@@ -54,20 +54,12 @@ def without_float_dictionary(cache_dir) -> int:
 
 
 def bench_case(name, model, seq, pairs, work) -> dict:
-    from precompute.job import PrecomputeConfig, run_precompute
-    from schemas.encoding import EncodingConfig
-
     if model == "data":
         model_dir, data = common.sft_data()
-        encoding = EncodingConfig()
     else:
-        model_dir = common.make_checkpoint(work, model)
-        rows = common.synthetic_pairs(pairs, seq, common.MODELS[model]["vocab"], seed=3)
-        data = common.write_jsonl(work / f"data-{seq}" / "train.jsonl", rows)
-        encoding = EncodingConfig(max_length=seq)
+        model_dir, data = common.synthetic_case(work, model, pairs, seq, seed=3, name=f"data-{seq}")
     out = work / f"cache-{seq}"
-    r = run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(out), progress=False,
-                                        encoding=encoding), log=lambda m: None)
+    r = common.precompute(model_dir, data, out, seq)
     cols = column_bytes(out)
     no_dict = without_float_dictionary(out)
     completion = r["bytes"] / r["bytes_per_completion_token"]
@@ -88,18 +80,15 @@ def bench_case(name, model, seq, pairs, work) -> dict:
 def main():
     args = common.parser(__doc__).parse_args()
     common.quiet()
-    work = common.workdir("size")
     results = []
-    try:
+    with common.workdir("size") as work:
         for case in CASES[:3] if args.quick else CASES:
             r = bench_case(*case, work)
             results.append(r)
             print(f"{r['case']:<8} {r['pairs']:>4} pairs {r['bytes'] / 1e3:8.1f} kB  "
                   f"{r['bytes_per_completion_token']:.2f} B/completion token "
                   f"(log-probs {r['logps_bytes_per_completion_token']:.2f})  {r['bytes_per_pair']:.0f} B/pair", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(f"wrote {common.save('size', {'cases': results}, args.quick)}")
+    print(f"wrote {common.save('size', {'cases': results}, args)}")
 
 
 if __name__ == "__main__":

@@ -71,12 +71,9 @@ def child(vocab: int, method: str, batch: int, reps: int) -> dict:
 
 
 def main():
-    ap = common.parser(__doc__)
-    ap.add_argument("--child", nargs=4)
-    args = ap.parse_args()
+    args = common.child_parser(__doc__, METHODS, paths=(), ints=("vocab", "batch", "reps")).parse_args()
     if args.child:
-        v, m, b, r = args.child
-        print(json.dumps(child(int(v), m, int(b), int(r))))
+        print(json.dumps(child(args.vocab, args.child, args.batch, args.reps)))
         return
     batch = 2 if args.quick else 4
     reps = 3
@@ -84,7 +81,7 @@ def main():
     results = []
     for vocab in VOCABS:
         for method in METHODS:
-            r = common.run_child([__file__, "--child", str(vocab), method, str(batch), str(reps)], env=env)
+            r = common.run_child(common.child_argv(__file__, method, vocab=vocab, batch=batch, reps=reps), env=env)
             results.append(r)
             print(f"vocab {vocab:>6} {method:<8} peak +{common.fmt_s(r['peak_mb'], 'MiB')}  time "
                   f"{common.fmt_s(r['time'], 's')}  (weights {r['weights_mb']:.0f} MiB, full logits "
@@ -97,7 +94,7 @@ def main():
     }
     print(f"chunked 128k/32k {summary['chunked_128k_vs_32k']:.2f}x, naive 128k/32k "
           f"{summary['naive_128k_vs_32k']:.2f}x, naive/chunked at 128k {summary['naive_vs_chunked_128k']:.1f}x")
-    print(f"wrote {common.save('gather', {'batch': batch, 'results': results, 'summary': summary}, args.quick)}")
+    print(f"wrote {common.save('gather', {'batch': batch, 'results': results, 'summary': summary}, args)}")
 
 
 if __name__ == "__main__":

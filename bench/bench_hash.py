@@ -1,7 +1,7 @@
 """model_hash throughput against `sha256sum` on the same file.
 
 Writes a ~200 MB safetensors checkpoint (a few float32 tensors of torch.randn plus a config.json) into a temp dir,
-then times, each `--repeat` times with the file in the page cache:
+then times, each `--repeat` times with the file in the page cache (the last line of output: the figures as JSON):
   - schemas.stamps.model_hash (mmap + hashlib over every tensor, plus the header and config),
   - schemas.stamps.file_sha256 (plain chunked read of the whole file),
   - the `sha256sum` command line tool, and `openssl dgst -sha256` where present.
@@ -79,11 +79,13 @@ def main() -> None:
             rows.append(("openssl dgst", t, digest))
             assert digest == rows[1][2], "file_sha256 and openssl disagree"
 
-        print(f"file: {size_mb:.1f} MB in {args.tensors} tensors, best of {args.repeat} (page cache warm)")
+        lines = [f"file: {size_mb:.1f} MB in {args.tensors} tensors, best of {args.repeat} (page cache warm)"]
         base = dict((name, t) for name, t, _ in rows).get("sha256sum")
         for name, t, digest in rows:
             rel = f"  {base / t:.2f}x sha256sum speed" if base else ""
-            print(f"  {name:<12} {t * 1000:8.1f} ms  {size_mb / t:8.1f} MB/s{rel}  {digest[:16]}")
+            lines.append(f"  {name:<12} {t * 1000:8.1f} ms  {size_mb / t:8.1f} MB/s{rel}  {digest[:16]}")
+        print("\n".join(lines))
+        print(json.dumps({"mb_per_s": {name: size_mb / t for name, t, _ in rows}, "output": "\n".join(lines) + "\n"}))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

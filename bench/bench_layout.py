@@ -16,13 +16,12 @@ numerator for every configuration, so the ratios are ratios of step time.
 from __future__ import annotations
 
 import json
-import shutil
-import time
+import os
 from pathlib import Path
 
 import common
-from bench_train import run_timed, step_timer
-from common import np, torch
+import train_steps as steps
+from common import np
 
 CONFIGS = ("shared", "padded", "trl", "trl_pf")
 LONG = dict(prompt=512, completion=128)
@@ -36,58 +35,19 @@ def long_pairs(n: int, vocab: int, prompt: int, completion: int, seed: int = 0) 
              "rejected": " " + words(completion)} for i in range(n)]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# child: one configuration
+def run_ours(a, layout: str, timer, out: str) -> dict:  # on CPU, at the cache's max_length
+    return steps.run_ours(a, "cached", timer, out, batch_layout=layout, max_length=None, use_cpu=True, bf16=False)
 
 
-def run_ours(a, layout: str, timer, out: str) -> dict:
-    from dpo.recipe import TrainConfig
-
-    logs = []
-    run_timed(TrainConfig(model=a.model, data=a.data, output_dir=out, ref_cache=a.cache, batch_layout=layout,
-                          max_steps=a.warmup + a.steps, per_device_train_batch_size=a.batch, logging_steps=1000,
-                          save_strategy="no", plot=False, use_cpu=True, eval_on_start=False, overwrite_output_dir=True),
-              timer, log=logs.append)
-    return {"log": [m for m in logs if m.startswith("batch layout")]}
+def run_trl(a, timer, out: str, padding_free: bool) -> dict:  # on CPU, float32, TRL's default optimizer
+    return steps.run_trl(a, timer, out, data=a.data_file, padding_free=padding_free, optim="adamw_torch_fused",
+                         use_cpu=True, bf16=False, dataloader_pin_memory=False)
 
 
-def run_trl(a, timer, out: str, padding_free: bool) -> dict:
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
-
-    policy = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, use_safetensors=True)
-    ref = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, use_safetensors=True)
-    tok = AutoTokenizer.from_pretrained(a.model)
-    rows = [json.loads(line) for line in Path(a.data_file).read_text().splitlines() if line.strip()]
-    ds = datasets.Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows])
-    args = DPOConfig(
-        output_dir=out, max_length=a.max_length, per_device_train_batch_size=a.batch, max_steps=a.warmup + a.steps,
-        learning_rate=1e-6, beta=0.1, loss_type=["sigmoid"], seed=42, data_seed=42, use_cpu=True, bf16=False,
-        fp16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", logging_steps=1000,
-        disable_tqdm=True, dataloader_pin_memory=False, padding_free=padding_free,
-    )
-    DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=ds, processing_class=tok,
-               callbacks=[timer]).train()
-    return {}
-
-
-def child(a) -> dict:
-    common.quiet()
-    import datasets, polars, transformers  # noqa: F401,E401  (so the baseline includes the libraries)
-
-    base = common.rss_mb()
-    timer = step_timer()
-    out = str(Path(a.out) / a.child)
-    try:
-        if a.child in ("shared", "padded"):
-            extra = run_ours(a, "prefix_shared" if a.child == "shared" else "padded", timer, out)
-        else:
-            extra = run_trl(a, timer, out, padding_free=a.child == "trl_pf")
-    except Exception as e:  # reported, not fatal: e.g. TRL's padding_free without flash attention
-        return {"mode": a.child, "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
-    return {"mode": a.child, "baseline_rss_mb": base, "maxrss_mb": timer.maxrss_mb,
-            "step_s": timer.step_s[a.warmup:], "warmup_s": timer.step_s[:a.warmup], **extra}
+RUNNERS = {"shared": lambda a, t, o: run_ours(a, "prefix_shared", t, o),
+           "padded": lambda a, t, o: run_ours(a, "padded", t, o),
+           "trl": lambda a, t, o: run_trl(a, t, o, padding_free=False),
+           "trl_pf": lambda a, t, o: run_trl(a, t, o, padding_free=True)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,7 +55,6 @@ def child(a) -> dict:
 
 
 def prepare(case: str, size: dict, work: Path) -> dict:
-    from precompute.job import PrecomputeConfig, run_precompute
     from runtime.checkpoint import load_tokenizer
     from schemas.encoding import EncodingConfig
 
@@ -109,8 +68,7 @@ def prepare(case: str, size: dict, work: Path) -> dict:
         data = data_file = common.write_jsonl(work / case / "train.jsonl", rows)
         max_length = LONG["prompt"] + LONG["completion"] + 8
     cache = work / case / "cache"
-    run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(cache), progress=False,
-                                    encoding=EncodingConfig(max_length=max_length)), log=lambda m: None)
+    common.precompute(model_dir, data, cache, max_length)
     from runtime.data import encode_rows, load_rows
 
     encoded = encode_rows(load_rows(data), load_tokenizer(str(model_dir)), EncodingConfig(max_length=max_length))
@@ -120,36 +78,16 @@ def prepare(case: str, size: dict, work: Path) -> dict:
             "pairs": len(tokens), "mean_prompt": float(np.mean([len(p.prompt_ids) for p in encoded.pairs]))}
 
 
-def child_args(info: dict, size: dict, work: Path, mode: str) -> list[str]:
-    return [__file__, "--child", mode, "--model", info["model"], "--data", info["data"], "--data-file",
-            info["data_file"], "--cache", info["cache"], "--max-length", str(info["max_length"]), "--batch",
-            str(size["batch"]), "--warmup", str(size["warmup"]), "--steps", str(size["steps"]), "--out",
-            str(work / "runs")]
-
-
 def run_case(case: str, size: dict, work: Path, rounds: int) -> dict:
     info = prepare(case, size, work)
-    results = {m: [] for m in CONFIGS}
-    for n in range(rounds):
-        for mode in CONFIGS:
-            if results[mode] and "error" in results[mode][-1]:
-                continue
-            t = time.perf_counter()
-            r = common.run_child(child_args(info, size, work, mode))
-            results[mode].append(r)
-            shown = r.get("error") or (f"steps {' '.join(f'{v * 1000:.0f}' for v in r['step_s'])} ms, peak RSS "
-                                       f"{r['maxrss_mb']:.0f} MiB {r.get('log', '')}")
-            print(f"{case} round {n} {mode:<7} {shown} [{time.perf_counter() - t:.0f} s]", flush=True)
+    argv = lambda mode: steps.child_argv(__file__, {**size, "seq": info["max_length"]}, info["model"],
+                                         info["data"], info["cache"], work, mode, data_file=info["data_file"])
+    results = common.rounds(rounds, CONFIGS, argv, lambda r: f"{case} {steps.step_line(r)}")
     runs = {}
     for mode, rs in results.items():
-        if rs and "error" in rs[0]:
-            runs[mode] = {"error": rs[0]["error"]}
-            continue
-        step = common.stats([v for r in rs for v in r["step_s"]])
-        runs[mode] = {"step": step, "tokens_per_s": info["tokens_per_step"] / step["median"],
-                      "maxrss_mb": common.statistics.median(r["maxrss_mb"] for r in rs),
-                      "baseline_rss_mb": common.statistics.median(r["baseline_rss_mb"] for r in rs),
-                      "log": rs[0].get("log")}
+        runs[mode] = steps.summarize(rs)
+        if "step" in runs[mode]:
+            runs[mode]["tokens_per_s"] = info["tokens_per_step"] / runs[mode]["step"]["median"]
     ratios = {f"shared_vs_{m}": runs["shared"]["tokens_per_s"] / runs[m]["tokens_per_s"]
               for m in CONFIGS[1:] if "tokens_per_s" in runs.get(m, {})}
     return {"size": size, **info, "runs": runs, "ratios": ratios}
@@ -157,33 +95,29 @@ def run_case(case: str, size: dict, work: Path, rounds: int) -> dict:
 
 def main():
     ap = common.child_parser(__doc__, CONFIGS, paths=("model", "data", "data-file", "cache", "out"),
-                             ints=("max-length", "batch", "warmup", "steps", "rounds"))
+                             ints=("seq", "batch", "warmup", "steps", "rounds"))
     ap.add_argument("--cases", default="long,short")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args)))
+        print(json.dumps(steps.child(args, RUNNERS, report_errors=True)))
         return
     common.quiet()
     size = dict(model=args.model or ("5M" if args.quick else "35M"), batch=args.batch or 2,
                 warmup=args.warmup or 1, steps=args.steps or (2 if args.quick else 3))
     rounds = args.rounds or 2
-    work = common.workdir("layout")
     res = {"load_start": common.LOADAVG_START, "cases": {}}
-    try:
+    with common.workdir("layout") as work:
         for case in args.cases.split(","):
             case_size = {**size, "batch": 8} if case == "short" else size
             res["cases"][case] = run_case(case, case_size, work, rounds)
             for k, v in res["cases"][case]["ratios"].items():
                 print(f"{case}: tokens/s {k} {v:.3f}x", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    import os
-
     res["load_end"] = round(os.getloadavg()[0], 2)
     print(f"load average {res['load_start']} -> {res['load_end']}")
-    path = common.save("layout", res, args.quick)
-    (common.BENCH / "RESULTS-layout.md").write_text(render(json.loads(path.read_text())))
-    print(f"wrote {path} and bench/RESULTS-layout.md")
+    path = common.save("layout", res, args)
+    page = Path(args.results).parent / "RESULTS-layout.md"  # bench/RESULTS-layout.md beside bench/results
+    page.write_text(render(json.loads(path.read_text())))
+    print(f"wrote {path} and {page}")
 
 
 def render(res: dict) -> str:

@@ -22,15 +22,13 @@ on cached_padded, the same layout; cached with the auto layout is shown beside).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import bench_train
 import common
+import train_steps
 
 FULL = dict(model="115M", seq=512, batch=2, warmup=1, steps=1, rounds=1)
 QUICK = dict(model="5M", seq=256, batch=2, warmup=1, steps=1, rounds=1)
@@ -41,21 +39,10 @@ def run_cli(size: dict, model: Path, data: Path, cache: Path, out: Path, layout:
     cmd = [sys.executable, "-m", "dpo.cli", "--model", str(model), "--data", str(data), "--ref-cache", str(cache),
            "--output-dir", str(out), "--max-steps", str(size["warmup"] + size["steps"]),
            "--per-device-train-batch-size", str(size["batch"]), "--batch-layout", layout]
-    t = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log = out.parent / "cli.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=common.REPO)
-        _, status, usage = os.wait4(proc.pid, 0)  # the rusage of this child alone
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"train-dpo failed ({os.waitstatus_to_exitcode(status)}):\n{log.read_text()[-4000:]}")
+    r = common.run_process(cmd, out.parent / "cli.log")
     result = json.loads((out / "run-manifest.json").read_text())["result"]
-    return {"mode": f"cached (whole train-dpo process, --batch-layout {layout})", "maxrss_mb": usage.ru_maxrss / 1024,
-            "wall_s": time.perf_counter() - t, "phases": result["phases"], "batch_layout": result["batch_layout"]}
-
-
-def run_child(size, model_dir, data, cache, work, mode) -> dict:
-    return common.run_child(bench_train.child_args(size, model_dir, data, cache, work, mode))
+    return {"mode": f"cached (whole train-dpo process, --batch-layout {layout})", "maxrss_mb": r["maxrss_mb"],
+            "wall_s": r["wall_s"], "phases": result["phases"], "batch_layout": result["batch_layout"]}
 
 
 def main():
@@ -63,14 +50,13 @@ def main():
     ap.add_argument("--reuse", action="store_true", help="keep the runs already saved (same size), run the others")
     args = ap.parse_args()
     size = QUICK if args.quick else FULL
-    work = common.workdir("memory")
     log = lambda m: print(m, flush=True)
-    saved = common.result_path("memory", args.quick)
+    saved = common.result_path("memory", args.quick, args.results)
     runs = {}
     if args.reuse and saved.exists() and json.loads(saved.read_text())["size"] == size:
         runs = json.loads(saved.read_text())["runs"]
-    try:
-        model_dir, data, cache, info = bench_train.prepare(size, work)
+    with common.workdir("memory") as work:
+        model_dir, data, cache, info = train_steps.prepare(size, work)
         params = common.n_params(common.build_llama(size["model"]))
         weights_mb = params * 4 / 2**20
         for mode in ("cached", "cached_padded", "policy", "trl"):
@@ -81,10 +67,8 @@ def main():
                 layout = "padded" if mode == "cached_padded" else "auto"
                 runs[mode] = run_cli(size, model_dir, data, cache, work / mode, layout)
             else:
-                runs[mode] = run_child(size, model_dir, data, cache, work, mode)
+                runs[mode] = common.run_child(bench_train.child_argv(size, model_dir, data, cache, work, mode))
             log(f"{mode:<7} peak RSS {runs[mode]['maxrss_mb']:.0f} MiB [{time.perf_counter() - t:.0f} s]")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     c, a, p, t = (runs[m]["maxrss_mb"] for m in ("cached_padded", "cached", "policy", "trl"))
     floor = t - weights_mb
     res = {"size": size, "params": params, "weights_mb": weights_mb, **info, "runs": runs,
@@ -104,7 +88,7 @@ def main():
     for mode in ("policy", "trl"):
         r = runs[mode]
         log(f"{mode}: baseline after imports {r['baseline_rss_mb']:.0f} MiB, at the last step end {r['rss_parts_mb']}")
-    print(f"wrote {common.save('memory', res, args.quick)}")
+    print(f"wrote {common.save('memory', res, args)}")
 
 
 if __name__ == "__main__":

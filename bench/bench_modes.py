@@ -95,7 +95,7 @@ def main():
         cases.append({**case, "model": big, "params": common.n_params(model)})
     result = {"model": spec, "params": common.n_params(model), "dtype": common.dtype_name(dev),
               "attn_implementation": model.config._attn_implementation, "cases": cases}
-    path = common.save("modes", result, args.quick)
+    path = common.save("modes", result, args)
     for case in cases:
         print(f"{case['name']}: {case['model']} model, {case['pairs']} pairs, {case['tokens']:,} tokens")
         for m, r in case["modes"].items():

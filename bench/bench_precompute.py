@@ -58,9 +58,8 @@ def prepare(case: dict, work: Path):
     if case["model"] == "data":
         model_dir, data = common.sft_data()
         return model_dir, data, "train", EncodingConfig()
-    model_dir = common.make_checkpoint(work, case["model"])
-    rows = common.synthetic_pairs(case["pairs"], case["seq"], common.MODELS[case["model"]]["vocab"], seed=1)
-    data = common.write_jsonl(work / f"data-{case['name'].replace('@', '-')}" / "train.jsonl", rows)
+    model_dir, data = common.synthetic_case(work, case["model"], case["pairs"], case["seq"], seed=1,
+                                            name=f"data-{case['name'].replace('@', '-')}")
     return model_dir, data, "train", EncodingConfig(max_length=case["seq"])
 
 
@@ -177,14 +176,6 @@ def trl_precompute(model_dir, rows, max_length: int, pairs_per_batch: int, dev, 
     del trainer, model
 
 
-def has_trl() -> bool:
-    try:
-        import trl  # noqa: F401  (availability probe)
-        return True
-    except ImportError:
-        return False
-
-
 def bench_case(case: dict, work: Path, dev) -> dict:
     from precompute.job import PrecomputeConfig, run_precompute, score_pairs
     from runtime.checkpoint import Checkpoint
@@ -225,7 +216,7 @@ def bench_case(case: dict, work: Path, dev) -> dict:
     if last["mode"] != "full_forward":  # then time full_forward beside it
         fns["score_full_forward"] = lambda: score_only("full_forward")
     trl_counts = {}
-    if case.get("trl") and has_trl():
+    if case.get("trl") and common.has_trl():
         rows = [json.loads(l) for l in (Path(data) / "train.jsonl" if Path(data).is_dir() else Path(data))
                 .read_text().splitlines() if l.strip()]
         pairs_per_batch = max(1, budget // (2 * longest))
@@ -284,15 +275,11 @@ def bench_case(case: dict, work: Path, dev) -> dict:
 # peak memory of one precompute run, in a process of its own
 
 def child_peak(model_dir: str, data: str, split: str, max_length: int, out: str) -> dict:
-    from precompute.job import PrecomputeConfig, run_precompute
-    from schemas.encoding import EncodingConfig
-
     common.quiet()
     import datasets, transformers, pyarrow.parquet  # noqa: F401,E401  (imports are not part of the job's peak)
     common.reset_peak()
     base = common.rss_mb()
-    res = run_precompute(PrecomputeConfig(model=model_dir, data=data, out=out, split=split, progress=False,
-                                          encoding=EncodingConfig(max_length=max_length)), log=lambda m: None)
+    res = common.precompute(model_dir, data, out, max_length, split=split)
     weights = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**20
     return {"peak_rss_mb": common.peak_rss_mb(), "baseline_rss_mb": base, "maxrss_mb": common.maxrss_mb(),
             "cuda_peak_mb": common.cuda_peak_mb(), "weights_mb": weights, "tokens_per_s": res["tokens_per_s"]}
@@ -302,25 +289,21 @@ def peak_memory(case: dict, work: Path) -> dict:
     model_dir, data, split, encoding = prepare(case, work)
     out = work / "peak-cache"
     shutil.rmtree(out, ignore_errors=True)
-    r = common.run_child([__file__, "--child-peak", str(model_dir), str(data), split, str(encoding.max_length),
-                          str(out)])
+    r = common.run_child(common.child_argv(__file__, "peak", model=model_dir, data=data, split=split,
+                                           seq=encoding.max_length, out=out))
     shutil.rmtree(out, ignore_errors=True)
     return {"case": case["name"], **r}
 
 
 def main():
-    ap = common.parser(__doc__)
-    ap.add_argument("--child-peak", nargs=5, help=argparse_hidden())
-    args = ap.parse_args()
-    if args.child_peak:
-        m, d, s, L, o = args.child_peak
-        print(json.dumps(child_peak(m, d, s, int(L), o)))
+    args = common.child_parser(__doc__, ["peak"], paths=("model", "data", "split", "out"), ints=("seq",)).parse_args()
+    if args.child:
+        print(json.dumps(child_peak(args.model, args.data, args.split, args.seq, args.out)))
         return
     common.quiet()
     dev = common.device()
-    work = common.workdir("precompute")
     results, peaks = [], []
-    try:
+    with common.workdir("precompute") as work:
         for case in cases(args.quick, dev):
             t = time.perf_counter()
             r = bench_case(case, work, dev)
@@ -338,16 +321,8 @@ def main():
                 p = peaks[-1]
                 print(f"peak memory {p['case']}: {p['peak_rss_mb']:.0f} MiB RSS (baseline after imports "
                       f"{p['baseline_rss_mb']:.0f} MiB, weights {p['weights_mb']:.1f} MiB)", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    path = common.save("precompute", {"cases": results, "peak_memory": peaks}, args.quick)
+    path = common.save("precompute", {"cases": results, "peak_memory": peaks}, args)
     print(f"wrote {path}")
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -21,13 +21,9 @@ GPU = dict(model="35M", seq=512, pairs=512, reps=3)
 def main():
     args = common.parser(__doc__).parse_args()
     common.quiet()
-    from precompute.job import PrecomputeConfig, run_precompute
-    from schemas.encoding import EncodingConfig
-
     dev = common.device()
     size = GPU if dev.type == "cuda" else (QUICK if args.quick else FULL)
-    work = common.workdir("scaling")
-    try:
+    with common.workdir("scaling") as work:
         model_dir = common.make_checkpoint(work, size["model"])
         vocab = common.MODELS[size["model"]]["vocab"]
         rows = common.synthetic_pairs(4 * size["pairs"], size["seq"], vocab, seed=4)
@@ -38,13 +34,9 @@ def main():
 
             def fn(k=k, data=data, out=out):
                 shutil.rmtree(out, ignore_errors=True)
-                last[k] = run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(out),
-                                                          progress=False, encoding=EncodingConfig(max_length=size["seq"])),
-                                         log=lambda m: None)
+                last[k] = common.precompute(model_dir, data, out, size["seq"])
             fns[f"{k}x"] = fn
         times = common.interleaved(fns, reps=size["reps"], warmup=1)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     pairs = np.array([k * size["pairs"] for k in (1, 2, 4)], float)
     wall = np.array([times[f"{k}x"]["median"] for k in (1, 2, 4)])
     per_pair, fixed = np.polyfit(pairs, wall, 1)
@@ -59,7 +51,7 @@ def main():
            "wall_4x_over_1x": wall[2] / wall[0], "wall_2x_over_1x": wall[1] / wall[0]}
     print(f"fit: {fixed:.2f} s fixed + {per_pair * 1000:.1f} ms/pair (R^2 {r2:.4f}); 4x/1x wall "
           f"{res['wall_4x_over_1x']:.2f}")
-    print(f"wrote {common.save('scaling', res, args.quick)}")
+    print(f"wrote {common.save('scaling', res, args)}")
 
 
 if __name__ == "__main__":

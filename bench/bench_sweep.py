@@ -16,11 +16,7 @@ interleaved (precompute, ours beta0, TRL beta0, ours beta1, ...) so that load fr
 from __future__ import annotations
 
 import json
-import resource
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import common
@@ -36,18 +32,12 @@ GROUPS = {  # fixed-cost phases as reported, from the phases each run records
 }
 
 
-def timed(cmd: list[str], log) -> dict:
-    """Run a command to completion; its wall (parent clock) and CPU seconds (rusage of the child)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.REPO)
-    wall = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    log(f"  {wall:6.1f} s wall {cpu:6.1f} s CPU  {' '.join(Path(c).name if '/' in c else c for c in cmd[1:4])} ...")
-    return {"wall_s": wall, "cpu_s": cpu, "maxrss_mb": after.ru_maxrss / 1024}
+def timed(cmd: list[str], out: Path, log) -> dict:
+    """Run a command to completion (its output to out.log); its wall, CPU seconds and peak RSS (common.run_process)."""
+    r = common.run_process(cmd, out.parent / f"{out.name}.log")
+    log(f"  {r['wall_s']:6.1f} s wall {r['cpu_s']:6.1f} s CPU  "
+        f"{' '.join(Path(c).name if '/' in c else c for c in cmd[1:4])} ...")
+    return r
 
 
 def fixed_cost(side: str, run: dict) -> dict:
@@ -66,7 +56,7 @@ def run_ours(size: dict, model: Path, data: Path, cache: Path, out: Path, beta: 
     cmd = [sys.executable, "-m", "dpo.cli", "--model", str(model), "--data", str(data), "--ref-cache", str(cache),
            "--output-dir", str(out), "--beta", str(beta), "--max-steps", str(size["steps"]),
            "--per-device-train-batch-size", str(size["batch"])]
-    r = timed(cmd, log)
+    r = timed(cmd, out, log)
     result = json.loads((out / "run-manifest.json").read_text())["result"]
     r.update(loop_s=result["train_s"], phases=result["phases"], steps=result["steps"],
              batch_layout=result["batch_layout"])
@@ -77,7 +67,7 @@ def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log) ->
     phases = out.with_suffix(".json")
     cmd = [sys.executable, str(common.BENCH / "sweep_trl.py"), str(model), str(data), str(out), str(beta),
            str(size["steps"]), str(size["batch"]), str(size["seq"]), str(phases)]
-    r = timed(cmd, log)
+    r = timed(cmd, out, log)
     rec = json.loads(phases.read_text())
     r.update(loop_s=rec["phases"]["train"]["wall_s"], train_runtime=rec["train_runtime"], phases=rec["phases"],
              steps=rec["steps"])
@@ -85,13 +75,11 @@ def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log) ->
 
 
 def sweep(size: dict, work: Path, log) -> dict:
-    model = common.make_checkpoint(work, size["model"])
-    rows = common.synthetic_pairs(size["pairs"], size["seq"], common.MODELS[size["model"]]["vocab"], seed=3)
-    data = common.write_jsonl(work / "data" / "train.jsonl", rows)
+    model, data = common.synthetic_case(work, size["model"], size["pairs"], size["seq"], seed=3)
     cache = work / "cache"
     log("precompute-ref")
     pre = timed([sys.executable, "-m", "precompute.cli", "--model", str(model), "--data", str(data), "--out",
-                 str(cache), "--max-length", str(size["seq"]), "--no-progress"], log)
+                 str(cache), "--max-length", str(size["seq"]), "--no-progress"], cache, log)
     ours, trl = [], []
     for beta in size["betas"]:  # interleaved: ours, then TRL, per beta
         log(f"beta {beta}: train-dpo, then TRL")
@@ -127,15 +115,12 @@ def report(res: dict, log) -> None:
 def main():
     args = common.parser(__doc__).parse_args()
     size = QUICK if args.quick else FULL
-    work = common.workdir("sweep")
     log = lambda m: print(m, flush=True)
-    try:
+    with common.workdir("sweep") as work:
         res = sweep(size, work, log)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     report(res, log)
     res["size"] = {**size, "params": common.n_params(common.build_llama(size["model"]))}
-    print(f"wrote {common.save('sweep', res, args.quick)}")
+    print(f"wrote {common.save('sweep', res, args)}")
 
 
 if __name__ == "__main__":

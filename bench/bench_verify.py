@@ -18,10 +18,7 @@ times; its figures are best-of-N within a run, the median over runs is reported 
 
 from __future__ import annotations
 
-import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -114,13 +111,11 @@ def bench_cache(shards: int, reps: int, work: Path) -> dict:
 def bench_data_verify(reps: int, work: Path) -> dict:
     """train-dpo's verify_and_join on the embedded data/ (400 pairs), tokenizer encoding included."""
     from dpo.verify import verify_and_join
-    from precompute.job import PrecomputeConfig, run_precompute
     from runtime.checkpoint import load_tokenizer
 
     model_dir, data = common.sft_data()
     cache = work / "data-cache"
-    run_precompute(PrecomputeConfig(model=str(model_dir), data=str(data), out=str(cache), progress=False),
-                   log=lambda m: None)
+    common.precompute(model_dir, data, cache)
     tok = load_tokenizer(str(model_dir))
     times = common.timeit(lambda: verify_and_join(tokenizer=tok, model_dir=str(model_dir), data=str(data),
                                                   split="train", cache_dir=str(cache), log=lambda m: None),
@@ -128,35 +123,21 @@ def bench_data_verify(reps: int, work: Path) -> dict:
     return {"rows": 400, "times": times}
 
 
-LINE = re.compile(r"^\s*(model_hash|file_sha256|sha256sum|openssl dgst)\s+([\d.]+) ms\s+([\d.]+) MB/s")
-
-
 def bench_hash(mb: int, runs: int, repeat: int) -> dict:
     """Run bench/bench_hash.py `runs` times and take the median of its per-run best-of-`repeat` figures."""
-    per_tool: dict[str, list[float]] = {}
-    outputs = []
-    for _ in range(runs):
-        proc = subprocess.run([sys.executable, str(common.BENCH / "bench_hash.py"), "--mb", str(mb), "--repeat",
-                               str(repeat)], capture_output=True, text=True, cwd=common.REPO, timeout=600)
-        outputs.append(proc.stdout)
-        for line in proc.stdout.splitlines():
-            m = LINE.match(line)
-            if m:
-                per_tool.setdefault(m.group(1), []).append(float(m.group(3)))
-    if "model_hash" not in per_tool or "sha256sum" not in per_tool:
-        raise RuntimeError("could not read bench/bench_hash.py output:\n" + "\n".join(outputs)[-3000:])
-    mbps = {k: common.stats(v) for k, v in per_tool.items()}
+    outs = [common.run_child([str(common.BENCH / "bench_hash.py"), "--mb", str(mb), "--repeat", str(repeat)],
+                             timeout=600) for _ in range(runs)]
+    mbps = {k: common.stats([o["mb_per_s"][k] for o in outs]) for k in outs[0]["mb_per_s"]}
     return {"mb": mb, "runs": runs, "repeat": repeat, "mb_per_s": mbps,
             "ratio_model_hash_vs_sha256sum": common.ratio(mbps["model_hash"], mbps["sha256sum"]),
-            "bench_hash_output": outputs[-1]}
+            "bench_hash_output": outs[-1]["output"]}
 
 
 def main():
     args = common.parser(__doc__).parse_args()
     common.quiet()
-    work = common.workdir("verify")
     sizes = [5, 15] if args.quick else [25, 200]  # shards of 2,048 rows (~4.8 MB each): up to ~1 GB
-    try:
+    with common.workdir("verify") as work:
         caches = []
         for shards in sizes:
             r = bench_cache(shards, reps=3, work=work)
@@ -171,9 +152,7 @@ def main():
         print(f"model_hash {hashing['mb_per_s']['model_hash']['median']:.0f} MB/s, sha256sum "
               f"{hashing['mb_per_s']['sha256sum']['median']:.0f} MB/s: "
               f"{hashing['ratio_model_hash_vs_sha256sum']:.2f}x", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(f"wrote {common.save('verify', {'caches': caches, 'data_verify': data, 'hash': hashing}, args.quick)}")
+    print(f"wrote {common.save('verify', {'caches': caches, 'data_verify': data, 'hash': hashing}, args)}")
 
 
 if __name__ == "__main__":

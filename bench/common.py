@@ -1,4 +1,8 @@
-"""Shared helpers of the bench/ suite: environment, device, model and data builders, timing, memory, results.
+"""The harness of the bench/ suite (no measurement of its own): environment, device, model and data builders, timing
+(`timeit`, `interleaved`: round-robin so that load from other processes falls on every contender alike), memory
+readings, child processes (`run_child`: one configuration per process, its result the JSON of its last stdout line;
+`child_parser`/`child_argv`, the options it is started with; `rounds`, configurations round-robin over processes;
+`run_process`, a command as a user runs it), and results (`parser`'s --quick and --results, `save`, `workdir`).
 
 Everything is built locally at fixed seeds: Llama-style models from a config, a synthetic word-level tokenizer
 (one token per word, so sequence lengths are exact) and synthetic preference pairs. Nothing comes from a hub.
@@ -22,12 +26,14 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DATASETS_VERBOSITY", "error")
 
+import contextlib
 import datetime
 import gc
 import json
 import platform
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -163,6 +169,23 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def synthetic_case(work: Path, model: str, pairs: int, seq: int, seed: int, name: str = "data"):
+    """(checkpoint, data file): `model` saved under work, `pairs` synthetic pairs of up to `seq` tokens in
+    work/name/train.jsonl."""
+    rows = synthetic_pairs(pairs, seq, MODELS[model]["vocab"], seed)
+    return make_checkpoint(work, model), write_jsonl(Path(work) / name / "train.jsonl", rows)
+
+
+def precompute(model, data, out, max_length: int | None = None, **options) -> dict:
+    """precompute-ref's entry point (run_precompute), quiet, at `max_length` (None: the encoding's default)."""
+    from precompute.job import PrecomputeConfig, run_precompute
+    from schemas.encoding import EncodingConfig
+
+    encoding = EncodingConfig() if max_length is None else EncodingConfig(max_length=max_length)
+    return run_precompute(PrecomputeConfig(model=str(model), data=str(data), out=str(out), progress=False,
+                                           encoding=encoding, **options), log=lambda m: None)
+
+
 def sft_data() -> tuple[Path, Path]:
     """The embedded default: data/sft-model and data/prefs (train split)."""
     return DATA / "sft-model", DATA / "prefs"
@@ -293,6 +316,52 @@ def run_child(args: list[str], env: dict | None = None, timeout: float = 1800) -
     return json.loads(lines[-1])
 
 
+def child_argv(script: str, mode: str, **options) -> list[str]:
+    """The argv of `script --child MODE --name value ...` (underscores in names become dashes; None is left out)."""
+    argv = [script, "--child", mode]
+    for name, value in options.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def rounds(n: int, modes, argv, show=lambda r: "") -> dict:
+    """Run every configuration's child process (`argv(mode)`) once per round, in turn (a, b, c, a, b, c, ...), so
+    that load from other processes falls on all of them alike; {mode: [result of each round]}. A configuration whose
+    child reports an "error" is not run again."""
+    out = {m: [] for m in modes}
+    for i in range(n):
+        for mode in modes:
+            if out[mode] and "error" in out[mode][-1]:
+                continue
+            t = time.perf_counter()
+            out[mode].append(run_child(argv(mode)))
+            print(f"round {i} {mode:<7} {show(out[mode][-1])} [{time.perf_counter() - t:.0f} s]", flush=True)
+    return out
+
+
+def run_process(cmd: list[str], log: Path) -> dict:
+    """Run a command as a user would (output to `log`); its wall seconds, and its own CPU seconds and peak RSS from
+    wait4 (the rusage of this child alone, not of every child so far)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({os.waitstatus_to_exitcode(status)}):\n{log.read_text()[-4000:]}")
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_mb": usage.ru_maxrss / 1024}
+
+
+def has_trl() -> bool:
+    try:
+        import trl  # noqa: F401  (availability probe)
+        return True
+    except ImportError:
+        return False
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # machine line and results
 
@@ -339,24 +408,30 @@ def machine_line(m: dict) -> str:
             f"{m['transformers']}, trl {m['trl'] or 'not installed'}; {m['date']}")
 
 
-def result_path(part: str, quick: bool = False) -> Path:
-    """bench/results/<part>-<device>.json; a --quick run's goes to <part>-<device>-quick.json, so that a smoke test
+def result_path(part: str, quick: bool = False, results: Path = RESULTS) -> Path:
+    """<results>/<part>-<device>.json; a --quick run's goes to <part>-<device>-quick.json, so that a smoke test
     never overwrites the committed full-run results."""
-    return RESULTS / f"{part}-{device().type}{'-quick' if quick else ''}.json"
+    return Path(results) / f"{part}-{device().type}{'-quick' if quick else ''}.json"
 
 
-def save(part: str, result: dict, quick: bool) -> Path:
-    """Write the part's results (result_path) and return the path."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {"part": part, "quick": quick, "machine": machine(), "loadavg_start": LOADAVG_START,
+def save(part: str, result: dict, args) -> Path:
+    """Write the part's results (result_path, under args.results) and return the path."""
+    result = {"part": part, "quick": args.quick, "machine": machine(), "loadavg_start": LOADAVG_START,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), **result}
-    path = result_path(part, quick)
+    path = result_path(part, args.quick, args.results)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=float) + "\n")
     return path
 
 
-def workdir(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f"refcache-bench-{prefix}-"))
+@contextlib.contextmanager
+def workdir(prefix: str):
+    """A scratch folder for one part's models, data and caches, removed when the part ends (or fails)."""
+    path = Path(tempfile.mkdtemp(prefix=f"refcache-bench-{prefix}-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def fmt_s(st: dict, unit: str = "s", scale: float = 1.0, digits: int = 3) -> str:
@@ -369,6 +444,7 @@ def parser(doc: str):
 
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, for a run in a few minutes")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder of the JSON results (default bench/results)")
     return ap
 
 

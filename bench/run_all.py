@@ -1,9 +1,10 @@
 """Run every part of the bench/ suite, each in a process of its own, and write bench/RESULTS.md.
 
-    .venv/bin/python bench/run_all.py [--quick] [--parts precompute,train,...] [--render-only]
+    .venv/bin/python bench/run_all.py [--quick] [--parts precompute,train,...] [--render-only] [--results DIR]
 
-Each part writes bench/results/<part>-<cpu|cuda>.json; RESULTS.md is rendered from whatever JSON is there, with the
-CPU and GPU results in sections of their own (a run on a GPU machine adds the GPU section and keeps the CPU one).
+Each part writes <results>/<part>-<cpu|cuda>.json (bench/results/ by default); RESULTS.md, beside the results
+folder, is rendered from whatever JSON is there (render.py), with the CPU and GPU results in sections of their own (a
+run on a GPU machine adds the GPU section and keeps the CPU one).
 """
 
 from __future__ import annotations
@@ -15,33 +16,24 @@ import time
 from pathlib import Path
 
 import common
-import render_job
+import render
 
-PARTS = {  # part -> script
+PARTS = {  # part -> script; the default run
     "precompute": "bench_precompute.py",
     "train": "bench_train.py",
     "verify": "bench_verify.py",
     "gather": "bench_gather_memory.py",
     "size": "bench_cache_size.py",
     "scaling": "bench_scaling.py",
-    "modes": "bench_modes.py",  # part 7, precompute batching modes side by side
+    "modes": "bench_modes.py",
 }
-SCRIPTS = {**PARTS, **render_job.EXTRA}  # the whole-job parts run only when named in --parts
-
-TARGETS = [  # (key, description, goal text, test)
-    ("precompute_vs_bare", "precompute end to end vs bare batched forward (tokens/s)", ">= 0.9x", lambda v: v >= 0.9),
-    ("precompute_vs_trl", "precompute vs TRL's reference precompute (tokens/s)", ">= 1.3x", lambda v: v >= 1.3),
-    ("step_vs_policy", "cached training step vs policy-only (time)", "<= 1.05x", lambda v: v <= 1.05),
-    ("step_vs_live", "cached training step vs live reference (time)", "<= 0.75x", lambda v: v <= 0.75),
-    ("mem_vs_policy", "cached peak memory vs policy-only", "within 5%", lambda v: abs(v - 1) <= 0.05),
-    ("hash_vs_sha256sum", "model hashing vs sha256sum (MB/s)", ">= 0.8x", lambda v: v >= 0.8),
-]
+SCRIPTS = {**PARTS, "sweep": "bench_sweep.py", "memory": "bench_memory.py"}  # the whole-job parts: only when named
 
 
-def run_parts(parts: list[str], quick: bool) -> dict:
+def run_parts(parts: list[str], quick: bool, results: Path) -> dict:
     walls = {}
     for part in parts:
-        cmd = [sys.executable, str(common.BENCH / SCRIPTS[part])] + (["--quick"] if quick else [])
+        cmd = [sys.executable, str(common.BENCH / SCRIPTS[part]), "--results", str(results)] + (["--quick"] * quick)
         print(f"== {part}: {' '.join(Path(c).name if i < 2 else c for i, c in enumerate(cmd))}", flush=True)
         t = time.perf_counter()
         proc = subprocess.run(cmd, cwd=common.REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -55,444 +47,22 @@ def run_parts(parts: list[str], quick: bool) -> dict:
     return walls
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# rendering
-
-def load(device: str) -> dict:
-    out = {}
-    for part in [*SCRIPTS, "run"]:  # a full run's results, else a quick run's (marked as such)
-        for path in (common.RESULTS / f"{part}-{device}.json", common.RESULTS / f"{part}-{device}-quick.json"):
-            if path.exists():
-                out[part] = json.loads(path.read_text())
-                break
-    return out
-
-
-def x(v, d=2) -> str:
-    return "n/a" if v is None else f"{v:.{d}f}x"
-
-
-def ms(st) -> str:
-    return f"{st['median'] * 1000:,.0f} ms ({st['min'] * 1000:,.0f}-{st['max'] * 1000:,.0f})"
-
-
-def sec(st, d=3) -> str:
-    return f"{st['median']:.{d}f} s ({st['min']:.{d}f}-{st['max']:.{d}f})"
-
-
-def mb(v) -> str:
-    return f"{v:,.0f} MiB"
-
-
-def _pair(a: dict, b: dict, where: str, higher_is_faster: bool = False) -> dict:
-    """A target ratio from two stats dicts of times (a / b), or of speeds when higher_is_faster: the ratio of the
-    medians, the ratio of the best repetitions (contention on a shared machine only ever adds time), and the spread
-    (max / min) of the noisier of the two."""
-    if higher_is_faster:
-        best = a["max"] / b["max"]
-    else:
-        best = a["min"] / b["min"]
-    spread = max(a["max"] / a["min"], b["max"] / b["min"])
-    return {"value": a["median"] / b["median"], "best": best, "where": where, "spread": spread}
-
-
-def measured(R: dict) -> dict:
-    """The ratios the targets judge, from the part results."""
-    m = {}
-    if "precompute" in R:
-        head = next((c for c in R["precompute"]["cases"] if c.get("headline")), R["precompute"]["cases"][-1])
-        t = head["times"]
-        m["precompute_vs_bare"] = _pair(t["bare"], t["refcache"], head["case"])
-        if "trl" in t:
-            m["precompute_vs_trl"] = _pair(t["trl"], t["refcache"], head["case"])
-    if "train" in R:
-        T = R["train"]
-        where = f"{T['size']['model']}@{T['size']['seq']}"
-        c, p, l = (T["runs"][k] for k in ("cached", "policy", "live"))
-        m["step_vs_policy"] = _pair(c["step"], p["step"], where)
-        m["step_vs_live"] = _pair(c["step"], l["step"], where)
-        if T.get("cuda_mem_cached_vs_policy"):
-            m["mem_vs_policy"] = {"value": T["cuda_mem_cached_vs_policy"], "best": None, "where": where + ", CUDA",
-                                  "spread": 1.0}
-        else:
-            m["mem_vs_policy"] = {**_pair(c["maxrss"], p["maxrss"], where), "best": None}
-    if "verify" in R:
-        h = R["verify"]["hash"]
-        mbps = h["mb_per_s"]
-        m["hash_vs_sha256sum"] = _pair(mbps["model_hash"], mbps["sha256sum"], f"{h['mb']} MB file",
-                                       higher_is_faster=True)
-    return m
-
-
-def render_targets(R: dict) -> list[str]:
-    m = measured(R)
-    lines = ["| target | measured (ratio of medians) | goal | | ratio of best repetitions | spread (max/min) |",
-             "|---|---|---|---|---|---|"]
-    for key, desc, goal, ok in TARGETS:
-        if key not in m:
-            lines.append(f"| {desc} | not run | {goal} | - | | |")
-            continue
-        r = m[key]
-        best = f"{r['best']:.3f}x ({'met' if ok(r['best']) else 'missed'})" if r["best"] is not None else "-"
-        noisy = " (noisy)" if r["spread"] > 1.3 else ""
-        lines.append(f"| {desc} | **{r['value']:.3f}x** ({r['where']}) | {goal} | "
-                     f"{'met' if ok(r['value']) else '**missed**'} | {best} | {r['spread']:.2f}{noisy} |")
-    lines += ["", "The verdict is on the ratio of medians. The ratio of the best repetitions is shown beside it because "
-              "other processes on a shared machine only ever add time; where the spread is large, read both."]
-    return lines
-
-
-def render_key_figures(R: dict) -> list[str]:
-    L = []
-    if "precompute" in R:
-        P = R["precompute"]
-        for c in P["cases"]:
-            if c["case"] == "data/" or c.get("headline"):
-                L.append(f"- precompute on {c['case']} ({c['pairs']} pairs, {c['params'] / 1e6:.1f}M params): "
-                         f"**{c['tokens_per_s']['refcache']:,.0f} tokens/s** end to end (bare forward "
-                         f"{c['tokens_per_s']['bare']:,.0f}), padding fraction {c['padding_fraction']:.1%} in "
-                         f"plain length-sorted batches"
-                         + (f" ({c['refcache_padding_fraction']:.1%} in the {c['mode']} rows refcache ran)"
-                            if c.get("refcache_padding_fraction") is not None else "") + ", "
-                         f"{c['bytes_per_completion_token']:.2f} cache bytes per completion token")
-        for p in P.get("peak_memory", []):
-            L.append(f"- precompute peak memory, {p['case']}: **{mb(p['peak_rss_mb'])} RSS** (process baseline after "
-                     f"imports {mb(p['baseline_rss_mb'])}, weights {p['weights_mb']:.1f} MiB"
-                     + (f", CUDA peak {mb(p['cuda_peak_mb'])}" if p.get("cuda_peak_mb") else "") + ")")
-    if "size" in R:
-        for c in R["size"]["cases"]:
-            L.append(f"- cache size, {c['case']}: **{c['bytes_per_completion_token']:.2f} B per completion token**, "
-                     f"{c['bytes_per_pair']:,.0f} B per pair (log-prob columns alone "
-                     f"{c['logps_bytes_per_completion_token']:.2f} B/token)")
-    if "train" in R:
-        t = R["train"]
-        s = t["size"]
-        for mode in ("cached", "live", "policy", "trl"):
-            if mode in t["runs"]:
-                r = t["runs"][mode]
-                cuda = f", CUDA peak {mb(r['cuda_peak_mb'])}" if r.get("cuda_peak_mb") else ""
-                L.append(f"- train step, {mode}, {s['model']} ({t['params'] / 1e6:.1f}M) at seq {s['seq']}, batch "
-                         f"{s['batch']} pairs: **{ms(r['step'])}**, peak RSS **{mb(r['maxrss_mb'])}**{cuda}")
-    if "verify" in R:
-        V = R["verify"]
-        big = V["caches"][-1]
-        L.append(f"- verification: **{big['s_per_gb']:.2f} s per GB**, **{big['s_per_million_rows']:.2f} s per million "
-                 f"rows** (cache of {big['bytes'] / 1e9:.2f} GB, {big['rows']:,} rows); train-dpo's verify_and_join on "
-                 f"data/ (400 pairs, encoding included): {sec(V['data_verify']['times'])}")
-        if "train" in R and "verify_s" in R["train"]["runs"].get("cached", {}):
-            L.append(f"- verification inside train-dpo, {R['train']['pairs']} pairs at seq {R['train']['size']['seq']}: "
-                     f"{sec(R['train']['runs']['cached']['verify_s'])}")
-    return L
-
-
-def render_precompute(P: dict) -> list[str]:
-    L = ["| case | params | pairs | tokens | padding | batching | refcache tok/s | score-only tok/s | score full_forward "
-         "tok/s | bare tok/s | TRL tok/s | refcache/bare | score/bare | refcache/TRL |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in P["cases"]:
-        tps = c["tokens_per_s"]
-        get = lambda k: f"{tps[k]:,.0f}" if k in tps else "-"
-        L.append(f"| {c['case']} | {c['params'] / 1e6:.1f}M | {c['pairs']} | {c['tokens']:,} | "
-                 f"{c['padding_fraction']:.1%} | {c.get('mode', 'full_forward')} | {get('refcache')} | "
-                 f"{get('score_only')} | {get('score_full_forward')} | {get('bare')} | {get('trl')} | "
-                 f"{x(c['ratio_refcache_vs_bare'])} | {x(c['ratio_score_vs_bare'])} | "
-                 f"{x(c.get('ratio_refcache_vs_trl'))} |")
-    L += ["", "Tokens/s counts the real tokens of the plain [prompt | completion] sequences for every column, so the "
-          "columns compare times on identical work. Padding: of the bare forward's length-sorted batches. "
-          "Batching: the mode run_precompute picked (auto).", "",
-          "Wall time per pass, median (min-max):", "",
-          "| case | refcache | score-only | score full_forward | bare | TRL (load + DPOTrainer construction) | "
-          "TRL precompute loop only |", "|---|---|---|---|---|---|---|"]
-    for c in P["cases"]:
-        t = c["times"]
-        trl = sec(t["trl"]) if "trl" in t else "-"
-        ff = sec(t["score_full_forward"]) if "score_full_forward" in t else "-"
-        only = f"{c['trl_precompute_only_s']:.3f} s" if c.get("trl_precompute_only_s") else "-"
-        L.append(f"| {c['case']} | {sec(t['refcache'])} | {sec(t['score_only'])} | {ff} | {sec(t['bare'])} | {trl} | "
-                 f"{only} |")
-    return L
-
-
-def render_phases(P: dict) -> list[str]:
-    phases = list(P["cases"][0]["phases_s"])
-    L = ["| case | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
-    for c in P["cases"]:
-        tot = c["phases_s"]["total"]
-        L.append(f"| {c['case']} | " + " | ".join(
-            f"{c['phases_s'][p] * 1000:,.0f} ms" + ("" if p == "total" else f" ({c['phases_s'][p] / tot:.0%})")
-            for p in phases) + " |")
-    return L
-
-
-def render_train(T: dict) -> list[str]:
-    s = T["size"]
-    L = [f"{s['model']} model ({T['params'] / 1e6:.1f}M parameters), sequences up to {s['seq']} tokens, batch "
-         f"{s['batch']} pairs, {T['pairs']} pairs (padding {T['padding_fraction']:.1%}); {s['rounds']} rounds x "
-         f"({s['warmup']} warm-up + {s['steps']} timed steps) per configuration, each round a fresh process.", "",
-         "| configuration | step time | vs policy-only | peak RSS (process, to last step) | steady per-step peak RSS | "
-         "RSS at last step: anonymous / file-backed | baseline after imports | CUDA peak |",
-         "|---|---|---|---|---|---|---|---|"]
-    p = T["runs"]["policy"]
-    for mode, r in T["runs"].items():
-        cuda = mb(r["cuda_peak_mb"]) if r.get("cuda_peak_mb") else "-"
-        parts = r.get("rss_parts_mb")
-        parts = f"{mb(parts['RssAnon'])} / {mb(parts['RssFile'])}" if parts else "-"
-        L.append(f"| {mode} | {ms(r['step'])} | {x(common.ratio(r['step'], p['step']))} | {mb(r['maxrss_mb'])} "
-                 f"({x(r['maxrss_mb'] / p['maxrss_mb'], 3)}) | {mb(r['step_peak']['median'])} | {parts} | "
-                 f"{mb(r['baseline_rss_mb'])} | {cuda} |")
-    L += ["", "Safetensors weights are loaded memory-mapped: a frozen model's weights stay file-backed pages (the live "
-          "reference shows up in the file-backed column), the policy's become anonymous once the optimizer writes "
-          "them. The file-backed column also holds the code pages of the libraries in use (cached mode touches more "
-          "of polars and pyarrow, through verification). The anonymous heap varies by a few tens of MiB from process "
-          "to process (allocator state), the scale of the cached-vs-policy difference.",
-          "", f"cached/live step time {x(T['ratio_cached_vs_live'], 3)}; cached/TRL step time "
-          f"{x(T.get('ratio_cached_vs_trl'), 3)}; peak memory cached/live {x(T['mem_cached_vs_live'], 3)}, "
-          f"cached/TRL {x(T.get('mem_cached_vs_trl'), 3)}."]
-    return L
-
-
-def render_verify(V: dict) -> list[str]:
-    L = ["| cache | rows | open_cache (sha256) | open_cache (fast) | check_rows | check_values | verify (all) | "
-         "s/GB | s/M rows |", "|---|---|---|---|---|---|---|---|---|"]
-    for c in V["caches"]:
-        t = c["times"]
-        L.append(f"| {c['bytes'] / 1e6:,.0f} MB | {c['rows']:,} | {sec(t['open_cache'])} | {sec(t['open_cache_fast'])} | "
-                 f"{sec(t['check_rows'])} | {sec(t['check_values'])} | {sec(t['verify_all'])} | {c['s_per_gb']:.2f} | "
-                 f"{c['s_per_million_rows']:.2f} |")
-    big = V["caches"][-1]
-    L += ["", "Per GB, by step: " + ", ".join(f"{k} {v:.2f} s" for k, v in big["per_gb"].items()) + ".", ""]
-    h = V["hash"]
-    L += [f"Model hashing ({h['mb']} MB safetensors, page cache warm; bench/bench_hash.py, {h['runs']} runs of best-of-"
-          f"{h['repeat']}, median (min-max) over runs):", "", "| tool | MB/s |", "|---|---|"]
-    for tool, st in h["mb_per_s"].items():
-        L.append(f"| {tool} | {st['median']:,.0f} ({st['min']:,.0f}-{st['max']:,.0f}) |")
-    return L
-
-
-def render_gather(G: dict) -> list[str]:
-    L = [f"Batch {G['batch']} x 1,024 tokens (completion: the second half), hidden 64, 2 layers. Peak memory above "
-         "what was held before the call (weights, inputs), median (min-max):", "",
-         "| vocab | weights | full logits tensor | hidden (model activations) | chunked completion_logps | naive "
-         "log_softmax | naive/chunked | time chunked | time naive |", "|---|---|---|---|---|---|---|---|---|"]
-    by = {(r["vocab"], r["method"]): r for r in G["results"]}
-    for v in sorted({r["vocab"] for r in G["results"]}):
-        h, c, n = by[(v, "hidden")], by[(v, "chunked")], by[(v, "naive")]
-        L.append(f"| {v:,} | {h['weights_mb']:.0f} MiB | {h['full_logits_mb']:,.0f} MiB | {h['peak_mb']['median']:.0f} MiB "
-                 f"| {c['peak_mb']['median']:.0f} MiB | {n['peak_mb']['median']:,.0f} MiB | "
-                 f"{n['peak_mb']['median'] / c['peak_mb']['median']:.1f}x | {sec(c['time'])} | {sec(n['time'])} |")
-    s = G["summary"]
-    L += ["", f"Going from 32k to 128k vocabulary multiplies the chunked gather's peak by "
-          f"{s['chunked_128k_vs_32k']:.2f}x and the naive one's by {s['naive_128k_vs_32k']:.2f}x: the chunked gather "
-          "is bounded by its chunk (2^25 logits, 128 MiB in float32, plus the log-sum-exp temporary), whatever the "
-          "vocabulary or sequence length."]
-    return L
-
-
-def render_size(S: dict) -> list[str]:
-    L = ["| case | pairs | completion tokens | cache bytes | B/completion token | B/pair | log-prob columns, "
-         "B/completion token | id columns, B/completion token | per-row columns (id, checksum, sums), B/pair | "
-         "what-if: no dictionary on float columns, B/completion token |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for c in S["cases"]:
-        cols = c["columns"]
-        ids = sum(v for k, v in cols.items() if k.endswith("input_ids"))
-        per_row = sum(cols.get(k, 0) for k in ("id", "mask_checksum", "chosen_logp", "rejected_logp"))
-        nd = c.get("bytes_per_completion_token_without_float_dictionary")
-        nd = f"{nd:.2f} ({nd / c['bytes_per_completion_token'] - 1:+.0%})" if nd else "-"
-        L.append(f"| {c['case']} | {c['pairs']} | {c['completion_tokens']:,} | {c['bytes']:,} | "
-                 f"{c['bytes_per_completion_token']:.2f} | {c['bytes_per_pair']:,.0f} | "
-                 f"{c['logps_bytes_per_completion_token']:.2f} | {ids / c['completion_tokens']:.2f} | "
-                 f"{per_row / c['pairs']:.0f} | {nd} |")
-    L += ["", "Raw float32 is 4 B per value; the log-prob columns of a random-init model's near-uniform predictions "
-          "hardly compress, a trained model's (data/) do. Parquet's dictionary encoding, on by default, fails on "
-          "such floats and its fallback costs more than plain encoding: the last column is what the same shards "
-          "take with it off for the float columns."]
-    return L
-
-
-def render_scaling(S: dict) -> list[str]:
-    s = S["size"]
-    L = [f"{s['model']} model, sequences up to {s['seq']} tokens.", "",
-         "| scale | pairs | tokens | wall | tokens/s |", "|---|---|---|---|---|"]
-    for p in S["points"]:
-        L.append(f"| {p['scale']} | {p['pairs']} | {p['tokens']:,} | {sec(p['wall'])} | {p['tokens_per_s']:,.0f} |")
-    L += ["", f"Least-squares line: {S['fixed_s']:.2f} s fixed + {S['per_pair_s'] * 1000:.1f} ms per pair "
-          f"(R^2 {S['r2']:.4f}); wall 2x/1x {S['wall_2x_over_1x']:.2f}, 4x/1x {S['wall_4x_over_1x']:.2f} "
-          "(linear: 2.00 and 4.00, less the fixed share)."]
-    return L
-
-
-def render_modes(M: dict) -> list[str]:
-    L = [f"Models of bench/common.py ({M['dtype']}, {M.get('attn_implementation', 'sdpa')} attention); "
-         "precompute.modes.score_pairs in each mode on the same pairs and the same loaded model, round-robin "
-         f"(`{M['command']}`, {M['machine']['date']}). Estimated: the "
-         "full_forward/mode ratio of precompute.modes.estimated_cost, on which `--batching auto` decides.", "",
-         "| case | model | pairs | tokens | mode | time | tokens/s | vs full_forward | estimated | padding | "
-         "max abs diff vs full_forward |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in M["cases"]:
-        model = f"{c.get('model', M['model'])} ({c.get('params', M['params']) / 1e6:.1f}M)"
-        for mode, r in c["modes"].items():
-            L.append(f"| {c['name']} | {model} | {c['pairs']} | {c['tokens']:,} | {mode} | {sec(r['time'])} | "
-                     f"{r['tokens_per_s']:,.0f} | {x(r['speedup_vs_full_forward'])} | "
-                     f"{x(r['estimated_speedup']) if 'estimated_speedup' in r else '-'} | {r['padding_fraction']:.1%} | "
-                     f"{r['max_abs_diff_vs_full_forward']:.1e} |")
-    L.append("")
-    for c in M["cases"]:
-        if "auto" in c:
-            L.append(f"- {c['name']}: auto picks **{c['auto']}**; fastest measured {c['fastest']}; auto runs at "
-                     f"{x(c['auto_vs_fastest'])} the fastest mode's speed.")
-    return L
-
-
-def render_analysis(R: dict) -> list[str]:
-    """Where the time goes, for each missed target, from the measurements themselves."""
-    m = measured(R)
-    ok = {k: t(m[k]["value"]) for k, _, _, t in TARGETS if k in m}
-    L = []
-    if "precompute" in R and (not ok.get("precompute_vs_bare", True) or not ok.get("precompute_vs_trl", True)):
-        P = R["precompute"]
-        L.append("**Precompute vs bare forward.** Per case, the end-to-end pass splits into fixed costs and the "
-                 "forward+gather; score-only isolates the gather's cost from the I/O:")
-        for c in P["cases"]:
-            ph = c["phases_s"]
-            fixed = ph["total"] - ph["forward+gather"]
-            probe = ph.get("mode probe", 0.0)
-            L.append(f"- {c['case']}: total {ph['total']:.3f} s = forward+gather {ph['forward+gather']:.3f} s + "
-                     f"batching-mode probe {probe:.3f} s ({probe / ph['total']:.0%}) + everything else "
-                     f"{fixed - probe:.3f} s ({(fixed - probe) / ph['total']:.0%}; encode {ph['encode']:.3f} s, load "
-                     f"model {ph['load model']:.3f} s, write+hash shards "
-                     f"{ph['write shard'] + ph.get('hash shard', 0.0) + ph['build table']:.3f} s); bare forward "
-                     f"{c['times']['bare']['median']:.3f} s, so forward+gather alone ({c.get('mode', 'full_forward')}) "
-                     f"runs at {x(c['ratio_refcache_compute_vs_bare'])} the bare forward's speed")
-        head = next((c for c in P["cases"] if c.get("headline")), None)
-        if head and "trl" in head["times"] and not ok.get("precompute_vs_trl", True):
-            ph, t = head["phases_s"], head["times"]
-            probe = ph.get("mode probe", 0.0)
-            L.append(f"- against TRL ({head['case']}): TRL's load + DPOTrainer construction takes "
-                     f"{t['trl']['median']:.3f} s, {head.get('trl_precompute_only_s') or 0:.3f} s of it in its "
-                     f"precompute loop; refcache's whole job {t['refcache']['median']:.3f} s, {probe:.3f} s of it in the "
-                     f"mode probe. Without the probe the ratio would be "
-                     f"{t['trl']['median'] / max(1e-9, t['refcache']['median'] - probe):.2f}x.")
-        L += ["", "The probe (precompute.modes.choose_mode) scores a few pairs of the first shard twice, plain and "
-                 "in the chosen mode, before the real work (the 2 shortest since commit 5e6e93d, the first 4 before): a fixed "
-                 "cost, visible against a bench of a dozen pairs and negligible against a real data set.", ""]
-        if head and head.get("profile"):
-            L += [f"<details><summary>torch.profiler, one run_precompute on {head['case']} (top ops by self "
-                  "time)</summary>", "", "```", head["profile"].rstrip(), "```", "</details>"]
-    if "train" in R and not ok.get("step_vs_live", True):
-        T = R["train"]
-        c, l, p = (T["runs"][k]["step"]["median"] for k in ("cached", "live", "policy"))
-        L += ["", f"**Cached vs live step.** The live step costs {l * 1000:,.0f} ms against {c * 1000:,.0f} ms cached: "
-                 f"the reference forward is {(l - c) * 1000:,.0f} ms, {(l - c) / l:.0%} of the live step. A no-grad "
-                 "forward is about a third of a forward+backward, so with a reference as large as the policy the live "
-                 "step is about 4/3 of the cached one and cached/live about 0.75 at best; the optimizer step, the "
-                 "collation and the loss add the same time to both sides, pushing the ratio above 0.75. The target "
-                 "sits at the arithmetic bound of this comparison (the profiles below: the live steps' extra time is "
-                 "the reference's matrix multiplies and attention)."]
-    if "train" in R and not ok.get("step_vs_policy", True):
-        L += ["", "**Cached vs policy-only step.** The two differ only in collating the cached values and reading them "
-                 "in the loss; see the profiles below."]
-    if "train" in R and not ok.get("mem_vs_policy", True):
-        L += ["", "**Cached vs policy-only memory.** Cached mode also holds the verified cache rows and polars' "
-                 "allocator pool from the verification read; see the per-step steady peak in the table above."]
-    if "verify" in R and not ok.get("hash_vs_sha256sum", True):
-        L += ["", "**Model hashing.** See bench/bench_hash.py's output below."]
-    profiles = R.get("train", {}).get("profiles") or {}
-    for mode, table in profiles.items():
-        if table:
-            L += ["", f"<details><summary>torch.profiler, {mode}, 2 steps after a warm-up (top ops by self time)"
-                  "</summary>", "", "```", table.rstrip(), "```", "</details>"]
-    return L
-
-
-def render_device(R: dict, device: str) -> list[str]:
-    run = R.get("run", {})
-    m = next((R[p]["machine"] for p in PARTS if p in R), None)
-    L = []
-    if m:
-        L += [f"Machine: {common.machine_line(m)}", ""]
-        loads = ", ".join(f"{p} {R[p].get('loadavg_start', '?')} -> {R[p]['machine'].get('loadavg_1min', '?')}"
-                          for p in PARTS if p in R)
-        L += [f"1-minute load average at the start and end of each part (2 cores; above ~2 means other processes "
-              f"competed for them): {loads}.", ""]
-    if run:
-        walls = ", ".join(f"{k} {v:.0f} s" if v is not None else f"{k} FAILED" for k, v in run["walls"].items())
-        L += [f"Produced by `{run['command']}` ({'quick' if run['quick'] else 'full'} mode) on {run['date']}; "
-              f"total wall {run['total_s'] / 60:.1f} min ({walls}).", ""]
-    L += ["### Targets", ""] + render_targets(R) + [""]
-    L += ["### Key figures", ""] + render_key_figures(R) + [""]
-    analysis = render_analysis(R)
-    if analysis:
-        L += ["### Where the time goes (missed targets)", ""] + analysis + [""]
-    sections = [("precompute", "1. Precompute throughput", render_precompute),
-                ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
-                ("train", "2. Training step and peak memory", render_train),
-                ("verify", "3. Verification and model hashing", render_verify),
-                ("gather", "4. Memory of the log-prob gather", render_gather),
-                ("size", "5. Cache size", render_size),
-                ("scaling", "6. Scaling with the number of pairs", render_scaling),
-                ("modes", "7. Precompute batching modes", render_modes), *render_job.SECTIONS]
-    for part, title, fn in sections:
-        if part in R:
-            quick = " (quick mode)" if R[part].get("quick") else ""
-            L += [f"### {title}{quick}", ""] + fn(R[part]) + [""]
-    return L
-
-
-HEADER = """# refcache benchmarks
-
-Generated by `bench/run_all.py` from the JSON under `bench/results/`; do not edit by hand. Each part is one script
-(`bench/bench_*.py`, runnable alone, `--quick` for small sizes); see their docstrings for what exactly is timed.
-Every time is a median over several repetitions after a warm-up, with (min-max). Ratios are taken between
-measurements made back to back in one run on the same machine, interleaved round-robin where they share a process.
-Models are Llama-style, built locally at fixed seeds (~1M: hidden 128 x 4 layers, vocab 1k; ~5M: hidden 256 x 4,
-vocab 4k; ~35M: hidden 512 x 8, vocab 8k; GPU only ~350M: hidden 1024 x 24, vocab 32k) with a synthetic word-level
-tokenizer, so sequence lengths are exact; `data/` is the embedded trained SFT model and its 400 training pairs.
-Synthetic sequences hold between half and all of the stated length (prompt and each completion a quarter to a half).
-"""
-
-SCALE_NOTE = """Full-mode sizes are scaled down to finish in about ten minutes on 2 idle CPU cores: the 35M model is
-timed at sequence 512 only (12 pairs for precompute; batch 2 pairs for training), the 1M and 5M models at 128, 512
-and 1024 with a dozen to a few hundred pairs, the verification cache at about 1 GB (per-GB figures scale
-linearly: compare the two cache sizes). On a shared machine absolute times are noisy (other processes compete for the
-2 cores, and two torch threads slow down far more than in proportion when one of them is descheduled); the ratios,
-measured back to back and interleaved, are the figures to read, with the load averages below as the context.
-
-Run: `.venv/bin/python bench/run_all.py [--quick]` (all parts, then this file), or one part alone, e.g.
-`.venv/bin/python bench/bench_precompute.py [--quick]`, then `bench/run_all.py --render-only` to refresh this file.
-TRL's side needs `pip install trl` (the `bench` extra); without it those columns are skipped.
-"""
-
-
-def render() -> str:
-    L = [HEADER, SCALE_NOTE]
-    for device, title in (("cpu", "CPU"), ("cuda", "GPU")):
-        R = load(device)
-        L.append(f"## {title}\n")
-        if not any(p in R for p in PARTS):
-            L.append("No results for this device yet" + (": run `bench/run_all.py` on a CUDA machine (device auto, "
-                     "bf16, adds a ~350M model); the GPU results land here." if device == "cuda" else ".") + "\n")
-            continue
-        L += render_device(R, device)
-    return "\n".join(L).rstrip() + "\n"
-
-
 def main():
     ap = common.parser(__doc__)
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--render-only", action="store_true")
     args = ap.parse_args()
     if not args.render_only:
-        parts = [p for p in args.parts.split(",") if p]
         t = time.perf_counter()
-        walls = run_parts(parts, args.quick)
+        walls = run_parts([p for p in args.parts.split(",") if p], args.quick, args.results)
         run = {"command": " ".join([".venv/bin/python", "bench/run_all.py", *sys.argv[1:]]), "quick": args.quick,
-               "walls": walls, "total_s": time.perf_counter() - t,
-               "date": common.machine()["date"]}
-        common.RESULTS.mkdir(parents=True, exist_ok=True)
-        common.result_path("run", args.quick).write_text(json.dumps(run, indent=2) + "\n")
-    (common.BENCH / "RESULTS.md").write_text(render())
-    print(f"wrote {common.BENCH / 'RESULTS.md'}")
+               "walls": walls, "total_s": time.perf_counter() - t, "date": common.machine()["date"]}
+        path = common.result_path("run", args.quick, args.results)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run, indent=2) + "\n")
+    page = Path(args.results).parent / "RESULTS.md"
+    page.write_text(render.render(args.results))
+    print(f"wrote {page}")
 
 
 if __name__ == "__main__":
