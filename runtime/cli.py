@@ -186,10 +186,14 @@ def _help_text(fld: dataclasses.Field) -> str:
     return text + (f" [default: {default}]" if default is not None and not fld.metadata.get("required") else "")
 
 
-def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True):
+def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None):
     """A decorator adding one click option per init field of dataclass `cls`, in both spellings (--learning-rate and
     --learning_rate), default None so that only given values are collected (the dataclass keeps its defaults).
-    enforce_required=False: required fields are checked by the caller, e.g. after merging a config file."""
+    enforce_required=False: required fields are checked by the caller, e.g. after merging a config file.
+    `aliases`: {other name: field name}, more names of a field's option (both spellings of each)."""
+    names_of: dict[str, list[str]] = {}
+    for alias, name in (aliases or {}).items():
+        names_of.setdefault(name, []).append(alias)
     hints = typing.get_type_hints(cls)
 
     def decorate(f):
@@ -204,6 +208,8 @@ def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_require
             if "min" in fld.metadata:
                 kind = (click.IntRange if kind is int else click.FloatRange)(min=fld.metadata["min"])
             kebab, snake = "--" + fld.name.replace("_", "-"), "--" + fld.name
+            others = [d for a in names_of.get(fld.name, []) for d in dict.fromkeys(("--" + a.replace("_", "-"),
+                                                                                     "--" + a))]
             where = fld.metadata.get("group", group) if "group" in fld.metadata else group
             text = _help_text(fld) + (" [required]" if fld.metadata.get("required") and not enforce_required else "")
             required = bool(fld.metadata.get("required")) and enforce_required
@@ -212,9 +218,10 @@ def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_require
                       **({} if required else {"default": None})}
             if kind is bool:
                 decls = [f"{kebab}/--no-{kebab[2:]}"] + ([f"{snake}/--no_{snake[2:]}"] if snake != kebab else [])
+                decls += [f"{d}/--no-{d[2:]}" for d in others]
                 f = click.option(*decls, fld.name, **common)(f)
             else:
-                decls = [kebab] + ([snake] if snake != kebab else [])
+                decls = [kebab] + ([snake] if snake != kebab else []) + others
                 f = click.option(*decls, fld.name, type=kind, multiple=multiple, **common)(f)
         return f
 

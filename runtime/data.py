@@ -63,10 +63,22 @@ def _data_files(path: Path, split: str) -> list[Path]:
     splits = {name: files for name, files in splits.items() if files}
     if not splits:
         raise DataError(path, None, "no .jsonl, .json, .parquet or .csv files found")
+    split = _split_named(split, splits)
     if split not in splits:
         raise DataError(path, None, f"no split {split!r}; available: {', '.join(sorted(splits))} (split names follow "
                                     "the file and folder names, as in datasets.load_dataset)")
     return sorted(splits[split])
+
+
+def _split_named(split: str, splits) -> str:
+    """`split`, or the split that datasets files a file of that name under (eval.jsonl is split test, dev.jsonl
+    validation), so that --split eval finds eval.jsonl."""
+    from datasets.data_files import SPLIT_KEYWORDS
+
+    if split in splits:
+        return split
+    return next((str(name) for name, words in SPLIT_KEYWORDS.items() if split in words and str(name) in splits),
+                split)
 
 
 def _check_utf8(path: Path) -> None:

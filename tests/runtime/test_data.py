@@ -134,6 +134,26 @@ def test_unknown_split_lists_the_available_ones(tmp_path):
     assert len(load_rows(tmp_path / "d", "test").rows) == 2  # eval.jsonl is split test, as in datasets
 
 
+# issue 25 (TRL recipes), item 3: --split eval finds eval.jsonl (the help says test/eval): a split is named as the
+# files are, or by any name datasets files them under
+
+
+def test_split_eval_finds_eval_jsonl(tmp_path):
+    write_jsonl(tmp_path / "d" / "train.jsonl", pref_rows(3))
+    write_jsonl(tmp_path / "d" / "eval.jsonl", pref_rows(2, seed=1))
+    assert load_rows(tmp_path / "d", "eval").rows == load_rows(tmp_path / "d", "test").rows == pref_rows(2, seed=1)
+    assert load_rows(tmp_path / "d", "evaluation").files == [str(tmp_path / "d" / "eval.jsonl")]
+
+
+def test_split_synonyms_neighbours(tmp_path):
+    write_jsonl(tmp_path / "d" / "train.jsonl", pref_rows(3))
+    write_jsonl(tmp_path / "d" / "dev.jsonl", pref_rows(2, seed=1))
+    assert len(load_rows(tmp_path / "d", "val").rows) == 2  # dev.jsonl is split validation
+    assert len(load_rows(tmp_path / "d", "training").rows) == 3
+    with pytest.raises(DataError, match=r"no split 'eval'; available: train, validation"):  # no test files
+        load_rows(tmp_path / "d", "eval")
+
+
 # issue 16 (what a TRL user expects), item 3: numbers in CSV text columns are text
 
 
