@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import transformers
 
-from runtime.cli import GroupedCommand, exit_without_teardown, click_type, dataclass_options, given_values, quiet_libraries, run_cli
+from runtime.cli import GroupedCommand, ParsedText, exit_without_teardown, click_type, dataclass_options, given_values, quiet_libraries, run_cli
 
 from .lora import LoraOptions
 from .recipe import TrainConfig
@@ -41,6 +41,8 @@ def _value_type(name: str):
         f = OURS[name]
         if "choices" in f.metadata:
             return click.Choice([str(c) for c in f.metadata["choices"]]), False
+        if "parse" in f.metadata:
+            return ParsedText(f.metadata["parse"], f.metadata.get("metavar")), False
         return click_type(typing.get_type_hints(LoraOptions if name in LORA else TrainConfig)[name])
     return click_type(typing.get_type_hints(transformers.TrainingArguments)[name])
 

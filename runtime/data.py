@@ -11,7 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.encoding import BadRowError, ChatTemplateError, EncodedPair, EncodingConfig, encode_pair, row_id
+from schemas.encoding import (BadRowError, ChatTemplateError, EncodedPair, EncodingConfig, encode_pair, rename_columns,
+                              row_id)
 
 from .errors import JobError
 
@@ -233,11 +234,45 @@ def row_format(row: dict) -> str:
     return "standard" if "prompt" in row else "implicit"
 
 
+def check_columns(source: Source, columns: str | None) -> None:
+    """The column mapping (EncodingConfig.columns) against each file's columns: every mapped column present, and no
+    column kept under a name the mapping gives another one. A file that does not fit is refused as a whole, naming
+    the file and the column (never a skip of every row)."""
+    if not columns:
+        return
+    mapping = dict(item.split("=", 1) for item in columns.split(","))
+    keys: dict[str, dict] = {}
+    for row, (file, _n) in zip(source.rows, source.locations):
+        if isinstance(row, dict):
+            keys.setdefault(file, {}).update(dict.fromkeys(row))
+    for file, present in keys.items():
+        for target, column in mapping.items():
+            if column not in present:
+                raise DataError(file, None, f"no column {column!r} (--columns {target}={column}); its columns: "
+                                            f"{', '.join(map(str, present))}")
+        clash = [t for t in mapping if t in present and t not in mapping.values()]
+        if clash:
+            raise DataError(file, None, f"it has a column {clash[0]!r} and --columns maps {mapping[clash[0]]!r} to "
+                                        f"{clash[0]}, so one of them would be dropped; map {clash[0]!r} to another "
+                                        "name or leave it out of --columns")
+
+
+def _columns_hint(error: BadRowError, config: EncodingConfig) -> str:
+    if config.columns:
+        return f" (--columns {config.columns})"
+    if error.reason == "missing_field":
+        return "; if the data names it otherwise, map it with --columns (e.g. --columns chosen=COLUMN)"
+    return ""
+
+
 def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: str = "error") -> Encoded:
-    """Encode every row; bad rows raise DataError (on_bad_row='error') or are listed in `skipped`."""
+    """Encode every row (under the encoder's column names: config.columns); bad rows raise DataError
+    (on_bad_row='error') or are listed in `skipped`."""
     out = Encoded([], [])
     seen: dict[str, tuple[str, int]] = {}
+    check_columns(source, config.columns)
     for row, (file, n) in zip(source.rows, source.locations):
+        row = rename_columns(row, config.columns)
         row = _clean(row) if isinstance(row, dict) else row
         rid = None
         try:
@@ -251,7 +286,7 @@ def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: s
             raise JobError(str(e)) from None
         except BadRowError as e:
             if on_bad_row == "error":
-                raise DataError(file, n, str(e)) from None
+                raise DataError(file, n, str(e) + _columns_hint(e, config)) from None
             out.skipped.append({"file": file, "row": n, "id": rid, "reason": e.reason, "detail": e.detail})
             continue
         seen[rid] = (file, n)
