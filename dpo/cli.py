@@ -69,6 +69,7 @@ def _trl_defaults() -> list[dict]:
     it (post-init values: pad_to_multiple_of None, debug [])."""
     try:
         import tempfile
+        import warnings
 
         from trl import DPOConfig, ModelConfig, ScriptArguments
     except ImportError:
@@ -76,7 +77,9 @@ def _trl_defaults() -> list[dict]:
     out = [{f.name: f.default for f in dataclasses.fields(c) if f.default is not dataclasses.MISSING}
            for c in (DPOConfig, ModelConfig, ScriptArguments)]
     try:
-        out.append(DPOConfig(output_dir=tempfile.gettempdir(), bf16=False, use_cpu=True).to_dict())
+        with warnings.catch_warnings():  # TrainingArguments' own deprecation notices, about a config we only read
+            warnings.simplefilter("ignore")
+            out.append(DPOConfig(output_dir=tempfile.gettempdir(), bf16=False, use_cpu=True).to_dict())
     except Exception:  # a TRL whose defaults do not construct here: the class defaults only
         pass
     return out
@@ -98,9 +101,8 @@ def _aliased(path: str, data: dict) -> tuple[dict, dict]:
 
 def _one_loss(path: str, data: dict) -> None:
     """TRL 1.16 takes a list of losses (several combined with loss_weights); refcache trains one."""
-    for key in ("ld_alpha",):
-        if isinstance(data.get(key), list) and len(data[key]) == 1:
-            data[key] = data[key][0]
+    if isinstance(data.get("ld_alpha"), list) and len(data["ld_alpha"]) == 1:
+        data["ld_alpha"] = data["ld_alpha"][0]
     losses = data.get("loss_type")
     if not isinstance(losses, list):
         return

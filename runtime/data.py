@@ -11,8 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.encoding import (BadRowError, ChatTemplateError, EncodedPair, EncodingConfig, encode_pair, rename_columns,
-                              row_id)
+from schemas.encoding import (BadRowError, ChatTemplateError, EncodedPair, EncodingConfig, column_pairs, encode_pair,
+                              rename_columns, row_id)
 
 from .errors import JobError
 
@@ -186,6 +186,7 @@ def load_rows(path, split: str = "train") -> Source:
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
+            split = _split_named(split, ds)
             if split not in ds:
                 raise DataError(path, None, f"no split {split!r}; available: {sorted(ds)}")
             ds = ds[split]
@@ -240,7 +241,7 @@ def check_columns(source: Source, columns: str | None) -> None:
     the file and the column (never a skip of every row)."""
     if not columns:
         return
-    mapping = dict(item.split("=", 1) for item in columns.split(","))
+    mapping = column_pairs(columns)
     keys: dict[str, dict] = {}
     for row, (file, _n) in zip(source.rows, source.locations):
         if isinstance(row, dict):

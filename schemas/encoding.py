@@ -76,12 +76,17 @@ def column_mapping(value) -> str | None:
     return text or None
 
 
+def column_pairs(columns: str | None) -> dict[str, str]:
+    """{target: column} of a column_mapping text ({} for None)."""
+    return dict(item.split("=", 1) for item in columns.split(",")) if columns else {}
+
+
 def rename_columns(row: dict, columns: str | None) -> dict:
     """The row under the encoder's names (`columns`: a column_mapping text): each mapped column renamed to its
     target, the others kept. The caller has checked that no kept column already has a target's name."""
     if not columns or not isinstance(row, dict):
         return row
-    mapping = dict(item.split("=", 1) for item in columns.split(","))
+    mapping = column_pairs(columns)
     sources = set(mapping.values())
     kept = {k: v for k, v in row.items() if k not in sources and k not in mapping}
     return {**kept, **{target: row.get(column) for target, column in mapping.items()}}

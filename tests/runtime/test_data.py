@@ -152,6 +152,12 @@ def test_split_synonyms_neighbours(tmp_path):
     assert len(load_rows(tmp_path / "d", "training").rows) == 3
     with pytest.raises(DataError, match=r"no split 'eval'; available: train, validation"):  # no test files
         load_rows(tmp_path / "d", "eval")
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(pref_rows(3)),
+                          "test": datasets.Dataset.from_list(pref_rows(2, seed=1))}).save_to_disk(str(saved))
+    assert load_rows(saved, "eval").rows == pref_rows(2, seed=1)  # a save_to_disk folder: the same rule
 
 
 # issue 16 (what a TRL user expects), item 3: numbers in CSV text columns are text
