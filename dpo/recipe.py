@@ -64,8 +64,8 @@ class TrainConfig:
                                      show_default="the cache's")
     chat_template: str | None = _f(None, "Must agree with the cache's value.", "Data", choices=CHAT_TEMPLATE_MODES,
                                    show_default="the cache's")
-    columns: str | None = _f(None, "Data columns under other names (prompt=question,chosen=response_j,"
-                                   "rejected=response_k); must agree with the cache's value.", "Data",
+    columns: str | None = _f(None, "Data columns under other names (TARGET=COLUMN pairs joined by commas, e.g. "
+                                   "prompt=question,chosen=good); must agree with the cache's value.", "Data",
                              parse=column_mapping, metavar="TARGET=COLUMN,...", show_default="the cache's")
     on_bad_row: str = _f("error", "error, or skip rows the encoder rejects.", "Data", choices=("error", "skip"))
     fast_verify: bool = _f(False, "Skip the shard file sha256 check (stamps, rows and values are still verified).",

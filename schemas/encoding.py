@@ -120,8 +120,9 @@ class EncodingConfig:
     # it keeps its JSON (and the mask checksums over it)
     columns: str | None = dataclasses.field(default=None, metadata={
         "parse": column_mapping, "metavar": "TARGET=COLUMN,...",
-        "help": "Data columns under other names, e.g. prompt=question,chosen=response_j,rejected=response_k "
-                "(targets: id, prompt, chosen, rejected, tools, chat_template_kwargs)."})
+        "help": "Data columns under other names, as TARGET=COLUMN pairs joined by commas, e.g. "
+                "prompt=question,chosen=good,rejected=bad (targets: id, prompt, chosen, rejected, tools, "
+                "chat_template_kwargs). Recorded in the cache."})
 
     def __post_init__(self):
         if self.max_length < 2:

@@ -204,6 +204,10 @@ def test_columns_travel_with_the_cache(tmp_path, llama_dir):
     assert first["loss"] == pytest.approx(0.6931, abs=1e-3)  # at the reference: the cached values are these rows'
     code, report, output = audit_ref(cache, "--model", llama_dir, "--data", data)
     assert code == 0 and statuses(report)["data_rows"] == "PASS", output
+    live = _cli(["--model", llama_dir, "--data", data, "--ref-model", llama_dir, *TRAIN, "--output-dir",
+                 tmp_path / "live", "--columns", "prompt=question,chosen=response_j,rejected=response_k"])
+    assert live.exit_code == 0, live.output  # without a cache, --columns is the encoding
+    assert step_records(tmp_path / "live")[1]["loss"] == pytest.approx(first["loss"], abs=1e-5)
 
 
 def test_columns_neighbours_a_bad_mapping_is_a_usage_error_and_a_missing_column_names_the_file(tmp_path, llama_dir):
