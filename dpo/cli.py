@@ -111,6 +111,11 @@ def _one_loss(path: str, data: dict) -> None:
         data["loss_type"] = losses[0]
         if isinstance(weights, list) and weights == [1]:  # one loss at weight 1: what loss_type alone means
             del data["loss_weights"]
+        if losses[0] == "sigmoid" and data.get("label_smoothing"):
+            raise click.UsageError(
+                f"{path}: loss_type [sigmoid] with label_smoothing {data['label_smoothing']}: TRL 1.16's sigmoid loss "
+                "ignores label_smoothing, refcache's is conservative DPO (cDPO) with it, so the run would not be "
+                "TRL's; drop label_smoothing for TRL's loss, or write loss_type: sigmoid (not a list) for cDPO")
         return
     if sorted(losses) == ["sft", "sigmoid"]:
         w = dict(zip(losses, weights)) if isinstance(weights, list) and len(weights) == 2 else {"sigmoid": 1,

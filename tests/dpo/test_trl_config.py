@@ -108,3 +108,8 @@ def test_loss_lists_neighbours(tmp_path):
         load_config_file(_yaml(tmp_path, {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 1.0]}))
     with pytest.raises(click.UsageError, match=r"rpo_alpha: 1 "):  # TRL's weights default to 1 each
         load_config_file(_yaml(tmp_path, {"loss_type": ["sft", "sigmoid"]}))
+    # TRL 1.16's sigmoid ignores label_smoothing; refcache's is cDPO with it: a TRL recipe asking for both is refused
+    with pytest.raises(click.UsageError, match=r"TRL 1\.16's sigmoid loss ignores label_smoothing"):
+        load_config_file(_yaml(tmp_path, {"loss_type": ["sigmoid"], "label_smoothing": 0.1}))
+    assert load_config_file(_yaml(tmp_path, {"loss_type": "sigmoid", "label_smoothing": 0.1}))["label_smoothing"] == 0.1
+    assert load_config_file(_yaml(tmp_path, {"loss_type": ["robust"], "label_smoothing": 0.1}))["loss_type"] == "robust"
