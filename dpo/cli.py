@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import transformers
 
-from runtime.cli import GroupedCommand, exit_without_teardown, click_type, dataclass_options, given_values, quiet_libraries, run_cli
+from runtime.cli import GroupedCommand, ParsedText, exit_without_teardown, click_type, dataclass_options, given_values, quiet_libraries, run_cli
 
 from .lora import LoraOptions
 from .recipe import TrainConfig
@@ -26,9 +26,12 @@ NOT_TRAINER_OPTIONS = set(OURS) | {"remove_unused_columns", "debug"}
 TRAINER = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)
            if f.init and f.name not in NOT_TRAINER_OPTIONS and not f.name.startswith("_")}
 REQUIRED = tuple(name for name, f in OURS.items() if f.metadata.get("required"))
-# `trl dpo` YAML keys (its ScriptArguments / ModelConfig) that name one of our options
+# TRL's names for our options (`trl dpo`'s ScriptArguments / ModelConfig fields): the one table of them, --config keys
+# and command-line options alike (--model_name_or_path is --model)
 TRL_ALIASES = {"model_name_or_path": "model", "dataset_name": "data", "dataset_train_split": "split",
-               "dataset_test_split": "eval_split"}
+               "dataset_test_split": "eval_split", "dtype": "model_dtype"}
+# DPOConfig keys whose job refcache's reference cache does: noted, not refused
+REPLACED_BY_CACHE = ("precompute_ref_log_probs", "precompute_ref_batch_size")
 
 
 def _value_type(name: str):
@@ -38,11 +41,13 @@ def _value_type(name: str):
         f = OURS[name]
         if "choices" in f.metadata:
             return click.Choice([str(c) for c in f.metadata["choices"]]), False
+        if "parse" in f.metadata:
+            return ParsedText(f.metadata["parse"], f.metadata.get("metavar")), False
         return click_type(typing.get_type_hints(LoraOptions if name in LORA else TrainConfig)[name])
     return click_type(typing.get_type_hints(transformers.TrainingArguments)[name])
 
 
-def _convert(path: str, key: str, value):
+def _convert(path: str, key: str, value, given_as: str | None = None):
     """A file value converted and checked as the command line does (YAML 1.1 reads `1e-6` as a string)."""
     kind, multiple = _value_type(key)
     if value is None:
@@ -55,32 +60,104 @@ def _convert(path: str, key: str, value):
             return value  # a dict/list-valued TrainingArguments option (fsdp_config, lr_scheduler_kwargs, ...)
         return click.types.convert_type(kind).convert(value, None, None)
     except click.BadParameter as e:
-        raise click.UsageError(f"{path}: {key}: {e.message}") from None
+        named = f"{given_as} (TRL's name of {key})" if given_as and given_as != key else key
+        raise click.UsageError(f"{path}: {named}: {e.message}") from None
 
 
-def _from_trl(path: str, data: dict) -> dict:
-    """Map TRL's spellings onto ours; refuse DPOConfig keys we do not support unless they hold TRL's default."""
-    data = {TRL_ALIASES.get(k, k): v for k, v in data.items()}
-    for key in ("loss_type", "ld_alpha"):  # TRL 1.16 takes lists (one loss, or several with loss_weights)
-        if isinstance(data.get(key), list) and len(data[key]) == 1:
-            data[key] = data[key][0]
+def _trl_defaults() -> list[dict]:
+    """What TRL's own defaults look like: its classes' field defaults, and a default DPOConfig as `to_dict()` writes
+    it (post-init values: pad_to_multiple_of None, debug [])."""
+    try:
+        import tempfile
+        import warnings
+
+        from trl import DPOConfig, ModelConfig, ScriptArguments
+    except ImportError:
+        return []
+    out = [{f.name: f.default for f in dataclasses.fields(c) if f.default is not dataclasses.MISSING}
+           for c in (DPOConfig, ModelConfig, ScriptArguments)]
+    try:
+        with warnings.catch_warnings():  # TrainingArguments' own deprecation notices, about a config we only read
+            warnings.simplefilter("ignore")
+            out.append(DPOConfig(output_dir=tempfile.gettempdir(), bf16=False, use_cpu=True).to_dict())
+    except Exception:  # a TRL whose defaults do not construct here: the class defaults only
+        pass
+    return out
+
+
+def _aliased(path: str, data: dict) -> tuple[dict, dict]:
+    """The keys under our names, and {our name: the TRL name it was given as}."""
+    out, given_as = {}, {}
+    for key, value in data.items():
+        name = TRL_ALIASES.get(key, key)
+        if name in out and out[name] != value:
+            raise click.UsageError(f"{path}: {key} is TRL's name of {name}, and both are given, with different "
+                                   f"values ({given_as.get(name, name)}: {out[name]!r}, {key}: {value!r}); keep one")
+        out[name] = value
+        if key != name:
+            given_as[name] = key
+    return out, given_as
+
+
+def _one_loss(path: str, data: dict) -> None:
+    """TRL 1.16 takes a list of losses (several combined with loss_weights); refcache trains one."""
+    if isinstance(data.get("ld_alpha"), list) and len(data["ld_alpha"]) == 1:
+        data["ld_alpha"] = data["ld_alpha"][0]
+    losses = data.get("loss_type")
+    if not isinstance(losses, list):
+        return
+    weights = data.get("loss_weights")
+    if len(losses) == 1:
+        data["loss_type"] = losses[0]
+        if isinstance(weights, list) and weights == [1]:  # one loss at weight 1: what loss_type alone means
+            del data["loss_weights"]
+        if losses[0] == "sigmoid" and data.get("label_smoothing"):
+            raise click.UsageError(
+                f"{path}: loss_type [sigmoid] with label_smoothing {data['label_smoothing']}: TRL 1.16's sigmoid loss "
+                "ignores label_smoothing, refcache's is conservative DPO (cDPO) with it, so the run would not be "
+                "TRL's; drop label_smoothing for TRL's loss, or write loss_type: sigmoid (not a list) for cDPO")
+        return
+    if sorted(losses) == ["sft", "sigmoid"]:
+        w = dict(zip(losses, weights)) if isinstance(weights, list) and len(weights) == 2 else {"sigmoid": 1,
+                                                                                                  "sft": 1}
+        ratio = w["sft"] / w["sigmoid"] if w["sigmoid"] else float("inf")
+        raise click.UsageError(
+            f"{path}: loss_type {losses} (TRL's RPO) is not mapped: TRL's sft term is the NLL averaged over all chosen "
+            "tokens of the batch, refcache's rpo_alpha term the per-token mean NLL of each chosen completion averaged "
+            "over the pairs (equal only when every chosen completion has the same length), so the run would not be "
+            f"TRL's; for refcache's RPO use loss_type: sigmoid and rpo_alpha: {ratio:g} (the sft weight over the "
+            "sigmoid weight; --rpo-alpha on the command line) and drop loss_weights")
+    raise click.UsageError(f"{path}: loss_type {losses}: refcache trains one preference loss (combining several with "
+                           "loss_weights is not supported); give one of them")
+
+
+def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
+    """Map TRL's spellings onto ours; refuse DPOConfig keys we do not support unless they hold TRL's default.
+    Returns the values and {our name: the TRL name it was given as}."""
+    data, given_as = _aliased(path, data)
+    # to_dict() writes every *_token field as "<NAME_TOKEN>": a placeholder, not a value
+    redacted = [k for k, v in data.items() if k.endswith("_token") and v == f"<{k.upper()}>"]
+    _one_loss(path, data)
+    if isinstance(data.get("report_to"), list):  # TrainingArguments' list form
+        data["report_to"] = ",".join(map(str, data["report_to"])) or "none"
+    replaced = [k for k in REPLACED_BY_CACHE if k in data and data[k] not in (None, False)]
+    if replaced:
+        click.echo(f"note: {path}: {', '.join(replaced)}: refcache's reference cache replaces this (precompute-ref "
+                   "computes the reference log-probs once; train-dpo --ref-cache reads them); ignored", err=True)
+    data = {k: v for k, v in data.items() if k not in redacted and k not in replaced}
     unknown = sorted(set(data) - set(OURS) - set(TRAINER))
     if not unknown:
-        return data
-    try:
-        from trl import DPOConfig
-
-        defaults = {f.name: f.default for f in dataclasses.fields(DPOConfig) if f.default is not dataclasses.MISSING}
-    except ImportError:
-        defaults = {}
-    inert = [k for k in unknown if k in defaults and data[k] == defaults[k]]
+        return data, given_as
+    defaults = _trl_defaults()
+    inert = [k for k in unknown if any(k in d and data[k] == d[k] for d in defaults)]
     unsupported = [k for k in unknown if k not in inert]
     if unsupported:
         raise click.UsageError(
             f"{path}: unknown option(s) {', '.join(unsupported)} (refcache does not support these DPOConfig / trl "
             "keys, or they are misspelt; see `train-dpo --help` and README 'Coming from TRL')")
-    click.echo(f"note: {path}: ignoring DPOConfig keys at TRL's default: {', '.join(inert)}", err=True)
-    return {k: v for k, v in data.items() if k not in inert}
+    click.echo(f"note: {path}: ignoring {len(inert)} DPOConfig / trl keys at TRL's default: {', '.join(inert)}",
+               err=True)
+    return {k: v for k, v in data.items() if k not in inert}, given_as
 
 
 def load_config_file(path: str) -> dict:
@@ -94,8 +171,8 @@ def load_config_file(path: str) -> dict:
         raise click.UsageError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'} ({detail})") from None
     if not isinstance(data, dict):
         raise click.UsageError(f"{path}: expected a mapping of option names to values")
-    data = _from_trl(path, {k.replace("-", "_"): v for k, v in data.items()})
-    return {key: _convert(path, key, value) for key, value in data.items() if value is not None}
+    data, given_as = _from_trl(path, {k.replace("-", "_"): v for k, v in data.items()})
+    return {key: _convert(path, key, value, given_as.get(key)) for key, value in data.items() if value is not None}
 
 
 def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
@@ -126,7 +203,7 @@ def summary_text(s: dict) -> str:
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
               help="YAML or JSON file of these options (snake_case or kebab-case keys), or a TRL DPOConfig / "
                    "`trl dpo` YAML; the command line overrides it.")
-@dataclass_options(TrainConfig, enforce_required=False)
+@dataclass_options(TrainConfig, enforce_required=False, aliases=TRL_ALIASES)
 @dataclass_options(LoraOptions)
 @dataclass_options(transformers.TrainingArguments, group="Training (every other transformers.TrainingArguments)",
                    skip=NOT_TRAINER_OPTIONS)

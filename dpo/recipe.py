@@ -15,7 +15,7 @@ from runtime.cli import field_help
 from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.hub import resolve_model
-from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig
+from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig, column_mapping
 from schemas.stamps import model_hash
 
 from . import lora
@@ -64,6 +64,9 @@ class TrainConfig:
                                      show_default="the cache's")
     chat_template: str | None = _f(None, "Must agree with the cache's value.", "Data", choices=CHAT_TEMPLATE_MODES,
                                    show_default="the cache's")
+    columns: str | None = _f(None, "Data columns under other names (TARGET=COLUMN pairs joined by commas, e.g. "
+                                   "prompt=question,chosen=good); must agree with the cache's value.", "Data",
+                             parse=column_mapping, metavar="TARGET=COLUMN,...", show_default="the cache's")
     on_bad_row: str = _f("error", "error, or skip rows the encoder rejects.", "Data", choices=("error", "skip"))
     fast_verify: bool = _f(False, "Skip the shard file sha256 check (stamps, rows and values are still verified).",
                            "Reference cache")
@@ -131,7 +134,7 @@ class TrainConfig:
 
     def encoding_request(self) -> dict:
         return {"max_length": self.max_length, "truncation_mode": self.truncation_mode,
-                "chat_template": self.chat_template}
+                "chat_template": self.chat_template, "columns": column_mapping(self.columns)}
 
     def training_arguments(self):
         import transformers

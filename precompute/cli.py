@@ -6,7 +6,7 @@ import os
 import click
 
 from precompute.job import PrecomputeConfig
-from runtime.cli import GroupedCommand, exit_without_teardown, dataclass_options, encoding_from, encoding_options, given_values, quiet_libraries, run_cli
+from runtime.cli import ENCODING_OPTIONS, GroupedCommand, exit_without_teardown, dataclass_options, encoding_from, encoding_options, given_values, quiet_libraries, run_cli
 
 @click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @dataclass_options(PrecomputeConfig)
@@ -22,7 +22,7 @@ def main(debug, **options):
 
         quiet_libraries()
         given = given_values(options)
-        encoding = {k: given.pop(k, None) for k in ("max_length", "truncation_mode", "chat_template")}
+        encoding = {k: given.pop(k, None) for k in ENCODING_OPTIONS}
         cfg = PrecomputeConfig(**given, encoding=encoding_from(**encoding))
         s = run_precompute(cfg, log=lambda m: click.echo(m, err=True))
         if "rank" in s:  # torchrun: rank 0 prints the summary

@@ -108,9 +108,30 @@ def encoding_options(f):
     return dataclass_options(EncodingConfig, group="Encoding")(f)
 
 
-def encoding_from(max_length, truncation_mode, chat_template) -> EncodingConfig:
-    given = {"max_length": max_length, "truncation_mode": truncation_mode, "chat_template": chat_template}
+# the encoding options (fields of EncodingConfig that are options), as encoding_options adds them
+ENCODING_OPTIONS = tuple(f.name for f in dataclasses.fields(EncodingConfig) if f.metadata.get("cli") is not False)
+
+
+def encoding_from(**given) -> EncodingConfig:
+    """The EncodingConfig of the encoding options given (ENCODING_OPTIONS; None: not given)."""
     return EncodingConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+class ParsedText(click.ParamType):
+    """An option whose text a field's `parse` metadata checks and writes in its one form (a ValueError is a usage
+    error naming the option)."""
+
+    def __init__(self, parse, metavar: str | None = None):
+        self.parse, self.metavar, self.name = parse, metavar, getattr(parse, "__name__", "text")
+
+    def get_metavar(self, param, ctx=None):
+        return self.metavar
+
+    def convert(self, value, param, ctx):
+        try:
+            return self.parse(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -120,7 +141,8 @@ def encoding_from(max_length, truncation_mode, chat_template) -> EncodingConfig:
 def field_help(help: str, group: str | None = None, **extra) -> dict:
     """Metadata for a config field: its --help text, its section in --help, and optionally `choices`,
     `cli=False` (not an option), `required=True`, `show_default` (a text instead of the default's value), `min`,
-    `click_type` (a click type that checks more, e.g. click.Path(file_okay=False))."""
+    `click_type` (a click type that checks more, e.g. click.Path(file_okay=False)), `parse` (text -> value, a
+    ValueError for a bad one: a ParsedText option) with its `metavar`."""
     return {"help": help, "group": group, **extra}
 
 
@@ -186,10 +208,14 @@ def _help_text(fld: dataclasses.Field) -> str:
     return text + (f" [default: {default}]" if default is not None and not fld.metadata.get("required") else "")
 
 
-def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True):
+def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None):
     """A decorator adding one click option per init field of dataclass `cls`, in both spellings (--learning-rate and
     --learning_rate), default None so that only given values are collected (the dataclass keeps its defaults).
-    enforce_required=False: required fields are checked by the caller, e.g. after merging a config file."""
+    enforce_required=False: required fields are checked by the caller, e.g. after merging a config file.
+    `aliases`: {other name: field name}, more names of a field's option (both spellings of each)."""
+    names_of: dict[str, list[str]] = {}
+    for alias, name in (aliases or {}).items():
+        names_of.setdefault(name, []).append(alias)
     hints = typing.get_type_hints(cls)
 
     def decorate(f):
@@ -201,9 +227,13 @@ def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_require
                 kind = click.Choice([str(c) for c in fld.metadata["choices"]])
             if "click_type" in fld.metadata:
                 kind = fld.metadata["click_type"]
+            if "parse" in fld.metadata:
+                kind = ParsedText(fld.metadata["parse"], fld.metadata.get("metavar"))
             if "min" in fld.metadata:
                 kind = (click.IntRange if kind is int else click.FloatRange)(min=fld.metadata["min"])
             kebab, snake = "--" + fld.name.replace("_", "-"), "--" + fld.name
+            others = [d for a in names_of.get(fld.name, []) for d in dict.fromkeys(("--" + a.replace("_", "-"),
+                                                                                     "--" + a))]
             where = fld.metadata.get("group", group) if "group" in fld.metadata else group
             text = _help_text(fld) + (" [required]" if fld.metadata.get("required") and not enforce_required else "")
             required = bool(fld.metadata.get("required")) and enforce_required
@@ -212,9 +242,10 @@ def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_require
                       **({} if required else {"default": None})}
             if kind is bool:
                 decls = [f"{kebab}/--no-{kebab[2:]}"] + ([f"{snake}/--no_{snake[2:]}"] if snake != kebab else [])
+                decls += [f"{d}/--no-{d[2:]}" for d in others]
                 f = click.option(*decls, fld.name, **common)(f)
             else:
-                decls = [kebab] + ([snake] if snake != kebab else [])
+                decls = [kebab] + ([snake] if snake != kebab else []) + others
                 f = click.option(*decls, fld.name, type=kind, multiple=multiple, **common)(f)
         return f
 

@@ -11,7 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.encoding import BadRowError, ChatTemplateError, EncodedPair, EncodingConfig, encode_pair, row_id
+from schemas.encoding import (BadRowError, ChatTemplateError, EncodedPair, EncodingConfig, column_pairs, encode_pair,
+                              rename_columns, row_id)
 
 from .errors import JobError
 
@@ -63,10 +64,22 @@ def _data_files(path: Path, split: str) -> list[Path]:
     splits = {name: files for name, files in splits.items() if files}
     if not splits:
         raise DataError(path, None, "no .jsonl, .json, .parquet or .csv files found")
+    split = _split_named(split, splits)
     if split not in splits:
         raise DataError(path, None, f"no split {split!r}; available: {', '.join(sorted(splits))} (split names follow "
                                     "the file and folder names, as in datasets.load_dataset)")
     return sorted(splits[split])
+
+
+def _split_named(split: str, splits) -> str:
+    """`split`, or the split that datasets files a file of that name under (eval.jsonl is split test, dev.jsonl
+    validation), so that --split eval finds eval.jsonl."""
+    from datasets.data_files import SPLIT_KEYWORDS
+
+    if split in splits:
+        return split
+    return next((str(name) for name, words in SPLIT_KEYWORDS.items() if split in words and str(name) in splits),
+                split)
 
 
 def _check_utf8(path: Path) -> None:
@@ -173,6 +186,7 @@ def load_rows(path, split: str = "train") -> Source:
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
+            split = _split_named(split, ds)
             if split not in ds:
                 raise DataError(path, None, f"no split {split!r}; available: {sorted(ds)}")
             ds = ds[split]
@@ -221,11 +235,45 @@ def row_format(row: dict) -> str:
     return "standard" if "prompt" in row else "implicit"
 
 
+def check_columns(source: Source, columns: str | None) -> None:
+    """The column mapping (EncodingConfig.columns) against each file's columns: every mapped column present, and no
+    column kept under a name the mapping gives another one. A file that does not fit is refused as a whole, naming
+    the file and the column (never a skip of every row)."""
+    if not columns:
+        return
+    mapping = column_pairs(columns)
+    keys: dict[str, dict] = {}
+    for row, (file, _n) in zip(source.rows, source.locations):
+        if isinstance(row, dict):
+            keys.setdefault(file, {}).update(dict.fromkeys(row))
+    for file, present in keys.items():
+        for target, column in mapping.items():
+            if column not in present:
+                raise DataError(file, None, f"no column {column!r} (--columns {target}={column}); its columns: "
+                                            f"{', '.join(map(str, present))}")
+        clash = [t for t in mapping if t in present and t not in mapping.values()]
+        if clash:
+            raise DataError(file, None, f"it has a column {clash[0]!r} and --columns maps {mapping[clash[0]]!r} to "
+                                        f"{clash[0]}, so one of them would be dropped; map {clash[0]!r} to another "
+                                        "name or leave it out of --columns")
+
+
+def _columns_hint(error: BadRowError, config: EncodingConfig) -> str:
+    if config.columns:
+        return f" (--columns {config.columns})"
+    if error.reason == "missing_field":
+        return "; if the data names it otherwise, map it with --columns (e.g. --columns chosen=COLUMN)"
+    return ""
+
+
 def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: str = "error") -> Encoded:
-    """Encode every row; bad rows raise DataError (on_bad_row='error') or are listed in `skipped`."""
+    """Encode every row (under the encoder's column names: config.columns); bad rows raise DataError
+    (on_bad_row='error') or are listed in `skipped`."""
     out = Encoded([], [])
     seen: dict[str, tuple[str, int]] = {}
+    check_columns(source, config.columns)
     for row, (file, n) in zip(source.rows, source.locations):
+        row = rename_columns(row, config.columns)
         row = _clean(row) if isinstance(row, dict) else row
         rid = None
         try:
@@ -239,7 +287,7 @@ def encode_rows(source: Source, tokenizer, config: EncodingConfig, on_bad_row: s
             raise JobError(str(e)) from None
         except BadRowError as e:
             if on_bad_row == "error":
-                raise DataError(file, n, str(e)) from None
+                raise DataError(file, n, str(e) + _columns_hint(e, config)) from None
             out.skipped.append({"file": file, "row": n, "id": rid, "reason": e.reason, "detail": e.detail})
             continue
         seen[rid] = (file, n)

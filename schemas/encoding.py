@@ -38,6 +38,58 @@ TRUNCATION_MODES = ("keep_start", "keep_end", "error")
 BOS_MODES = ("tokenizer", True, False)
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 ROLES = ("system", "user", "assistant", "tool")
+# the columns the encoder reads, in the order a column mapping is written
+COLUMNS = ("id", "prompt", "chosen", "rejected", "tools", "chat_template_kwargs")
+
+
+def column_mapping(value) -> str | None:
+    """A column mapping, `TARGET=COLUMN,...` (or a mapping {target: column}), in its one written form: targets in
+    COLUMNS order, a column named as itself left out (None when nothing is renamed). Raises ValueError naming the
+    item for anything else: an item that is not TARGET=COLUMN, a target the encoder does not read, a target or a
+    column twice."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        items = [(str(k), "" if v is None else str(v)) for k, v in value.items()]
+    elif isinstance(value, str):
+        items = []
+        for item in (part.strip() for part in value.split(",")):
+            if item.count("=") != 1:
+                raise ValueError(f"{item!r} is not TARGET=COLUMN (e.g. prompt=question,chosen=response_j)")
+            target, column = (x.strip() for x in item.split("="))
+            items.append((target, column))
+    else:
+        raise ValueError(f"expected TARGET=COLUMN,... or a mapping, got {type(value).__name__}")
+    mapping: dict[str, str] = {}
+    for target, column in items:
+        if target not in COLUMNS:
+            raise ValueError(f"{target!r} is not a column refcache reads (targets: {', '.join(COLUMNS)})")
+        if not column:
+            raise ValueError(f"{target}= names no column")
+        if target in mapping:
+            raise ValueError(f"{target} is mapped twice ({target}={mapping[target]}, {target}={column})")
+        twice = [t for t, c in mapping.items() if c == column]
+        if twice:
+            raise ValueError(f"column {column!r} is mapped twice ({twice[0]}={column}, {target}={column})")
+        mapping[target] = column
+    text = ",".join(f"{t}={mapping[t]}" for t in COLUMNS if t in mapping and mapping[t] != t)
+    return text or None
+
+
+def column_pairs(columns: str | None) -> dict[str, str]:
+    """{target: column} of a column_mapping text ({} for None)."""
+    return dict(item.split("=", 1) for item in columns.split(",")) if columns else {}
+
+
+def rename_columns(row: dict, columns: str | None) -> dict:
+    """The row under the encoder's names (`columns`: a column_mapping text): each mapped column renamed to its
+    target, the others kept. The caller has checked that no kept column already has a target's name."""
+    if not columns or not isinstance(row, dict):
+        return row
+    mapping = column_pairs(columns)
+    sources = set(mapping.values())
+    kept = {k: v for k, v in row.items() if k not in sources and k not in mapping}
+    return {**kept, **{target: row.get(column) for target, column in mapping.items()}}
 
 
 class BadRowError(ValueError):
@@ -64,6 +116,13 @@ class EncodingConfig:
     # one of BOS_MODES (see the module docstring); not an option: "tokenizer" is what the SFT model saw
     add_bos: bool | str = dataclasses.field(default="tokenizer", metadata={"cli": False})
     add_eos: bool = dataclasses.field(default=True, metadata={"cli": False})  # end completions with EOS
+    # which data columns are prompt/chosen/rejected/...; recorded only when set, so that every encoding made without
+    # it keeps its JSON (and the mask checksums over it)
+    columns: str | None = dataclasses.field(default=None, metadata={
+        "parse": column_mapping, "metavar": "TARGET=COLUMN,...",
+        "help": "Data columns under other names, as TARGET=COLUMN pairs joined by commas, e.g. "
+                "prompt=question,chosen=good,rejected=bad (targets: id, prompt, chosen, rejected, tools, "
+                "chat_template_kwargs). Recorded in the cache."})
 
     def __post_init__(self):
         if self.max_length < 2:
@@ -74,9 +133,16 @@ class EncodingConfig:
             raise ValueError(f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}")
         if not any(self.add_bos is m or self.add_bos == m and isinstance(m, str) for m in BOS_MODES):
             raise ValueError(f"add_bos must be 'tokenizer', true or false, got {self.add_bos!r}")
+        try:
+            object.__setattr__(self, "columns", column_mapping(self.columns))
+        except ValueError as e:
+            raise ValueError(f"columns: {e}") from None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["columns"] is None:  # as every encoding before column mappings: same JSON, same checksums
+            del d["columns"]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))

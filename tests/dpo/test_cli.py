@@ -176,3 +176,57 @@ def test_bf16_keeps_float32_weights(tmp_path, llama_dir, dpo_data, dpo_cache):
 
     if not torch.cuda.is_available():
         assert result.exit_code == 2 and "add --use-cpu" in result.output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 25 (TRL recipes), item 4: --columns on precompute-ref is recorded in the cache's encoding; train-dpo and
+# audit-ref --data take it from there, and a train-dpo --columns that differs is refused
+
+
+def test_columns_travel_with_the_cache(tmp_path, llama_dir):
+    from conftest import audit_ref, precompute_cli, pref_rows, statuses, write_jsonl
+
+    names = {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}
+    rows = [{names.get(k, k): v for k, v in r.items()} for r in pref_rows(8, fmt="conversational")]
+    data, cache, out = write_jsonl(tmp_path / "se.jsonl", rows), tmp_path / "cache", tmp_path / "out"
+    result = precompute_cli("--model", llama_dir, "--data", data, "--out", cache,
+                        "--columns", "rejected=response_k,prompt=question,chosen=response_j")
+    assert result.exit_code == 0, result.output
+    encoding = json.loads((cache / "manifest.json").read_text())["encoding"]
+    assert encoding["columns"] == "prompt=question,chosen=response_j,rejected=response_k"
+    base = ["--model", llama_dir, "--data", data, "--ref-cache", cache, *TRAIN]
+    refused = _cli([*base, "--output-dir", out, "--columns", "prompt=question,chosen=response_k,rejected=response_j"])
+    assert refused.exit_code == 2 and not out.exists()
+    assert "--columns prompt=question,chosen=response_k,rejected=response_j conflicts with" in refused.output
+    trained = _cli([*base, "--output-dir", out])  # no --columns: the cache's
+    assert trained.exit_code == 0, trained.output
+    first = step_records(out)[1]
+    assert first["loss"] == pytest.approx(0.6931, abs=1e-3)  # at the reference: the cached values are these rows'
+    code, report, output = audit_ref(cache, "--model", llama_dir, "--data", data)
+    assert code == 0 and statuses(report)["data_rows"] == "PASS", output
+    live = _cli(["--model", llama_dir, "--data", data, "--ref-model", llama_dir, *TRAIN, "--output-dir",
+                 tmp_path / "live", "--columns", "prompt=question,chosen=response_j,rejected=response_k"])
+    assert live.exit_code == 0, live.output  # without a cache, --columns is the encoding
+    assert step_records(tmp_path / "live")[1]["loss"] == pytest.approx(first["loss"], abs=1e-5)
+
+
+def test_columns_neighbours_a_bad_mapping_is_a_usage_error_and_a_missing_column_names_the_file(tmp_path, llama_dir):
+    from conftest import precompute_cli, pref_rows, write_jsonl
+
+    data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(4))
+    twice = precompute_cli("--model", llama_dir, "--data", data, "--out", tmp_path / "c1", "--columns",
+                       "prompt=a,prompt=b")
+    assert twice.exit_code == 2 and "prompt is mapped twice (prompt=a, prompt=b)" in twice.output
+    assert "--columns" in twice.output
+    missing = precompute_cli("--model", llama_dir, "--data", data, "--out", tmp_path / "c2", "--columns",
+                         "prompt=question")
+    assert missing.exit_code == 2 and f"{data}: no column 'question' (--columns prompt=question)" in missing.output
+    assert not (tmp_path / "c2" / "manifest.json").exists()
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("columns: {chosen: b, prompt: a}\n")
+    from dpo.cli import load_config_file
+
+    assert load_config_file(str(cfg))["columns"] == "prompt=a,chosen=b"
+    cfg.write_text("columns: prompt=a,chosen=a\n")
+    with pytest.raises(Exception, match=r"run\.yaml: columns: column 'a' is mapped twice"):
+        load_config_file(str(cfg))

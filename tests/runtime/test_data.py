@@ -134,6 +134,32 @@ def test_unknown_split_lists_the_available_ones(tmp_path):
     assert len(load_rows(tmp_path / "d", "test").rows) == 2  # eval.jsonl is split test, as in datasets
 
 
+# issue 25 (TRL recipes), item 3: --split eval finds eval.jsonl (the help says test/eval): a split is named as the
+# files are, or by any name datasets files them under
+
+
+def test_split_eval_finds_eval_jsonl(tmp_path):
+    write_jsonl(tmp_path / "d" / "train.jsonl", pref_rows(3))
+    write_jsonl(tmp_path / "d" / "eval.jsonl", pref_rows(2, seed=1))
+    assert load_rows(tmp_path / "d", "eval").rows == load_rows(tmp_path / "d", "test").rows == pref_rows(2, seed=1)
+    assert load_rows(tmp_path / "d", "evaluation").files == [str(tmp_path / "d" / "eval.jsonl")]
+
+
+def test_split_synonyms_neighbours(tmp_path):
+    write_jsonl(tmp_path / "d" / "train.jsonl", pref_rows(3))
+    write_jsonl(tmp_path / "d" / "dev.jsonl", pref_rows(2, seed=1))
+    assert len(load_rows(tmp_path / "d", "val").rows) == 2  # dev.jsonl is split validation
+    assert len(load_rows(tmp_path / "d", "training").rows) == 3
+    with pytest.raises(DataError, match=r"no split 'eval'; available: train, validation"):  # no test files
+        load_rows(tmp_path / "d", "eval")
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(pref_rows(3)),
+                          "test": datasets.Dataset.from_list(pref_rows(2, seed=1))}).save_to_disk(str(saved))
+    assert load_rows(saved, "eval").rows == pref_rows(2, seed=1)  # a save_to_disk folder: the same rule
+
+
 # issue 16 (what a TRL user expects), item 3: numbers in CSV text columns are text
 
 
@@ -288,3 +314,66 @@ def test_ids_without_an_id_column_are_stable_content_hashes(llama_dir, tmp_path)
     ids4 = read_cache(tmp_path / "run4")["id"].to_list()[::-1]
     assert [i for n, i in enumerate(ids4) if n != 4] == [i for n, i in enumerate(ids) if n != 4]
     assert ids4[4] != ids[4]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 25 (TRL recipes), item 4: --columns reads data whose columns are named otherwise; the demo's stamps unchanged
+
+RENAMED = {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}
+
+
+def _renamed(rows, names=RENAMED):
+    return [{names.get(k, k): v for k, v in r.items()} for r in rows]
+
+
+@pytest.mark.parametrize("fmt", ["standard", "conversational"])
+def test_columns_encode_renamed_data_as_the_original(tmp_path, fmt):
+    tok = gpt2_style()
+    rows = [{k: v for k, v in r.items() if k != "id"} for r in pref_rows(6, fmt=fmt)]  # ids from the content
+    plain = encode_rows(load_rows(write_jsonl(tmp_path / "plain.jsonl", rows)), tok, EncodingConfig())
+    cfg = EncodingConfig(columns="prompt=question,chosen=response_j,rejected=response_k")
+    renamed = encode_rows(load_rows(write_jsonl(tmp_path / "renamed.jsonl", _renamed(rows))), tok, cfg)
+    assert renamed.ids == plain.ids and renamed.pairs == plain.pairs
+    with pytest.raises(DataError, match=r"renamed\.jsonl, row 1: missing_field: row has no 'chosen' value .*; if the "
+                                         r"data names it otherwise, map it with --columns"):
+        encode_rows(load_rows(tmp_path / "renamed.jsonl"), tok, EncodingConfig())  # without it: a hint
+    holed = _renamed(rows)
+    holed[1]["response_j"] = None
+    with pytest.raises(DataError, match=r"holed\.jsonl, row 2: missing_field: row has no 'chosen' value .*"
+                                         r"\(--columns prompt=question,chosen=response_j,rejected=response_k\)"):
+        encode_rows(load_rows(write_jsonl(tmp_path / "holed.jsonl", holed)), tok, cfg)
+
+
+def test_columns_errors_name_the_file_and_the_column(tmp_path):
+    tok = gpt2_style()
+    data = write_jsonl(tmp_path / "d" / "train.jsonl", _renamed(pref_rows(3)))
+    with pytest.raises(DataError, match=re.escape(f"{data}: no column 'answer_a' (--columns chosen=answer_a); its "
+                                                  "columns: id, question, response_j, response_k")):
+        encode_rows(load_rows(data), tok, EncodingConfig(columns="prompt=question,chosen=answer_a"), "skip")
+    both = write_jsonl(tmp_path / "both.jsonl", [{**r, "prompt": "kept?"} for r in _renamed(pref_rows(3))])
+    with pytest.raises(DataError, match=r"both\.jsonl: it has a column 'prompt' and --columns maps 'question' to "
+                                        r"prompt, so one of them would be dropped"):
+        encode_rows(load_rows(both), tok, EncodingConfig(columns="prompt=question,chosen=response_j,"
+                                                                 "rejected=response_k"))
+    # a mapped-away column may be a target: chosen and rejected swapped
+    swapped = encode_rows(load_rows(data), tok, EncodingConfig(columns="prompt=question,chosen=response_k,"
+                                                                       "rejected=response_j"))
+    straight = encode_rows(load_rows(data), tok, EncodingConfig(columns="prompt=question,chosen=response_j,"
+                                                                        "rejected=response_k"))
+    assert [p.chosen_ids for p in swapped.pairs] == [p.rejected_ids for p in straight.pairs]
+
+
+def test_the_demo_data_keeps_its_stamps():
+    """The mask checksums of data/'s demo under the default encoding, pinned before EncodingConfig had `columns`:
+    every cache made before it stays valid."""
+    from transformers import AutoTokenizer
+
+    from schemas.stamps import combined_mask_checksum
+
+    tok = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "data" / "sft-model")
+    cfg = EncodingConfig()
+    pinned = {"prefs": "47aaa7f4acd61b3a2d1fab7bc1c7b68667d21e125a92d49ae5877f6d68ca56fc",
+              "prefs-standard": "8a66de36a9f486727bbe460bac49f847a9945873cc00acccd74c1eb8b729cf55"}
+    for name, checksum in pinned.items():
+        encoded = encode_rows(load_rows(Path(__file__).parents[2] / "data" / name, "train"), tok, cfg)
+        assert combined_mask_checksum([p.mask_checksum for p in encoded.pairs], cfg.to_json()) == checksum, name

@@ -640,3 +640,38 @@ def test_a_field_the_template_needs_counts_as_rendered(tokenizer):
                                    TOOL_TEMPLATE.index("{% for m in messages %}") + len("{% for m in messages %}"):])
     row = conv([USER("weather?"), {"role": "tool", "content": "sunny", "tool_call_id": "c1"}], [ASSISTANT("sunny")])
     assert "sunny" in tok.decode(encode_pair(row, tok, CFG).prompt_ids)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 25 (TRL recipes), item 4: a column mapping is part of the encoding, recorded only when set
+
+
+def test_column_mapping_is_recorded_in_one_form_and_only_when_set():
+    from schemas.encoding import rename_columns
+
+    cfg = EncodingConfig(columns=" chosen=response_j, prompt=question,rejected=response_k")
+    assert cfg.columns == "prompt=question,chosen=response_j,rejected=response_k"  # targets in the encoder's order
+    assert cfg == EncodingConfig(columns={"rejected": "response_k", "prompt": "question", "chosen": "response_j"})
+    assert json.loads(cfg.to_json())["columns"] == cfg.columns
+    assert EncodingConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    # without it the JSON is byte for byte what every earlier cache records (the mask checksums are taken over it)
+    assert EncodingConfig().to_json() == ('{"add_bos":"tokenizer","add_eos":true,"chat_template":"auto",'
+                                          '"max_length":1024,"truncation_mode":"keep_start"}')
+    assert "columns" not in EncodingConfig().to_dict()
+    assert EncodingConfig(columns="prompt=prompt").columns is None  # naming a column as itself renames nothing
+    row = {"question": "why?", "response_j": "yes", "response_k": "no", "score": 3}
+    assert rename_columns(row, cfg.columns) == {"score": 3, **GOOD}
+    swapped = EncodingConfig(columns="chosen=rejected,rejected=chosen").columns
+    assert rename_columns(GOOD, swapped) == {"prompt": "why?", "chosen": "no", "rejected": "yes"}
+
+
+@pytest.mark.parametrize("text,error", [
+    ("prompt=a,prompt=b", r"columns: prompt is mapped twice \(prompt=a, prompt=b\)"),
+    ("prompt=a,chosen=a", r"column 'a' is mapped twice \(prompt=a, chosen=a\)"),
+    ("question=prompt", r"'question' is not a column refcache reads \(targets: id, prompt, chosen"),
+    ("prompt:question", r"'prompt:question' is not TARGET=COLUMN"),
+    ("prompt=", r"prompt= names no column"),
+])
+def test_column_mapping_errors_name_the_item(text, error):
+    with pytest.raises(ValueError, match=error):
+        EncodingConfig(columns=text)
