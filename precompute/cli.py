@@ -6,7 +6,8 @@ import os
 import click
 
 from precompute.job import PrecomputeConfig
-from runtime.cli import ENCODING_OPTIONS, GroupedCommand, exit_without_teardown, dataclass_options, encoding_from, encoding_options, given_values, quiet_libraries, run_cli
+from runtime.cli import (ENCODING_OPTIONS, GroupedCommand, dataclass_options, encoding_from, encoding_options,
+                         exit_without_teardown, given_values, quiet_libraries, run_cli)
 
 @click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @dataclass_options(PrecomputeConfig)
