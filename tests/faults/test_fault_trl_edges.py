@@ -1,7 +1,8 @@
 """What a TRL user brings along (issue 25): a torchrun launch without --use-cpu on a machine without a GPU, and the
 evaluation settings of a `trl dpo` recipe or of the Trainer's options. Each is carried out as asked or refused with
 the remedy, never dropped in silence: one job across the torchrun processes; an evaluation asked for happens (its
-rows need a cache: the message names the command that makes it) and one turned off does not happen."""
+rows need a cache: the message names the command that makes it) and one turned off does not happen. And data with
+bad rows against a cache that skipped them (precompute-ref --on-bad-row skip): the refusal says so and what to pass."""
 
 from __future__ import annotations
 
@@ -135,3 +136,56 @@ def test_eval_strategy_no_evaluates_nothing(tmp_path, llama_dir, dpo_data, dpo_c
     assert evals(tmp_path / "run") == []
     manifest = json.loads((tmp_path / "run" / "run-manifest.json").read_text())
     assert manifest["result"]["eval"] == {} and manifest["eval_data"]["path"] == str(dpo_data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a cache made with --on-bad-row skip
+
+
+@pytest.fixture(scope="module")
+def skip_cache(tmp_path_factory, llama_dir):
+    """Data with two bad rows (line 6 has no chosen, line 23 is not JSON) and its cache made with --on-bad-row skip."""
+    root = tmp_path_factory.mktemp("skip-cache")
+    lines = [json.dumps(r) for r in pref_rows(30, fmt="conversational")]
+    lines[5] = json.dumps({"id": "x5", "prompt": [{"role": "user", "content": "hi"}]})
+    lines[22] = "not json at all"
+    data = root / "prefs.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    made = precompute("--model", llama_dir, "--data", data, "--out", root / "cache", "--on-bad-row", "skip")
+    assert made.exit_code == 0 and "skipped 2 bad rows" in made.output, made.output
+    return {"data": data, "cache": root / "cache"}
+
+
+def test_train_on_a_skip_cache_says_it_skipped_and_what_to_pass(tmp_path, llama_dir, skip_cache):
+    result = train("--model", llama_dir, "--data", skip_cache["data"], "--ref-cache", skip_cache["cache"],
+                   "--output-dir", tmp_path / "run", *TRAIN)
+    assert result.exit_code == EXIT_REFUSED, result.output
+    assert (f"error: {skip_cache['data']}, row 6: missing_field: row has no 'chosen' value") in result.output
+    assert (f"; the cache {skip_cache['cache']} was made with --on-bad-row skip and left out 2 bad row(s) (listed "
+            "in its skipped.jsonl): pass --on-bad-row skip to train on the rows it holds") in result.output
+    assert_one_paragraph(result.output)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_with_on_bad_row_skip_on_a_skip_cache_trains_and_says_so(tmp_path, llama_dir, skip_cache):
+    """The remedy the refusal names: the same rows are left out, and the log says how many and why."""
+    result = train("--model", llama_dir, "--data", skip_cache["data"], "--ref-cache", skip_cache["cache"],
+                   "--output-dir", tmp_path / "run", "--on-bad-row", "skip", *TRAIN)
+    assert result.exit_code == 0, result.output
+    verified = f"verified {skip_cache['cache']}: 28 rows, 2 bad rows skipped (bad_json: 1, missing_field: 1)"
+    assert verified in result.output
+    manifest = json.loads((tmp_path / "run" / "run-manifest.json").read_text())
+    assert manifest["data"]["rows"] == 28
+
+
+def test_a_bad_row_against_a_cache_that_skipped_none_has_no_skip_hint(tmp_path, llama_dir, dpo_data, dpo_cache):
+    """The hint is the cache's record, not a guess: a cache made with --on-bad-row error gets the plain refusal."""
+    lines = dpo_data.read_text().splitlines()
+    lines[5] = "not json at all"
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    result = train("--model", llama_dir, "--data", data, "--ref-cache", dpo_cache, "--output-dir", tmp_path / "run",
+                   *TRAIN)
+    assert result.exit_code == EXIT_REFUSED, result.output
+    assert f"error: {data}, row 6: bad_json: unparsable JSON (Expecting value at column 1)" in result.output
+    assert "--on-bad-row skip" not in result.output
