@@ -25,7 +25,7 @@ def check_reference_options(cfg, log=print) -> None:
     same_rows = (cfg.eval_data, cfg.eval_split) == (cfg.data, cfg.split)  # then the training cache holds them
     if cfg.eval_data and cfg.ref_cache is not None and cfg.eval_ref_cache is None and not same_rows:
         raise JobError(
-            f"{rows} need the reference log-probs of their rows: run `precompute-ref --model "
+            f"evaluation on {rows} needs the reference log-probs of its rows: run `precompute-ref --model "
             f"{cfg.ref_model or cfg.model} --data {cfg.eval_data} --split {cfg.eval_split} --out EVAL_CACHE` "
             "(same encoding options as the training cache) and pass --eval-ref-cache EVAL_CACHE"
             + ("" if cfg.evaluation_strategy() == "no" else ", or pass --eval-strategy no to train without evaluation"))
@@ -47,8 +47,7 @@ def check_evaluation(cfg, log) -> str:
         cfg.eval_data = cfg.data
         log(f"note: --eval-strategy {cfg.eval_strategy}: evaluating on split {cfg.eval_split!r} of --data {cfg.data} "
             "(TRL's dataset_test_split; --eval-data names other rows)")
-        rows = f"the evaluation rows (split {cfg.eval_split!r} of --data {cfg.data}, for --eval-strategy " \
-               f"{cfg.eval_strategy})"
+        rows = f"split {cfg.eval_split!r} of --data {cfg.data} (for --eval-strategy {cfg.eval_strategy})"
     else:
         rows = f"--eval-data {cfg.eval_data}"
     if cfg.eval_on_start and cfg.evaluation_strategy() == "no":

@@ -84,8 +84,8 @@ def recipe(tmp_path: Path, llama_dir, folder, **keys) -> Path:
 def test_trl_recipe_evaluation_without_its_cache_is_refused(tmp_path, llama_dir, folder):
     result = train("--config", recipe(tmp_path, llama_dir, folder), "--ref-cache", folder["cache"], *TRAIN)
     assert result.exit_code == EXIT_REFUSED, result.output
-    assert (f"error: the evaluation rows (split 'test' of --data {folder['data']}, for --eval-strategy steps) need "
-            f"the reference log-probs of their rows: run `precompute-ref --model {llama_dir} --data {folder['data']} "
+    assert (f"error: evaluation on split 'test' of --data {folder['data']} (for --eval-strategy steps) needs the "
+            f"reference log-probs of its rows: run `precompute-ref --model {llama_dir} --data {folder['data']} "
             "--split test --out EVAL_CACHE`") in result.output
     assert "pass --eval-ref-cache EVAL_CACHE, or pass --eval-strategy no" in result.output
     assert_one_paragraph(result.output)
