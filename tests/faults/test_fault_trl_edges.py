@@ -108,6 +108,15 @@ def test_trl_recipe_evaluates_with_the_cache_the_message_names(tmp_path, llama_d
     assert manifest["eval_data"]["split"] == "test" and manifest["result"]["eval"]["eval_loss"] > 0
 
 
+def test_trl_recipe_with_eval_strategy_no_trains_without_evaluation(tmp_path, llama_dir, folder):
+    """TRL's default (eval_strategy no; dataset_test_split is always in a recipe): no evaluation, no eval cache asked."""
+    result = train("--config", recipe(tmp_path, llama_dir, folder, eval_strategy="no", eval_on_start=False),
+                   "--ref-cache", folder["cache"], *TRAIN)
+    assert result.exit_code == 0, result.output
+    assert evals(tmp_path / "run") == [] and "note: --eval-strategy" not in result.output
+    assert json.loads((tmp_path / "run" / "run-manifest.json").read_text())["eval_data"] is None
+
+
 def test_eval_strategy_steps_without_eval_rows_is_refused(tmp_path, llama_dir, dpo_data, dpo_cache):
     result = train("--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir",
                    tmp_path / "run", "--eval-strategy", "steps", *TRAIN)
