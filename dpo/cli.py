@@ -47,6 +47,8 @@ def _convert(path: str, key: str, value):
     kind, multiple = _value_type(key)
     if value is None:
         return None
+    if value is False and (key.endswith("_strategy") or isinstance(kind, click.Choice) and "no" in kind.choices):
+        value = "no"  # YAML 1.1 reads an unquoted `eval_strategy: no` as false
     try:
         if multiple:
             values = value if isinstance(value, list) else [value]

@@ -98,7 +98,7 @@ class TrainConfig:
     eval_strategy: str | None = _f(None, "When to evaluate (no, steps, epoch). steps or epoch without --eval-data "
                                          "evaluates on --data's --eval-split (TRL's dataset_test_split); no: the eval "
                                          "rows are verified, not evaluated.", "Training",
-                                   show_default="steps with --eval-data, else no")
+                                   choices=("no", "steps", "epoch"), show_default="steps with --eval-data, else no")
     eval_steps: float | None = _f(None, "Evaluate every N steps.", "Training", show_default="--logging-steps")
     eval_on_start: bool = _f(False, "Also evaluate before the first step (needs evaluation rows).", "Training")
     save_strategy: str = _f("steps", "When to save checkpoints (no, steps, epoch, best).", "Training")

@@ -117,6 +117,16 @@ def test_trl_recipe_with_eval_strategy_no_trains_without_evaluation(tmp_path, ll
     assert json.loads((tmp_path / "run" / "run-manifest.json").read_text())["eval_data"] is None
 
 
+def test_unquoted_no_in_a_recipe_is_the_strategy_no(tmp_path):
+    """YAML 1.1 reads `eval_strategy: no` as false; it is the strategy no, not a type error or a run that evaluates."""
+    from dpo.cli import load_config_file
+
+    path = tmp_path / "dpo.yaml"
+    path.write_text("eval_strategy: no\nsave_strategy: no\nlogging_strategy: no\ndataset_test_split: test\n")
+    assert load_config_file(str(path)) == {"eval_strategy": "no", "save_strategy": "no", "logging_strategy": "no",
+                                           "eval_split": "test"}
+
+
 def test_eval_strategy_steps_without_eval_rows_is_refused(tmp_path, llama_dir, dpo_data, dpo_cache):
     result = train("--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir",
                    tmp_path / "run", "--eval-strategy", "steps", *TRAIN)
