@@ -52,6 +52,8 @@ def _convert(path: str, key: str, value, given_as: str | None = None):
     kind, multiple = _value_type(key)
     if value is None:
         return None
+    if value is False and (key.endswith("_strategy") or isinstance(kind, click.Choice) and "no" in kind.choices):
+        value = "no"  # YAML 1.1 reads an unquoted `eval_strategy: no` as false
     try:
         if multiple:
             values = value if isinstance(value, list) else [value]
@@ -220,7 +222,11 @@ def main(config_file, debug, **given):
 
         quiet_libraries()
         resolved.append(resolve_config(config_file, given))
-        click.echo(summary_text(run_train(resolved[0], log=lambda m: click.echo(m, err=True))))
+        summary = run_train(resolved[0], log=lambda m: click.echo(m, err=True))
+        from runtime.distributed import Dist
+
+        if Dist.joined().rank == 0:  # one summary per job, not one per torchrun process
+            click.echo(summary_text(summary))
 
     run_cli(body, debug, next_step=lambda: next_step(resolved[0] if resolved else None, config_file, given),
             writes_to=lambda: resolved[0].output_dir if resolved else None)

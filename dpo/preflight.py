@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.distributed import Dist
 from runtime.errors import JobError
 
 from .outdir import check_no_links, check_output_dir
@@ -13,19 +14,49 @@ from .resume import check_resume, overwrite_plan
 TRUE = ("true", "yes", "1")
 
 
-def check_reference_options(cfg) -> None:
-    """--ref-cache / --ref-model / --ref-model-hash / --eval-ref-cache agree, and the trackers are installed."""
+def check_reference_options(cfg, log=print) -> None:
+    """--ref-cache / --ref-model / --ref-model-hash / --eval-ref-cache agree, the evaluation asked for can happen,
+    and the trackers are installed."""
     if cfg.ref_cache is None and cfg.ref_model is None:
         raise JobError("give --ref-cache DIR (cached reference) or --ref-model PATH (live reference)")
     if cfg.ref_model_hash and cfg.ref_cache is None:
         raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
+    rows = check_evaluation(cfg, log)
     same_rows = (cfg.eval_data, cfg.eval_split) == (cfg.data, cfg.split)  # then the training cache holds them
     if cfg.eval_data and cfg.ref_cache is not None and cfg.eval_ref_cache is None and not same_rows:
         raise JobError(
-            f"--eval-data {cfg.eval_data} needs the reference log-probs of its rows: run `precompute-ref --model "
+            f"evaluation on {rows} needs the reference log-probs of its rows: run `precompute-ref --model "
             f"{cfg.ref_model or cfg.model} --data {cfg.eval_data} --split {cfg.eval_split} --out EVAL_CACHE` "
-            "(same encoding options as the training cache) and pass --eval-ref-cache EVAL_CACHE")
+            "(same encoding options as the training cache) and pass --eval-ref-cache EVAL_CACHE"
+            + ("" if cfg.evaluation_strategy() == "no" else ", or pass --eval-strategy no to train without evaluation"))
     check_trackers(cfg.trackers())
+
+
+def check_evaluation(cfg, log) -> str:
+    """The evaluation asked for happens or is refused, never dropped in silence: --eval-strategy steps/epoch without
+    --eval-data evaluates on --data's --eval-split (as `trl dpo` does with dataset_test_split), or is refused when
+    --data is one file; --eval-strategy no evaluates nothing (the eval rows are still verified); --eval-on-start
+    needs an evaluation. Returns what the eval rows are, for the messages that follow."""
+    asked = cfg.eval_strategy not in (None, "no")
+    if asked and cfg.eval_data is None:
+        if Path(cfg.data).is_file():
+            raise JobError(
+                f"--eval-strategy {cfg.eval_strategy} needs evaluation rows, and --data {cfg.data} is one file (it has "
+                f"no split {cfg.eval_split!r} to evaluate on): give --eval-data EVAL_FILE with --eval-ref-cache "
+                "EVAL_CACHE (precompute-ref --data EVAL_FILE --out EVAL_CACHE), or --eval-strategy no")
+        cfg.eval_data = cfg.data
+        log(f"note: --eval-strategy {cfg.eval_strategy}: evaluating on split {cfg.eval_split!r} of --data {cfg.data} "
+            "(TRL's dataset_test_split; --eval-data names other rows)")
+        rows = f"split {cfg.eval_split!r} of --data {cfg.data} (for --eval-strategy {cfg.eval_strategy})"
+    else:
+        rows = f"--eval-data {cfg.eval_data}"
+    if cfg.eval_on_start and cfg.evaluation_strategy() == "no":
+        raise JobError("--eval-on-start asks for an evaluation, and there is none: "
+                       + ("--eval-strategy no" if cfg.eval_data else "no --eval-data (nor --eval-strategy steps)")
+                       + "; give --eval-data with --eval-strategy steps or epoch, or drop --eval-on-start")
+    if cfg.eval_strategy == "no" and cfg.eval_data is not None:
+        log(f"note: --eval-strategy no: --eval-data {cfg.eval_data} is verified, not evaluated")
+    return rows
 
 
 def check_training_options(cfg):
@@ -39,6 +70,7 @@ def check_training_options(cfg):
         args = cfg.training_arguments()
     except ValueError as e:  # transformers' own checks of the training options
         raise JobError(training_options_error(cfg, e)) from None
+    check_one_job(args.world_size)
     latest = cfg.resume_from_checkpoint is not None and cfg.resume_from_checkpoint.strip().lower() in TRUE
     cfg.resume_from_checkpoint = latest_checkpoint(cfg.resume_from_checkpoint, Path(cfg.output_dir))
     if cfg.resume_from_checkpoint and cfg.overwrite_output_dir:
@@ -50,6 +82,17 @@ def check_training_options(cfg):
     check_resume(cfg.resume_from_checkpoint, Path(cfg.output_dir), latest)
     check_no_links(Path(cfg.output_dir))
     return args
+
+
+def check_one_job(trainer_world: int) -> None:
+    """Under torchrun the processes train as one job or not at all: a Trainer that did not join the launcher's
+    process group would train each process alone, into one --output-dir."""
+    launched = Dist().world  # the launcher's WORLD_SIZE
+    if launched > 1 and trainer_world != launched:
+        raise JobError(
+            f"launched as {launched} processes (WORLD_SIZE={launched}), but the Trainer set up a job of "
+            f"{trainer_world}: each process would train alone into one --output-dir; on CPU add --use-cpu, on GPUs "
+            "give each process its own device (torchrun --nproc-per-node at most the GPU count)")
 
 
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),

@@ -53,8 +53,8 @@ def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, s
         if cfg.eval_data else None,
         config=dataclasses.asdict(cfg),
         software=software_versions(),
-        result={k: summary[k] for k in ("steps", "train_loss", "train_s", "verify_s", "batch_layout", "phases")
-                if k in summary} | {"eval": summary["eval"]},
+        result={k: summary[k] for k in ("steps", "world_size", "train_loss", "train_s", "verify_s", "batch_layout",
+                                        "phases") if k in summary} | {"eval": summary["eval"]},
         final_model_hash=final_model_hash,
         finished_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **sections,

@@ -98,9 +98,12 @@ class TrainConfig:
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass to save memory.",
                                       "Training")
     logging_steps: float = _f(10, "Log train metrics every N steps.", "Training")
-    eval_strategy: str = _f("steps", "When to evaluate (no, steps, epoch); used with --eval-data.", "Training")
+    eval_strategy: str | None = _f(None, "When to evaluate (no, steps, epoch). steps or epoch without --eval-data "
+                                         "evaluates on --data's --eval-split (TRL's dataset_test_split); no: the eval "
+                                         "rows are verified, not evaluated.", "Training",
+                                   choices=("no", "steps", "epoch"), show_default="steps with --eval-data, else no")
     eval_steps: float | None = _f(None, "Evaluate every N steps.", "Training", show_default="--logging-steps")
-    eval_on_start: bool = _f(True, "Evaluate before the first step (with --eval-data).", "Training")
+    eval_on_start: bool = _f(False, "Also evaluate before the first step (needs evaluation rows).", "Training")
     save_strategy: str = _f("steps", "When to save checkpoints (no, steps, epoch, best).", "Training")
     save_steps: float = _f(500, "Save a checkpoint every N steps.", "Training")
     save_total_limit: int | None = _f(None, "Keep at most N checkpoints.", "Training")
@@ -144,11 +147,14 @@ class TrainConfig:
                                                               "gradient_checkpointing", "eval_strategy", "eval_on_start"}
         kwargs = {n: getattr(self, n) for n in sorted(ours & fields)}
         checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-        has_eval = self.eval_data is not None
+        strategy = self.evaluation_strategy()
         kwargs.update({
             checkpointing: self.gradient_checkpointing,
-            "eval_strategy": self.eval_strategy if has_eval else "no",
-            "eval_on_start": self.eval_on_start and has_eval,
+            "eval_strategy": strategy,
+            "eval_on_start": self.eval_on_start and strategy != "no",
+            # under torchrun on a machine without a GPU: the Trainer (accelerate) starts the gloo process group only
+            # when told the device is the CPU; otherwise every process would train alone, as world size 1
+            "use_cpu": self.use_cpu or (Dist().world > 1 and not has_accelerator()),
             "report_to": self.trackers() or "none",
             "logging_first_step": True,
             "data_seed": self.seed,
@@ -158,6 +164,13 @@ class TrainConfig:
         kwargs.update(self.training_args)  # any other TrainingArguments option, as given
         kwargs["remove_unused_columns"] = False  # the collator needs the cached reference columns
         return transformers.TrainingArguments(**kwargs)
+
+    def evaluation_strategy(self) -> str:
+        """The Trainer's eval_strategy: --eval-strategy as given (steps when it is not and there are eval rows);
+        no without eval rows (dpo/preflight.check_evaluation has refused an explicit one by then)."""
+        if self.eval_data is None:
+            return "no"
+        return self.eval_strategy or "steps"
 
     def trackers(self) -> list[str]:
         return [r.strip() for r in self.report_to.replace(" ", ",").split(",") if r.strip() and r.strip() != "none"]
@@ -183,7 +196,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     import datasets, torch, transformers  # noqa: E401, F401  (the libraries' import time, as its own phase)
 
     timer.mark("imports")
-    check_reference_options(cfg)
+    check_reference_options(cfg, log)
     policy = _open_policy(cfg, log)
     args = check_training_options(cfg)
     timer.mark("checks")
@@ -342,7 +355,7 @@ def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) 
     result = trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
     train_s = time.perf_counter() - t_train
     final_eval = {}
-    if run.evaluation:  # reuse the eval of the last step when there was one
+    if run.evaluation and cfg.evaluation_strategy() != "no":  # reuse the eval of the last step when there was one
         last = [r for r in trainer.state.log_history if "eval_loss" in r]
         final_eval = last[-1] if last and last[-1].get("step") == result.global_step else trainer.evaluate()
     timer.mark("train")
@@ -352,7 +365,7 @@ def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) 
     timer.mark("save")
     first = [r for r in trainer.state.log_history if "eval_loss" in r and r.get("step") == 0]
     summary = {"eval_start": first[0] if first else {}, "output_dir": str(out.resolve()), "steps": result.global_step,
-               "batch_layout": layout,
+               "batch_layout": layout, "world_size": trainer.args.world_size,
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": run.verify_s, "eval": final_eval,
                "phases": timer.phases}
     if trainer.is_world_process_zero():

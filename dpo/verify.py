@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import polars as pl
 import pyarrow as pa
 
-from runtime.data import Encoded, load_rows, usable_rows
+from runtime.data import DataError, Encoded, load_rows, usable_rows
 from runtime.errors import JobError
 from schemas.encoding import EncodingConfig
 from schemas.cache import Cache, open_cache
@@ -120,6 +120,16 @@ def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded) ->
                        expected=error.expected, found=error.found, shard=error.shard, row=error.row)
 
 
+def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> DataError:
+    """A bad row refused here that the cache's precompute-ref skipped (--on-bad-row skip): say so and what to pass."""
+    skipped = (cache.manifest.get("source") or {}).get("skipped")
+    if error.row is None or on_bad_row != "error" or not isinstance(skipped, int) or skipped < 1:
+        return error
+    return DataError(error.file, error.row, f"{error.reason}; the cache {cache.root} was made with --on-bad-row skip "
+                     f"and left out {skipped} bad row(s) (listed in its skipped.jsonl): pass --on-bad-row skip to "
+                     "train on the rows it holds")
+
+
 def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
                     expected_model_hash=None,
                     encoding_request=None, on_bad_row="error", verify_files=True, log=print) -> Verified:
@@ -131,7 +141,10 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
 
     def rows(encoding: EncodingConfig) -> dict[str, str]:
         found["source"] = source = load_rows(data, split)
-        found["encoded"] = encoded = usable_rows(source, tokenizer, encoding, on_bad_row, data)
+        try:
+            found["encoded"] = encoded = usable_rows(source, tokenizer, encoding, on_bad_row, data)
+        except DataError as e:
+            raise _skipped_by_the_cache(e, cache, on_bad_row) from None
         return dict(zip(encoded.ids, (p.mask_checksum for p in encoded.pairs)))
 
     for finding in use_findings(cache, model_hash=expected_model, tokenizer_hash=tokenizer_hash(tokenizer),
@@ -155,7 +168,9 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
         "total_s": round(time.perf_counter() - t0, 3),
         "stamps": cache.stamps,
     }
-    log(f"verified {cache.root}: {report['rows']} rows, model/tokenizer/mask stamps match "
+    reasons = ", ".join(f"{k}: {v}" for k, v in report["skipped"].items())
+    skipped = f", {len(encoded.skipped)} bad rows skipped ({reasons})" if encoded.skipped else ""
+    log(f"verified {cache.root}: {report['rows']} rows{skipped}, model/tokenizer/mask stamps match "
         f"({report['total_s']:.2f} s; file hashes {report['files_s']:.2f} s)")
     return Verified(table, source.fingerprint, report)
 

@@ -5,6 +5,7 @@ Both precompute-ref and train-dpo load and encode data here, so a row's id and i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections import Counter
@@ -134,14 +135,30 @@ def _read_json_lines(path: Path) -> tuple[list, list[int]]:
             if not raw.strip():
                 continue
             try:
-                rows.append(json.loads(raw.decode("utf-8")))
+                rows.append(json.loads(raw.rstrip(b"\r\n").decode("utf-8")))
             except UnicodeDecodeError as e:
                 rows.append(Unparsable(f"invalid UTF-8 ({e.reason} at byte {e.start} of the line)"))
+            except json.JSONDecodeError as e:  # its own "line 1" is the line's; the row is the line
+                rows.append(Unparsable(f"unparsable JSON ({e.msg} at column {e.colno})"))
             except ValueError as e:
                 rows.append(Unparsable(f"unparsable JSON ({e})"))
             numbers.append(n)
     keys = dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r)
     return [{k: r.get(k) for k in keys} if isinstance(r, dict) else r for r in rows], numbers
+
+
+@contextlib.contextmanager
+def _loader_quiet():
+    """datasets logs its parser's failure (with a 0-based row of its own) before it raises; the error raised in its
+    place here names the file, the 1-based line and the reason, alone."""
+    from datasets.utils import logging as datasets_logging
+
+    before = datasets_logging.get_verbosity()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(before)
 
 
 def _load_file(path: Path) -> tuple[list, list[int]]:
@@ -154,7 +171,8 @@ def _load_file(path: Path) -> tuple[list, list[int]]:
         _check_utf8(path)
     try:
         extra = {"features": _csv_features(path)} if kind == "csv" else {}
-        ds = datasets.load_dataset(kind, data_files=str(path), split="train", **extra)
+        with _loader_quiet():
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train", **extra)
     except Exception as e:  # datasets wraps parser errors in several types; locate the row ourselves when we can
         if json_lines:
             return _read_json_lines(path)

@@ -11,6 +11,6 @@ for split in train test; do  # eval.jsonl is split "test", as in datasets
   .venv/bin/precompute-ref --model data/sft-model --data data/prefs --split "$split" --out "$OUT/ref-cache-$split"
 done
 .venv/bin/train-dpo --model data/sft-model --data data/prefs --ref-cache "$OUT/ref-cache-train" \
-  --eval-data data/prefs --eval-split test --eval-ref-cache "$OUT/ref-cache-test" \
+  --eval-data data/prefs --eval-split test --eval-ref-cache "$OUT/ref-cache-test" --eval-on-start \
   --output-dir "$OUT/policy" --overwrite-output-dir --beta 0.1 --learning-rate 2e-4 --warmup-steps 0.1 --num-train-epochs 2 \
   --per-device-train-batch-size 16 --logging-steps 5 --eval-steps 10 --save-steps 50 --save-total-limit 1 "$@"

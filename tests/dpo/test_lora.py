@@ -56,8 +56,8 @@ def data_runs(tmp_path_factory):
     model, prefs = DATA / "sft-model", DATA / "prefs"
     train_cache = precompute(model, prefs, root / "cache-train")
     eval_cache = precompute(model, prefs, root / "cache-eval", split="test")
-    common = dict(eval_data=str(prefs), eval_split="test", eval_steps=10, max_steps=10, learning_rate=2e-3,
-                  per_device_train_batch_size=16, per_device_eval_batch_size=50)
+    common = dict(eval_data=str(prefs), eval_split="test", eval_on_start=True, eval_steps=10, max_steps=10,
+                  learning_rate=2e-3, per_device_train_batch_size=16, per_device_eval_batch_size=50)
     with count_models() as built_cached:
         cached = train(model, prefs, root / "cached", ref_cache=str(train_cache), eval_ref_cache=str(eval_cache),
                        **common)

@@ -85,6 +85,33 @@ def test_bad_row_names_file_row_and_reason(tokenizer, tmp_path):
     assert skipped.skipped_by_reason == {"bad_json": 1, "duplicate_id": 1, "missing_field": 1}
 
 
+@pytest.mark.parametrize("line,detail", [("not json at all", "Expecting value at column 1"),
+                                         ('{"id": "r0022", "prompt":', "Expecting value at column 26")])
+def test_unparsable_line_is_ours_alone(tokenizer, tmp_path, line, detail):
+    """Issue 25 item 5: datasets logs its parser's failure with a 0-based row of its own ("Failed to load JSON ...
+    row 22") before it raises; only refcache's message remains: the file, the 1-based line, the reason at a column
+    of that line."""
+    import logging
+
+    lines = [json.dumps(r) for r in pref_rows(30, seed=8)]
+    lines[22] = line
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    heard = []
+    handler = logging.Handler()
+    handler.emit = heard.append
+    library = logging.getLogger("datasets")  # the library's root logger: its handler writes to stderr
+    library.addHandler(handler)
+    try:
+        source = load_rows(path)
+    finally:
+        library.removeHandler(handler)
+    assert [r.getMessage() for r in heard if r.levelno >= logging.ERROR] == []
+    with pytest.raises(DataError) as e:
+        encode_rows(source, tokenizer, EncodingConfig())
+    assert str(e.value) == f"{path}, row 23: bad_json: unparsable JSON ({detail})"
+
+
 def test_no_usable_rows_is_one_refusal_naming_the_data_and_the_skips(tokenizer, tmp_path):
     """Issue 22 item 14: every row skipped (or none there) is refused here, for precompute-ref and train-dpo alike."""
     from runtime.data import Source, usable_rows
