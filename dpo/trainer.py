@@ -139,16 +139,17 @@ class MetricsFile(TrainerCallback):
                 append_text(self.path, json.dumps(record) + "\n")
 
 
-KL_PANEL = (("kl/policy_ref/chosen", "kl/policy_ref/rejected", "kl/ref_policy/chosen", "kl/ref_policy/rejected"),
-            "KL per token, lower bound (top-k)")
+KL_PANELS = [(("kl/policy_ref/chosen", "kl/policy_ref/rejected", "kl/ref_policy/chosen", "kl/ref_policy/rejected"),
+              "KL per token, lower bound (top-k)"),
+             (("ref_top_k_mass/chosen", "ref_top_k_mass/rejected"), "reference's top-k mass (bound tightness)")]
 
 
 def metric_panels(records: list[dict]) -> list[tuple[tuple[str, ...], str]]:
-    """The plot's panels: (metric names, title); a KL panel when the run logged the top-k KL metrics."""
+    """The plot's panels: (metric names, title); KL panels when the run logged the top-k KL metrics."""
     panels = [(("loss",), "loss"), (("rewards/accuracies", "logps/accuracies"), "preference accuracy"),
               (("rewards/margins",), "reward margin"), (("logratio/chosen", "logratio/rejected"), "log-ratio per token")]
-    if any(prefix + KL_PANEL[0][0] in r for r in records for prefix in ("", "eval_")):
-        panels.append(KL_PANEL)
+    if any(prefix + KL_PANELS[0][0][0] in r for r in records for prefix in ("", "eval_")):
+        panels += KL_PANELS
     return panels
 
 
@@ -164,9 +165,7 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
     panels = metric_panels(records)
     fig = Figure(figsize=(10, 7) if len(panels) == 4 else (15, 7))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2 if len(panels) == 4 else 3)
-    if len(panels) < axes.size:
-        axes.flat[-1].set_visible(False)
+    axes = fig.subplots(2, len(panels) // 2)
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.95, wspace=0.2, hspace=0.35)
     for ax, (keys, title) in zip(axes.flat, panels):
         for key in keys:
@@ -178,7 +177,7 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small" if len(keys) > 2 else None)
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=90)
     atomic_write(out_png, lambda f: f.write(png.getvalue()))

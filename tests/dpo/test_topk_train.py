@@ -23,7 +23,7 @@ from conftest import build_llama
 from dpo.layout import PrefixSharedCollator, pair_logps
 from dpo.losses import LossConfig, TopK, coarse_kl, dpo_loss
 from dpo.recipe import TrainConfig, run_train
-from dpo.trainer import KL_PANEL, DPOTrainer, PairCollator, metric_panels, plot_metrics
+from dpo.trainer import KL_PANELS, DPOTrainer, PairCollator, metric_panels, plot_metrics
 from runtime.errors import JobError
 from runtime.logprobs import reference_logps, reference_top_k, token_logps
 
@@ -203,7 +203,7 @@ def test_at_k_equal_vocabulary_the_logged_kls_equal_the_full_vocabulary_kl(refer
         seq = per_seq(truth)
         assert abs(logged[f"eval_kl/{direction}/chosen"] - float(seq[:n].mean())) < TOL
         assert abs(logged[f"eval_kl/{direction}/rejected"] - float(seq[n:].mean())) < TOL
-    assert abs(logged["eval_ref_top_k_mass/chosen"] - 1.0) < TOL and logged[f"eval_kl/policy_ref/chosen"] > 1e-3
+    assert abs(logged["eval_ref_top_k_mass/chosen"] - 1.0) < TOL and logged["eval_kl/policy_ref/chosen"] > 1e-3
 
 
 def test_with_small_k_the_kls_are_lower_bounds_on_every_token_and_the_gap_shrinks_as_k_grows(reference, policy):
@@ -259,6 +259,34 @@ def full_vocabulary_losses(policy, reference, rows, beta: float, alpha: float, k
             "sigmoid": (-torch.nn.functional.logsigmoid(u) + kl_coef * torch.stack(kl_pi["chosen"])).mean()}
 
 
+def test_tdpo_and_the_kl_penalty_match_a_hand_computation():
+    """One pair, one token each, K = 2 of a larger vocabulary: the coarsened distributions (2 ids + rest) by hand."""
+    p_c, q_c = [0.5, 0.2, 0.3], [0.4, 0.4, 0.2]  # chosen token: policy / reference over (id a, id b, rest)
+    p_r, q_r = [0.1, 0.6, 0.3], [0.3, 0.3, 0.4]
+    kl = lambda a, b: sum(x * math.log(x / y) for x, y in zip(a, b))
+    lp_c, lp_r, r_c, r_r = math.log(0.5), math.log(0.6), math.log(0.4), math.log(0.3)  # dataset tokens: a, b
+    d = (lp_c - r_c) - (lp_r - r_r)
+    k_c, k_r = kl(q_c, p_c), kl(q_r, p_r)
+    b, alpha, c = 0.7, 0.4, 0.25
+    logsig = lambda x: -math.log1p(math.exp(-x))
+    want = {"tdpo1": -logsig(b * (d + k_c - k_r)), "tdpo2": -logsig(b * (d + alpha * (k_c - k_r))),
+            "sigmoid": -logsig(b * d) + c * kl(p_c, q_c)}
+    t = lambda rows: torch.tensor(rows, dtype=torch.float64).log()
+    top_k = TopK(t([p_c[:2], p_r[:2]]), t([p_c[2], p_r[2]]), t([q_c[:2], q_r[:2]]), t([q_c[2], q_r[2]]))
+    for name, expected in want.items():
+        cfg = LossConfig(beta=b, loss_type=name, tdpo_alpha=alpha, kl_coef=c if name == "sigmoid" else 0.0)
+        loss, metrics = dpo_loss(torch.tensor([lp_c, lp_r], dtype=torch.float64),
+                                 torch.tensor([r_c, r_r], dtype=torch.float64), torch.tensor([1, 1]), cfg, top_k)
+        assert loss.item() == pytest.approx(expected, rel=1e-12), name
+    assert metrics["kl/policy_ref/chosen"].item() == pytest.approx(kl(p_c, q_c), rel=1e-12)
+    assert metrics["kl/ref_policy/rejected"].item() == pytest.approx(kl(q_r, p_r), rel=1e-12)
+    assert metrics["ref_top_k_mass/rejected"].item() == pytest.approx(0.6, rel=1e-12)
+    tdpo = dpo_loss(torch.tensor([lp_c, lp_r], dtype=torch.float64), torch.tensor([r_c, r_r], dtype=torch.float64),
+                    torch.tensor([1, 1]), LossConfig(beta=b, loss_type="tdpo1"), top_k)[1]
+    # TDPO's implicit rewards: b (s + SeqKL(ref || pi)), as in the authors' code
+    assert tdpo["rewards/chosen"].item() == pytest.approx(b * (lp_c - r_c + k_c), rel=1e-12)
+
+
 @pytest.mark.parametrize("layout", ["padded", "prefix_shared"])
 def test_tdpo_losses_and_gradients_equal_a_full_vocabulary_implementation(reference, policy, layout):
     vocab = reference.config.vocab_size
@@ -277,7 +305,7 @@ def test_tdpo_losses_and_gradients_equal_a_full_vocabulary_implementation(refere
         loss.backward()
         got = [p.grad.clone() for p in policy.parameters()]
         policy.zero_grad()
-        assert abs(float(loss) - float(truth)) < TOL, name
+        assert abs(loss.item() - truth.item()) < TOL, name
         scale = max(float(g.abs().max()) for g in want)
         assert scale > 1e-4  # a gradient that could be wrong
         for g, w in zip(got, want):
@@ -366,9 +394,10 @@ def test_a_loss_that_needs_top_k_refuses_rows_without_it(reference, policy, llam
 
 def test_the_plot_gets_a_kl_panel_when_the_run_logged_kls(tmp_path):
     plain = [{"step": 1, "loss": 0.7, "logratio/chosen": 0.0}]
-    assert KL_PANEL not in metric_panels(plain)
+    assert len(metric_panels(plain)) == 4 and not any(p in metric_panels(plain) for p in KL_PANELS)
     with_kl = plain + [{"step": 2, "eval_loss": 0.6, **{f"eval_{m}": 0.01 for m in KL_METRICS}}]
-    assert metric_panels(with_kl)[-1] == KL_PANEL
+    assert metric_panels(with_kl)[4:] == KL_PANELS
+    assert {k for keys, _ in KL_PANELS for k in keys} == set(KL_METRICS)
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in with_kl) + "\n")
     plot_metrics(path, tmp_path / "metrics.png")
