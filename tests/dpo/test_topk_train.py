@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
-from conftest import build_llama
+from conftest import build_llama, records
 from dpo.layout import PrefixSharedCollator, pair_logps
 from dpo.losses import LossConfig, TopK, coarse_kl, dpo_loss
 from dpo.recipe import TrainConfig, run_train
@@ -390,6 +390,43 @@ def test_a_loss_that_needs_top_k_refuses_rows_without_it(reference, policy, llam
             assert f"precompute-ref --model {llama_dir} --data {dpo_data} --split train" in message
             assert "--top-k" in message
             assert not out.exists()  # before any model is loaded or anything written
+
+
+@pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])
+def test_train_dpo_with_top_k_columns_logs_the_kls_and_plots_them(llama_dir, dpo_data, dpo_cache, tmp_path,
+                                                                  monkeypatch, use_peft):
+    """The whole train-dpo run on rows with top-k columns. Until precompute-ref writes them, the verified rows get
+    them here from the reference itself (runtime.logprobs.reference_top_k), named as the join will name them."""
+    from dpo import recipe
+    from dpo.lora import LoraOptions
+    from runtime.checkpoint import Checkpoint
+
+    if use_peft:
+        pytest.importorskip("peft")
+    reference = Checkpoint.open(str(llama_dir), False).load_model(torch.float32)
+    joined = recipe.verify_and_join
+
+    def with_top_k(**kwargs):
+        verified = joined(**kwargs)
+        rows = verified.table.to_pylist()
+        for side in ("chosen", "rejected"):
+            top = [reference_top_k(reference, r["prompt_ids"], r[f"{side}_ids"], 8) for r in rows]
+            for i, x in enumerate(("top_ids", "top_logps", "tail")):
+                verified.table = verified.table.append_column(f"ref_{side}_{x}", pa.array([t[i].tolist() for t in top]))
+        return verified
+
+    monkeypatch.setattr(recipe, "verify_and_join", with_top_k)
+    out = tmp_path / "out"
+    cfg = TrainConfig(model=str(llama_dir), data=str(dpo_data), ref_cache=str(dpo_cache), output_dir=str(out),
+                      use_cpu=True, max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      logging_steps=1, learning_rate=1e-3, loss_type="tdpo2", kl_coef=0.05, save_strategy="no",
+                      lora=LoraOptions(use_peft=True, lora_r=4) if use_peft else LoraOptions())
+    run_train(cfg, log=lambda m: None)
+    logged = [r for r in records(out) if "loss" in r]
+    assert len(logged) == 4 and all(set(KL_METRICS) <= set(r) for r in logged)
+    assert abs(logged[0]["loss"] - math.log(2)) < 1e-5  # step 0: the policy is the reference (LoRA's B = 0)
+    assert logged[-1]["kl/policy_ref/chosen"] > 1e-7 and 0 < logged[-1]["ref_top_k_mass/chosen"] <= 1
+    assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_plot_gets_a_kl_panel_when_the_run_logged_kls(tmp_path):
