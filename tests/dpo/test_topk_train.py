@@ -392,41 +392,92 @@ def test_a_loss_that_needs_top_k_refuses_rows_without_it(reference, policy, llam
             assert not out.exists()  # before any model is loaded or anything written
 
 
-@pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])
-def test_train_dpo_with_top_k_columns_logs_the_kls_and_plots_them(llama_dir, dpo_data, dpo_cache, tmp_path,
-                                                                  monkeypatch, use_peft):
-    """The whole train-dpo run on rows with top-k columns. Until precompute-ref writes them, the verified rows get
-    them here from the reference itself (runtime.logprobs.reference_top_k), named as the join will name them."""
+def top_k_join(model_dir, k: int):
+    """dpo.recipe's verify_and_join, then top-k columns added to the verified rows from the reference itself
+    (runtime.logprobs.reference_top_k), named as the join will name them once precompute-ref writes them."""
     from dpo import recipe
-    from dpo.lora import LoraOptions
     from runtime.checkpoint import Checkpoint
 
-    if use_peft:
-        pytest.importorskip("peft")
-    reference = Checkpoint.open(str(llama_dir), False).load_model(torch.float32)
+    reference = Checkpoint.open(str(model_dir), False).load_model(torch.float32)
     joined = recipe.verify_and_join
 
     def with_top_k(**kwargs):
         verified = joined(**kwargs)
         rows = verified.table.to_pylist()
         for side in ("chosen", "rejected"):
-            top = [reference_top_k(reference, r["prompt_ids"], r[f"{side}_ids"], 8) for r in rows]
+            top = [reference_top_k(reference, r["prompt_ids"], r[f"{side}_ids"], k) for r in rows]
             for i, x in enumerate(("top_ids", "top_logps", "tail")):
                 verified.table = verified.table.append_column(f"ref_{side}_{x}", pa.array([t[i].tolist() for t in top]))
         return verified
 
-    monkeypatch.setattr(recipe, "verify_and_join", with_top_k)
+    return with_top_k
+
+
+TOP_K_RUN = dict(max_steps=3, logging_steps=1, learning_rate=1e-3, loss_type="tdpo2", kl_coef=0.05, seed=3,
+                 save_strategy="no")
+
+
+@pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])
+def test_train_dpo_with_top_k_columns_logs_the_kls_and_plots_them(llama_dir, dpo_data, dpo_cache, tmp_path,
+                                                                  monkeypatch, use_peft):
+    """The whole train-dpo run (tdpo2 + --kl-coef, gradient accumulation) on rows with top-k columns."""
+    from dpo import recipe
+    from dpo.lora import LoraOptions
+
+    if use_peft:
+        pytest.importorskip("peft")
+    monkeypatch.setattr(recipe, "verify_and_join", top_k_join(llama_dir, 8))
     out = tmp_path / "out"
     cfg = TrainConfig(model=str(llama_dir), data=str(dpo_data), ref_cache=str(dpo_cache), output_dir=str(out),
-                      use_cpu=True, max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                      logging_steps=1, learning_rate=1e-3, loss_type="tdpo2", kl_coef=0.05, save_strategy="no",
-                      lora=LoraOptions(use_peft=True, lora_r=4) if use_peft else LoraOptions())
+                      use_cpu=True, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      lora=LoraOptions(use_peft=True, lora_r=4) if use_peft else LoraOptions(), **TOP_K_RUN)
     run_train(cfg, log=lambda m: None)
     logged = [r for r in records(out) if "loss" in r]
-    assert len(logged) == 4 and all(set(KL_METRICS) <= set(r) for r in logged)
+    assert len(logged) == 3 and all(set(KL_METRICS) <= set(r) for r in logged)
     assert abs(logged[0]["loss"] - math.log(2)) < 1e-5  # step 0: the policy is the reference (LoRA's B = 0)
     assert logged[-1]["kl/policy_ref/chosen"] > 1e-7 and 0 < logged[-1]["ref_top_k_mass/chosen"] <= 1
     assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+DRIVER = """
+import sys
+sys.path[:0] = {paths!r}
+from dpo import recipe
+from test_topk_train import top_k_join
+recipe.verify_and_join = top_k_join({model!r}, 8)
+from dpo.cli import process_main
+sys.argv = ["train-dpo", *sys.argv[1:]]
+process_main()
+"""
+
+
+def test_torchrun_two_ranks_log_the_same_kls_and_tdpo_loss_as_one_process(llama_dir, dpo_data, dpo_cache, tmp_path,
+                                                                          monkeypatch):
+    """2 DDP ranks of batch 2 against one process of batch 4: the per-pair metric table (KLs included) is gathered
+    over the ranks, and the TDPO gradients are averaged like any loss's."""
+    from pathlib import Path
+
+    from conftest import TORCHRUN, run_in_session
+    from dpo import recipe
+
+    here = Path(__file__).parent
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(paths=[str(here.parent.parent), str(here.parent), str(here)], model=str(llama_dir)))
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in TOP_K_RUN.items()]
+    run_in_session([*TORCHRUN, str(driver), "--model", str(llama_dir), "--data", str(dpo_data), "--ref-cache",
+                    str(dpo_cache), "--output-dir", str(tmp_path / "ranks"), "--per-device-train-batch-size", "2",
+                    "--use-cpu", "--no-plot", "--batch-layout", "padded", *options], tmp_path, timeout=400)
+    monkeypatch.setattr(recipe, "verify_and_join", top_k_join(llama_dir, 8))
+    run_train(TrainConfig(model=str(llama_dir), data=str(dpo_data), ref_cache=str(dpo_cache), use_cpu=True,
+                          output_dir=str(tmp_path / "one"), per_device_train_batch_size=4, plot=False,
+                          batch_layout="padded", **TOP_K_RUN), log=lambda m: None)
+    ranks, one = records(tmp_path / "ranks"), records(tmp_path / "one")
+    assert len(ranks) == len(one) and sum("kl/policy_ref/chosen" in r for r in one) == 3
+    for x, y in zip(one, ranks):
+        assert x.keys() == y.keys()
+        for key in x:
+            if isinstance(x[key], float) and not any(t in key for t in ("runtime", "per_second", "flos", "epoch")):
+                assert abs(x[key] - y[key]) <= 1e-5 * max(1.0, abs(x[key])), (key, x[key], y[key])
 
 
 def test_the_plot_gets_a_kl_panel_when_the_run_logged_kls(tmp_path):
