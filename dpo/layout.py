@@ -61,21 +61,37 @@ class PrefixSharedCollator:
             "score_targets": targets[order],
             "completion_lens": lens,
         }
-        if "ref_chosen_logps" in rows[0]:  # cached reference values, in the same order as the log-probs
-            values = [r["ref_chosen_logps"] for r in rows] + [r["ref_rejected_logps"] for r in rows]
-            batch["ref_logps"] = torch.cat([torch.as_tensor(v, dtype=torch.float32) for v in values])
-        return batch
+        return batch | reference_columns(rows)  # cached reference values, in the same order as the log-probs
 
 
-def pair_logps(model, inputs: dict) -> torch.Tensor:
-    """Per-token completion log-probs of a batch from either collator: chosen of every pair, then rejected."""
+def reference_columns(rows: list[dict]) -> dict:
+    """Every cached per-token pair of columns `ref_chosen_X` / `ref_rejected_X` of the rows as `batch["ref_X"]`:
+    the chosen rows' values, then the rejected rows', flattened over tokens in the order of the log-probs (both
+    collators). Ids (X ending in `ids`) are long, values float32: `ref_logps` [N], `ref_top_ids` / `ref_top_logps`
+    [N, K], `ref_tail` [N]."""
+    batch = {}
+    for name in rows[0] if rows else ():
+        if not name.startswith("ref_chosen_"):
+            continue
+        x = name.removeprefix("ref_chosen_")
+        dtype = torch.long if x.endswith("ids") else torch.float32
+        values = [r[name] for r in rows] + [r[f"ref_rejected_{x}"] for r in rows]
+        batch[f"ref_{x}"] = torch.cat([torch.as_tensor(v, dtype=dtype) for v in values])
+    return batch
+
+
+def pair_logps(model, inputs: dict, given: torch.Tensor | None = None):
+    """Per-token completion log-probs of a batch from either collator: chosen of every pair, then rejected. With
+    `given` ([N, K] ids per completion token, e.g. `batch["ref_top_ids"]`), (log-probs, log-probs of those ids,
+    log of the mass outside them) from the same forward (runtime.logprobs.token_logps)."""
     if "tree_mask" not in inputs:
         return completion_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["prompt_lens"],
-                                inputs["completion_lens"])
+                                inputs["completion_lens"], given=given)
     dtype = next(model.parameters()).dtype  # the dtype transformers builds its own masks in
     model_inputs = {"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"],
                     "attention_mask": additive_mask(inputs["tree_mask"], dtype)}
-    return token_logps(model, model_inputs, inputs["score_rows"], inputs["score_sources"], inputs["score_targets"])
+    return token_logps(model, model_inputs, inputs["score_rows"], inputs["score_sources"], inputs["score_targets"],
+                       given=given)
 
 
 # ---------------------------------------------------------------------------------------------------------------

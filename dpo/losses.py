@@ -23,6 +23,29 @@ estimate: KL(pi||ref) estimators (k1, k3) need tokens sampled from the policy, a
 
 Modifiers: rpo_alpha adds w * mean per-token NLL of the chosen completion (RPO); ld_alpha < 1 (LD-DPO) weights
 the tokens past the shorter completion's length by ld_alpha in both policy and reference sums.
+
+With a top-k cache (precompute-ref --top-k K; batch columns ref_top_ids, ref_top_logps, ref_tail), per completion
+position t with context (x, y_<t): p_t = pi(.|x, y_<t), q_t = ref(.|x, y_<t), S_t the reference's K most probable
+ids. Both are coarsened to the K + 1 outcomes "token v of S_t" and "any other token" (p_t(rest) and q_t(rest) are
+log-sum-exps over the tokens outside S_t, never log(1 - sum)), and
+
+  KL_t(p||q) = sum over the K + 1 outcomes o of p_t(o) (log p_t(o) - log q_t(o))   (0 where p_t(o) = 0)
+
+in either direction. Coarsening is a deterministic map of the outcomes, so by the data-processing inequality for
+relative entropy (e.g. Cover & Thomas, Elements of Information Theory) KL_t never exceeds the full-vocabulary KL at that
+position, and equals it when the tail is empty (K = vocabulary); q_t(S_t), the reference's top-k mass, says how
+tight it is. Metrics (per completion, means over its tokens): kl/policy_ref/* = KL_t(p||q), kl/ref_policy/* =
+KL_t(q||p), ref_top_k_mass/* = q_t(S_t). They are not sampled estimators (k1, k3): exact sums over the outcomes.
+
+  tdpo1  -log sig(b ((s+ - s-) + (K+ - K-)))                  TDPO1, Zeng et al. 2024 (ICML; arXiv 2404.11999)
+  tdpo2  -log sig(b ((s+ - s-) + alpha (sg(K+) - K-)))        TDPO2, ibid. (sg: stop-gradient; alpha default 0.5)
+
+K+ / K- are the sequential KL of the chosen / rejected completion, sum over its tokens of KL_t(q||p) (the paper's
+D_SeqKL(x, y; pi_ref || pi_theta); here from the coarsened distributions, exact at K = vocabulary). The implicit
+rewards logged for TDPO are b (s+ + K+) and b (s- + K-), as in the authors' code
+(Vance0124/Token-level-Direct-Preference-Optimization). At step 0 (pi = ref) every K is 0 and both losses are ln 2.
+kl_coef C adds C x the mean over the chosen completion's tokens of KL_t(p||q) to any loss ("DPO + KL penalty", e.g.
+Levanter's DPO documentation). tdpo1/tdpo2 and kl_coef > 0 need a top-k cache.
 """
 
 from __future__ import annotations
@@ -33,7 +56,8 @@ import torch
 import torch.nn.functional as F
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "bco_pair", "sppo_hard", "nca_pair", "apo_zero", "apo_down",
-              "sigmoid_norm")
+              "sigmoid_norm", "tdpo1", "tdpo2")
+TOP_K_LOSSES = ("tdpo1", "tdpo2")
 
 
 @dataclass
@@ -43,6 +67,15 @@ class LossConfig:
     label_smoothing: float = 0.0
     rpo_alpha: float = 0.0
     ld_alpha: float = 1.0
+    tdpo_alpha: float = 0.5
+    kl_coef: float = 0.0
+
+    @property
+    def needs_top_k(self) -> str | None:
+        """The option that needs the reference's top-k distribution (a top-k cache), or None."""
+        if self.loss_type in TOP_K_LOSSES:
+            return f"--loss-type {self.loss_type}"
+        return "--kl-coef" if self.kl_coef else None
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -53,10 +86,35 @@ class LossConfig:
             raise ValueError("label_smoothing must be in [0, 0.5)")
         if not 0 <= self.ld_alpha <= 1:
             raise ValueError("ld_alpha must be in [0, 1]")
+        if self.tdpo_alpha < 0 or self.kl_coef < 0:
+            raise ValueError("tdpo_alpha and kl_coef must be >= 0")
 
 
-def pair_loss(s_pos, s_neg, len_pos, len_neg, cfg: LossConfig) -> torch.Tensor:
-    """Per-pair loss from the policy-minus-reference log-ratios s+ and s- (summed over tokens)."""
+@dataclass
+class TopK:
+    """Per completion token, in the batch's order (chosen of every pair, then rejected): the policy's log-probs of
+    the reference's top-k ids [N, K] and the log of its mass outside them [N]; the reference's (cached) same."""
+
+    policy: torch.Tensor
+    policy_rest: torch.Tensor
+    ref: torch.Tensor
+    ref_rest: torch.Tensor
+
+
+def coarse_kl(a_top, a_rest, b_top, b_rest) -> torch.Tensor:
+    """Per position KL(a||b) between two distributions coarsened to K outcomes plus one for the rest (log-probs;
+    [N, K] and [N]): sum over outcomes of a (log a - log b), an outcome a gives no mass contributing 0 (and no NaN
+    gradient)."""
+    la = torch.cat([a_top, a_rest[:, None]], 1)
+    lb = torch.cat([b_top, b_rest[:, None]], 1).to(la)
+    absent = torch.isneginf(la)
+    la, lb = torch.where(absent, 0.0, la), torch.where(absent, 0.0, lb)
+    return torch.where(absent, 0.0, la.exp() * (la - lb)).sum(-1)
+
+
+def pair_loss(s_pos, s_neg, len_pos, len_neg, cfg: LossConfig, kl_pos=None, kl_neg=None) -> torch.Tensor:
+    """Per-pair loss from the policy-minus-reference log-ratios s+ and s- (summed over tokens); TDPO also takes the
+    sequential KLs K+ and K-."""
     b, e = cfg.beta, cfg.label_smoothing
     d = s_pos - s_neg
     logsig = F.logsigmoid
@@ -81,6 +139,10 @@ def pair_loss(s_pos, s_neg, len_pos, len_neg, cfg: LossConfig) -> torch.Tensor:
         return torch.sigmoid(b * s_pos) + (1 - torch.sigmoid(b * d))
     if t == "sigmoid_norm":
         return -logsig(b * (s_pos / len_pos - s_neg / len_neg))
+    if t == "tdpo1":
+        return -logsig(b * (d + kl_pos - kl_neg))
+    if t == "tdpo2":
+        return -logsig(b * (d + cfg.tdpo_alpha * (kl_pos.detach() - kl_neg)))
     raise ValueError(t)
 
 
@@ -95,12 +157,15 @@ def token_weights(lengths: torch.Tensor, n_pairs: int, ld_alpha: float, dtype=to
     return torch.where(pos_in_seq < limit, one.to(lengths.device), alpha.to(lengths.device))
 
 
-def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig):
+def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | None = None):
     """Loss and metrics for a batch laid out as [chosen_0..chosen_{B-1}, rejected_0..rejected_{B-1}].
 
     policy_logps and ref_logps are flat per-token values (see runtime.logprobs.completion_logps); lengths holds
-    each sequence's completion length. Returns (mean loss, dict of per-pair metric tensors, detached).
+    each sequence's completion length; top_k, with a top-k cache, the distributions' K + 1 outcomes per token (then
+    the KL metrics are logged too). Returns (mean loss, dict of per-pair metric tensors, detached).
     """
+    if top_k is None and cfg.needs_top_k:
+        raise ValueError(f"{cfg.needs_top_k} needs the reference's top-k log-probs (a precompute-ref --top-k K cache)")
     n = len(lengths) // 2
     seq = torch.repeat_interleave(torch.arange(2 * n, device=lengths.device), lengths)
     w = (token_weights(lengths, n, cfg.ld_alpha, policy_logps.dtype) if cfg.ld_alpha < 1
@@ -113,14 +178,22 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig):
     ref = sums(ref_logps.to(policy_logps) * w)
     s = policy - ref
     lens = lengths.clamp(min=1).to(policy.dtype)  # a per-token mean over no tokens is 0, not a division by zero
-    losses = pair_loss(s[:n], s[n:], lens[:n], lens[n:], cfg)
+    kl = seq_kl = None
+    if top_k is not None:
+        kl = {"policy_ref": coarse_kl(top_k.policy, top_k.policy_rest, top_k.ref, top_k.ref_rest),
+              "ref_policy": coarse_kl(top_k.ref, top_k.ref_rest, top_k.policy, top_k.policy_rest)}
+        seq_kl = sums(kl["ref_policy"])  # TDPO's sequential KL(ref || pi) of each completion
+    tdpo = cfg.loss_type in TOP_K_LOSSES
+    losses = pair_loss(s[:n], s[n:], lens[:n], lens[n:], cfg, *((seq_kl[:n], seq_kl[n:]) if tdpo else ()))
+    if cfg.kl_coef:
+        losses = losses + cfg.kl_coef * sums(kl["policy_ref"])[:n] / lens[:n]
     if cfg.rpo_alpha:
         nll_chosen = -sums(policy_logps)[:n] / lens[:n]
         losses = losses + cfg.rpo_alpha * nll_chosen
     with torch.no_grad():
         ratio = (policy_logps - ref_logps.to(policy_logps)).detach()  # per token, log(pi / ref)
         tok = lambda v: sums(v)[: 2 * n] / lens  # per-sequence token means
-        rewards = cfg.beta * s.detach()
+        rewards = cfg.beta * (s + seq_kl if tdpo else s).detach()
         metrics = {
             "rewards/chosen": rewards[:n],
             "rewards/rejected": rewards[n:],
@@ -134,4 +207,9 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig):
             "lengths/chosen": lengths[:n].to(policy.dtype),
             "lengths/rejected": lengths[n:].to(policy.dtype),
         }
+        if top_k is not None:
+            for direction, values in kl.items():
+                metrics[f"kl/{direction}/chosen"], metrics[f"kl/{direction}/rejected"] = tok(values.detach()).split(n)
+            mass = tok(top_k.ref.to(policy.dtype).logsumexp(-1).exp())
+            metrics["ref_top_k_mass/chosen"], metrics["ref_top_k_mass/rejected"] = mass.split(n)
     return losses.mean(), metrics

@@ -14,6 +14,7 @@ from runtime.checkpoint import Checkpoint
 from runtime.cli import field_help
 from runtime.disk import writing
 from runtime.distributed import Dist
+from runtime.errors import JobError
 from runtime.hub import resolve_model
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig, column_mapping
 from schemas.stamps import model_hash
@@ -76,6 +77,9 @@ class TrainConfig:
     label_smoothing: float = _f(0.0, "Label noise e for sigmoid (cDPO) and robust losses.", "Loss")
     rpo_alpha: float = _f(0.0, "Weight of the SFT (NLL) term on chosen completions (RPO); 0 disables it.", "Loss")
     ld_alpha: float = _f(1.0, "LD-DPO: weight of tokens past the shorter completion's length; 1 disables it.", "Loss")
+    tdpo_alpha: float = _f(0.5, "TDPO2: weight of the sequential-KL term (tdpo2 only).", "Loss")
+    kl_coef: float = _f(0.0, "Add C x the mean per-token KL(policy||reference) bound of the chosen completions to the "
+                             "loss; needs a top-k cache (precompute-ref --top-k K). 0 disables it.", "Loss")
     # transformers.TrainingArguments (same names and meaning; defaults as in TRL's DPOConfig where it sets one)
     learning_rate: float = _f(1e-6, "Initial AdamW learning rate.", "Training")
     lr_scheduler_type: str = _f("linear", "Scheduler (transformers SchedulerType).", "Training")
@@ -201,6 +205,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     args = check_training_options(cfg)
     timer.mark("checks")
     run = _verify(cfg, policy, log)
+    check_top_k(cfg, run)
     timer.mark("verify")
     model, ref_model = _load_models(cfg, run, args)
     timer.mark("load")
@@ -262,6 +267,27 @@ def _verify(cfg: TrainConfig, policy: Checkpoint, log) -> Run:
     if cfg.resume_from_checkpoint:
         check_resume_reference(cfg.resume_from_checkpoint, record)  # before any model is loaded
     return Run(policy, live, reference, train, evaluation, record, time.perf_counter() - t0)
+
+
+def check_top_k(cfg: TrainConfig, run: Run) -> None:
+    """A loss or option that needs the reference's top-k distribution (dpo/losses.py) refuses rows without it,
+    before any model is loaded: a live reference, or a cache made without --top-k."""
+    option = cfg.loss_config().needs_top_k
+    if option is None:
+        return
+    wanted = [(run.train, cfg.data, cfg.split, cfg.ref_cache, "--ref-cache")]
+    if run.evaluation is not None:
+        wanted.append((run.evaluation, cfg.eval_data, cfg.eval_split, cfg.eval_ref_cache or cfg.ref_cache,
+                       "--eval-ref-cache" if cfg.eval_ref_cache else "--ref-cache"))
+    for rows, data, split, cache, flag in wanted:
+        if "ref_chosen_top_ids" in rows.table.column_names:
+            continue
+        held = (f"the cache {cache} holds only the log-probs of the dataset's tokens" if cache else
+                "a live reference is scored on the dataset's tokens only")
+        raise JobError(
+            f"{option} needs the reference's top-k distribution at every completion token, and {held}: run "
+            f"`precompute-ref --model {cfg.ref_model or cfg.model} --data {data} --split {split} --out NEW_CACHE "
+            f"--top-k 32` (the same encoding options; any K > 0) and pass {flag} NEW_CACHE")
 
 
 def _same_folder(a: str | None, b: str) -> bool:

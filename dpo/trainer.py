@@ -17,8 +17,8 @@ from runtime.disk import writing
 from runtime.logprobs import pad_sequences
 from schemas.files import append_text, atomic_write
 
-from .layout import pair_logps
-from .losses import LossConfig, dpo_loss
+from .layout import pair_logps, reference_columns
+from .losses import LossConfig, TopK, dpo_loss
 
 
 class PairCollator:
@@ -40,10 +40,7 @@ class PairCollator:
             "prompt_lens": torch.tensor([len(p) for p in prompts + prompts]),
             "completion_lens": torch.tensor([len(c) for c in completions]),
         }
-        if "ref_chosen_logps" in rows[0]:
-            values = [r["ref_chosen_logps"] for r in rows] + [r["ref_rejected_logps"] for r in rows]
-            batch["ref_logps"] = torch.cat([torch.as_tensor(v, dtype=torch.float32) for v in values])
-        return batch
+        return batch | reference_columns(rows)
 
 
 def disable_dropout(model) -> None:
@@ -86,13 +83,19 @@ class DPOTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         lengths = inputs["completion_lens"]
-        policy = pair_logps(model, inputs)  # either batch layout (layout.py); a live reference runs on the same batch
+        top_k = None
+        # either batch layout (layout.py); a live reference runs on the same batch
+        if "ref_top_ids" in inputs:  # a top-k cache: the policy's log-probs of the reference's ids, same forward
+            policy, at_ids, rest = pair_logps(model, inputs, given=inputs["ref_top_ids"])
+            top_k = TopK(at_ids, rest, inputs["ref_top_logps"], inputs["ref_tail"])
+        else:
+            policy = pair_logps(model, inputs)
         if self.ref_model is not None:
             with torch.no_grad():
                 ref = pair_logps(self.ref_model, inputs)
         else:
             ref = inputs["ref_logps"]
-        loss, metrics = dpo_loss(policy, ref, lengths, self.loss_config)
+        loss, metrics = dpo_loss(policy, ref, lengths, self.loss_config, top_k)
         split = "train" if model.training else "eval"
         metrics["loss"] = loss.detach().expand(len(lengths) // 2)
         # One gather of a [pairs, metrics] table per step: the means are over all pairs of all processes.
@@ -136,19 +139,33 @@ class MetricsFile(TrainerCallback):
                 append_text(self.path, json.dumps(record) + "\n")
 
 
+KL_PANELS = [(("kl/policy_ref/chosen", "kl/policy_ref/rejected", "kl/ref_policy/chosen", "kl/ref_policy/rejected"),
+              "KL per token, lower bound (top-k)"),
+             (("ref_top_k_mass/chosen", "ref_top_k_mass/rejected"), "reference's top-k mass (bound tightness)")]
+
+
+def metric_panels(records: list[dict]) -> list[tuple[tuple[str, ...], str]]:
+    """The plot's panels: (metric names, title); KL panels when the run logged the top-k KL metrics."""
+    panels = [(("loss",), "loss"), (("rewards/accuracies", "logps/accuracies"), "preference accuracy"),
+              (("rewards/margins",), "reward margin"), (("logratio/chosen", "logratio/rejected"), "log-ratio per token")]
+    if any(prefix + KL_PANELS[0][0][0] in r for r in records for prefix in ("", "eval_")):
+        panels += KL_PANELS
+    return panels
+
+
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:
-    """Loss, accuracy, margins and per-token log-ratio against step, train and eval."""
+    """Loss, accuracy, margins and per-token log-ratio against step, train and eval (and, with a top-k cache, the
+    per-token KL bounds)."""
     # The object API with the Agg canvas (no pyplot state, no GUI backend probing) and fixed margins: tight_layout
     # would draw the figure once more only to measure it.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    panels = [(("loss",), "loss"), (("rewards/accuracies", "logps/accuracies"), "preference accuracy"),
-              (("rewards/margins",), "reward margin"), (("logratio/chosen", "logratio/rejected"), "log-ratio per token")]
-    fig = Figure(figsize=(10, 7))
+    panels = metric_panels(records)
+    fig = Figure(figsize=(10, 7) if len(panels) == 4 else (15, 7))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2)
+    axes = fig.subplots(2, len(panels) // 2)
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.95, wspace=0.2, hspace=0.35)
     for ax, (keys, title) in zip(axes.flat, panels):
         for key in keys:
@@ -160,7 +177,7 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small" if len(keys) > 2 else None)
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=90)
     atomic_write(out_png, lambda f: f.write(png.getvalue()))

@@ -34,22 +34,45 @@ def _project(inner, hidden: torch.Tensor) -> torch.Tensor:
     return inner.get_output_embeddings()(hidden).float()
 
 
-def _chunk_logps(inner, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = _project(inner, hidden)
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+def _scores(logits: torch.Tensor, targets: torch.Tensor, given: torch.Tensor | None):
+    """log_softmax(logits) at `targets`; with `given` ([n, K] ids per position) also at those ids, and the log of
+    the mass outside them as a log-sum-exp over the other tokens themselves (no cancellation; -inf where `given`
+    covers the whole vocabulary, with a zero, not NaN, gradient there)."""
+    lse = torch.logsumexp(logits, dim=-1)
+    logps = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if given is None:
+        return logps
+    others = logits.scatter(-1, given, float("-inf"))
+    empty = torch.isneginf(others).all(-1)
+    rest = torch.where(empty, float("-inf"), torch.where(empty[:, None], 0.0, others).logsumexp(-1) - lse)
+    return logps, logits.gather(-1, given) - lse[:, None], rest
 
 
-def _gather_logps(logits: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
-    """log_softmax(logits[index])[targets], a chunk of positions at a time (the float32 copy stays bounded)."""
+def _chunk_logps(inner, hidden: torch.Tensor, targets: torch.Tensor, given: torch.Tensor | None = None):
+    return _scores(_project(inner, hidden), targets, given)
+
+
+def _joined(parts: list, given, empty: torch.Tensor):
+    """The chunks' scores concatenated: a tensor, or (logps, given_logps, rest) with `given`."""
+    if given is None:
+        return torch.cat(parts) if parts else empty
+    if not parts:
+        return empty, empty.new_zeros((0, given.shape[1])), empty
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _gather_logps(logits: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, step: int, given=None):
+    """log_softmax(logits[index])[targets] (and at `given`), a chunk of positions at a time (the float32 copy stays
+    bounded)."""
     parts = []
     for s in range(0, len(index), step):
         chunk = logits[index[s : s + step]].float()
-        parts.append(chunk.gather(-1, targets[s : s + step, None]).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
-    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+        parts.append(_scores(chunk, targets[s : s + step], None if given is None else given[s : s + step]))
+    return _joined(parts, given, logits.new_zeros(0, dtype=torch.float32))
 
 
 def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int = CHUNK_ELEMENTS,
-                return_output: bool = False, head: str | None = None):
+                return_output: bool = False, head: str | None = None, given: torch.Tensor | None = None):
     """Log-prob of `targets[i]` predicted from position (rows[i], sources[i]) of a forward over `inputs`.
 
     `head` (default: `verified_head(model)`, decided once per model against its own logits):
@@ -59,13 +82,16 @@ def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int
       logits_to_keep  the model's own logits, for those positions only (a boolean `logits_to_keep` mask);
       logits          the model's own logits at every position, gathered.
     Returns float32, differentiable when grad is enabled; with return_output, also the model's output (e.g. the
-    key/value cache when `inputs` sets use_cache).
+    key/value cache when `inputs` sets use_cache). With `given` ([N, K] token ids per scored position, e.g. the
+    reference's top k), the log-probs are (logps [N], log-probs of the given ids [N, K], log of the mass outside
+    them [N]), from the same forward and chunks; the chunk's memory is about twice the logits chunk.
     """
     head = head or verified_head(model)
     inner = unwrap(model)
     step = max(1, chunk_elements // inner.get_output_embeddings().weight.shape[0])
     if head != "hook":
-        return _own_logits(model, inputs, rows, sources, targets, step, return_output, head == "logits_to_keep")
+        return _own_logits(model, inputs, rows, sources, targets, step, return_output, head == "logits_to_keep",
+                           given)
     captured = {}
 
     def score(_module, _args, output):
@@ -75,11 +101,12 @@ def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int
         recompute = torch.is_grad_enabled() and h.requires_grad and h.shape[0] > step
         parts = []
         for s in range(0, h.shape[0], step):
+            chunk = (inner, h[s : s + step], targets[s : s + step], None if given is None else given[s : s + step])
             if recompute:
-                parts.append(checkpoint(_chunk_logps, inner, h[s : s + step], targets[s : s + step], use_reentrant=False))
+                parts.append(checkpoint(_chunk_logps, *chunk, use_reentrant=False))
             else:
-                parts.append(_chunk_logps(inner, h[s : s + step], targets[s : s + step]))
-        captured["logps"] = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+                parts.append(_chunk_logps(*chunk))
+        captured["logps"] = _joined(parts, given, hidden.new_zeros(0, dtype=torch.float32))
 
     handle = inner.base_model.register_forward_hook(score)
     try:
@@ -91,7 +118,7 @@ def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int
     return (captured["logps"], output) if return_output else captured["logps"]
 
 
-def _own_logits(model, inputs, rows, sources, targets, step, return_output, keep_only):
+def _own_logits(model, inputs, rows, sources, targets, step, return_output, keep_only, given=None):
     """token_logps from the model's own `logits` output (its whole head, whatever it does after the projection)."""
     width = inputs["input_ids"].shape[1]
     if keep_only:
@@ -105,7 +132,7 @@ def _own_logits(model, inputs, rows, sources, targets, step, return_output, keep
         output = model(**{"use_cache": False, **inputs})
         logits = output.logits.reshape(-1, output.logits.shape[-1])
         index = rows * width + sources
-    logps = _gather_logps(logits, index, targets, step)
+    logps = _gather_logps(logits, index, targets, step, given)
     return (logps, output) if return_output else logps
 
 
@@ -162,18 +189,19 @@ def completion_logps(
     prompt_lens: torch.Tensor,
     completion_lens: torch.Tensor,
     chunk_elements: int = CHUNK_ELEMENTS,
+    given: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-prob of every completion token, flattened in row order (row i contributes completion_lens[i] values).
 
     `input_ids` are right-padded rows of prompt + completion. The first completion token is scored from the
-    prompt's last position.
+    prompt's last position. `given`: as in token_logps, one row of ids per completion token in the same order.
     """
     seq = torch.arange(input_ids.shape[1], device=input_ids.device)
     start = prompt_lens.to(input_ids.device)[:, None]
     end = start + completion_lens.to(input_ids.device)[:, None]
     rows, cols = ((seq >= start) & (seq < end)).nonzero(as_tuple=True)  # row-major: row order, then position
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    return token_logps(model, inputs, rows, cols - 1, input_ids[rows, cols], chunk_elements)
+    return token_logps(model, inputs, rows, cols - 1, input_ids[rows, cols], chunk_elements, given=given)
 
 
 def pad_sequences(sequences: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
