@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from schemas.format import TOP_K_COLUMNS, TokenScores
+
 from .head import HEADS, PROBE_TOKENS
 from .tolerance import head_tolerance
 
@@ -34,38 +36,73 @@ def _project(inner, hidden: torch.Tensor) -> torch.Tensor:
     return inner.get_output_embeddings()(hidden).float()
 
 
-def _chunk_logps(inner, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = _project(inner, hidden)
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+def _scores(logits: torch.Tensor, targets: torch.Tensor, top_k: int) -> tuple:
+    """(logps[, top_ids, top_logps, tail]) of one chunk of float32 logits: log_softmax at the targets and, with
+    top_k, its k largest values with their ids and the log-sum-exp of the rest (no 1 - sum: no cancellation)."""
+    logps = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if not top_k:
+        return (logps,)
+    whole = logits.log_softmax(-1)
+    top_logps, top_ids = whole.topk(top_k, dim=-1)
+    tail = whole.scatter(-1, top_ids, float("-inf")).logsumexp(-1)
+    return logps, top_ids, top_logps, tail
 
 
-def _gather_logps(logits: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
-    """log_softmax(logits[index])[targets], a chunk of positions at a time (the float32 copy stays bounded)."""
-    parts = []
-    for s in range(0, len(index), step):
-        chunk = logits[index[s : s + step]].float()
-        parts.append(chunk.gather(-1, targets[s : s + step, None]).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
-    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+def _chunk_scores(inner, hidden: torch.Tensor, targets: torch.Tensor, top_k: int = 0) -> tuple:
+    return _scores(_project(inner, hidden), targets, top_k)
+
+
+def _joined(parts: list[tuple], top_k: int, like: torch.Tensor) -> TokenScores:
+    names = ("logps", *TOP_K_COLUMNS) if top_k else ("logps",)
+    if not parts:
+        empty = {"logps": like.new_zeros(0, dtype=torch.float32)}
+        if top_k:
+            empty |= {"top_ids": like.new_zeros((0, top_k), dtype=torch.long),
+                      "top_logps": like.new_zeros((0, top_k), dtype=torch.float32),
+                      "tail": like.new_zeros(0, dtype=torch.float32)}
+        return TokenScores(**empty)
+    return TokenScores(**{name: torch.cat([p[i] for p in parts]) for i, name in enumerate(names)})
+
+
+def _gather_scores(logits: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, step: int,
+                   top_k: int) -> TokenScores:
+    """The scores of log_softmax(logits[index]) at `targets`, a chunk of positions at a time (the float32 copy
+    stays bounded)."""
+    parts = [_scores(logits[index[s : s + step]].float(), targets[s : s + step], top_k)
+             for s in range(0, len(index), step)]
+    return _joined(parts, top_k, logits)
 
 
 def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int = CHUNK_ELEMENTS,
                 return_output: bool = False, head: str | None = None):
-    """Log-prob of `targets[i]` predicted from position (rows[i], sources[i]) of a forward over `inputs`.
+    """Log-prob of `targets[i]` predicted from position (rows[i], sources[i]) of a forward over `inputs`: the
+    `logps` of `token_scores` (see there)."""
+    got = token_scores(model, inputs, rows, sources, targets, chunk_elements, return_output, head)
+    return (got[0].logps, got[1]) if return_output else got.logps
+
+
+def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: int = CHUNK_ELEMENTS,
+                 return_output: bool = False, head: str | None = None, top_k: int = 0):
+    """The scores (schemas.format.TokenScores) of position (rows[i], sources[i]) of a forward over `inputs`: the
+    log-prob of `targets[i]`, and with `top_k` the k most probable ids there, their log-probs and the tail.
 
     `head` (default: `verified_head(model)`, decided once per model against its own logits):
       hook            the base model's hidden states at those positions, projected by the output embeddings in
                       chunks inside a hook (so DDP/FSDP/DeepSpeed see a normal forward, and sharded output weights
-                      are materialised); memory bounded by `chunk_elements`;
+                      are materialised); memory bounded by `chunk_elements` (the top-k of a chunk is taken before
+                      the next is projected);
       logits_to_keep  the model's own logits, for those positions only (a boolean `logits_to_keep` mask);
       logits          the model's own logits at every position, gathered.
-    Returns float32, differentiable when grad is enabled; with return_output, also the model's output (e.g. the
-    key/value cache when `inputs` sets use_cache).
+    Returns float32 values (ids long), differentiable when grad is enabled; with return_output, also the model's
+    output (e.g. the key/value cache when `inputs` sets use_cache).
     """
     head = head or verified_head(model)
     inner = unwrap(model)
-    step = max(1, chunk_elements // inner.get_output_embeddings().weight.shape[0])
+    # a top-k holds the chunk's log-softmax beside its logits (and topk's working copy): a third of the positions
+    step = max(1, chunk_elements // (inner.get_output_embeddings().weight.shape[0] * (3 if top_k else 1)))
     if head != "hook":
-        return _own_logits(model, inputs, rows, sources, targets, step, return_output, head == "logits_to_keep")
+        return _own_logits(model, inputs, rows, sources, targets, step, return_output, head == "logits_to_keep",
+                           top_k)
     captured = {}
 
     def score(_module, _args, output):
@@ -76,23 +113,24 @@ def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int
         parts = []
         for s in range(0, h.shape[0], step):
             if recompute:
-                parts.append(checkpoint(_chunk_logps, inner, h[s : s + step], targets[s : s + step], use_reentrant=False))
+                parts.append(checkpoint(_chunk_scores, inner, h[s : s + step], targets[s : s + step], top_k,
+                                        use_reentrant=False))
             else:
-                parts.append(_chunk_logps(inner, h[s : s + step], targets[s : s + step]))
-        captured["logps"] = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+                parts.append(_chunk_scores(inner, h[s : s + step], targets[s : s + step], top_k))
+        captured["scores"] = _joined(parts, top_k, hidden)
 
     handle = inner.base_model.register_forward_hook(score)
     try:
         output = model(**{"use_cache": False, **inputs}, logits_to_keep=1)
     finally:
         handle.remove()
-    if "logps" not in captured:
+    if "scores" not in captured:
         raise RuntimeError(f"{type(inner).__name__}: the forward hook on its base model did not run")
-    return (captured["logps"], output) if return_output else captured["logps"]
+    return (captured["scores"], output) if return_output else captured["scores"]
 
 
-def _own_logits(model, inputs, rows, sources, targets, step, return_output, keep_only):
-    """token_logps from the model's own `logits` output (its whole head, whatever it does after the projection)."""
+def _own_logits(model, inputs, rows, sources, targets, step, return_output, keep_only, top_k):
+    """token_scores from the model's own `logits` output (its whole head, whatever it does after the projection)."""
     width = inputs["input_ids"].shape[1]
     if keep_only:
         keep = torch.zeros(inputs["input_ids"].shape, dtype=torch.bool, device=rows.device)
@@ -105,8 +143,8 @@ def _own_logits(model, inputs, rows, sources, targets, step, return_output, keep
         output = model(**{"use_cache": False, **inputs})
         logits = output.logits.reshape(-1, output.logits.shape[-1])
         index = rows * width + sources
-    logps = _gather_logps(logits, index, targets, step)
-    return (logps, output) if return_output else logps
+    scores = _gather_scores(logits, index, targets, step, top_k)
+    return (scores, output) if return_output else scores
 
 
 def reset_position_state(model) -> None:
@@ -168,12 +206,18 @@ def completion_logps(
     `input_ids` are right-padded rows of prompt + completion. The first completion token is scored from the
     prompt's last position.
     """
+    return completion_scores(model, input_ids, attention_mask, prompt_lens, completion_lens, chunk_elements).logps
+
+
+def completion_scores(model, input_ids, attention_mask, prompt_lens, completion_lens,
+                      chunk_elements: int = CHUNK_ELEMENTS, top_k: int = 0) -> TokenScores:
+    """`token_scores` of every completion token of right-padded rows, flattened in row order (completion_logps)."""
     seq = torch.arange(input_ids.shape[1], device=input_ids.device)
     start = prompt_lens.to(input_ids.device)[:, None]
     end = start + completion_lens.to(input_ids.device)[:, None]
     rows, cols = ((seq >= start) & (seq < end)).nonzero(as_tuple=True)  # row-major: row order, then position
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    return token_logps(model, inputs, rows, cols - 1, input_ids[rows, cols], chunk_elements)
+    return token_scores(model, inputs, rows, cols - 1, input_ids[rows, cols], chunk_elements, top_k=top_k)
 
 
 def pad_sequences(sequences: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
