@@ -141,9 +141,8 @@ def test_codes_keep_log_probs_within_the_stated_error():
 
 def coarse_kl(p_logps, p_tail, q_logps, q_tail):
     """KL(p || q) of two distributions coarsened to p's top-k tokens plus one bucket for the rest (float64)."""
-    p, q = np.exp(p_logps), np.exp(q_logps)
-    kl = (p * (p_logps - q_logps)).sum(-1)
-    pt, qt = np.exp(p_tail), np.exp(q_tail)
+    kl = (np.exp(p_logps) * (p_logps - q_logps)).sum(-1)
+    pt = np.exp(p_tail)
     with np.errstate(divide="ignore", invalid="ignore"):
         return kl + np.where(pt > 0, pt * (p_tail - q_tail), 0.0)
 
