@@ -182,6 +182,19 @@ def decode_logps(codes) -> np.ndarray:
     return np.where(c == _NEG_INF, -np.inf, v).astype(np.float32)
 
 
+def _code_steps(codes: np.ndarray) -> np.ndarray:
+    """Per token, the first code and then each code's step from the one before, modulo 2**16 (lossless whatever
+    the order; a descending top-k's steps are small and non-negative, which zstd packs tighter than the codes)."""
+    steps = codes.astype(np.int64)
+    steps[..., 1:] = np.diff(steps, axis=-1)
+    return (steps % 2**16).astype(np.uint16)
+
+
+def _code_values(steps: np.ndarray) -> np.ndarray:
+    """The codes of `_code_steps`' steps ([tokens, K])."""
+    return (np.cumsum(steps.astype(np.int64), axis=-1) % 2**16).astype(np.uint16)
+
+
 def _nested_array(values: list, value_type) -> pa.ListArray:
     """Per-row [T, K] values stored flat (T x K per row)."""
     return _list_array([np.asarray(v).reshape(-1) for v in values], value_type)
@@ -216,7 +229,7 @@ def shard_table(ids, prompt_ids, chosen_ids, rejected_ids, chosen, rejected, top
             if column.nested and any(np.shape(r) != (len(t), top_k) for r, t in zip(rows, tokens)):
                 raise ValueError(f"shard_table: {column.name} must hold {top_k} values per completion token")
             if column.codec == "logp16":
-                rows = [encode_logps(r) for r in rows]
+                rows = [_code_steps(encode_logps(r)) for r in rows]
             build = _nested_array if column.nested else _list_array
             values[column.name] = build(rows, column.stored.value_type)
     return pa.Table.from_arrays([values[c.name] for c in columns], schema=shard_schema(top_k))
@@ -318,20 +331,24 @@ def read_columns(path: Path, columns=None) -> pa.Table:
 
 
 def _logical(chunks: pa.ChunkedArray, column: Column, k: int) -> pa.ChunkedArray:
-    """A stored column in its logical type: values cast back, K per token regrouped into per-token lists."""
+    """A stored column in its logical type: values decoded or cast back, K per token regrouped into per-token
+    lists."""
     parts = []
     for rows in chunks.chunks:
-        if rows.null_count:
-            raise ValueError("a row holds no list")
-        value_type = column.logical.value_type.value_type if column.nested else column.logical.value_type
         flat = rows.flatten()
-        flat = pa.array(decode_logps(flat.to_numpy(zero_copy_only=False))) if column.codec == "logp16" else \
-            flat.cast(value_type)
+        if rows.null_count or flat.null_count:
+            raise ValueError("a row or a value is null")
         offsets = rows.offsets.to_numpy()
         offsets = (offsets - offsets[0]).astype(np.int32)
+        if column.nested and (k <= 0 or (offsets % k).any()):
+            raise ValueError("the stored values are not a multiple of K per row")
+        if column.codec == "logp16":
+            codes = _code_values(flat.to_numpy(zero_copy_only=False).reshape(-1, k))
+            flat = pa.array(decode_logps(codes).ravel())
+        else:
+            value_type = column.logical.value_type.value_type if column.nested else column.logical.value_type
+            flat = flat.cast(value_type)
         if column.nested:
-            if k <= 0 or (offsets % k).any():
-                raise ValueError("the stored values are not a multiple of K per row")
             tokens = pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, k, dtype=np.int32)), flat)
             parts.append(pa.ListArray.from_arrays(pa.array(offsets // k), tokens))
         else:

@@ -270,3 +270,38 @@ def test_the_probe_turns_down_a_mode_whose_top_k_is_wrong(setup, monkeypatch, da
             "ids": "top-k ids differ from the reference forward", "tail": "the top-k tail differs"}[damage]
     assert f"kv_cache: {want}" in messages[0], messages
     assert modes.FALLBACK[0] == "full_forward"
+
+
+def test_any_top_k_values_read_back_as_written(tmp_path):
+    """The storage is lossless but for the codes' rounding, whatever the order of the values (the writer stores
+    each code's step from the one before, modulo 2**16); a stored column that is not K per token is refused."""
+    from schemas.encoding import EncodingConfig
+
+    rng = np.random.default_rng(1)
+    k, lengths = 3, [4, 1, 6]
+    scores = [fmt.TokenScores(-rng.random(n).astype(np.float32) * 3, rng.integers(0, 50000, (n, k)).astype(np.int32),
+                              (-rng.random((n, k)) * 40).astype(np.float32), np.log(rng.random(n)).astype(np.float32))
+              for n in lengths]
+    scores[0].top_logps[0] = [-np.inf, 0.0, -1e5]  # unsorted, infinite, past the codes' range
+    ids = [[5] * n for n in lengths]
+    table = fmt.shard_table(["a", "b", "c"], [[1, 2]] * 3, ids, ids[::-1], scores, scores[::-1], top_k=k)
+    path = tmp_path / "shard-00000.parquet"
+    fmt.write_shard(path, table, model_hash="m", tokenizer_hash="t", encoding=EncodingConfig(),
+                    computation={"top_k": k})
+    back = fmt.read_columns(path).to_pydict()
+    for row, s in enumerate(scores):
+        assert np.array_equal(np.array(back["chosen_top_ids"][row]), s.top_ids)
+        assert np.array_equal(np.array(back["chosen_tail"][row], np.float32), s.tail)
+        got, want = np.array(back["chosen_top_logps"][row], np.float64), s.top_logps.astype(np.float64)
+        finite = np.isfinite(want) & (want > -71000)
+        assert np.isneginf(got[np.isneginf(want)]).all()
+        error = np.abs(got[finite] - want[finite])
+        assert (error <= np.maximum(fmt.LOGP_ERROR + 2e-6, 2.45e-4 * np.abs(want[finite]))).all()
+    assert back["rejected_top_ids"][0] == back["chosen_top_ids"][2]
+    with pytest.raises(ValueError, match="3 values per completion token"):
+        fmt.shard_table(["a"], [[1]], [[5, 5]], [[5]], [scores[1]], [scores[1]], top_k=k)
+    torn = table.set_column(table.column_names.index("chosen_top_logps"), "chosen_top_logps",
+                            pa.array([[1, 2], [3, 4, 5], [6, 7, 8]], pa.list_(pa.uint16())))
+    pq.write_table(torn.replace_schema_metadata(pq.read_schema(path).metadata), path)
+    with pytest.raises(fmt.CacheError, match="does not hold 3 values per token"):
+        fmt.read_columns(path)
