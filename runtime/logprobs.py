@@ -39,13 +39,15 @@ def _project(inner, hidden: torch.Tensor) -> torch.Tensor:
 def _scores(logits: torch.Tensor, targets: torch.Tensor, top_k: int) -> tuple:
     """(logps[, top_ids, top_logps, tail]) of one chunk of float32 logits: log_softmax at the targets and, with
     top_k, its k largest values with their ids and the log-sum-exp of the rest (no 1 - sum: no cancellation)."""
-    logps = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     if not top_k:
-        return (logps,)
-    whole = logits.log_softmax(-1)
-    top_logps, top_ids = whole.topk(top_k, dim=-1)
-    tail = whole.scatter(-1, top_ids, float("-inf")).logsumexp(-1)
-    return logps, top_ids, top_logps, tail
+        return (logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1),)
+    norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    logps = logits.gather(-1, targets[:, None]).squeeze(-1) - norm[:, 0]  # the bits of the line above
+    top, top_ids = logits.topk(top_k, dim=-1)  # the order of the logits is the log-softmax's
+    # the rest, in place where no gradient needs the logits (the chunk is this function's own copy)
+    rest = logits.scatter_ if not (torch.is_grad_enabled() and logits.requires_grad) else logits.scatter
+    tail = rest(-1, top_ids, float("-inf")).logsumexp(-1) - norm[:, 0]
+    return logps, top_ids, top - norm, tail
 
 
 def _chunk_scores(inner, hidden: torch.Tensor, targets: torch.Tensor, top_k: int = 0) -> tuple:
@@ -98,8 +100,8 @@ def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: in
     """
     head = head or verified_head(model)
     inner = unwrap(model)
-    # a top-k holds the chunk's log-softmax beside its logits (and topk's working copy): a third of the positions
-    step = max(1, chunk_elements // (inner.get_output_embeddings().weight.shape[0] * (3 if top_k else 1)))
+    # a top-k under grad holds a masked copy of the chunk's logits beside them: half the positions
+    step = max(1, chunk_elements // (inner.get_output_embeddings().weight.shape[0] * (2 if top_k else 1)))
     if head != "hook":
         return _own_logits(model, inputs, rows, sources, targets, step, return_output, head == "logits_to_keep",
                            top_k)

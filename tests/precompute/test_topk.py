@@ -112,7 +112,7 @@ def test_the_chunked_head_never_holds_more_than_a_chunk(setup, monkeypatch):
     at = torch.arange(len(pairs[0].prompt_ids), ids.shape[1])
     whole = logprobs.token_scores(model, {"input_ids": ids}, torch.zeros_like(at), at - 1, ids[0, at], head="hook",
                                   top_k=K)
-    chunk = 3 * vocab * 2  # two positions per chunk with a top-k (a third of chunk_elements)
+    chunk = 2 * vocab * 2  # two positions per chunk with a top-k (half of chunk_elements)
     seen.clear()
     parts = logprobs.token_scores(model, {"input_ids": ids}, torch.zeros_like(at), at - 1, ids[0, at], head="hook",
                                   top_k=K, chunk_elements=chunk)
