@@ -3,7 +3,8 @@
 One call into the rules (schemas/rules.py) after the cache is opened (schemas/cache.py: manifest, files, footers,
 checksums): the encoding options asked for, model hash, tokenizer hash, then every training row encoded here with
 the cache's encoding and its mask checksum compared with the cached one. Then one scan of the columns it trains on
-(`check_values`), the cached per-token log-probs joined to the rows by id.
+(`check_values`), every cached per-token column (`chosen_X` / `rejected_X`: log-probs, and a top-k cache's ids,
+log-probs and tail) joined to the rows by id as `ref_chosen_X` / `ref_rejected_X`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from runtime.errors import JobError
 from schemas.encoding import EncodingConfig
 from schemas.cache import Cache, open_cache
 from schemas.findings import CacheError
+from schemas.format import per_token_columns, top_k_of
 from schemas.rules import use_findings, value_findings
 from schemas.stamps import model_hash, tokenizer_hash, tokenizer_parts
 
@@ -27,7 +29,7 @@ from schemas.stamps import model_hash, tokenizer_hash, tokenizer_parts
 class Verified:
     """Rows ready for training: ids and token ids from our own encoding, reference values from the cache."""
 
-    table: pa.Table  # id, prompt_ids, chosen_ids, rejected_ids[, ref_chosen_logps, ref_rejected_logps]
+    table: pa.Table  # id, prompt_ids, chosen_ids, rejected_ids[, ref_chosen_X, ref_rejected_X per cached column]
     fingerprint: str
     report: dict
 
@@ -68,7 +70,12 @@ REMEDIES = {
     "rows_missing": "precompute these rows too: re-run precompute-ref over the full data into a new --out",
 }
 TRAINED_ON = ("chosen_input_ids", "rejected_input_ids", "chosen_logps", "rejected_logps", "chosen_logp",
-              "rejected_logp")
+              "rejected_logp")  # what the value rules read; the per-token columns joined are the cache's own
+
+
+def cached_columns(cache: Cache) -> list[str]:
+    """The per-token columns of the cache (schemas.format.per_token_columns of its top_k), joined as ref_<name>."""
+    return per_token_columns(top_k_of(cache.manifest.get("computation")))
 
 
 def option_name(key: str) -> str:
@@ -77,16 +84,17 @@ def option_name(key: str) -> str:
 
 def check_values(cache: Cache, ids: list[str]) -> pa.Table:
     """The one scan of the columns train-dpo uses: the cached values of `ids`, checked by the value rules (one
-    value per completion token, sums equal to the per-token values, every value finite and <= 0)."""
+    value per completion token, sums equal to the per-token values, every value finite and <= 0). Returns every
+    per-token column of the cache as ref_<column>, in the order of `ids`."""
     want = pl.DataFrame({"id": ids, "order": range(len(ids))})
     # Read with pyarrow (Cache.scan), which refuses a damaged file (one behind a forged manifest: the file hash
     # matched) with a CacheError; polars' own reader, and polars given metadata that is not UTF-8, can panic on one.
-    values = pl.from_arrow(cache.scan(TRAINED_ON)).join(want, on="id", how="inner").sort("order")
+    columns = cached_columns(cache)
+    read = list(dict.fromkeys([*TRAINED_ON, *columns]))
+    values = pl.from_arrow(cache.scan(read)).join(want, on="id", how="inner").sort("order")
     for finding in value_findings(values):  # the value rules of schemas/rules.py; the first one found is raised
         raise finding.error()
-    return values.select(
-        pl.col("chosen_logps").alias("ref_chosen_logps"), pl.col("rejected_logps").alias("ref_rejected_logps")
-    ).to_arrow()
+    return values.select([pl.col(c).alias(f"ref_{c}") for c in columns]).to_arrow()
 
 
 def encoded_table(encoded: Encoded) -> pa.Table:
@@ -157,7 +165,8 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
         log(f"note: {cache.root} was made with BOS always prepended (before refcache followed the tokenizer); "
             "training uses the same ids")
     table = encoded_table(encoded)
-    for name, column in zip(("ref_chosen_logps", "ref_rejected_logps"), check_values(cache, encoded.ids).columns):
+    cached = check_values(cache, encoded.ids)
+    for name, column in zip(cached.column_names, cached.columns):
         table = table.append_column(name, column)
     report = {
         "cache": str(cache.root),

@@ -70,6 +70,11 @@ class PrecomputeConfig:
         "Computation"))
     batching: str = field(default="auto", metadata=field_help(batching_help(), "Computation",
                                                           choices=("auto", *REGISTRY)))
+    top_k: int = field(default=0, metadata=field_help(
+        "Also store, for every completion token, the reference's K most probable token ids, their log-probs and "
+        "the log of the probability mass outside them (the tail), from the same forward: what train-dpo's KL "
+        "figures and token-level losses read. 0: only the log-prob of each completion token.", "Computation",
+        min=0))
     overwrite: bool = field(default=False, metadata=field_help(
         "Delete the existing cache first (default: resume, keeping finished shards of this same job).", "Output"))
     on_bad_row: str = field(default="error", metadata=field_help(
@@ -103,7 +108,8 @@ class Job:
         # a rerun with other options is refused before loading, even where they would resolve the same way.
         return {"dtype": str(self.dtype).removeprefix("torch."), "device_type": self.device.type,
                 "token_budget": cfg.token_budget, "rows_per_shard": cfg.rows_per_shard,
-                "requested_attn_implementation": cfg.attn_implementation, "requested_batching": cfg.batching}
+                "requested_attn_implementation": cfg.attn_implementation, "requested_batching": cfg.batching,
+                **({"top_k": cfg.top_k} if cfg.top_k else {})}  # a cache without top-k records none (format.py)
 
 
 def plan_shards(encoded: Encoded, rows_per_shard: int, encoding: EncodingConfig) -> list[dict]:
@@ -216,7 +222,12 @@ def _load(cfg: PrecomputeConfig, job: Job, log):
     longest_pair = max(encoded.pairs, key=seq)
     longest = seq(longest_pair)
     budget = effective_budget(model, cfg.token_budget, longest)
-    mode = choose_mode(model, cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair])
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if cfg.top_k > vocab:
+        raise JobError(f"--top-k {cfg.top_k} is more than the model's vocabulary of {vocab} tokens; pass at most "
+                       f"{vocab} (--top-k {vocab} stores the whole distribution)")
+    mode = choose_mode(model, cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair],
+                       top_k=cfg.top_k)
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
                    "head": verified_head(model), "batching": REGISTRY[mode].description}
     return model, computation, mode, pad, budget
@@ -331,11 +342,11 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
 
     for shard in todo:
         pairs = encoded.pairs[shard["start"] : shard["stop"]]
-        chosen, rejected, stats = score_pairs(model, pairs, pad_id, budget, mode, tick)
+        chosen, rejected, stats = score_pairs(model, pairs, pad_id, budget, mode, tick, top_k=cfg.top_k)
         table = fmt.shard_table(
             encoded.ids[shard["start"] : shard["stop"]],
             [p.prompt_ids for p in pairs], [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs],
-            chosen, rejected,
+            chosen, rejected, top_k=cfg.top_k,
         )
         total["written"][shard["file"]] = fmt.write_shard(
             out / shard["file"], table, model_hash=stamps["model_hash"], tokenizer_hash=stamps["tokenizer_hash"],

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from schemas.format import TOP_K_COLUMNS, TokenScores
+
 from .head import HEADS, PROBE_TOKENS
 from .tolerance import head_tolerance
 
@@ -34,64 +36,96 @@ def _project(inner, hidden: torch.Tensor) -> torch.Tensor:
     return inner.get_output_embeddings()(hidden).float()
 
 
-def _scores(logits: torch.Tensor, targets: torch.Tensor, given: torch.Tensor | None):
-    """log_softmax(logits) at `targets`; with `given` ([n, K] ids per position) also at those ids, and the log of
-    the mass outside them as a log-sum-exp over the other tokens themselves (no cancellation; -inf where `given`
-    covers the whole vocabulary, with a zero, not NaN, gradient there)."""
-    lse = torch.logsumexp(logits, dim=-1)
-    logps = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+def _scores(logits: torch.Tensor, targets: torch.Tensor, top_k: int, given: torch.Tensor | None = None) -> tuple:
+    """(logps[, ids, their logps, tail]) of one chunk of float32 logits: log_softmax at the targets and, with
+    `top_k`, its k largest values with their ids, or with `given` ([n, K] ids per position, e.g. the reference's top
+    k scored under the policy) the values at those ids; the tail is the log of the mass outside the ids, a
+    log-sum-exp over the other tokens themselves (no 1 - sum: no cancellation), -inf where the ids cover the whole
+    vocabulary (with a zero, not NaN, gradient there)."""
+    norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    logps = logits.gather(-1, targets[:, None]).squeeze(-1) - norm[:, 0]
+    if not top_k and given is None:
+        return (logps,)
     if given is None:
-        return logps
-    others = logits.scatter(-1, given, float("-inf"))
+        picked, ids = logits.topk(top_k, dim=-1)  # the order of the logits is the log-softmax's
+    else:
+        ids = given
+        picked = logits.gather(-1, ids)
+    # the rest, in place where no gradient needs the logits (the chunk is this function's own copy)
+    rest = logits.scatter_ if not (torch.is_grad_enabled() and logits.requires_grad) else logits.scatter
+    others = rest(-1, ids, float("-inf"))
     empty = torch.isneginf(others).all(-1)
-    rest = torch.where(empty, float("-inf"), torch.where(empty[:, None], 0.0, others).logsumexp(-1) - lse)
-    return logps, logits.gather(-1, given) - lse[:, None], rest
+    tail = torch.where(empty, float("-inf"), torch.where(empty[:, None], 0.0, others).logsumexp(-1) - norm[:, 0])
+    return logps, ids, picked - norm, tail
 
 
-def _chunk_logps(inner, hidden: torch.Tensor, targets: torch.Tensor, given: torch.Tensor | None = None):
-    return _scores(_project(inner, hidden), targets, given)
+def _chunk_scores(inner, hidden: torch.Tensor, targets: torch.Tensor, top_k: int = 0, given=None) -> tuple:
+    return _scores(_project(inner, hidden), targets, top_k, given)
 
 
-def _joined(parts: list, given, empty: torch.Tensor):
-    """The chunks' scores concatenated: a tensor, or (logps, given_logps, rest) with `given`."""
-    if given is None:
-        return torch.cat(parts) if parts else empty
+def _joined(parts: list[tuple], width: int, like: torch.Tensor) -> TokenScores:
+    """The chunks' scores as one TokenScores; `width`: K ids per position (0: log-probs only)."""
+    names = ("logps", *TOP_K_COLUMNS) if width else ("logps",)
     if not parts:
-        return empty, empty.new_zeros((0, given.shape[1])), empty
-    return tuple(torch.cat(p) for p in zip(*parts))
+        empty = {"logps": like.new_zeros(0, dtype=torch.float32)}
+        if width:
+            empty |= {"top_ids": like.new_zeros((0, width), dtype=torch.long),
+                      "top_logps": like.new_zeros((0, width), dtype=torch.float32),
+                      "tail": like.new_zeros(0, dtype=torch.float32)}
+        return TokenScores(**empty)
+    return TokenScores(**{name: torch.cat([p[i] for p in parts]) for i, name in enumerate(names)})
 
 
-def _gather_logps(logits: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, step: int, given=None):
-    """log_softmax(logits[index])[targets] (and at `given`), a chunk of positions at a time (the float32 copy stays
-    bounded)."""
-    parts = []
-    for s in range(0, len(index), step):
-        chunk = logits[index[s : s + step]].float()
-        parts.append(_scores(chunk, targets[s : s + step], None if given is None else given[s : s + step]))
-    return _joined(parts, given, logits.new_zeros(0, dtype=torch.float32))
+def _gather_scores(logits: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, step: int, top_k: int,
+                   given=None) -> TokenScores:
+    """The scores of log_softmax(logits[index]) at `targets`, a chunk of positions at a time (the float32 copy
+    stays bounded)."""
+    parts = [_scores(logits[index[s : s + step]].float(), targets[s : s + step], top_k,
+                     None if given is None else given[s : s + step])
+             for s in range(0, len(index), step)]
+    return _joined(parts, _width(top_k, given), logits)
+
+
+def _width(top_k: int, given) -> int:
+    return given.shape[1] if given is not None else top_k
 
 
 def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int = CHUNK_ELEMENTS,
                 return_output: bool = False, head: str | None = None, given: torch.Tensor | None = None):
-    """Log-prob of `targets[i]` predicted from position (rows[i], sources[i]) of a forward over `inputs`.
+    """Log-prob of `targets[i]` predicted from position (rows[i], sources[i]) of a forward over `inputs`: the
+    `logps` of `token_scores` (see there). With `given` ([N, K] token ids per scored position, e.g. the reference's
+    top k) the tuple (logps [N], log-probs of the given ids [N, K], log of the mass outside them [N]), from the
+    same forward and chunks."""
+    got = token_scores(model, inputs, rows, sources, targets, chunk_elements, return_output, head, given=given)
+    scores, output = got if return_output else (got, None)
+    value = scores.logps if given is None else (scores.logps, scores.top_logps, scores.tail)
+    return (value, output) if return_output else value
+
+
+def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: int = CHUNK_ELEMENTS,
+                 return_output: bool = False, head: str | None = None, top_k: int = 0, given=None):
+    """The scores (schemas.format.TokenScores) of position (rows[i], sources[i]) of a forward over `inputs`: the
+    log-prob of `targets[i]`, and with `top_k` the k most probable ids there, their log-probs and the tail (with
+    `given` ids instead of the top k: the values at those ids, and the tail outside them).
 
     `head` (default: `verified_head(model)`, decided once per model against its own logits):
       hook            the base model's hidden states at those positions, projected by the output embeddings in
                       chunks inside a hook (so DDP/FSDP/DeepSpeed see a normal forward, and sharded output weights
-                      are materialised); memory bounded by `chunk_elements`;
+                      are materialised); memory bounded by `chunk_elements` (the ids of a chunk are scored before
+                      the next is projected);
       logits_to_keep  the model's own logits, for those positions only (a boolean `logits_to_keep` mask);
       logits          the model's own logits at every position, gathered.
-    Returns float32, differentiable when grad is enabled; with return_output, also the model's output (e.g. the
-    key/value cache when `inputs` sets use_cache). With `given` ([N, K] token ids per scored position, e.g. the
-    reference's top k), the log-probs are (logps [N], log-probs of the given ids [N, K], log of the mass outside
-    them [N]), from the same forward and chunks; the chunk's memory is about twice the logits chunk.
+    Returns float32 values (ids long), differentiable when grad is enabled; with return_output, also the model's
+    output (e.g. the key/value cache when `inputs` sets use_cache).
     """
     head = head or verified_head(model)
     inner = unwrap(model)
-    step = max(1, chunk_elements // inner.get_output_embeddings().weight.shape[0])
+    width = _width(top_k, given)
+    # ids under grad hold a masked copy of the chunk's logits beside them: half the positions
+    step = max(1, chunk_elements // (inner.get_output_embeddings().weight.shape[0] * (2 if width else 1)))
     if head != "hook":
         return _own_logits(model, inputs, rows, sources, targets, step, return_output, head == "logits_to_keep",
-                           given)
+                           top_k, given)
     captured = {}
 
     def score(_module, _args, output):
@@ -101,25 +135,23 @@ def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int
         recompute = torch.is_grad_enabled() and h.requires_grad and h.shape[0] > step
         parts = []
         for s in range(0, h.shape[0], step):
-            chunk = (inner, h[s : s + step], targets[s : s + step], None if given is None else given[s : s + step])
-            if recompute:
-                parts.append(checkpoint(_chunk_logps, *chunk, use_reentrant=False))
-            else:
-                parts.append(_chunk_logps(*chunk))
-        captured["logps"] = _joined(parts, given, hidden.new_zeros(0, dtype=torch.float32))
+            chunk = (inner, h[s : s + step], targets[s : s + step], top_k,
+                     None if given is None else given[s : s + step])
+            parts.append(checkpoint(_chunk_scores, *chunk, use_reentrant=False) if recompute else _chunk_scores(*chunk))
+        captured["scores"] = _joined(parts, width, hidden)
 
     handle = inner.base_model.register_forward_hook(score)
     try:
         output = model(**{"use_cache": False, **inputs}, logits_to_keep=1)
     finally:
         handle.remove()
-    if "logps" not in captured:
+    if "scores" not in captured:
         raise RuntimeError(f"{type(inner).__name__}: the forward hook on its base model did not run")
-    return (captured["logps"], output) if return_output else captured["logps"]
+    return (captured["scores"], output) if return_output else captured["scores"]
 
 
-def _own_logits(model, inputs, rows, sources, targets, step, return_output, keep_only, given=None):
-    """token_logps from the model's own `logits` output (its whole head, whatever it does after the projection)."""
+def _own_logits(model, inputs, rows, sources, targets, step, return_output, keep_only, top_k, given=None):
+    """token_scores from the model's own `logits` output (its whole head, whatever it does after the projection)."""
     width = inputs["input_ids"].shape[1]
     if keep_only:
         keep = torch.zeros(inputs["input_ids"].shape, dtype=torch.bool, device=rows.device)
@@ -132,8 +164,8 @@ def _own_logits(model, inputs, rows, sources, targets, step, return_output, keep
         output = model(**{"use_cache": False, **inputs})
         logits = output.logits.reshape(-1, output.logits.shape[-1])
         index = rows * width + sources
-    logps = _gather_logps(logits, index, targets, step, given)
-    return (logps, output) if return_output else logps
+    scores = _gather_scores(logits, index, targets, step, top_k, given)
+    return (scores, output) if return_output else scores
 
 
 def reset_position_state(model) -> None:
@@ -190,18 +222,27 @@ def completion_logps(
     completion_lens: torch.Tensor,
     chunk_elements: int = CHUNK_ELEMENTS,
     given: torch.Tensor | None = None,
-) -> torch.Tensor:
+):
     """Log-prob of every completion token, flattened in row order (row i contributes completion_lens[i] values).
 
     `input_ids` are right-padded rows of prompt + completion. The first completion token is scored from the
     prompt's last position. `given`: as in token_logps, one row of ids per completion token in the same order.
     """
+    got = completion_scores(model, input_ids, attention_mask, prompt_lens, completion_lens, chunk_elements,
+                            given=given)
+    return got.logps if given is None else (got.logps, got.top_logps, got.tail)
+
+
+def completion_scores(model, input_ids, attention_mask, prompt_lens, completion_lens,
+                      chunk_elements: int = CHUNK_ELEMENTS, top_k: int = 0, given=None) -> TokenScores:
+    """`token_scores` of every completion token of right-padded rows, flattened in row order (completion_logps)."""
     seq = torch.arange(input_ids.shape[1], device=input_ids.device)
     start = prompt_lens.to(input_ids.device)[:, None]
     end = start + completion_lens.to(input_ids.device)[:, None]
     rows, cols = ((seq >= start) & (seq < end)).nonzero(as_tuple=True)  # row-major: row order, then position
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    return token_logps(model, inputs, rows, cols - 1, input_ids[rows, cols], chunk_elements, given=given)
+    return token_scores(model, inputs, rows, cols - 1, input_ids[rows, cols], chunk_elements, top_k=top_k,
+                        given=given)
 
 
 def pad_sequences(sequences: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,8 @@ class Cache:
     def scan(self, columns=None) -> pa.Table:
         """`columns` (default: every column of a shard) beside the index, each shard read once, in manifest order;
         the index's columns are not read again."""
-        extra = [c for c in (columns or fmt.SHARD_SCHEMA.names) if c not in INDEX]
+        names = fmt.shard_schema(fmt.top_k_of(self.manifest.get("computation"))).names
+        extra = [c for c in (columns or names) if c not in INDEX]
         tables = [fmt.read_columns(p, extra).replace_schema_metadata(None) for p in self.shard_paths]
         table = pa.concat_tables(tables) if tables else pa.table({c: [] for c in extra})
         for name in self.index.column_names:

@@ -31,21 +31,114 @@ SHARD_ENTRY = ("file", "rows", "bytes", "sha256", "mask_checksum", "ids_checksum
 META_PREFIX = "refcache."
 SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.parquet$")
 
-SHARD_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("prompt_input_ids", pa.list_(pa.int32())),
-        ("chosen_input_ids", pa.list_(pa.int32())),
-        ("rejected_input_ids", pa.list_(pa.int32())),
-        ("chosen_logps", pa.list_(pa.float32())),
-        ("rejected_logps", pa.list_(pa.float32())),
-        ("chosen_logp", pa.float64()),
-        ("rejected_logp", pa.float64()),
-        ("mask_checksum", pa.string()),
+SIDES = ("chosen", "rejected")
+PER_TOKEN = ("logps",)  # per-token scores every cache holds: shard columns f"{side}_{suffix}"
+TOP_K_COLUMNS = ("top_ids", "top_logps", "tail")  # and those a cache made with --top-k K > 0 holds
+COMPUTATION_DEFAULTS = {"top_k": 0}  # a computation key a cache may leave out, and what its absence means
+
+
+@dataclass(frozen=True)
+class Column:
+    """One shard column: `logical` is what `read_columns` returns, `physical` what the file stores (they differ
+    only where storage is chosen for size); `dictionary`: Parquet dictionary encoding of its values, `split`:
+    BYTE_STREAM_SPLIT encoding of its values (floats), `nested`: values are stored flat, K per token."""
+
+    name: str
+    logical: pa.DataType
+    physical: pa.DataType | None = None
+    dictionary: bool = False
+    split: bool = False
+    nested: bool = False
+    codec: str | None = None  # "logp16": log-probs as 16-bit codes (encode_logps)
+    level: int | None = None  # a zstd level other than the writer's default (1)
+
+    @property
+    def stored(self) -> pa.DataType:
+        return self.physical or self.logical
+
+
+TOP_K_LEVEL = 9  # zstd level of the top-k ids and log-probs: 4-5% smaller than 1, about 4 us per token to write
+
+
+def _ints():
+    return pa.list_(pa.int32())
+
+
+def _per_token(suffix: str) -> list[Column]:
+    """The chosen and rejected column of one per-token score."""
+    kinds = {
+        "logps": dict(logical=pa.list_(pa.float32())),
+        # ids: dictionary-encoded (indices bit-packed to the distinct ids of a row group), K per token stored flat
+        "top_ids": dict(logical=pa.list_(pa.list_(pa.int32())), physical=pa.list_(pa.int32()), dictionary=True,
+                        nested=True, level=TOP_K_LEVEL),
+        # log-probs: 16-bit codes, error <= 2**-12 nats down to -24 (encode_logps; FORMAT.md: what it does to a
+        # KL), byte-split
+        "top_logps": dict(logical=pa.list_(pa.list_(pa.float32())), physical=pa.list_(pa.uint16()), split=True,
+                          nested=True, codec="logp16", level=TOP_K_LEVEL),
+        "tail": dict(logical=pa.list_(pa.float32())),
+    }
+    return [Column(f"{side}_{suffix}", **kinds[suffix]) for side in SIDES]
+
+
+def shard_columns(top_k: int = 0) -> list[Column]:
+    """THE list of a shard's columns, for a cache made with `--top-k top_k` (0: none of the top-k columns)."""
+    return [
+        Column("id", pa.string()),
+        *[Column(f"{part}_input_ids", _ints(), dictionary=True) for part in ("prompt", *SIDES)],
+        *[c for suffix in per_token_suffixes(top_k) for c in _per_token(suffix)],
+        Column("chosen_logp", pa.float64()),
+        Column("rejected_logp", pa.float64()),
+        Column("mask_checksum", pa.string()),
     ]
-)
 
 
+def per_token_suffixes(top_k: int = 0) -> tuple[str, ...]:
+    """The per-token scores of a cache made with --top-k top_k."""
+    return PER_TOKEN + (TOP_K_COLUMNS if top_k else ())
+
+
+def per_token_columns(top_k: int = 0) -> list[str]:
+    """The shard's per-token columns (f"{side}_{suffix}"), aligned token for token with its completion ids."""
+    return [f"{side}_{suffix}" for suffix in per_token_suffixes(top_k) for side in SIDES]
+
+
+def shard_schema(top_k: int = 0) -> pa.Schema:
+    """The schema stored in a shard of a cache made with --top-k top_k."""
+    return pa.schema([(c.name, c.stored) for c in shard_columns(top_k)])
+
+
+def top_k_of(computation) -> int:
+    """The K of a computation (a manifest's or a shard footer's): 0 when it records none."""
+    k = computation.get("top_k", COMPUTATION_DEFAULTS["top_k"]) if isinstance(computation, dict) else 0
+    return k if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else 0
+
+
+SHARD_SCHEMA = shard_schema(0)
+
+
+@dataclass
+class TokenScores:
+    """One shape for the per-token scores of a completion (or of a flat batch of them): `logps` [T] and, with a
+    top-k, `top_ids` [T, K], `top_logps` [T, K] and `tail` [T]. Fields are PER_TOKEN + TOP_K_COLUMNS; numpy or
+    torch values alike."""
+
+    logps: object
+    top_ids: object = None
+    top_logps: object = None
+    tail: object = None
+
+    def fields(self) -> dict:
+        """The scores it holds, by suffix."""
+        return {k: getattr(self, k) for k in PER_TOKEN + TOP_K_COLUMNS if getattr(self, k) is not None}
+
+    def map(self, fn) -> TokenScores:
+        """Every score it holds, through `fn` (a slice, a device move, a conversion)."""
+        return TokenScores(**{k: fn(v) for k, v in self.fields().items()})
+
+    @classmethod
+    def join(cls, parts: list[TokenScores], cat) -> TokenScores:
+        """Parts of one completion (or batch), token after token; `cat`: numpy's or torch's concatenate."""
+        return cls(**{k: cat([p.fields()[k] for p in parts]) for k in parts[0].fields()})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,24 +153,86 @@ def _list_array(values: list, value_type) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(value_type.to_pandas_dtype())))
 
 
-def shard_table(ids, prompt_ids, chosen_ids, rejected_ids, chosen_logps, rejected_logps) -> pa.Table:
-    """Build a shard table from per-row sequences; sums and per-row checksums are derived here."""
-    # Sum the float32 values that are stored (not a float64 input's unrounded values), accumulating in float64.
-    chosen_sum = np.array([np.sum(np.asarray(v, np.float32).astype(np.float64)) for v in chosen_logps], np.float64)
-    rejected_sum = np.array([np.sum(np.asarray(v, np.float32).astype(np.float64)) for v in rejected_logps], np.float64)
-    checks = [row_mask_checksum(p, c, r) for p, c, r in zip(prompt_ids, chosen_ids, rejected_ids)]
-    columns = [
-        pa.array(list(ids), pa.string()),
-        _list_array(prompt_ids, pa.int32()),
-        _list_array(chosen_ids, pa.int32()),
-        _list_array(rejected_ids, pa.int32()),
-        _list_array(chosen_logps, pa.float32()),
-        _list_array(rejected_logps, pa.float32()),
-        pa.array(chosen_sum),
-        pa.array(rejected_sum),
-        pa.array(checks, pa.string()),
-    ]
-    return pa.Table.from_arrays(columns, schema=SHARD_SCHEMA)
+LOGP_STEP = 2.0**-11  # code step: absolute (nats) above LOGP_FIXED, of log(-logp) below it
+LOGP_FIXED = 24.0  # log-probs in [-24, 0]: fixed point; below: logarithmic (relative error)
+LOGP_ERROR = LOGP_STEP / 2  # the stored error bound: absolute above -24, relative (of |logp|) below
+_LOG_START = round(LOGP_FIXED / LOGP_STEP)  # 49152, the first logarithmic code
+_NEG_INF = 2**16 - 1
+
+
+def encode_logps(values) -> np.ndarray:
+    """Log-probs (<= 0) as uint16 codes: c = round(-v / step) for v >= -24 (error <= 2**-12 nats), then
+    49152 + round(log(-v / 24) / step) (relative error <= 2**-12) down to about -71500, where it saturates; 65535 is
+    -inf. Probabilities of log-probs below -24 are under 4e-11, so a KL term they enter (p x logp) moves by less
+    than their relative error of what it already is."""
+    v = np.asarray(values, np.float64)
+    if np.isnan(v).any():
+        raise ValueError("a top-k log-prob is NaN")
+    a = np.maximum(-v, 0.0)  # a log-prob rounded above 0 is 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_part = _LOG_START + np.rint(np.log(np.maximum(a, LOGP_FIXED) / LOGP_FIXED) / LOGP_STEP)
+    code = np.where(a < LOGP_FIXED, np.rint(a / LOGP_STEP), log_part)
+    return np.where(np.isinf(a), _NEG_INF, np.minimum(code, _NEG_INF - 1)).astype(np.uint16)
+
+
+def decode_logps(codes) -> np.ndarray:
+    """The float32 log-probs of `encode_logps`' codes."""
+    c = np.asarray(codes).astype(np.float64)
+    v = np.where(c < _LOG_START, -c * LOGP_STEP, -LOGP_FIXED * np.exp((c - _LOG_START) * LOGP_STEP))
+    return np.where(c == _NEG_INF, -np.inf, v).astype(np.float32)
+
+
+def _code_steps(codes: np.ndarray) -> np.ndarray:
+    """Per token, the first code and then each code's step from the one before, modulo 2**16 (lossless whatever
+    the order; a descending top-k's steps are small and non-negative, which zstd packs tighter than the codes)."""
+    steps = codes.astype(np.int64)
+    steps[..., 1:] = np.diff(steps, axis=-1)
+    return (steps % 2**16).astype(np.uint16)
+
+
+def _code_values(steps: np.ndarray) -> np.ndarray:
+    """The codes of `_code_steps`' steps ([tokens, K])."""
+    return (np.cumsum(steps.astype(np.int64), axis=-1) % 2**16).astype(np.uint16)
+
+
+def _nested_array(values: list, value_type) -> pa.ListArray:
+    """Per-row [T, K] values stored flat (T x K per row)."""
+    return _list_array([np.asarray(v).reshape(-1) for v in values], value_type)
+
+
+def _scores(value, suffix: str):
+    """A completion's per-token `suffix` score: from a TokenScores, or (logps) its plain values."""
+    return getattr(value, suffix) if isinstance(value, TokenScores) else (value if suffix == "logps" else None)
+
+
+def shard_table(ids, prompt_ids, chosen_ids, rejected_ids, chosen, rejected, top_k: int = 0) -> pa.Table:
+    """Build a shard table from per-row sequences; `chosen`, `rejected`: per row a TokenScores (or its logps
+    alone); sums and per-row checksums are derived here. Columns and types are `shard_columns(top_k)`'s."""
+    sides = {"chosen": chosen, "rejected": rejected}
+    values = {"id": pa.array(list(ids), pa.string()), "mask_checksum": None}
+    for part, rows in (("prompt", prompt_ids), ("chosen", chosen_ids), ("rejected", rejected_ids)):
+        values[f"{part}_input_ids"] = _list_array(rows, pa.int32())
+    for side, rows in sides.items():
+        # Sum the float32 values that are stored (not a float64 input's unrounded values), accumulating in float64.
+        values[f"{side}_logp"] = pa.array(np.array(
+            [np.sum(np.asarray(_scores(v, "logps"), np.float32).astype(np.float64)) for v in rows], np.float64))
+    values["mask_checksum"] = pa.array([row_mask_checksum(p, c, r) for p, c, r in zip(prompt_ids, chosen_ids,
+                                                                                     rejected_ids)], pa.string())
+    columns = shard_columns(top_k)
+    for column in columns:
+        side, _, suffix = column.name.partition("_")
+        if side in sides and suffix in PER_TOKEN + TOP_K_COLUMNS:
+            rows = [_scores(v, suffix) for v in sides[side]]
+            if any(r is None for r in rows):
+                raise ValueError(f"shard_table: a row has no {suffix} scores for column {column.name}")
+            tokens = chosen_ids if side == "chosen" else rejected_ids
+            if column.nested and any(np.shape(r) != (len(t), top_k) for r, t in zip(rows, tokens)):
+                raise ValueError(f"shard_table: {column.name} must hold {top_k} values per completion token")
+            if column.codec == "logp16":
+                rows = [_code_steps(encode_logps(r)) for r in rows]
+            build = _nested_array if column.nested else _list_array
+            values[column.name] = build(rows, column.stored.value_type)
+    return pa.Table.from_arrays([values[c.name] for c in columns], schema=shard_schema(top_k))
 
 
 def shard_metadata(model_hash, tokenizer_hash, encoding: EncodingConfig, shard_checksum: str, ids_sum: str,
@@ -103,8 +258,12 @@ def write_shard(path: Path, table: pa.Table, *, model_hash, tokenizer_hash, enco
     table = table.replace_schema_metadata(shard_metadata(model_hash, tokenizer_hash, encoding, checksum, ids_sum,
                                                          computation))
     # Dictionary encoding helps the token ids but not the log-prob floats (its fallback costs more than plain).
-    ids = [f"{c}.list.element" for c in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")]
-    atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd", use_dictionary=ids))
+    columns = shard_columns(top_k_of(computation))
+    ids = [f"{c.name}.list.element" for c in columns if c.dictionary]
+    split = {f"{c.name}.list.element": "BYTE_STREAM_SPLIT" for c in columns if c.split}
+    levels = {f"{c.name}.list.element": c.level for c in columns if c.level}
+    options = ({"column_encoding": split} if split else {}) | ({"compression_level": levels} if levels else {})
+    atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd", use_dictionary=ids, **options))
     return shard_entry(path, table.num_rows, checksum, ids_sum)
 
 
@@ -146,13 +305,55 @@ def read_shard_metadata(path: Path) -> dict[str, str]:
 
 
 def read_columns(path: Path, columns=None) -> pa.Table:
-    """A shard's columns. A file that passed its size and sha256 checks can still be damaged where the manifest was
-    forged to match it; that is a CacheError like any other damage."""
+    """A shard's columns, in their logical types (shard_columns: the top-k columns as [T, K] lists of float32 and
+    int32, whatever their storage). A file that passed its size and sha256 checks can still be damaged where the
+    manifest was forged to match it; that is a CacheError like any other damage."""
     try:
-        return pq.read_table(path, columns=columns)
+        table = pq.read_table(path, columns=columns)
     except (pa.ArrowException, OSError, ValueError) as e:
         raise CacheError("shard_unreadable", f"shard {path.name} is not a readable Parquet file ({e})", remedy=RERUN,
                          shard=path.name) from None
+    meta = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in (table.schema.metadata or {}).items()}
+    try:
+        k = top_k_of(json.loads(meta.get(META_PREFIX + "computation", "{}")))
+    except ValueError:
+        k = 0
+    for column in shard_columns(k):
+        if column.name in table.column_names and column.physical is not None:
+            at = table.column_names.index(column.name)
+            try:
+                logical = _logical(table.column(at), column, k)
+            except (pa.ArrowException, ValueError) as e:
+                raise CacheError("shard_unreadable", f"shard {path.name}: column {column.name} does not hold {k} "
+                                 f"values per token ({e})", remedy=RERUN, shard=path.name) from None
+            table = table.set_column(at, pa.field(column.name, column.logical), logical)
+    return table
+
+
+def _logical(chunks: pa.ChunkedArray, column: Column, k: int) -> pa.ChunkedArray:
+    """A stored column in its logical type: values decoded or cast back, K per token regrouped into per-token
+    lists."""
+    parts = []
+    for rows in chunks.chunks:
+        flat = rows.flatten()
+        if rows.null_count or flat.null_count:
+            raise ValueError("a row or a value is null")
+        offsets = rows.offsets.to_numpy()
+        offsets = (offsets - offsets[0]).astype(np.int32)
+        if column.nested and (k <= 0 or (offsets % k).any()):
+            raise ValueError("the stored values are not a multiple of K per row")
+        if column.codec == "logp16":
+            codes = _code_values(flat.to_numpy(zero_copy_only=False).reshape(-1, k))
+            flat = pa.array(decode_logps(codes).ravel())
+        else:
+            value_type = column.logical.value_type.value_type if column.nested else column.logical.value_type
+            flat = flat.cast(value_type)
+        if column.nested:
+            tokens = pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, k, dtype=np.int32)), flat)
+            parts.append(pa.ListArray.from_arrays(pa.array(offsets // k), tokens))
+        else:
+            parts.append(pa.ListArray.from_arrays(pa.array(offsets), flat))
+    return pa.chunked_array(parts, type=column.logical)
 
 
 # ---------------------------------------------------------------------------------------------------------------

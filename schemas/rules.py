@@ -95,7 +95,8 @@ def shard_footer_findings(path: Path, want: dict, rows: int) -> tuple[dict, list
     except (pa.ArrowException, OSError, ValueError) as e:
         return {}, [Finding("shard_files", "shard_unreadable", f"shard {name} is not a readable Parquet file ({e})",
                             shard=name)]
-    if not schema.equals(fmt.SHARD_SCHEMA, check_metadata=False):
+    # the columns of the K its own footer records (a footer that disagrees with the manifest is a finding below)
+    if not schema.equals(fmt.shard_schema(fmt.top_k_of(footer_computation(meta))), check_metadata=False):
         return meta, [Finding("shard_files", "shard_unreadable", f"shard {name} does not have the columns of a format "
                               f"version {fmt.FORMAT_VERSION} shard (found "
                               + ", ".join(f"{f.name}: {f.type}" for f in schema) + ")", shard=name)]
@@ -255,16 +256,19 @@ def value_findings(df: pl.DataFrame, name: str | None = None) -> list[Finding]:
 def computation_findings(recorded: dict, now: dict, *, partial: bool = False, where: str = "the cache",
                          remedy: str = RERUN) -> list[Finding]:
     """Every key of the recorded computation (dtype, device type, attention implementation, mode, head path, token
-    budget, ...) against this run's. With partial=True keys this run does not know yet are not compared. `remedy`:
-    the caller's (precompute-ref's resume: precompute/resume.COMPUTATION)."""
+    budget, ...) against this run's. With partial=True keys this run does not know yet are not compared. A key of
+    fmt.COMPUTATION_DEFAULTS (top_k) left out means its default, on either side. `remedy`: the caller's
+    (precompute-ref's resume: precompute/resume.COMPUTATION)."""
     out = []
+    defaults = fmt.COMPUTATION_DEFAULTS
     for key in sorted(set(recorded) | set(now)):
-        if partial and key not in now:
+        if partial and key not in now and key not in defaults:
             continue
-        if recorded.get(key) != now.get(key):
-            out.append(Finding("computation", "computation", f"{where} was computed with {key}={recorded.get(key)!r}, "
-                               f"this run uses {key}={now.get(key)!r}", expected={key: recorded.get(key)},
-                               found={key: now.get(key)}, remedy=remedy))
+        was, uses = recorded.get(key, defaults.get(key)), now.get(key, defaults.get(key))
+        if was != uses:
+            out.append(Finding("computation", "computation", f"{where} was computed with {key}={was!r}, "
+                               f"this run uses {key}={uses!r}", expected={key: was}, found={key: uses},
+                               remedy=remedy))
     return out
 
 

@@ -21,6 +21,7 @@ every architecture in bfloat16 (against a bfloat16 reference forward) and prints
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -186,7 +187,7 @@ def score(model, pairs, mode) -> list[np.ndarray] | None:
         chosen, rejected, _ = score_pairs(model, pairs, 0, 64, mode)
     except Exception:
         return None
-    return [x for pair in zip(chosen, rejected) for x in pair]
+    return [x.logps for pair in zip(chosen, rejected) for x in pair]
 
 
 def worst(got, ref) -> float:
@@ -287,10 +288,11 @@ def test_probe_sees_errors_that_only_long_sequences_show(monkeypatch):
     pairs = job_pairs()
     real = kv_cache.kv_cache_batch
 
-    def drifts_when_long(model, pairs_, batch, pad_id):
-        values, counts = real(model, pairs_, batch, pad_id)
+    def drifts_when_long(model, pairs_, batch, pad_id, top_k=0):
+        values, counts = real(model, pairs_, batch, pad_id, top_k)
         long = [len(pairs_[i].prompt_ids) > 30 for i in batch for _ in (0, 1)]
-        return [v + (0.01 if is_long else 0.0) for v, is_long in zip(values, long)], counts
+        drift = [dataclasses.replace(v, logps=v.logps + (0.01 if is_long else 0.0)) for v, is_long in zip(values, long)]
+        return drift, counts
 
     monkeypatch.setattr(kv_cache, "kv_cache_batch", drifts_when_long)
     messages = []

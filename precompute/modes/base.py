@@ -2,7 +2,9 @@
 `runtime.logprobs.reference_logps` (the model's own forward over one unpadded sequence).
 
 A mode is a subclass of BatchingMode in a module of its own, registered by one line in `precompute/modes/__init__.py`.
-Indices: sequence 2i is [prompt | chosen] of pair i, sequence 2i + 1 its [prompt | rejected].
+Indices: sequence 2i is [prompt | chosen] of pair i, sequence 2i + 1 its [prompt | rejected]. Scores are one
+record per sequence, schemas.format.TokenScores (log-probs, and with a top-k its ids, log-probs and tail), whatever
+the mode and the head path.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 
 from schemas.encoding import EncodedPair
+from schemas.format import TokenScores
 
 from runtime.architecture import shape_dependent
 from runtime.cost import work
@@ -33,10 +36,11 @@ class BatchingMode:
         pairs or rows of pairs), `score` and `batch_cost` take one."""
         raise NotImplementedError
 
-    def score(self, model, pairs: list[EncodedPair], batch, pad_id: int) -> tuple[list[int], list[np.ndarray], dict]:
-        """(order, values, counts) for one batch: the sequence indices it scored, each one's completion log-probs
-        (one float per completion token), and {"processed": real tokens through the model, "slots": tokens
-        including padding}."""
+    def score(self, model, pairs: list[EncodedPair], batch, pad_id: int,
+              top_k: int = 0) -> tuple[list[int], list[TokenScores], dict]:
+        """(order, scores, counts) for one batch: the sequence indices it scored, each one's TokenScores (one
+        entry per completion token; with top_k, the top_k most probable ids too: runtime.logprobs.token_scores), and
+        {"processed": real tokens through the model, "slots": tokens including padding}."""
         raise NotImplementedError
 
     def batch_cost(self, lengths: Lengths, batch) -> tuple[float, float]:
@@ -94,7 +98,9 @@ def sequence_lengths(pairs: list[EncodedPair]) -> list[int]:
     return [len(p.prompt_ids) + len(c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
 
 
-def split(flat, lengths: torch.Tensor) -> list[np.ndarray]:
-    """Flattened values cut into consecutive parts of `lengths`."""
-    flat = flat.cpu().numpy() if isinstance(flat, torch.Tensor) else flat
-    return np.split(flat, np.cumsum(lengths.numpy())[:-1])
+def split(flat: TokenScores, lengths: torch.Tensor) -> list[TokenScores]:
+    """Flattened scores cut into consecutive parts of `lengths`, as numpy."""
+    flat = flat.map(lambda v: v.cpu().numpy() if isinstance(v, torch.Tensor) else v)
+    cuts = np.cumsum(lengths.numpy())[:-1]
+    fields = {k: np.split(v, cuts) for k, v in flat.fields().items()}
+    return [TokenScores(**{k: parts[i] for k, parts in fields.items()}) for i in range(len(cuts) + 1)]

@@ -56,12 +56,13 @@ def _order(model, requested: str, sample: list[EncodedPair], token_budget: int) 
 
 
 def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, pad_id: int, token_budget: int,
-                log, long_pairs: list[EncodedPair] = ()) -> str:
+                log, long_pairs: list[EncodedPair] = (), top_k: int = 0) -> str:
     """The mode to run: `requested`, or for auto the cheapest by estimated_cost. Whatever the mode (full_forward
     and single included), it must first reproduce `reference_logps` on probe pairs (short ones of `sample`, and
     the longest of `sample` and `long_pairs`); one that does not falls back to the next (auto: the next cheapest;
     a requested mode: full_forward, then single), the reason logged once. A model whose numbers depend on batch
-    shape runs single. Refuses (JobError) if nothing reproduces the reference."""
+    shape runs single. With top_k the mode's top-k ids, log-probs and tail must also reproduce `reference_top_k`.
+    Refuses (JobError) if nothing reproduces the reference."""
     attn = model.config._attn_implementation
     if requested != "auto":
         warning = lookup(requested).warning(attn)  # an unknown name is refused here (ValueError)
@@ -69,11 +70,11 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
             log(warning)
     order, cost = _order(model, requested, sample, token_budget)
     probe = probe_pairs(sample, long_pairs=long_pairs)
-    truth = reference_values(model, probe)
+    truth = reference_values(model, probe, top_k)
     rejected = []
     for mode in order:
         reason = unsupported(mode, model, longest) or disagreement(
-            model, partial(_mode_values, model, mode, pad_id=pad_id), probe, truth=truth)
+            model, partial(_mode_values, model, mode, pad_id=pad_id, top_k=top_k), probe, truth=truth)
         if reason is None:
             ratio = (f"; estimated {cost['full_forward'] / cost[mode]:.2f}x less work than full_forward"
                      if mode in cost else "")
@@ -116,7 +117,7 @@ def probe_pairs(sample: list[EncodedPair], prompt_cap: int = 24, completion_cap:
     return probe
 
 
-def _mode_values(model, mode: str, pairs: list[EncodedPair], pad_id: int) -> list:
-    """`mode`'s values for `pairs` in one batch, in the probe's order (chosen, rejected of each pair)."""
-    got_c, got_r, _ = score_pairs(model, pairs, pad_id, 1 << 30, mode)
+def _mode_values(model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: int = 0) -> list:
+    """`mode`'s scores for `pairs` in one batch, in the probe's order (chosen, rejected of each pair)."""
+    got_c, got_r, _ = score_pairs(model, pairs, pad_id, 1 << 30, mode, top_k=top_k)
     return [x for pair in zip(got_c, got_r) for x in pair]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from runtime.cost import padded_rows
-from runtime.logprobs import completion_logps, pad_sequences
+from runtime.logprobs import completion_scores, pad_sequences
 from runtime.packing import length_batches
 
 from .base import BatchingMode, sequence, sequence_lengths, split
@@ -20,11 +20,11 @@ class FullForward(BatchingMode):
     def plan(self, pairs, token_budget):
         return length_batches(sequence_lengths(pairs), token_budget)
 
-    def score(self, model, pairs, batch, pad_id):
+    def score(self, model, pairs, batch, pad_id, top_k=0):
         seqs = [sequence(pairs, i) for i in batch]
         ids, mask = pad_sequences([p + c for p, c in seqs], pad_id, next(model.parameters()).device)
         clen = torch.tensor([len(c) for _, c in seqs])
-        flat = completion_logps(model, ids, mask, torch.tensor([len(p) for p, _ in seqs]), clen)
+        flat = completion_scores(model, ids, mask, torch.tensor([len(p) for p, _ in seqs]), clen, top_k=top_k)
         return batch, split(flat, clen), {"processed": int(mask.sum()), "slots": mask.numel()}
 
     def batch_cost(self, lengths, batch):

@@ -14,11 +14,12 @@ import numpy as np
 import torch
 
 from schemas.encoding import EncodedPair
+from schemas.format import TokenScores
 
 from runtime.cost import causal
-from runtime.logprobs import pad_sequences, token_logps, unwrap
+from runtime.logprobs import pad_sequences, token_scores, unwrap
 
-from .base import BatchingMode
+from .base import BatchingMode, split
 from runtime.architecture import state_layers, window_too_short
 
 
@@ -47,18 +48,21 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def kv_cache_batch(model, pairs: list[EncodedPair], batch: list[int], pad_id: int) -> tuple[list[np.ndarray], dict]:
-    """Per-token log-probs of chosen and rejected for the pairs in `batch`, in the order
+def kv_cache_batch(model, pairs: list[EncodedPair], batch: list[int], pad_id: int,
+                   top_k: int = 0) -> tuple[list[TokenScores], dict]:
+    """Per-token scores (TokenScores) of chosen and rejected for the pairs in `batch`, in the order
     [chosen of batch[0], rejected of batch[0], chosen of batch[1], ...], plus token counts."""
     device = next(model.parameters()).device
     completions = [c for i in batch for c in (pairs[i].chosen_ids, pairs[i].rejected_ids)]
     ids, mask = pad_sequences([pairs[i].prompt_ids for i in batch], pad_id, device)
     plen = mask.sum(1).repeat_interleave(2)  # one row per completion from here on
     key = _cache_kwarg(model)
-    first, out = token_logps(model, {"input_ids": ids, "attention_mask": mask, "use_cache": True},
-                             torch.arange(len(batch), device=device).repeat_interleave(2), plen - 1,
-                             torch.as_tensor([c[0] for c in completions], device=device), return_output=True)
-    first = first.cpu().numpy()  # each prompt's last position scores the first token of both completions
+    first, out = token_scores(model, {"input_ids": ids, "attention_mask": mask, "use_cache": True},
+                              torch.arange(len(batch), device=device).repeat_interleave(2), plen - 1,
+                              torch.as_tensor([c[0] for c in completions], device=device), return_output=True,
+                              top_k=top_k)
+    # each prompt's last position scores the first token of both completions
+    first = split(first, torch.ones(len(completions), dtype=torch.long))
     rest = [c[1:] for c in completions]  # input c[:-1] predicts c[1:]
     slots = ids.numel()
     if any(rest):
@@ -72,12 +76,12 @@ def kv_cache_batch(model, pairs: list[EncodedPair], batch: list[int], pad_id: in
         inputs = {"input_ids": cont, "attention_mask": torch.cat([mask.repeat_interleave(2, 0), cont_mask], 1),
                   "position_ids": plen[:, None] + torch.arange(width, device=device), key: cache, "use_cache": True}
         targets = torch.as_tensor([t for r in rest for t in r], device=device)
-        flat = token_logps(model, inputs, rows, cols, targets).cpu().numpy()
+        flat = token_scores(model, inputs, rows, cols, targets, top_k=top_k)
         slots += cont.numel()
-        parts = np.split(flat, np.cumsum(lens.cpu().numpy())[:-1])
+        parts = split(flat, lens.cpu())
     else:
-        parts = [np.zeros(0, dtype=np.float32)] * len(completions)
-    values = [np.concatenate([first[k : k + 1], parts[k]]) for k in range(len(completions))]
+        parts = [f.map(lambda v: v[:0]) for f in first]
+    values = [TokenScores.join([first[k], parts[k]], np.concatenate) for k in range(len(completions))]
     processed = int(mask.sum()) + sum(len(c) for c in completions) - len(completions)
     return values, {"processed": processed, "slots": slots}
 
@@ -92,8 +96,8 @@ class KvCache(BatchingMode):
     def plan(self, pairs, token_budget):
         return kv_batches(pairs, token_budget)
 
-    def score(self, model, pairs, batch, pad_id):
-        values, counts = kv_cache_batch(model, pairs, batch, pad_id)
+    def score(self, model, pairs, batch, pad_id, top_k=0):
+        values, counts = kv_cache_batch(model, pairs, batch, pad_id, top_k)
         return [2 * i + k for i in batch for k in (0, 1)], values, counts
 
     def batch_cost(self, lengths, batch):

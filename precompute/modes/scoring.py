@@ -12,8 +12,9 @@ from .base import sequence
 
 @torch.no_grad()
 def score_pairs(model, pairs: list[EncodedPair], pad_id: int, token_budget: int, mode: str = "full_forward",
-                on_batch=None):
-    """Reference log-probs per completion token for each pair: (chosen list, rejected list, stats).
+                on_batch=None, top_k: int = 0):
+    """Reference scores per completion token for each pair, a schemas.format.TokenScores per completion (log-probs;
+    with top_k also the top_k most probable ids, their log-probs and the tail): (chosen list, rejected list, stats).
 
     stats: tokens (of the plain sequences: the work done, whatever the mode), processed (real tokens through the
     model), slots (tokens including padding). on_batch(pairs, tokens) is called after each batch.
@@ -22,7 +23,7 @@ def score_pairs(model, pairs: list[EncodedPair], pad_id: int, token_budget: int,
     values: list = [None] * (2 * len(pairs))  # chosen of pair i at 2i, rejected at 2i + 1
     stats = {"tokens": 0, "processed": 0, "slots": 0}
     for batch in way.plan(pairs, token_budget):
-        order, parts, counts = way.score(model, pairs, batch, pad_id)
+        order, parts, counts = way.score(model, pairs, batch, pad_id, top_k=top_k)
         for i, part in zip(order, parts):
             values[i] = part
         tokens = sum(len(prompt) + len(completion) for prompt, completion in (sequence(pairs, i) for i in order))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from runtime.cost import tree_rows
-from runtime.logprobs import token_logps
+from runtime.logprobs import token_scores
 from runtime.packing import pack_rows, row_batches, tree_batch
 
 from .base import BatchingMode, sequence, split
@@ -23,11 +23,12 @@ class SharedPrompt(BatchingMode):
         lengths = [len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs]
         return row_batches(pack_rows(lengths, self.packs), lengths, token_budget)
 
-    def score(self, model, pairs, batch, pad_id):
+    def score(self, model, pairs, batch, pad_id, top_k=0):
         order = [2 * i + k for row in batch for i in row for k in (0, 1)]
         seqs = [sequence(pairs, i) for i in order]
         inputs, rows, sources, targets = tree_batch(pairs, batch, pad_id, model.dtype, next(model.parameters()).device)
-        values = split(token_logps(model, inputs, rows, sources, targets), torch.tensor([len(c) for _, c in seqs]))
+        values = split(token_scores(model, inputs, rows, sources, targets, top_k=top_k),
+                       torch.tensor([len(c) for _, c in seqs]))
         processed = sum(len(c) + (len(p) if i % 2 == 0 else 0) for i, (p, c) in zip(order, seqs))  # prompts once
         return order, values, {"processed": processed, "slots": inputs["input_ids"].numel()}
 

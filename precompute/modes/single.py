@@ -6,18 +6,18 @@ from __future__ import annotations
 import torch
 
 from runtime.cost import unpadded_sequences
-from runtime.logprobs import reset_position_state, token_logps
+from runtime.logprobs import reset_position_state, token_scores
 
 from .base import BatchingMode, sequence, split
 
 
-def single_sequence(model, prompt: list[int], completion: list[int]) -> tuple[torch.Tensor, dict]:
-    """Completion log-probs of one sequence scored alone: unpadded, batch of one, fresh position state."""
+def single_sequence(model, prompt: list[int], completion: list[int], top_k: int = 0) -> tuple[object, dict]:
+    """Completion scores of one sequence scored alone: unpadded, batch of one, fresh position state."""
     device = next(model.parameters()).device
     ids = torch.as_tensor([prompt + completion], device=device)
     at = torch.arange(len(prompt), ids.shape[1], device=device)
     reset_position_state(model)
-    flat = token_logps(model, {"input_ids": ids}, torch.zeros_like(at), at - 1, ids[0, at])
+    flat = token_scores(model, {"input_ids": ids}, torch.zeros_like(at), at - 1, ids[0, at], top_k=top_k)
     reset_position_state(model)
     return flat, {"processed": ids.shape[1], "slots": ids.shape[1]}
 
@@ -30,9 +30,9 @@ class Single(BatchingMode):
     def plan(self, pairs, token_budget):
         return [[i] for i in range(2 * len(pairs))]
 
-    def score(self, model, pairs, batch, pad_id):
+    def score(self, model, pairs, batch, pad_id, top_k=0):
         prompt, completion = sequence(pairs, batch[0])
-        flat, counts = single_sequence(model, prompt, completion)
+        flat, counts = single_sequence(model, prompt, completion, top_k)
         return batch, split(flat, torch.tensor([len(completion)])), counts
 
     def batch_cost(self, lengths, batch):

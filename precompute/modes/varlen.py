@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from runtime.cost import unpadded_sequences
-from runtime.logprobs import token_logps
+from runtime.logprobs import token_scores
 
 from .base import FLASH, BatchingMode, sequence, sequence_lengths, split
 from runtime.architecture import state_across_rows
@@ -28,8 +28,8 @@ def varlen_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     return batches + ([current] if current else [])
 
 
-def varlen_batch(model, seqs: list[tuple[list[int], list[int]]]) -> tuple[np.ndarray, dict]:
-    """Flattened completion log-probs of the (prompt, completion) sequences `seqs`, packed into one row."""
+def varlen_batch(model, seqs: list[tuple[list[int], list[int]]], top_k: int = 0) -> tuple[object, dict]:
+    """Flattened completion scores of the (prompt, completion) sequences `seqs`, packed into one row."""
     device = next(model.parameters()).device
     ids, positions, sources, targets = [], [], [], []
     for prompt, completion in seqs:
@@ -42,9 +42,9 @@ def varlen_batch(model, seqs: list[tuple[list[int], list[int]]]) -> tuple[np.nda
     ids_t = torch.as_tensor([ids], device=device)
     src = torch.as_tensor(np.concatenate(sources), device=device)
     inputs = {"input_ids": ids_t, "position_ids": torch.as_tensor([positions], device=device)}
-    flat = token_logps(model, inputs, torch.zeros_like(src), src, ids_t[0, torch.as_tensor(np.concatenate(targets),
-                                                                                              device=device)])
-    return flat.cpu().numpy(), {"processed": len(ids), "slots": len(ids)}
+    flat = token_scores(model, inputs, torch.zeros_like(src), src,
+                        ids_t[0, torch.as_tensor(np.concatenate(targets), device=device)], top_k=top_k)
+    return flat, {"processed": len(ids), "slots": len(ids)}
 
 
 class Varlen(BatchingMode):
@@ -55,9 +55,9 @@ class Varlen(BatchingMode):
     def plan(self, pairs, token_budget):
         return varlen_batches(sequence_lengths(pairs), token_budget)
 
-    def score(self, model, pairs, batch, pad_id):
+    def score(self, model, pairs, batch, pad_id, top_k=0):
         seqs = [sequence(pairs, i) for i in batch]
-        flat, counts = varlen_batch(model, seqs)
+        flat, counts = varlen_batch(model, seqs, top_k)
         return batch, split(flat, torch.tensor([len(c) for _, c in seqs])), counts
 
     def batch_cost(self, lengths, batch):

@@ -179,8 +179,8 @@ def test_every_head_path_in_chunks_gives_the_same_scores_and_gradients(reference
             assert torch.equal(torch.isinf(x), torch.isinf(y))
             assert float((torch.where(torch.isinf(x), 0.0, x) - torch.where(torch.isinf(y), 0.0, y)).abs().max()) < TOL
         assert torch.isneginf(a[2]).all() == (k == vocab)
-        for x, y in zip(ga, gb):
-            assert torch.isfinite(x).all() and float((x - y).abs().max()) < TOL
+        for x, y in zip(ga, gb):  # summed over other chunks: float32 rounding relative to the gradient's size
+            assert torch.isfinite(x).all() and float((x - y).abs().max()) < TOL * max(1.0, float(y.abs().max()))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -39,9 +39,9 @@ class Toy(FullForward):
     def in_auto(self, attn):
         return True
 
-    def score(self, model, pairs, batch, pad_id):
-        order, values, counts = super().score(model, pairs, batch, pad_id)
-        return order, [v + self.offset for v in values], counts
+    def score(self, model, pairs, batch, pad_id, top_k=0):
+        order, values, counts = super().score(model, pairs, batch, pad_id, top_k)
+        return order, [v.map(lambda x: x + self.offset) for v in values], counts
 '''
 
 
@@ -66,7 +66,8 @@ def test_a_registered_mode_is_scored_weighed_and_probed(toy_class, model_and_pai
     assert modes.candidates("sdpa")[0] == "toy" and "toy" not in modes.MODES  # MODES: those registered at import
     want, got = score_pairs(model, pairs, 0, 64, "full_forward"), score_pairs(model, pairs, 0, 64, "toy")
     assert len(got[0]) == len(got[1]) == len(want[0]) == len(pairs)  # zip below would stop at the shorter
-    assert all(np.array_equal(a, b) for a, b in zip(want[0] + want[1], got[0] + got[1])) and want[2] == got[2]
+    assert all(np.array_equal(a.logps, b.logps) for a, b in zip(want[0] + want[1], got[0] + got[1]))
+    assert want[2] == got[2]
     messages = []
     assert choose_mode(model, "auto", pairs, 39, 0, 4096, messages.append) == "toy"
     assert messages[0].startswith("batching: toy (sdpa attention; estimated ")

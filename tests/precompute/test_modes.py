@@ -46,10 +46,16 @@ def scored(request, tmp_path_factory):
 # each mode: the plain forward's numbers
 
 
+def logps_of(scored):
+    """score_pairs' (chosen, rejected, stats) with each TokenScores' log-probs."""
+    chosen, rejected, stats = scored
+    return [c.logps for c in chosen], [r.logps for r in rejected], stats
+
+
 @pytest.mark.parametrize("mode", list(REGISTRY))
 def test_modes_equal_plain_forward(scored, mode):
     model, pairs, pad = scored
-    chosen, rejected, stats = score_pairs(model, pairs, pad, token_budget=256, mode=mode)
+    chosen, rejected, stats = logps_of(score_pairs(model, pairs, pad, token_budget=256, mode=mode))
     assert len(chosen) == len(rejected) == len(pairs)  # every pair scored (zip would stop at the shorter)
     worst = 0.0
     for pair, c, r in zip(pairs, chosen, rejected):
@@ -79,7 +85,7 @@ def test_one_token_completions(scored, mode):
     mixed = [EncodedPair(p.prompt_ids, one(p.chosen_ids), p.rejected_ids) for p in pairs[:6]]
     only = [EncodedPair(p.prompt_ids, one(p.chosen_ids), one(p.rejected_ids)) for p in pairs[6:9]]
     for group in (mixed + only, only):  # one-token completions beside longer ones, and alone in a batch
-        chosen, rejected, _ = score_pairs(model, group, pad, token_budget=4096, mode=mode)
+        chosen, rejected, _ = logps_of(score_pairs(model, group, pad, token_budget=4096, mode=mode))
         assert len(chosen) == len(rejected) == len(group)
         for pair, c, r in zip(group, chosen, rejected):
             pc, pr = plain_logps(model, pair)
@@ -91,8 +97,8 @@ def test_one_token_completions(scored, mode):
 def test_bfloat16_within_the_recorded_dtype_tolerance(scored, mode):
     model, pairs, pad = scored
     half = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.bfloat16).eval()
-    want_c, want_r, _ = score_pairs(half, pairs, pad, 256, "full_forward")
-    got_c, got_r, _ = score_pairs(half, pairs, pad, 256, mode)
+    want_c, want_r, _ = logps_of(score_pairs(half, pairs, pad, 256, "full_forward"))
+    got_c, got_r, _ = logps_of(score_pairs(half, pairs, pad, 256, mode))
     assert len(got_c) == len(got_r) == len(want_c) == len(pairs)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(want_c + want_r, got_c + got_r))
     assert diff <= 5e-2  # well inside the probe's bf16 tolerance (runtime/tolerance.py: 0.25)
