@@ -417,6 +417,10 @@ VARIANTS = {
         lambda ws, tok: {"cfg": dataclasses.replace(BASE_CFG, chat_template="on")},
         {"mask_checksum"},
     ),
+    "a column mapping (the rows as the encoder sees them unchanged: the recorded mapping is hashed in)": (
+        lambda ws, tok: {"cfg": dataclasses.replace(BASE_CFG, columns="prompt=question")},
+        {"mask_checksum"},
+    ),
     # nothing that matters
     "tokenizer_config model_max_length": (
         lambda ws, tok: {"tok": ws.tokenizer(
