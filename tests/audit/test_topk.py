@@ -66,7 +66,7 @@ def add_top_k(cache: Path, model_dir: Path, k: int) -> Path:
 def caches(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("audit-top-k")
     # words the model was not trained on: their tokens are among its top-k at some positions, not at others
-    plain = precompute(MODEL, write_jsonl(base / "prefs.jsonl", pref_rows(24)), base / "plain")
+    plain = precompute(MODEL, write_jsonl(base / "prefs.jsonl", pref_rows(12)), base / "plain", rows_per_shard=4)
     top_k = add_top_k(Path(shutil.copytree(plain, base / "top-k")), MODEL, K)
     whole = add_top_k(Path(shutil.copytree(plain, base / "whole")), MODEL, 1024)  # K = vocabulary: tail -inf
     return {"plain": plain, "top_k": top_k, "whole": whole}
@@ -104,9 +104,9 @@ def test_a_clean_top_k_cache_passes_every_check(caches):
     assert code == 0, output
     assert statuses(report) == {n: "SKIP" if n in SECTIONS["data"] + SECTIONS["run"] else "PASS"
                                 for names in SECTIONS.values() for n in names}
-    assert check(report, "top_k_ids")["detail"].startswith("24 rows: ")
+    assert check(report, "top_k_ids")["detail"].startswith("12 rows: ")
     info = check(report, "replay_top_k")["info"]
-    assert (info["rows"], info["k"], info["tokens_beyond_tolerance"]) == (24, K, 0)
+    assert (info["rows"], info["k"], info["tokens_beyond_tolerance"]) == (12, K, 0)
     assert info["tokens"] == check(report, "replay")["info"]["tokens"] and info["token_max_abs_diff"] <= 1e-5
 
 
@@ -138,21 +138,21 @@ def id_out_of_range(rows):
 
 
 def duplicate_id(rows):
-    ids = rows[4]["rejected_top_ids"][0]
+    ids = rows[1]["rejected_top_ids"][0]
     ids[3] = ids[2]
-    return 4, "top_k_ids", f"id {ids[2]} twice"
+    return 1, "top_k_ids", f"id {ids[2]} twice"
 
 
 def unsorted(rows):
-    ids, logps = rows[5]["chosen_top_ids"][2], rows[5]["chosen_top_logps"][2]
+    ids, logps = rows[2]["chosen_top_ids"][2], rows[2]["chosen_top_logps"][2]
     assert logps[0] > logps[1]
     ids[0], ids[1], logps[0], logps[1] = ids[1], ids[0], logps[1], logps[0]  # each id keeps its log-prob
-    return 5, "top_k_order", "chosen token 2: top_logps"
+    return 2, "top_k_order", "chosen token 2: top_logps"
 
 
 def positive_logprob(rows):
-    rows[6]["chosen_top_logps"][0][0] = 0.01
-    return 6, "top_k_order", "chosen token 0"
+    rows[0]["chosen_top_logps"][0][0] = 0.01
+    return 0, "top_k_order", "chosen token 0"
 
 
 def mass_and_tail_not_one(rows):
@@ -193,7 +193,7 @@ def test_each_damage_fails_exactly_its_check(cache, damage):
     assert report["failed"] == [said["check"]], output
     failed = check(report, said["check"])
     assert (failed["shard"], failed["row"]) == (SHARD, said["row"])
-    assert failed["detail"].startswith("1 of 24 rows: top-k columns of row ") and said["text"] in failed["detail"]
+    assert failed["detail"].startswith("1 of 12 rows: top-k columns of row ") and said["text"] in failed["detail"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
