@@ -287,8 +287,9 @@ TOP_K_RULES = {
 }
 
 
-def top_k_of(computation) -> object:
-    """A shard's K: its (footer's) computation's top_k; 0 when it has none (a cache without top-k columns)."""
+def top_k_of(computation):
+    """A shard's K: its (footer's) computation's top_k as recorded (top_k_findings judges the value); 0 when it
+    has none (a cache without top-k columns)."""
     return computation.get("top_k", 0) if isinstance(computation, dict) else 0
 
 
@@ -326,8 +327,8 @@ def _shape_bad(table: pa.Table, side: str, k: int) -> np.ndarray:
 
 
 def _side_flags(table: pa.Table, side: str, k: int, vocab, tol: float):
-    """(row of each position, its index in its row, flags per rule) over the positions of `table`'s rows, whose
-    shape must be sound. Vectorised over every position of the table at once."""
+    """Over the positions of one side of `table`'s rows (whose shape must be sound), vectorised: the row of each
+    position, its index in its row, the flags of each rule but top_k_shape, and the values (for a description)."""
     ids_col = table[f"{side}_top_ids"].combine_chunks()
     rows = _parents(ids_col)
     flat = lambda column: table[column].combine_chunks().flatten().flatten().to_numpy(zero_copy_only=False)
@@ -387,31 +388,19 @@ def top_k_findings(table, k, vocab: int | None = None, name: str | None = None, 
     """The top-k rules (TOP_K_RULES) over a table of cached rows (pyarrow or polars; the token ids, the log-probs
     and the six top-k columns; `id`, and `row` and `shard` where known), K = `k` (the shard footer's
     computation.top_k), ids below `vocab` when it is given. One finding per failing rule: the first row, and the
-    count of rows failing it."""
+    count of rows failing it. Rows are judged TOP_K_CHUNK values at a time, so memory stays bounded."""
     table = table.to_arrow() if isinstance(table, pl.DataFrame) else table
     rows = table.num_rows
-    where = lambda r: ((table["shard"][r].as_py() if "shard" in table.column_names else name),
-                       table["row"][r].as_py() if "row" in table.column_names else r)
     if not (isinstance(k, int) and not isinstance(k, bool) and k > 0):
         return [Finding("top_k_shape", "top_k", f"shard {name}: computation.top_k is {k!r}, not a count of top-k "
                         "entries: the cache was edited or damaged", shard=name, count=rows)]
     failing = {rule: np.zeros(rows, bool) for rule in TOP_K_RULES}
     first = {}  # rule -> (row, description)
-    for side in ("chosen", "rejected"):
-        shape = _shape_bad(table, side, k)
-        failing["top_k_shape"] |= shape
-        if shape.any() and ("top_k_shape" not in first or np.argmax(shape) < first["top_k_shape"][0]):
-            first["top_k_shape"] = (int(np.argmax(shape)), side)
-        sound = np.flatnonzero(~shape)
-        positions, index, flags, values = _side_flags(table.take(pa.array(sound)), side, k, vocab, tolerance)
-        for rule, bad in flags.items():
-            if not bad.any():
-                continue
-            failing[rule][sound[positions[bad]]] = True
-            p = int(np.argmax(bad))
-            row = int(sound[positions[p]])
-            if rule not in first or row < first[rule][0]:
-                first[rule] = (row, _describe_top_k(rule, side, int(index[p]), p, values, vocab))
+    tokens = sum(np.maximum(_lengths(table[f"{side}_input_ids"]), 0) for side in ("chosen", "rejected"))
+    ends = np.searchsorted(np.cumsum(tokens * k), np.arange(TOP_K_CHUNK, tokens.sum() * k, TOP_K_CHUNK), "right")
+    bounds = np.unique(np.concatenate([[0], ends, [rows]]))
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        _judge(table.slice(start, stop - start), int(start), k, vocab, tolerance, failing, first)
     out = []
     for rule in TOP_K_RULES:
         if rule not in first:
@@ -419,11 +408,36 @@ def top_k_findings(table, k, vocab: int | None = None, name: str | None = None, 
         r, detail = first[rule]
         if rule == "top_k_shape":
             detail = _describe_shape(table.slice(r, 1).to_pylist()[0], detail, k)
-        shard, row = where(r)
+        shard = table["shard"][r].as_py() if "shard" in table.column_names else name
+        row = table["row"][r].as_py() if "row" in table.column_names else r
         out.append(Finding(rule, "top_k", f"top-k columns of row {table['id'][r].as_py()!r} are inconsistent: the "
                            f"cache was edited or damaged [{rule}: {detail}]", shard=shard, row=row,
                            count=int(failing[rule].sum())))
     return out
+
+
+TOP_K_CHUNK = 2**22  # top-k values judged at once (a few float64 copies of them: ~100 MiB)
+
+
+def _judge(table: pa.Table, offset: int, k: int, vocab, tol: float, failing: dict, first: dict) -> None:
+    """The rules over rows offset.. of the whole table: their failures marked in `failing` (rule -> row flags),
+    the first row of each rule and its description in `first` (for top_k_shape: the side, described later)."""
+    for side in ("chosen", "rejected"):
+        shape = _shape_bad(table, side, k)
+        failing["top_k_shape"][offset:offset + table.num_rows] |= shape
+        at = offset + int(np.argmax(shape))
+        if shape.any() and ("top_k_shape" not in first or at < first["top_k_shape"][0]):
+            first["top_k_shape"] = (at, side)
+        sound = np.flatnonzero(~shape)
+        positions, index, flags, values = _side_flags(table.take(pa.array(sound)), side, k, vocab, tol)
+        for rule, bad in flags.items():
+            if not bad.any():
+                continue
+            failing[rule][offset + sound[positions[bad]]] = True
+            p = int(np.argmax(bad))
+            row = offset + int(sound[positions[p]])
+            if rule not in first or row < first[rule][0]:
+                first[rule] = (row, _describe_top_k(rule, side, int(index[p]), p, values, vocab))
 
 
 def _describe_shape(r: dict, side: str, k: int) -> str:

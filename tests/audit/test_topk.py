@@ -1,7 +1,8 @@
 """audit-ref on a top-k cache (issue 24, item 3): a cache given the six top-k columns of the contract, computed with
-`runtime.logprobs.reference_top_k` from the shipped data/ model on rows of words it was not trained on (as precompute-ref --top-k K writes them), passes
-every check; each property damaged on its own fails exactly the check that owns it, at the row damaged; a cache
-without top-k columns skips the top-k checks and nothing else."""
+`runtime.logprobs.reference_top_k` from the shipped data/ model on rows of words it was not trained on (as
+precompute-ref --top-k K writes them), passes every check; each property damaged on its own fails exactly the check
+that owns it, at the row damaged; the replay (--model) finds what the cache's own rules cannot; a cache without top-k
+columns skips the top-k checks and nothing else."""
 
 from __future__ import annotations
 

@@ -389,6 +389,21 @@ def test_top_k_findings_name_the_row_the_position_and_the_count():
     assert rules.top_k_findings(top_k_table(rows), K, None) == []  # no vocabulary known: ids only >= 0
 
 
+def test_top_k_findings_are_the_same_judged_a_few_rows_at_a_time(monkeypatch):
+    rows = rows_of()
+    def damage(columns):
+        _set("chosen_top_ids", 4, 1, 3, -1)(columns)
+        _set("rejected_tail", 1, 0, None, 0.5)(columns)
+        columns["chosen_tail"][5] = columns["chosen_tail"][5][:1]  # one tail for two tokens
+        _set("rejected_tail", 3, 2, None, -3)(columns)
+    table = top_k_table(rows, damage)
+    whole = rules.top_k_findings(table, K, VOCAB, "s")
+    assert {f.rule: (f.row, f.count) for f in whole} == {"top_k_shape": (5, 1), "top_k_ids": (4, 1),
+                                                         "top_k_order": (1, 1), "top_k_mass": (3, 1)}
+    monkeypatch.setattr(rules, "TOP_K_CHUNK", 2 * K)  # one or two rows at a time
+    assert rules.top_k_findings(table, K, VOCAB, "s") == whole
+
+
 def test_every_rule_has_a_case():
     """A rule added to the book without a case here fails (rules as audit-ref and train-dpo name them)."""
     covered = {rule for _, expected in (*CASES.values(), *TOP_K_CASES.values()) for rule, _ in expected}
