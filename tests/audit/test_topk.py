@@ -234,3 +234,24 @@ def test_the_replay_finds_what_the_rules_cannot(cache, damage):
     failed = check(report, "replay_top_k")
     assert (failed["shard"], failed["row"]) == (SHARD, said["row"]) and said["text"] in failed["detail"]
     assert failed["info"]["tokens_beyond_tolerance"] == 1
+
+
+def test_the_replay_takes_two_ids_of_the_same_log_prob_in_either_order(cache):
+    """Two neighbouring ids whose log-probs differ by less than the tolerance swapped (neither the dataset token):
+    a tie, not a difference."""
+    def near_tie(rows) -> bool:
+        for r in rows:
+            for side in ("chosen", "rejected"):
+                for token, ids, logps in zip(r[f"{side}_input_ids"], r[f"{side}_top_ids"], r[f"{side}_top_logps"]):
+                    for n in range(K - 1):
+                        if logps[n] - logps[n + 1] < 1e-3 and token not in ids[n:n + 2]:
+                            ids[n], ids[n + 1] = ids[n + 1], ids[n]
+                            return True
+        return False
+
+    shard = next((p.name for p in sorted(cache.glob("*.parquet")) if near_tie(rows_of(cache, p.name))), None)
+    assert shard, "no near tie in the cache"
+    rewrite_shard(cache, shard, near_tie)
+    code, report, output = audit(cache, "--model", MODEL, "--all")
+    assert code == 0, output
+    assert check(report, "replay_top_k")["info"]["ids_tied"] == 2
