@@ -79,6 +79,9 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
             model = checkpoint.load_model(resolve_dtype(dtype, device), device, comp.get("attn_implementation"))
         except (ImportError, ValueError):  # e.g. flash_attention_2 recorded, not installed here
             model = checkpoint.load_model(resolve_dtype(dtype, device), device, "sdpa")
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if top_k and top_k.k > vocab:  # top_k_shape reports the lists
+            top_k, no_top_k = None, f"computation.top_k is {k}, more than the model's {vocab} tokens"
         for (shard,), group in index[picks].group_by("shard", maintain_order=True):
             _replay_shard(model, root / shard, group["row"], found, top_k)
     info = {"rows": count, "dtype": dtype, "device": str(device), "recorded_device_type": comp.get("device_type"),

@@ -255,3 +255,24 @@ def test_the_replay_takes_two_ids_of_the_same_log_prob_in_either_order(cache):
     code, report, output = audit(cache, "--model", MODEL, "--all")
     assert code == 0, output
     assert check(report, "replay_top_k")["info"]["ids_tied"] == 2
+
+
+
+def test_a_top_k_larger_than_the_vocabulary_fails_the_shape_and_is_not_replayed(cache):
+    """computation.top_k edited to 5000 in the manifest and in every footer (so the stamps agree)."""
+    manifest = json.loads((cache / fmt.MANIFEST).read_text())
+    for entry in manifest["shards"]:
+        path = cache / entry["file"]
+        table = pq.read_table(path)
+        meta = dict(table.schema.metadata)
+        meta[b"refcache.computation"] = canonical_json({**json.loads(meta[b"refcache.computation"]), "top_k": 5000})
+        pq.write_table(table.replace_schema_metadata(meta), path, compression="zstd")
+        entry.update(bytes=path.stat().st_size, sha256=file_sha256(path))
+    manifest["computation"]["top_k"] = 5000
+    fmt.write_manifest(cache, manifest)
+    code, report, output = audit(cache, "--model", MODEL, "--sample", 2)
+    assert code == 1, output
+    assert report["failed"] == ["top_k_shape"]
+    assert "chosen_top_ids is [" in check(report, "top_k_shape")["detail"]
+    assert check(report, "replay_top_k") == {**check(report, "replay_top_k"), "status": "SKIP",
+                                             "detail": "computation.top_k is 5000, more than the model's 1024 tokens"}
