@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 
 from schemas import format as fmt
-from schemas.rules import TOP_K_TOLERANCE, stamp_findings, top_k_of
+from schemas.rules import stamp_findings, top_k_allowance, top_k_of
 from schemas.stamps import tokenizer_hash
 
 from .cache import CacheScan
@@ -72,8 +72,7 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
     picks = np.sort(np.random.default_rng(seed).choice(index.height, size=count, replace=False))
     found = Differences(tol)
     k, no_top_k = _top_k(manifest)
-    # the stored top-k values may be rounded for size (rules.TOP_K_TOLERANCE)
-    top_k = TopKDifferences(tol + TOP_K_TOLERANCE, k) if k else None
+    top_k = TopKDifferences(tol, k) if k else None
     with preserved_rng():
         try:
             model = checkpoint.load_model(resolve_dtype(dtype, device), device, comp.get("attn_implementation"))
@@ -160,7 +159,8 @@ class TopKDifferences:
     """Cached top-k columns against `reference_top_k` of the same sequence: per token, the values rank by rank and
     the tail, and an id that differs only where it is a tie (its own replayed log-prob, from
     `reference_log_softmax`, equal to the cached one within the tolerance: the same value in another order, or a
-    tie with the k-th)."""
+    tie with the k-th). Each cached value may differ by the replay's tolerance plus its storage's rounding
+    (schemas.rules.top_k_allowance)."""
 
     def __init__(self, tolerance: float, k: int):
         self.tol, self.k = tolerance, k
@@ -184,14 +184,17 @@ class TopKDifferences:
             own = np.take_along_axis(full, np.where(inside, old_ids, 0), axis=1).astype(np.float64)
             id_diff = np.where(inside, _gap(old, own), np.inf)
             diff = np.where(other, np.maximum(diff, id_diff), diff)
-            self.ties += int((other & (id_diff <= self.tol)).sum())
-        per_token = np.maximum(diff.max(1, initial=0.0), _gap(old_tail, tail.astype(np.float64)))
-        self.tokens.append(per_token)
-        bad = ~(per_token <= self.tol)  # NaN counts as beyond
+        allowed = self.tol + top_k_allowance(old)
+        if other.any():
+            self.ties += int((other & (id_diff <= allowed)).sum())
+        tail_diff = _gap(old_tail, tail.astype(np.float64))
+        self.tokens.append(np.maximum(diff.max(1, initial=0.0), tail_diff))
+        beyond = ~(diff <= allowed)  # NaN counts as beyond
+        bad = beyond.any(1) | ~(tail_diff <= self.tol + top_k_allowance(old_tail))
         self.beyond += int(bad.sum())
         if bad.any() and self.first is None:
             j = int(np.argmax(bad))
-            ranks = np.flatnonzero(~(diff[j] <= self.tol))
+            ranks = np.flatnonzero(beyond[j])
             what = (f"rank {ranks[0]}: cached id {old_ids[j, ranks[0]]} log-prob {old[j, ranks[0]]:.6f}, replayed id "
                     f"{ids[j, ranks[0]]} log-prob {logps[j, ranks[0]]:.6f}" if ranks.size else
                     f"tail: cached {old_tail[j]:.6f}, replayed {tail[j]:.6f}")
@@ -208,7 +211,7 @@ class TopKDifferences:
                 "sequences_not_comparable": self.uncomparable}
         summary = (f"{info['rows']:,} rows ({tokens.size:,} tokens), K = {self.k}: ids equal but {self.ties} tie(s), "
                    f"log-probs and tail per token max {info['token_max_abs_diff']:.1e} mean "
-                   f"{info['token_mean_abs_diff']:.1e}; tolerance {self.tol:.1e}")
+                   f"{info['token_mean_abs_diff']:.1e}; tolerance {self.tol:.0e} + the storage's rounding")
         if self.first:
             self.first.detail = f"{self.beyond:,} token(s) beyond tolerance; first: {self.first.detail}; {summary}"
             self.first.info = info

@@ -271,9 +271,10 @@ def value_findings(df: pl.DataFrame, name: str | None = None) -> list[Finding]:
 # top-k columns (precompute-ref --top-k K): per completion token the reference's K most probable ids, their
 # log-probs and the log of the mass outside them (`tail`), from the forward that gave the token's own log-prob
 
-# The storage may round the top-k values (the issue allows 1e-3 nats per token on the KL figures built from them),
-# so the mass and the dataset token's entry are held to that figure. In float32 they agree within about 1e-6; a
-# smaller edit of a value is the replay's to find (audit-ref --model).
+# The storage may round a top-k log-prob v for size (FORMAT.md: by at most 2**-12 above -24, 2**-12 of |v| below),
+# so a stored value may be TOP_K_TOLERANCE x max(1, |v|) from the one it stands for (`top_k_allowance`, 4x that
+# bound), and the mass the sum of its terms' allowances (and TOP_K_TOLERANCE) from 1. Unrounded float32 values agree
+# within about 1e-6; a smaller edit of a value is the replay's to find (audit-ref --model).
 TOP_K_TOLERANCE = 1e-3
 
 # name: what it checks. A position that fails a rule is not judged by the rules after it (a duplicate id makes its
@@ -282,9 +283,16 @@ TOP_K_RULES = {
     "top_k_shape": "K ids, K log-probs and one tail per completion token, none missing",
     "top_k_ids": "top-k ids inside the vocabulary and unique at each position",
     "top_k_order": "top-k log-probs most probable first and <= 0, the tail <= 0",
-    "top_k_mass": f"the top-k mass plus the tail's is 1 (within {TOP_K_TOLERANCE:g})",
+    "top_k_mass": "the top-k mass plus the tail's is 1",
     "top_k_dataset": "the dataset token's log-prob equals its top-k entry, or is at most the k-th when absent",
 }
+
+
+def top_k_allowance(values, tolerance: float = TOP_K_TOLERANCE) -> np.ndarray:
+    """How far a stored top-k log-prob (or tail) may be from the value it stands for: tolerance x max(1, |v|); 0
+    for an infinite one (an empty tail is stored exactly)."""
+    v = np.abs(np.asarray(values, np.float64))
+    return np.where(np.isfinite(v), tolerance * np.maximum(1.0, v), 0.0)
 
 
 def top_k_of(computation):
@@ -354,13 +362,16 @@ def _side_flags(table: pa.Table, side: str, k: int, vocab, tol: float):
     top = np.maximum(lp[:, 0], tail)  # the largest term on a live (sorted) position
     with np.errstate(invalid="ignore", divide="ignore"):
         mass = top + np.log(np.exp(every - top[:, None]).sum(1))
-    flags["top_k_mass"] = live & ~(np.abs(mass) <= tol)
+        slack = tol + (np.exp(every) * top_k_allowance(every, tol)).sum(1)
+    flags["top_k_mass"] = live & ~(np.abs(mass) <= slack)
     live &= ~flags["top_k_mass"]
     judged = live & np.isfinite(own) & (own <= 0)  # a bad own log-prob is logprob_values' (or list_lengths')
     match = ids == token[:, None]
     present = match.any(1)
     entry = lp[np.arange(len(rows)), match.argmax(1)]
-    flags["top_k_dataset"] = judged & np.where(present, ~(np.abs(entry - own) <= tol), ~(own <= lp[:, -1] + tol))
+    kth = lp[:, -1]
+    flags["top_k_dataset"] = judged & np.where(present, ~(np.abs(entry - own) <= top_k_allowance(entry, tol)),
+                                               ~(own <= kth + top_k_allowance(kth, tol)))
     return rows, index, flags, {"ids": ids, "lp": lp, "tail": tail, "mass": mass, "token": token, "own": own,
                                 "present": present, "entry": entry}
 

@@ -169,14 +169,15 @@ def missing_entry(rows):
 
 def dataset_logp_differs_from_its_entry(rows):
     i, side, j = position(rows, present)
-    rows[i][f"{side}_logps"][j] -= 0.01
+    rows[i][f"{side}_logps"][j] -= 0.01 + 2 * float(rules.top_k_allowance(rows[i][f"{side}_logps"][j]))
     rows[i][f"{side}_logp"] = float32_sum(rows[i][f"{side}_logps"])
     return i, "top_k_dataset", f"{side} token {j} (id {rows[i][f'{side}_input_ids'][j]}): its log-prob"
 
 
 def dataset_logp_above_the_kth(rows):
     i, side, j = position(rows, absent)
-    rows[i][f"{side}_logps"][j] = rows[i][f"{side}_top_logps"][j][-1] + 0.01
+    kth = rows[i][f"{side}_top_logps"][j][-1]
+    rows[i][f"{side}_logps"][j] = kth + 0.01 + 2 * float(rules.top_k_allowance(kth))
     rows[i][f"{side}_logp"] = float32_sum(rows[i][f"{side}_logps"])
     return i, "top_k_dataset", f"{side} token {j} (id {rows[i][f'{side}_input_ids'][j]}): not among the top-k"
 
@@ -202,10 +203,11 @@ def test_each_damage_fails_exactly_its_check(cache, damage):
 
 
 def lower_a_value(rows):
-    """A log-prob at the last rank lowered by 3e-3: still sorted, the mass within its tolerance, the dataset token
-    elsewhere; beyond the replay's tolerance (1e-4 + the storage's 1e-3)."""
+    """A log-prob at the last rank lowered by twice what the replay allows it (1e-4 + its storage's rounding): still
+    sorted, the mass within its tolerance, the dataset token elsewhere."""
     i, side, j = position(rows, absent)
-    rows[i][f"{side}_top_logps"][j][-1] -= 3e-3
+    v = rows[i][f"{side}_top_logps"][j][-1]
+    rows[i][f"{side}_top_logps"][j][-1] -= 2 * (1e-4 + float(rules.top_k_allowance(v)))
     return i, f"{side} token {j} rank {K - 1}"
 
 
@@ -218,8 +220,9 @@ def swap_an_id(rows):
 
 
 def shift_the_tail(rows):
-    """A tail under 5 % made 1 % smaller: the mass moves by less than its tolerance, the tail by 1e-2."""
-    i, side, j = position(rows, lambda token, ids, tail: np.exp(tail) < 0.05)
+    """A tail between 0.1 % and 5 % made 1 % smaller: the mass moves by less than its tolerance, the tail by 1e-2,
+    more than its allowance."""
+    i, side, j = position(rows, lambda token, ids, tail: 1e-3 < np.exp(tail) < 0.05)
     rows[i][f"{side}_tail"][j] += float(np.log(0.99))
     return i, f"{side} token {j} tail"
 

@@ -404,6 +404,17 @@ def test_top_k_findings_are_the_same_judged_a_few_rows_at_a_time(monkeypatch):
     assert rules.top_k_findings(table, K, VOCAB, "s") == whole
 
 
+def test_top_k_values_rounded_as_the_storage_may_round_them_pass():
+    """Every top-k log-prob moved down by 2**-12 x max(1, |v|) (the bound FORMAT.md gives its storage; the move
+    keeps the order): no finding. Four times that is the allowance, so the move itself is not what passes."""
+    def rounded(columns):
+        for side in ("chosen", "rejected"):
+            columns[f"{side}_top_logps"] = [[[v - 2**-12 * max(1.0, abs(v)) for v in position] for position in row]
+                                            for row in columns[f"{side}_top_logps"]]
+    assert rules.top_k_findings(top_k_table(rows_of(), rounded), K, VOCAB) == []
+    assert float(rules.top_k_allowance(-30.0)) == pytest.approx(0.03) and rules.top_k_allowance(-np.inf) == 0
+
+
 def test_every_rule_has_a_case():
     """A rule added to the book without a case here fails (rules as audit-ref and train-dpo name them)."""
     covered = {rule for _, expected in (*CASES.values(), *TOP_K_CASES.values()) for rule, _ in expected}
