@@ -25,7 +25,9 @@ WHAT = {
     "row_checksums": ("row", "mask checksums recomputed from the stored ids match"),
     "unique_ids": ("row", "ids unique across shards"),
     **{n: ("row", w) for n, w in rules.VALUE_WHAT.items()},
+    **{n: ("row", w) for n, w in rules.TOP_K_RULES.items()},
 }
+NO_TOP_K = "no top-k columns (a cache made without precompute-ref --top-k)"
 
 
 @dataclass
@@ -54,10 +56,11 @@ def _shard(root: Path, manifest: dict, entry: dict, found: dict, checked: dict) 
     """One listed shard through every rule; its rows as a frame, or None when it failed shard_files."""
     checked["shard_files"] += 1
     path, problems = rules.shard_file_findings(root, entry)
+    meta = {}  # the footer, once the file passed (its computation's top_k says whether there are top-k columns)
     if not problems:
         want = rules.expected_footer(manifest["stamps"], EncodingConfig.from_dict(manifest["encoding"]), entry,
                                      manifest.get("computation"))
-        problems = rules.shard_footer_findings(path, want, entry["rows"])[1]
+        meta, problems = rules.shard_footer_findings(path, want, entry["rows"])
     files = [f for f in problems if f.rule == "shard_files"]
     if not files:
         try:
@@ -80,7 +83,19 @@ def _shard(root: Path, manifest: dict, entry: dict, found: dict, checked: dict) 
             found[f.rule].append(f)
     for rule in ("row_checksums", *rules.VALUE_RULES):
         checked[rule] += df.height
+    k = fmt.top_k_of(rules.footer_computation(meta))
+    if k:
+        for f in rules.top_k_findings(df, k, _vocabulary(manifest), name):
+            found[f.rule].append(f)
+        for rule in rules.TOP_K_RULES:
+            checked[rule] += df.height
     return df
+
+
+def _vocabulary(manifest: dict) -> int | None:
+    """The bound of a top-k id: the tokenizer's size as the manifest records it (None when it records none)."""
+    size = (manifest.get("tokenizer") or {}).get("size") if isinstance(manifest.get("tokenizer"), dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 def audit_cache(root: Path, manifest: dict) -> CacheScan:
@@ -113,6 +128,8 @@ def audit_cache(root: Path, manifest: dict) -> CacheScan:
     found["unique_ids"] = rules.unique_id_findings(ids_by_shard)
     checked["unique_ids"] = sum(len(ids) for _, ids in ids_by_shard)
     checks += [result(n) for n in ("unique_ids", *rules.VALUE_RULES)]
+    with_top_k = any(checked[n] for n in rules.TOP_K_RULES) or fmt.top_k_of(manifest.get("computation"))
+    checks += [result(n) if with_top_k else Check(n, SKIP, NO_TOP_K) for n in rules.TOP_K_RULES]
     listed, skipped = rules.skipped_findings(root, manifest)
     checks.append(Check("skipped_counts", FAIL, skipped[0].message) if skipped else Check(
         "skipped_counts", PASS, f"{listed} skipped row(s), {(manifest.get('source') or {}).get('rows_in')} rows in = "

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 SECTIONS = {
     "cache": ("manifest", "shard_files", "shard_stamps", "row_checksums", "shard_checksums", "cache_checksum",
-              "unique_ids", "list_lengths", "sums", "logprob_values", "skipped_counts"),
-    "model": ("model_hash", "tokenizer_hash", "replay"),
+              "unique_ids", "list_lengths", "sums", "logprob_values", "top_k_shape", "top_k_ids", "top_k_order",
+              "top_k_mass", "top_k_dataset", "skipped_counts"),
+    "model": ("model_hash", "tokenizer_hash", "replay", "replay_top_k"),
     "data": ("data_rows",),
     "run": ("run_cache", "run_final_hash"),
 }

@@ -2,8 +2,9 @@
 
 Without extras the cache is checked against itself: manifest, every shard file (size, sha256, schema), each shard's
 metadata stamps, every row's mask checksum recomputed from its stored ids, the shard and cache checksums, unique ids,
-one log-prob per completion token, sums, value ranges and skipped-row counts. `--model` compares the model and
-tokenizer hashes with a checkpoint and replays the reference on a sample of rows; `--data` re-encodes the data and
+one log-prob per completion token, sums, value ranges, the top-k columns of a `--top-k` cache and skipped-row
+counts. `--model` compares the model and tokenizer hashes with a checkpoint and replays the reference (and the
+top-k columns) on a sample of rows; `--data` re-encodes the data and
 compares every row; `--run` checks that a train-dpo output names this cache and holds the weights it recorded.
 
 Every check is a named result (PASS, FAIL or SKIP) and all of them run. A check whose input is already known to be

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from schemas.rules import stamp_findings
+from schemas import format as fmt
+from schemas.format import top_k_of
+from schemas.rules import stamp_findings, top_k_allowance
 from schemas.stamps import tokenizer_hash
 
 from .cache import CacheScan
@@ -34,22 +36,31 @@ def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, 
         detail = (f"{model_dir} hashes to {_short(found)}, the cache was made with {_short(differ[name].found)}"
                   if name in differ else f"{model_dir}: {what} match the cache ({_short(found)})")
         checks.append(Check(name, FAIL if name in differ else PASS, detail))
-    if "model_hash" in differ:
-        checks.append(Check("replay", SKIP, "not replayed: this is not the model the cache was made with"))
-    elif sample == 0:
-        checks.append(Check("replay", SKIP, "--sample 0"))
-    elif scan.index.height == 0:
-        checks.append(Check("replay", SKIP, "no verified rows to replay"))
+    skip = ("not replayed: this is not the model the cache was made with" if "model_hash" in differ else
+            "--sample 0" if sample == 0 else "no verified rows to replay" if scan.index.height == 0 else None)
+    if skip:
+        checks += [Check("replay", SKIP, skip), Check("replay_top_k", SKIP, _top_k(manifest)[1] or skip)]
     else:
-        checks.append(replay(root, manifest, scan.index, checkpoint, sample=sample, seed=seed, tolerance=tolerance))
+        checks += replay(root, manifest, scan.index, checkpoint, sample=sample, seed=seed, tolerance=tolerance)
     return checks, tokenizer, "tokenizer_hash" not in differ
 
 
-def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sample, seed, tolerance) -> Check:
+def _top_k(manifest: dict) -> tuple[int, str | None]:
+    """The cache's K, or 0 and why its top-k columns are not replayed."""
+    k = top_k_of(manifest.get("computation"))
+    if not k:
+        return 0, "no top-k columns (a cache made without precompute-ref --top-k)"
+    if not (isinstance(k, int) and not isinstance(k, bool) and k > 0):
+        return 0, f"computation.top_k is {k!r} (top_k_shape reports it)"
+    return k, None
+
+
+def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sample, seed, tolerance) -> list[Check]:
     """Score a seeded sample of cached rows again with the definition of a reference log-prob
     (`runtime.logprobs.reference_logps`: the unpadded sequence alone through the model's own forward, whatever
     mode made the cache), in the recorded dtype on this machine's device, and compare per token with the cached
-    values. `checkpoint`: a runtime.checkpoint.Checkpoint; `sample=None` replays every row."""
+    values; with top-k columns, also those with `reference_top_k` (check replay_top_k). `checkpoint`: a
+    runtime.checkpoint.Checkpoint; `sample=None` replays every row."""
     from runtime.checkpoint import preserved_rng, resolve_device, resolve_dtype
     from runtime.tolerance import replay_tolerance
 
@@ -61,26 +72,38 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
     count = index.height if sample is None else min(sample, index.height)
     picks = np.sort(np.random.default_rng(seed).choice(index.height, size=count, replace=False))
     found = Differences(tol)
+    k, no_top_k = _top_k(manifest)
+    top_k = TopKDifferences(tol, k) if k else None
     with preserved_rng():
         try:
             model = checkpoint.load_model(resolve_dtype(dtype, device), device, comp.get("attn_implementation"))
         except (ImportError, ValueError):  # e.g. flash_attention_2 recorded, not installed here
             model = checkpoint.load_model(resolve_dtype(dtype, device), device, "sdpa")
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if top_k and top_k.k > vocab:  # top_k_shape reports the lists
+            top_k, no_top_k = None, f"computation.top_k is {k}, more than the model's {vocab} tokens"
         for (shard,), group in index[picks].group_by("shard", maintain_order=True):
-            _replay_shard(model, root / shard, group["row"], found)
+            _replay_shard(model, root / shard, group["row"], found, top_k)
     info = {"rows": count, "dtype": dtype, "device": str(device), "recorded_device_type": comp.get("device_type"),
             "tolerance": tol, "seed": seed, "sampled": index[picks]["id"].to_list()}
-    return found.check(info, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return [found.check(info, seconds),
+            top_k.check(info) if top_k else Check("replay_top_k", SKIP, no_top_k)]
 
 
-def _replay_shard(model, path: Path, rows: pl.Series, found: "Differences") -> None:
-    """Replay the given rows of one shard and add their differences from the cached values to `found`."""
-    from runtime.logprobs import reference_logps
+def _replay_shard(model, path: Path, rows: pl.Series, found: "Differences", top_k: "TopKDifferences | None") -> None:
+    """Replay the given rows of one shard and add their differences from the cached values to `found` (and those
+    of the top-k columns to `top_k`)."""
+    from runtime.logprobs import reference_logps, reference_top_k
 
-    for r in pl.read_parquet(path).with_row_index("row").filter(pl.col("row").is_in(rows.implode())).to_dicts():
+    table = pl.from_arrow(fmt.read_columns(path).replace_schema_metadata(None))
+    for r in table.with_row_index("row").filter(pl.col("row").is_in(rows.implode())).to_dicts():
         for side in ("chosen", "rejected"):
             new = reference_logps(model, r["prompt_input_ids"], r[f"{side}_input_ids"]).cpu().numpy()
             found.add(path.name, r, side, new.astype(np.float64))
+            if top_k:
+                fresh = reference_top_k(model, r["prompt_input_ids"], r[f"{side}_input_ids"], top_k.k)
+                top_k.add(path.name, r, side, *(t.cpu().numpy() for t in fresh), model)
 
 
 class Differences:
@@ -125,3 +148,73 @@ class Differences:
             self.first.info = info
             return self.first
         return Check("replay", PASS, summary, info=info)
+
+
+def _gap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b|, 0 where both are the same infinity (an empty tail replayed as empty)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(a == b, 0.0, np.abs(a - b))
+
+
+class TopKDifferences:
+    """Cached top-k columns against `reference_top_k` of the same sequence: per token, the values rank by rank and
+    the tail, and an id that differs only where it is a tie (its own replayed log-prob, from
+    `reference_log_softmax`, equal to the cached one within the tolerance: the same value in another order, or a
+    tie with the k-th). Each cached value may differ by the replay's tolerance plus its storage's rounding
+    (schemas.rules.top_k_allowance)."""
+
+    def __init__(self, tolerance: float, k: int):
+        self.tol, self.k = tolerance, k
+        self.tokens, self.first, self.beyond, self.uncomparable, self.ties = [], None, 0, 0, 0
+
+    def add(self, shard: str, r: dict, side: str, ids, logps, tail, model) -> None:
+        try:
+            old_ids = np.asarray(r[f"{side}_top_ids"], np.int64).reshape(ids.shape)
+            old = np.asarray(r[f"{side}_top_logps"], np.float64).reshape(logps.shape)
+            old_tail = np.asarray(r[f"{side}_tail"], np.float64).reshape(tail.shape)
+        except (TypeError, ValueError):
+            self.uncomparable += 1  # top_k_shape reports it
+            return
+        diff = _gap(old, logps.astype(np.float64))
+        other = old_ids != ids
+        if other.any():  # each cached id's own replayed log-prob
+            from runtime.logprobs import reference_log_softmax
+
+            full = reference_log_softmax(model, r["prompt_input_ids"], r[f"{side}_input_ids"]).cpu().numpy()
+            inside = (old_ids >= 0) & (old_ids < full.shape[1])
+            own = np.take_along_axis(full, np.where(inside, old_ids, 0), axis=1).astype(np.float64)
+            id_diff = np.where(inside, _gap(old, own), np.inf)
+            diff = np.where(other, np.maximum(diff, id_diff), diff)
+        allowed = self.tol + top_k_allowance(old)
+        if other.any():
+            self.ties += int((other & (id_diff <= allowed)).sum())
+        tail_diff = _gap(old_tail, tail.astype(np.float64))
+        self.tokens.append(np.maximum(diff.max(1, initial=0.0), tail_diff))
+        beyond = ~(diff <= allowed)  # NaN counts as beyond
+        bad = beyond.any(1) | ~(tail_diff <= self.tol + top_k_allowance(old_tail))
+        self.beyond += int(bad.sum())
+        if bad.any() and self.first is None:
+            j = int(np.argmax(bad))
+            ranks = np.flatnonzero(beyond[j])
+            what = (f"rank {ranks[0]}: cached id {old_ids[j, ranks[0]]} log-prob {old[j, ranks[0]]:.6f}, replayed id "
+                    f"{ids[j, ranks[0]]} log-prob {logps[j, ranks[0]]:.6f}" if ranks.size else
+                    f"tail: cached {old_tail[j]:.6f}, replayed {tail[j]:.6f}")
+            self.first = Check("replay_top_k", FAIL, f"shard {shard} row {r['row']} (id {r['id']!r}) {side} token {j} "
+                               f"{what}", shard, r["row"])
+
+    def check(self, info: dict) -> Check:
+        """The replay_top_k check: PASS, or FAIL at the first token beyond the tolerance."""
+        tokens = np.concatenate(self.tokens) if self.tokens else np.zeros(0)
+        stat = lambda f: float(f(tokens)) if tokens.size else 0.0
+        info = {"rows": info["rows"], "tokens": int(tokens.size), "k": self.k, "tolerance": self.tol,
+                "token_max_abs_diff": stat(np.max), "token_mean_abs_diff": stat(np.mean),
+                "tokens_beyond_tolerance": self.beyond, "ids_tied": self.ties,
+                "sequences_not_comparable": self.uncomparable}
+        summary = (f"{info['rows']:,} rows ({tokens.size:,} tokens), K = {self.k}: ids equal but {self.ties} tie(s), "
+                   f"log-probs and tail per token max {info['token_max_abs_diff']:.1e} mean "
+                   f"{info['token_mean_abs_diff']:.1e}; tolerance {self.tol:.0e} + the storage's rounding")
+        if self.first:
+            self.first.detail = f"{self.beyond:,} token(s) beyond tolerance; first: {self.first.detail}; {summary}"
+            self.first.info = info
+            return self.first
+        return Check("replay_top_k", PASS, summary, info=info)

@@ -245,12 +245,13 @@ def assert_not_valid(out: Path):
         open_cache(out)
 
 
-def precompute_in_process(model, data, out, rows_per_shard=10) -> Path:
-    """run_precompute with bad rows skipped and no progress bar; returns the cache folder."""
+def precompute_in_process(model, data, out, rows_per_shard=10, **options) -> Path:
+    """run_precompute with bad rows skipped and no progress bar (`options`: further PrecomputeConfig fields);
+    returns the cache folder."""
     from precompute.job import PrecomputeConfig, run_precompute
 
     run_precompute(PrecomputeConfig(model=str(model), data=str(data), out=str(out), rows_per_shard=rows_per_shard,
-                                    on_bad_row="skip", progress=False), log=lambda m: None)
+                                    on_bad_row="skip", progress=False, **options), log=lambda m: None)
     return Path(out)
 
 

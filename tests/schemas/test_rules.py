@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -66,6 +67,62 @@ def write_cache(root: Path, rows) -> dict:
     return manifest
 
 
+VOCAB, K = 16, 4
+COMP_K = {**COMP, "top_k": K}
+TOP_K_TYPES = {"top_ids": pa.list_(pa.list_(pa.int32())), "top_logps": pa.list_(pa.list_(pa.float32())),
+               "tail": pa.list_(pa.float32())}
+
+
+def top_k_of(token: int, logp: float) -> tuple[list, list, float]:
+    """A distribution over VOCAB ids in which `token` has log-prob `logp` and the others share the rest equally:
+    its K most probable ids (ties by id), their log-probs and the log of the rest, in float64."""
+    p = np.full(VOCAB, (1 - np.exp(logp)) / (VOCAB - 1))
+    p[token] = np.exp(logp)
+    order = np.argsort(-p, kind="stable")
+    with np.errstate(divide="ignore"):
+        return order[:K].tolist(), np.log(p[order[:K]]).tolist(), float(np.log(p[order[K:]].sum()))
+
+
+def top_k_table(rows, edit=None, scored=None) -> pa.Table:
+    """table_of(rows) with the top-k columns of `top_k_of` for each token (of `scored` rows' log-probs when given:
+    the cached log-probs then differ from those the top-k came from); `edit(columns)` damages them."""
+    table = table_of(rows)
+    columns = {f"{side}_{s}": [] for side in ("chosen", "rejected") for s in rules.TOP_K_COLUMNS}
+    for r in scored or rows:
+        for side in ("chosen", "rejected"):
+            top = [top_k_of(t, lp) for t, lp in zip(r[side], r[f"{side}_logps"])]
+            for n, suffix in enumerate(rules.TOP_K_COLUMNS):
+                columns[f"{side}_{suffix}"].append([t[n] for t in top])
+    (edit or (lambda c: None))(columns)
+    for name, values in columns.items():
+        kind = TOP_K_TYPES[name.split("_", 1)[1]]
+        table = table.append_column(pa.field(name, kind), pa.array(values, kind))
+    return table
+
+
+def top_k_shard(rows, edit=None, scored=None) -> pa.Table:
+    """top_k_table's rows as the writer stores them (fmt.shard_table with K: the top-k columns in their storage
+    encoding), as a forger who knows the format would write them; only damage the storage can hold."""
+    logical = top_k_table(rows, edit, scored)
+    scores = {side: [fmt.TokenScores(logps=r[f"{side}_logps"],
+                                     **{s: np.asarray(logical[f"{side}_{s}"][i].as_py()) for s in rules.TOP_K_COLUMNS})
+                     for i, r in enumerate(rows)] for side in ("chosen", "rejected")}
+    return fmt.shard_table([r["id"] for r in rows], [r["prompt"] for r in rows], [r["chosen"] for r in rows],
+                           [r["rejected"] for r in rows], scores["chosen"], scores["rejected"], top_k=K)
+
+
+def write_top_k_cache(root: Path, rows) -> dict:
+    root.mkdir(parents=True)
+    entries = [fmt.write_shard(root / f"shard-{i:05d}.parquet", top_k_shard(rows[i * PER_SHARD:(i + 1) * PER_SHARD]),
+                               model_hash=MODEL, tokenizer_hash=TOKENIZER, encoding=ENC, computation=COMP_K)
+               for i in range(SHARDS)]
+    manifest = {"format_version": fmt.FORMAT_VERSION, "stamps": {"model_hash": MODEL, "tokenizer_hash": TOKENIZER},
+                "encoding": ENC.to_dict(), "computation": COMP_K, "shards": entries, "rows": len(rows),
+                "source": {"rows_in": len(rows), "skipped": 0, "skipped_by_reason": {}}}
+    restamp(root, manifest)
+    return manifest
+
+
 def every_rule(root: Path, caller: dict) -> set[tuple[str, str]]:
     """(rule, kind) of every finding of every rule, run the way audit-ref runs them (a shard failing shard_files is
     left out of the row rules; the cache checksum waits for every shard), then a sound cache against `caller`."""
@@ -80,13 +137,15 @@ def every_rule(root: Path, caller: dict) -> set[tuple[str, str]]:
         found += problems
         if any(f.rule == "shard_files" for f in problems):
             continue
-        table = pq.read_table(path).replace_schema_metadata(None)
+        table = fmt.read_columns(path).replace_schema_metadata(None)  # logical types, as audit-ref reads them
         found += rules.shard_checksum_findings(entry["file"], entry, table.column("mask_checksum").to_pylist(),
                                                table.column("id").to_pylist(), ENC.to_json())
         import polars as pl
 
         df = pl.from_arrow(table).with_row_index("row").with_columns(pl.lit(entry["file"]).alias("shard"))
         found += rules.row_checksum_findings(df, entry["file"]) + rules.value_findings(df, entry["file"])
+        k = fmt.top_k_of(rules.footer_computation(fmt.read_footer(path).meta))
+        found += rules.top_k_findings(df, k, VOCAB, entry["file"]) if k else []
         frames.append(table.append_column("shard", pa.array([entry["file"]] * table.num_rows))
                       .append_column("row", pa.array(range(table.num_rows), pa.uint32())))
         every += table.column("mask_checksum").to_pylist()
@@ -254,11 +313,139 @@ def test_each_rule_fires_on_its_case_and_only_there(pristine, tmp_path, case):
     assert every_rule(root, caller) == expected
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# a top-k cache (precompute-ref --top-k K): the top-k rules, each damage found by its own
+
+
+def top_k_rewritten(edit=None, scored=None):
+    """Damage: shard 1 of a top-k cache rewritten with its top-k columns edited (or its cached log-probs moved by
+    `scored(rows)`, the top-k kept), the entry and the cache checksum made to match."""
+    def damage(root, manifest, caller):
+        rows = rows_of()[PER_SHARD:2 * PER_SHARD]
+        moved = [dict(r, chosen_logps=list(r["chosen_logps"])) for r in rows]
+        (scored or (lambda rows: None))(moved)
+        name = manifest["shards"][1]["file"]
+        manifest["shards"][1] = fmt.write_shard(root / name, top_k_shard(moved, edit, scored=rows), model_hash=MODEL,
+                                                tokenizer_hash=TOKENIZER, encoding=ENC, computation=COMP_K)
+        restamp(root, manifest)
+    return damage
+
+
+def _set(column: str, row: int, token: int, rank: int | None, value):
+    def edit(columns):
+        if rank is None:
+            columns[column][row][token] = value
+        else:
+            columns[column][row][token][rank] = value
+    return edit
+
+
+def _swap_first_two(columns):
+    for name in ("chosen_top_ids", "chosen_top_logps"):
+        values = columns[name][0][0]
+        values[0], values[1] = values[1], values[0]
+
+
+def _chosen_logp(row: int, token: int, value: float):
+    return lambda rows: rows[row]["chosen_logps"].__setitem__(token, value)
+
+
+# rows 3..5 are shard 1's; row 3's chosen tokens [7, 5] have log-probs [-0.5, -4.0]: the first is the most
+# probable of the VOCAB ids, the second (the others share 1 - e^-4 equally, -2.726 each) outside the top K
+TOP_K_CASES = {
+    "top-k id outside the vocabulary": (top_k_rewritten(_set("chosen_top_ids", 0, 0, 1, VOCAB)),
+                                        {("top_k_ids", "top_k")}),
+    "top-k id twice": (top_k_rewritten(_set("rejected_top_ids", 1, 0, 2, 6)), {("top_k_ids", "top_k")}),
+    "top-k unsorted": (top_k_rewritten(_swap_first_two), {("top_k_order", "top_k")}),
+    "top-k mass": (top_k_rewritten(_set("rejected_tail", 2, 1, None, -0.5)), {("top_k_mass", "top_k")}),
+    "top-k dataset entry differs": (top_k_rewritten(scored=_chosen_logp(0, 0, -0.51)), {("top_k_dataset", "top_k")}),
+    "top-k dataset above the k-th": (top_k_rewritten(scored=_chosen_logp(0, 1, -2.5)), {("top_k_dataset", "top_k")}),
+}
+
+
+# damage the storage cannot hold (its codes clamp a log-prob above 0 to 0, and a column without K values per
+# token does not read back: read_columns refuses it), judged where a reader hands the rules a table
+TOP_K_TABLE_CASES = {
+    "top-k positive log-prob": (_set("chosen_top_logps", 0, 1, 0, 0.25), {("top_k_order", "top_k")}),
+    "top-k entry missing": (_set("chosen_top_logps", 0, 0, None, [-0.5, -3.0, -3.0]), {("top_k_shape", "top_k")}),
+}
+
+
+@pytest.mark.parametrize("case", TOP_K_TABLE_CASES)
+def test_each_top_k_rule_the_storage_cannot_hold_fires_on_its_table_case(case):
+    edit, expected = TOP_K_TABLE_CASES[case]
+    rows = rows_of()[PER_SHARD:2 * PER_SHARD]
+    assert {(f.rule, f.kind) for f in rules.top_k_findings(top_k_table(rows, edit), K, VOCAB, "s")} == expected
+    assert rules.top_k_findings(top_k_table(rows), K, VOCAB, "s") == []
+
+
+@pytest.fixture(scope="module")
+def pristine_top_k(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("rules-top-k") / "cache"
+    write_top_k_cache(root, rows_of())
+    return root
+
+
+def test_a_sound_top_k_cache_and_its_caller_find_nothing(pristine_top_k):
+    table = fmt.read_columns(pristine_top_k / "shard-00001.parquet")
+    assert table["chosen_top_ids"][0].as_py() == [[7, 0, 1, 2], [0, 1, 2, 3]]  # token 7 first; token 5 not among K
+    assert every_rule(pristine_top_k, {**matching_caller(), "computation": COMP_K}) == set()
+
+
+@pytest.mark.parametrize("case", TOP_K_CASES)
+def test_each_top_k_rule_fires_on_its_case_and_only_there(pristine_top_k, tmp_path, case):
+    damage, expected = TOP_K_CASES[case]
+    root = Path(shutil.copytree(pristine_top_k, tmp_path / "cache"))
+    caller = {**matching_caller(), "computation": COMP_K}
+    damage(root, fmt.read_manifest(root), caller)
+    assert every_rule(root, caller) == expected
+
+
+def test_top_k_findings_name_the_row_the_position_and_the_count():
+    rows = rows_of()[PER_SHARD:2 * PER_SHARD]
+    table = top_k_table(rows, lambda c: (_set("chosen_top_ids", 2, 1, 3, -1)(c), _set("chosen_top_ids", 1, 0, 0, 99)(c)))
+    (f,) = rules.top_k_findings(table, K, VOCAB, "s.parquet")
+    assert (f.rule, f.kind, f.shard, f.row, f.count) == ("top_k_ids", "top_k", "s.parquet", 1, 2)
+    assert f.message == "top-k columns of row 'r4' are inconsistent: the cache was edited or damaged [top_k_ids: " \
+        "chosen token 0: id 99 outside 0..15]"
+    (f,) = rules.top_k_findings(table, "8", VOCAB, "s.parquet")  # a K that is not a count
+    assert (f.rule, f.count) == ("top_k_shape", 3) and "computation.top_k is '8'" in f.message
+    assert rules.top_k_findings(top_k_table(rows), K, None) == []  # no vocabulary known: ids only >= 0
+
+
+def test_top_k_findings_are_the_same_judged_a_few_rows_at_a_time(monkeypatch):
+    rows = rows_of()
+    def damage(columns):
+        _set("chosen_top_ids", 4, 1, 3, -1)(columns)
+        _set("rejected_tail", 1, 0, None, 0.5)(columns)
+        columns["chosen_tail"][5] = columns["chosen_tail"][5][:1]  # one tail for two tokens
+        _set("rejected_tail", 3, 2, None, -3)(columns)
+    table = top_k_table(rows, damage)
+    whole = rules.top_k_findings(table, K, VOCAB, "s")
+    assert {f.rule: (f.row, f.count) for f in whole} == {"top_k_shape": (5, 1), "top_k_ids": (4, 1),
+                                                         "top_k_order": (1, 1), "top_k_mass": (3, 1)}
+    monkeypatch.setattr(rules, "TOP_K_CHUNK", 2 * K)  # one or two rows at a time
+    assert rules.top_k_findings(table, K, VOCAB, "s") == whole
+
+
+def test_top_k_values_rounded_as_the_storage_may_round_them_pass():
+    """Every top-k log-prob moved down by 2**-12 x max(1, |v|) (the bound FORMAT.md gives its storage; the move
+    keeps the order): no finding. Four times that is the allowance, so the move itself is not what passes."""
+    def rounded(columns):
+        for side in ("chosen", "rejected"):
+            columns[f"{side}_top_logps"] = [[[v - 2**-12 * max(1.0, abs(v)) for v in position] for position in row]
+                                            for row in columns[f"{side}_top_logps"]]
+    assert rules.top_k_findings(top_k_table(rows_of(), rounded), K, VOCAB) == []
+    assert float(rules.top_k_allowance(-30.0)) == pytest.approx(0.03) and rules.top_k_allowance(-np.inf) == 0
+
+
 def test_every_rule_has_a_case():
     """A rule added to the book without a case here fails (rules as audit-ref and train-dpo name them)."""
-    covered = {rule for _, expected in CASES.values() for rule, _ in expected}
+    covered = {rule for _, expected in (*CASES.values(), *TOP_K_CASES.values(), *TOP_K_TABLE_CASES.values())
+               for rule, _ in expected}
     assert covered == {"manifest", "shard_files", "shard_stamps", "shard_checksums", "row_checksums", "cache_checksum",
-                       "unique_ids", *rules.VALUE_RULES, "skipped_counts", "computation", "stamps", "rows"}
+                       "unique_ids", *rules.VALUE_RULES, *rules.TOP_K_RULES, "skipped_counts", "computation", "stamps",
+                       "rows"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
