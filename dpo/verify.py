@@ -21,7 +21,7 @@ from schemas.encoding import EncodingConfig
 from schemas.cache import Cache, open_cache
 from schemas.findings import CacheError
 from schemas.format import per_token_columns, top_k_of
-from schemas.rules import use_findings, value_findings
+from schemas.rules import top_k_findings, use_findings, value_findings
 from schemas.stamps import model_hash, tokenizer_hash, tokenizer_parts
 
 
@@ -84,7 +84,8 @@ def option_name(key: str) -> str:
 
 def check_values(cache: Cache, ids: list[str]) -> pa.Table:
     """The one scan of the columns train-dpo uses: the cached values of `ids`, checked by the value rules (one
-    value per completion token, sums equal to the per-token values, every value finite and <= 0). Returns every
+    value per completion token, sums equal to the per-token values, every value finite and <= 0) and, in a top-k
+    cache, the top-k rules (schemas/rules.py top_k_findings, as audit-ref runs them). Returns every
     per-token column of the cache as ref_<column>, in the order of `ids`."""
     want = pl.DataFrame({"id": ids, "order": range(len(ids))})
     # Read with pyarrow (Cache.scan), which refuses a damaged file (one behind a forged manifest: the file hash
@@ -92,7 +93,13 @@ def check_values(cache: Cache, ids: list[str]) -> pa.Table:
     columns = cached_columns(cache)
     read = list(dict.fromkeys([*TRAINED_ON, *columns]))
     values = pl.from_arrow(cache.scan(read)).join(want, on="id", how="inner").sort("order")
-    for finding in value_findings(values):  # the value rules of schemas/rules.py; the first one found is raised
+    k = top_k_of(cache.manifest.get("computation"))
+    tokenizer = cache.manifest.get("tokenizer") or {}
+    found = value_findings(values)  # the value rules of schemas/rules.py; the first one found is raised
+    if k:  # the top-k rules too: ids in the vocabulary and unique, sorted, mass plus tail 1, the dataset token
+        found += top_k_findings(values, k, tokenizer.get("size") if isinstance(tokenizer, dict) else None,
+                                str(cache.root))
+    for finding in found:
         raise finding.error()
     return values.select([pl.col(c).alias(f"ref_{c}") for c in columns]).to_arrow()
 

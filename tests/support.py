@@ -321,6 +321,37 @@ def rewrite_shard(cache: Path, name: str, edit, *, ids=False) -> None:
     edit_manifest(cache, restamp)
 
 
+def rewrite_top_k_shard(cache: Path, name: str, edit) -> None:
+    """A top-k shard rewritten as a forger who knows the format would: its rows read in their logical types
+    (fmt.read_columns), `edit`ed, written back through the writer (fmt.shard_table / write_shard: the storage
+    encoding, the sums and checksums of the rows as they now are) with its footer's stamps and computation, and its
+    manifest entry restamped (size and sha256)."""
+    import json
+
+    import numpy as np
+
+    from schemas import format as fmt
+    from schemas import rules
+    from schemas.encoding import EncodingConfig
+
+    path = cache / name
+    meta = fmt.read_footer(path).meta
+    computation = json.loads(meta["computation"])
+    rows = fmt.read_columns(path).to_pylist()
+    edit(rows)
+    scores = {side: [fmt.TokenScores(logps=r[f"{side}_logps"], **{s: np.asarray(r[f"{side}_{s}"])
+                                                                  for s in rules.TOP_K_COLUMNS}) for r in rows]
+              for side in ("chosen", "rejected")}
+    table = fmt.shard_table([r["id"] for r in rows], *([r[f"{p}_input_ids"] for r in rows]
+                                                      for p in ("prompt", "chosen", "rejected")),
+                            scores["chosen"], scores["rejected"], top_k=fmt.top_k_of(computation))
+    entry = fmt.write_shard(path, table, model_hash=meta["model_hash"], tokenizer_hash=meta["tokenizer_hash"],
+                            encoding=EncodingConfig.from_dict(json.loads(meta["encoding"])), computation=computation)
+    manifest = fmt.read_manifest(cache)
+    manifest["shards"] = [entry if e["file"] == name else e for e in manifest["shards"]]
+    fmt.write_manifest(cache, manifest)
+
+
 def float32_sum(values) -> float:
     """The float64 sum of float32 values, as the writer computes a sequence's log-prob."""
     import numpy as np

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import DATA, audit_ref as audit, check_of as check, float32_sum, statuses
-from conftest import precompute_in_process as precompute, pref_rows, write_jsonl
+from conftest import precompute_in_process as precompute, pref_rows, rewrite_top_k_shard, write_jsonl
 from audit.checks import SECTIONS
 from schemas import format as fmt
 from schemas import rules
@@ -28,31 +28,6 @@ TOP_K_CHECKS = (*rules.TOP_K_RULES, "replay_top_k")
 TYPES = {"top_ids": pa.list_(pa.list_(pa.int32())), "top_logps": pa.list_(pa.list_(pa.float32())),
          "tail": pa.list_(pa.float32())}
 SHARD = "shard-00001.parquet"
-
-
-def rewrite_top_k_shard(cache: Path, name: str, edit) -> None:
-    """A top-k shard rewritten as a forger who knows the format would: its rows read in their logical types
-    (fmt.read_columns), `edit`ed, written back through the writer (fmt.shard_table / write_shard: the storage
-    encoding, the sums and checksums of the rows as they now are) with its footer's stamps and computation, and its
-    manifest entry restamped (size and sha256)."""
-    path = cache / name
-    meta = fmt.read_footer(path).meta
-    computation = json.loads(meta["computation"])
-    rows = fmt.read_columns(path).to_pylist()
-    edit(rows)
-    scores = {side: [fmt.TokenScores(logps=r[f"{side}_logps"], **{s: np.asarray(r[f"{side}_{s}"])
-                                                                  for s in rules.TOP_K_COLUMNS}) for r in rows]
-              for side in ("chosen", "rejected")}
-    table = fmt.shard_table([r["id"] for r in rows], *([r[f"{p}_input_ids"] for r in rows]
-                                                      for p in ("prompt", "chosen", "rejected")),
-                            scores["chosen"], scores["rejected"], top_k=fmt.top_k_of(computation))
-    from schemas.encoding import EncodingConfig
-
-    entry = fmt.write_shard(path, table, model_hash=meta["model_hash"], tokenizer_hash=meta["tokenizer_hash"],
-                            encoding=EncodingConfig.from_dict(json.loads(meta["encoding"])), computation=computation)
-    manifest = fmt.read_manifest(cache)
-    manifest["shards"] = [entry if e["file"] == name else e for e in manifest["shards"]]
-    fmt.write_manifest(cache, manifest)
 
 
 @pytest.fixture(scope="module")

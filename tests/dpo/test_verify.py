@@ -255,3 +255,28 @@ def test_live_rows_are_encoded_not_verified(llama_dir, dpo_data, dpo_cache):
                              cache_dir=str(dpo_cache), log=lambda m: None)
     assert isinstance(cached, Verified) and "stamps" in cached.report
     assert cached.table.select(["id", "prompt_ids", "chosen_ids", "rejected_ids"]).equals(live.table)  # same rows
+
+
+def test_a_top_k_cache_is_held_to_the_top_k_rules_before_training(tmp_path):
+    """train-dpo runs the top-k rules of the rule book (schemas/rules.py top_k_findings, audit-ref's) in its one
+    scan: a top-k id outside the vocabulary, written through the writer with every checksum made to match, is
+    refused before any training; the clean cache verifies."""
+    from conftest import DATA, precompute_in_process, rewrite_top_k_shard
+    from dpo.verify import verify_and_join
+    from runtime.checkpoint import load_tokenizer
+    from schemas.cache import CacheError
+
+    model, data = DATA / "sft-model", write_jsonl(tmp_path / "prefs.jsonl", pref_rows(6))
+    cache = precompute_in_process(model, data, tmp_path / "cache", top_k=4)
+    tokenizer = load_tokenizer(str(model))
+    verify = lambda: verify_and_join(tokenizer=tokenizer, model_dir=str(model), data=str(data), split="train",
+                                     cache_dir=str(cache), log=lambda m: None)
+    assert verify().table.column("ref_chosen_top_ids").to_pylist()[0][0].__len__() == 4
+    manifest = json.loads((cache / "manifest.json").read_text())
+
+    def out_of_range(rows):
+        rows[1]["chosen_top_ids"][0][3] = len(tokenizer) + 7
+
+    rewrite_top_k_shard(cache, manifest["shards"][0]["file"], out_of_range)
+    with pytest.raises(CacheError, match=r"top-k columns of row .* are inconsistent.*top_k_ids"):
+        verify()
