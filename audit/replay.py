@@ -143,11 +143,7 @@ class Differences:
                    f"max {info['token_max_abs_diff']:.1e} mean {info['token_mean_abs_diff']:.1e}, per sequence max "
                    f"{info['sequence_max_abs_diff']:.1e} mean {info['sequence_mean_abs_diff']:.1e}; tolerance "
                    f"{self.tol:.0e}")
-        if self.first:
-            self.first.detail = f"{self.beyond:,} token(s) beyond tolerance; first: {self.first.detail}; {summary}"
-            self.first.info = info
-            return self.first
-        return Check("replay", PASS, summary, info=info)
+        return _outcome("replay", self.first, self.beyond, summary, info)
 
 
 def _gap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -213,8 +209,13 @@ class TopKDifferences:
         summary = (f"{info['rows']:,} rows ({tokens.size:,} tokens), K = {self.k}: ids equal but {self.ties} tie(s), "
                    f"log-probs and tail per token max {info['token_max_abs_diff']:.1e} mean "
                    f"{info['token_mean_abs_diff']:.1e}; tolerance {self.tol:.0e} + the storage's rounding")
-        if self.first:
-            self.first.detail = f"{self.beyond:,} token(s) beyond tolerance; first: {self.first.detail}; {summary}"
-            self.first.info = info
-            return self.first
-        return Check("replay_top_k", PASS, summary, info=info)
+        return _outcome("replay_top_k", self.first, self.beyond, summary, info)
+
+
+def _outcome(name: str, first: Check | None, beyond: int, summary: str, info: dict) -> Check:
+    """A replay's check: its first token beyond tolerance (FAIL, with the count and the summary), else PASS."""
+    if first:
+        first.detail = f"{beyond:,} token(s) beyond tolerance; first: {first.detail}; {summary}"
+        first.info = info
+        return first
+    return Check(name, PASS, summary, info=info)
