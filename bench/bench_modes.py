@@ -39,8 +39,9 @@ def standard_pairs(n: int, vocab: int, seq: int, seed: int = 0) -> list[EncodedP
 
 def run_case(name: str, model, pairs: list[EncodedPair], token_budget: int, reps: int, modes=MODES) -> dict:
     results = {m: score_pairs(model, pairs, 0, token_budget, m) for m in modes}
-    reference = np.concatenate(results["full_forward"][0] + results["full_forward"][1])
-    diffs = {m: float(np.abs(np.concatenate(r[0] + r[1]) - reference).max()) for m, r in results.items()}
+    logps = lambda r: np.concatenate([s.logps for s in r[0] + r[1]])  # each completion's TokenScores
+    reference = logps(results["full_forward"])
+    diffs = {m: float(np.abs(logps(r) - reference).max()) for m, r in results.items()}
     times = common.interleaved({m: (lambda m=m: score_pairs(model, pairs, 0, token_budget, m)) for m in modes},
                                reps=reps)
     tokens = results["full_forward"][2]["tokens"]
