@@ -60,3 +60,12 @@ def dpo_cache(tmp_path_factory, llama_dir, dpo_data) -> Path:
     run_precompute(PrecomputeConfig(model=str(llama_dir), data=str(dpo_data), out=str(out), rows_per_shard=16,
                                     progress=False), log=lambda m: None)
     return out
+
+
+@pytest.fixture()
+def victim(tmp_path):
+    """A file of the user's, outside every folder a command is given (what no write may reach)."""
+    path = tmp_path / "elsewhere" / "precious.txt"
+    path.parent.mkdir()
+    path.write_text("precious\n")
+    return path

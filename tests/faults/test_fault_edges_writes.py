@@ -43,14 +43,6 @@ def world(tmp_path_factory, llama_dir):
             "skipping": base / "skipping", "skip": ["--data", bad, "--on-bad-row", "skip"]}
 
 
-@pytest.fixture()
-def victim(tmp_path):
-    """A file of the user's, outside every folder a command is given."""
-    path = tmp_path / "elsewhere" / "precious.txt"
-    path.parent.mkdir()
-    path.write_text("precious\n")
-    return path
-
 
 def refused(result, *parts):
     assert result.exit_code == 2, result.output

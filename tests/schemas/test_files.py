@@ -11,13 +11,6 @@ import pytest
 from schemas.files import UnsafeDestination, append_text, atomic_write, open_nofollow, remove_file
 
 
-@pytest.fixture()
-def victim(tmp_path):
-    path = tmp_path / "elsewhere" / "precious.txt"
-    path.parent.mkdir()
-    path.write_text("precious\n")
-    return path
-
 
 def untouched(victim):
     assert victim.read_text() == "precious\n"
