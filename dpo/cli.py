@@ -189,14 +189,17 @@ def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
 
 
 def summary_text(s: dict) -> str:
+    """The closing lines: what was trained and where each output is; a verification figure only where a cache was
+    verified (not with a live reference), a plot line only where a plot was written (not with --no-plot)."""
     acc = s["eval"].get("eval_rewards/accuracies")
     out = Path(s["output_dir"])
+    verified = f" (verification {s['verify_s']:.1f} s)" if s.get("reference", "cache") == "cache" else ""
+    plot = f"\n  plot:       {out / 'metrics.png'}" if (out / "metrics.png").is_file() else ""
     return (
-        f"trained {s['steps']} steps in {s['train_s']:.1f} s (verification {s['verify_s']:.1f} s); "
-        f"train loss {s['train_loss']:.4f}"
+        f"trained {s['steps']} steps in {s['train_s']:.1f} s{verified}; train loss {s['train_loss']:.4f}"
         + (f"; eval reward accuracy {acc:.3f} (share of eval pairs whose implicit reward beta*log(pi/ref) "
            "ranks chosen above rejected)" if acc is not None else "")
-        + f"\n  checkpoint: {out}\n  metrics:    {out / 'metrics.jsonl'}\n  plot:       {out / 'metrics.png'}"
+        + f"\n  checkpoint: {out}\n  metrics:    {out / 'metrics.jsonl'}{plot}"
         f"\n  manifest:   {out / 'run-manifest.json'}"
     )
 

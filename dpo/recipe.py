@@ -392,6 +392,7 @@ def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) 
     first = [r for r in trainer.state.log_history if "eval_loss" in r and r.get("step") == 0]
     summary = {"eval_start": first[0] if first else {}, "output_dir": str(out.resolve()), "steps": result.global_step,
                "batch_layout": layout, "world_size": trainer.args.world_size,
+               "reference": "live" if cfg.ref_cache is None else "cache",
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": run.verify_s, "eval": final_eval,
                "phases": timer.phases}
     if trainer.is_world_process_zero():

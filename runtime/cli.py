@@ -203,7 +203,8 @@ def _default_text(fld: dataclasses.Field) -> str | None:
 
 
 def _help_text(fld: dataclasses.Field) -> str:
-    text = " ".join(str(fld.metadata.get("help") or "").split()) or f"See {fld.name}."
+    # argparse-style help (transformers' fields) escapes % as %%; click prints help as written
+    text = " ".join(str(fld.metadata.get("help") or "").replace("%%", "%").split()) or f"See {fld.name}."
     default = _default_text(fld)
     return text + (f" [default: {default}]" if default is not None and not fld.metadata.get("required") else "")
 

@@ -95,6 +95,29 @@ def test_summary_names_one_accuracy():
     assert "eval reward accuracy 0.750" in text and "0.400" not in text and "preferred" not in text
 
 
+def test_summary_says_only_what_happened(tmp_path):
+    """Issue 25 item 11: no verification figure with a live reference (nothing was verified), no plot line when no
+    plot was written (--no-plot); both where they were."""
+    from dpo.cli import summary_text
+
+    run = {"eval": {}, "output_dir": str(tmp_path), "steps": 3, "train_s": 1.0, "verify_s": 0.1, "train_loss": 0.5}
+    live = summary_text({**run, "reference": "live"})
+    assert "verification" not in live and "plot:" not in live and "manifest:" in live
+    (tmp_path / "metrics.png").write_bytes(b"\x89PNG")
+    cached = summary_text({**run, "reference": "cache"})
+    assert "(verification 0.1 s)" in cached and f"plot:       {tmp_path / 'metrics.png'}" in cached
+
+
+def test_help_has_no_argparse_escapes():
+    """Issue 25 item 11: transformers' help texts escape % as %% for argparse; --help shows a plain %."""
+    from click.testing import CliRunner
+
+    from dpo.cli import main
+
+    text = CliRunner().invoke(main, ["--help"]).output
+    assert "%%" not in text and "~20% slower" in " ".join(text.split())
+
+
 # issue 16 (what a TRL user expects), item 5: options: every TrainingArguments field, both spellings, grouped help, DPOConfig YAML, resume true
 
 
