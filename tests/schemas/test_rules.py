@@ -56,12 +56,14 @@ def restamp(root: Path, manifest: dict) -> None:
     fmt.write_manifest(root, manifest)
 
 
-def write_cache(root: Path, rows) -> dict:
+def write_cache(root: Path, rows, shard=table_of, computation=COMP) -> dict:
+    """A sound cache of `rows` (`shard`: how a shard's table is built, e.g. top_k_shard with COMP_K)."""
     root.mkdir(parents=True)
-    entries = [write_shard(root, f"shard-{i:05d}.parquet", table_of(rows[i * PER_SHARD:(i + 1) * PER_SHARD]))
+    entries = [fmt.write_shard(root / f"shard-{i:05d}.parquet", shard(rows[i * PER_SHARD:(i + 1) * PER_SHARD]),
+                               model_hash=MODEL, tokenizer_hash=TOKENIZER, encoding=ENC, computation=computation)
                for i in range(SHARDS)]
     manifest = {"format_version": fmt.FORMAT_VERSION, "stamps": {"model_hash": MODEL, "tokenizer_hash": TOKENIZER},
-                "encoding": ENC.to_dict(), "computation": COMP, "shards": entries, "rows": len(rows),
+                "encoding": ENC.to_dict(), "computation": computation, "shards": entries, "rows": len(rows),
                 "source": {"rows_in": len(rows), "skipped": 0, "skipped_by_reason": {}}}
     restamp(root, manifest)
     return manifest
@@ -112,15 +114,7 @@ def top_k_shard(rows, edit=None, scored=None) -> pa.Table:
 
 
 def write_top_k_cache(root: Path, rows) -> dict:
-    root.mkdir(parents=True)
-    entries = [fmt.write_shard(root / f"shard-{i:05d}.parquet", top_k_shard(rows[i * PER_SHARD:(i + 1) * PER_SHARD]),
-                               model_hash=MODEL, tokenizer_hash=TOKENIZER, encoding=ENC, computation=COMP_K)
-               for i in range(SHARDS)]
-    manifest = {"format_version": fmt.FORMAT_VERSION, "stamps": {"model_hash": MODEL, "tokenizer_hash": TOKENIZER},
-                "encoding": ENC.to_dict(), "computation": COMP_K, "shards": entries, "rows": len(rows),
-                "source": {"rows_in": len(rows), "skipped": 0, "skipped_by_reason": {}}}
-    restamp(root, manifest)
-    return manifest
+    return write_cache(root, rows, top_k_shard, COMP_K)
 
 
 def every_rule(root: Path, caller: dict) -> set[tuple[str, str]]:
