@@ -24,9 +24,8 @@ from schemas.stamps import tokenizer_hash
 # Log-prob bands (lower bound, name): the token's probability >= 1/2, >= 1/10, >= 1/100, below.
 BANDS = ((np.log(0.5), "likely"), (np.log(0.1), "plausible"), (np.log(0.01), "unlikely"), (-np.inf, "surprising"))
 TERMINAL_COLOURS = {"likely": "green", "plausible": "yellow", "unlikely": "magenta", "surprising": "red"}
-FIND_IDS = ("ids are the cache's `id` column (the data's id, or the one precompute-ref gave the row); list them with "
-            "`python -c \"import polars as pl; print(pl.read_parquet('CACHE/*.parquet', columns=['id']))\"`, or give "
-            "a row index 0..{last}")
+FIND_IDS = ("give a row id (the cache's `id` column: the data's `id` field, or the one precompute-ref gave the row; "
+            "here {some}) or a row index 0..{last}; `audit-ref CACHE --html FILE --all` lists every row with its id")
 TOP_CONTRIBUTIONS = 3
 
 
@@ -114,7 +113,8 @@ def pick_rows(index: pl.DataFrame, wanted: list[str], cache) -> pl.DataFrame:
         elif w.isdigit() and int(w) < index.height:
             picks.append(int(w))
         else:
-            how = FIND_IDS.format(last=index.height - 1) if index.height else "the cache has no readable rows"
+            some = ", ".join(map(repr, index["id"].head(3).to_list())) + (", …" if index.height > 3 else "")
+            how = FIND_IDS.format(some=some, last=index.height - 1) if index.height else "it has no readable rows"
             raise JobError(f"{cache}: no row {w!r} (neither an id nor an index of its {index.height:,} rows); {how}")
     return numbered[picks]
 
@@ -235,6 +235,7 @@ h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.6em; border-bottom
 table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
 td, th { border: 1px solid #ddd; padding: 2px 6px; text-align: left; vertical-align: top; }
 td.num { text-align: right; font-family: ui-monospace, monospace; }
+td code { white-space: nowrap; }
 code, .tok { font-family: ui-monospace, monospace; }
 .part { margin: 0.4em 0 0.8em; line-height: 2.6em; }
 .label { font-weight: bold; margin-right: 0.5em; }
