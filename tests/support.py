@@ -276,7 +276,8 @@ def audit_ref(cache, *args, json_path=None):
 
 
 def fake_run(out: Path, checkpoint: Path, cache: Path) -> Path:
-    """A train-dpo output folder as `_finish` leaves it: a checkpoint and a run manifest naming the cache."""
+    """A train-dpo output folder as `_finish` leaves it: a checkpoint (or a LoRA adapter) and a run manifest naming
+    the cache."""
     from schemas import format as fmt
     from schemas.stamps import file_sha256, model_hash
 
@@ -285,7 +286,7 @@ def fake_run(out: Path, checkpoint: Path, cache: Path) -> Path:
     run = {"kind": "refcache-train-dpo-run",
            "reference": {"cache": {"path": str(cache), "manifest_sha256": file_sha256(cache / fmt.MANIFEST),
                                    "stamps": manifest["stamps"]}, "live_model": None},
-           "final_model_hash": model_hash(out)}
+           "final_model_hash": model_hash(out) if (out / "config.json").is_file() else None}
     (out / "run-manifest.json").write_text(json.dumps(run, indent=2))
     return out
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import build_llama, edit_manifest, fake_run, precompute_in_process, read_cache, save_checkpoint
-from conftest import write_jsonl
+from conftest import make_lora_adapter, write_jsonl
 from audit.show import visible
 from schemas import format as fmt
 
@@ -125,6 +125,28 @@ def test_show_without_the_recorded_model_asks_for_model(dpo_cache, tmp_path):
     assert code == 2 and out == "" and "pass --model" in err
 
 
+def policy_ratios(policy, row: dict, side: str) -> np.ndarray:
+    """The policy's log-probs of a cached completion by hand (one forward, log_softmax, each next token's value)
+    minus the cached reference log-probs."""
+    ids = row["prompt_input_ids"] + row[f"{side}_input_ids"]
+    with torch.no_grad():
+        logits = policy(torch.tensor([ids])).logits[0].double()
+    start = len(row["prompt_input_ids"])
+    own = logits.log_softmax(-1)[start - 1 : -1].gather(-1, torch.tensor(ids[start:])[:, None])[:, 0].numpy()
+    return own - np.asarray(row[f"{side}_logps"])
+
+
+def assert_ratios(out: str, policy, row: dict) -> None:
+    """--show's log-ratio column and margin are the policy's, computed by hand."""
+    for side in fmt.SIDES:
+        ratio = policy_ratios(policy, row, side)
+        assert np.abs(ratio).max() > 0.01  # another model than the reference: the ratios say something
+        np.testing.assert_allclose([float(g[4]) for g in table_lines(out, side)], ratio, atol=6e-4)
+    total = re.search(r"policy log-ratio chosen - rejected ([+-][\d.]+)", out).group(1)
+    assert abs(float(total) - (policy_ratios(policy, row, "chosen").sum()
+                               - policy_ratios(policy, row, "rejected").sum())) <= 6e-4
+
+
 def test_show_with_a_run_gives_the_policys_log_ratio(dpo_cache, llama_dir, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -132,22 +154,21 @@ def test_show_with_a_run_gives_the_policys_log_ratio(dpo_cache, llama_dir, token
     run = fake_run(tmp_path / "run", policy_dir, dpo_cache)
     code, out, err = audit(dpo_cache, "--show", "r0002", "--run", run, "--model", llama_dir)
     assert code == 0, err
-    row = read_cache(dpo_cache).row(2, named=True)
     policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
-    for side in fmt.SIDES:
-        ids = row["prompt_input_ids"] + row[f"{side}_input_ids"]
-        with torch.no_grad():  # the policy's log-probs by hand: one forward, log_softmax, the next token's value
-            logits = policy(torch.tensor([ids])).logits[0].double()
-        start = len(row["prompt_input_ids"])
-        own = logits.log_softmax(-1)[start - 1 : -1].gather(-1, torch.tensor(ids[start:])[:, None])[:, 0].numpy()
-        ratio = own - np.asarray(row[f"{side}_logps"])
-        assert np.abs(ratio).max() > 0.01  # another model: the ratios say something
-        got = table_lines(out, side)
-        np.testing.assert_allclose([float(g[4]) for g in got], ratio, atol=6e-4)
-    total = re.search(r"policy log-ratio chosen - rejected ([+-][\d.]+)", out).group(1)
-    expected = sum(float(g[4]) for g in table_lines(out, "chosen")) - sum(float(g[4]) for g in
-                                                                          table_lines(out, "rejected"))
-    assert abs(float(total) - expected) <= 0.01
+    assert_ratios(out, policy, read_cache(dpo_cache).row(2, named=True))
+
+
+def test_show_with_a_lora_run_scores_base_plus_adapter(dpo_cache, llama_dir, tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    run = fake_run(tmp_path / "run", make_lora_adapter(llama_dir, tmp_path / "adapter"), dpo_cache)
+    code, out, err = audit(dpo_cache, "--show", "4", "--run", run)
+    assert code == 2 and out == "" and "LoRA adapter" in err and "--model" in err
+    code, out, err = audit(dpo_cache, "--show", "4", "--run", run, "--model", llama_dir)
+    assert code == 0, err
+    base = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    assert_ratios(out, peft.PeftModel.from_pretrained(base, run).eval(), read_cache(dpo_cache).row(4, named=True))
 
 
 def test_show_refuses_a_run_trained_on_another_cache(dpo_cache, llama_dir, tmp_path):
@@ -203,12 +224,16 @@ def test_html_is_a_view_not_the_audit(dpo_cache, tmp_path):
     assert code == 2 and "--json" in err and not (tmp_path / "v.html").exists()
 
 
-def test_html_escapes_every_data_text(hostile_cache, tmp_path):
+def test_html_escapes_every_data_text(hostile_cache, tokenizer, tmp_path):
     page_path = tmp_path / "view.html"
     assert audit(hostile_cache, "--html", page_path, "--all")[0] == 0
     page = page_path.read_text()
     assert "<script" not in page and "<img" not in page and "<i>" not in page and "<b>row-0" not in page
     assert "&lt;b&gt;row-0&lt;/b&gt;" in page
+    # each token is text of its own span: a "<" left unescaped would open a tag and change what the parser reads
+    rows = read_cache(hostile_cache)
+    assert dom_tokens(page) == [(part, [visible(t) for t in texts(tokenizer, rows.row(i, named=True)[f"{part}_input_ids"])])
+                                for i in range(rows.height) for part in ("prompt", *fmt.SIDES)]
 
 
 class Tokens(HTMLParser):
