@@ -224,9 +224,12 @@ def render_text(views: list[RowView], colour: bool = True) -> str:
     return "\n".join(out)
 
 
+def _contributions(v: RowView) -> list[str]:
+    return [f"{side} token {j} {visible(getattr(v, side).texts[j])!r} {_signed(c)}" for side, j, c in v.contributions()]
+
+
 def _contribution_text(v: RowView) -> str:
-    return ", ".join(f"{side} token {j} {visible(getattr(v, side).texts[j])!r} {_signed(c)}"
-                     for side, j, c in v.contributions())
+    return ", ".join(_contributions(v))
 
 
 CSS = """
@@ -246,7 +249,8 @@ code, .tok { font-family: ui-monospace, monospace; }
 .end { display: inline-block; border-left: 3px solid #000; height: 2em; margin: 0 6px; vertical-align: middle; }
 .likely { background: #b7e4b0; } .plausible { background: #fbe7a1; }
 .unlikely { background: #f7c08a; } .surprising { background: #f19a9a; }
-.up { color: #05620f; } .down { color: #a10d0d; }
+.tok small.up { color: #05620f; } .tok small.down { color: #a10d0d; }
+td.why { font-family: ui-monospace, monospace; white-space: pre; }
 """
 
 
@@ -256,7 +260,7 @@ def _token_html(part: Part, j: int) -> str:
         return f'<span class="tok" title="id {part.ids[j]}">{text}</span>'
     lp = part.ref[j]
     extra = f" log-ratio {_signed(part.ratio[j])}" if part.ratio is not None else ""
-    ratio = (f'<small class="{"up" if part.ratio[j] > 0 else "down"}">{_signed(part.ratio[j])}</small>'
+    ratio = (f'<small class="{"up" if part.ratio[j] >= 0 else "down"}">{_signed(part.ratio[j])}</small>'
              if part.ratio is not None else "")
     return (f'<span class="tok {band(lp)}" title="id {part.ids[j]}, log-prob {lp:.4f}{extra}">{text}'
             f"<small>{lp:.2f}</small>{ratio}</span>")
@@ -293,7 +297,7 @@ def _summary_html(views: list[RowView]) -> str:
         cells.append(f'<td class="num">{v.margin:+.3f}</td>')
         if policy:
             cells.append(f'<td class="num">{_signed(v.policy_margin)}</td>')
-        cells.append("<td>" + e(_contribution_text(v)) + "</td>")
+        cells.append('<td class="why">' + "<br>".join(e(c) for c in _contributions(v)) + "</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return ("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>\n" + "\n".join(rows)
             + "</table>")

@@ -231,9 +231,9 @@ def test_html_escapes_every_data_text(hostile_cache, tokenizer, tmp_path):
     assert "<script" not in page and "<img" not in page and "<i>" not in page and "<b>row-0" not in page
     assert "&lt;b&gt;row-0&lt;/b&gt;" in page
     # each token is text of its own span: a "<" left unescaped would open a tag and change what the parser reads
-    rows = read_cache(hostile_cache)
-    assert dom_tokens(page) == [(part, [visible(t) for t in texts(tokenizer, rows.row(i, named=True)[f"{part}_input_ids"])])
-                                for i in range(rows.height) for part in ("prompt", *fmt.SIDES)]
+    rows = read_cache(hostile_cache).to_dicts()
+    assert dom_tokens(page) == [(part, [visible(t) for t in texts(tokenizer, row[f"{part}_input_ids"])])
+                                for row in rows for part in ("prompt", *fmt.SIDES)]
 
 
 class Tokens(HTMLParser):
