@@ -41,7 +41,7 @@ from .runs import audit_data, audit_run
 
 DEFAULT_SAMPLE = 100
 HTML_SAMPLE = 20  # rows on an --html page without --show or --sample
-VIEW_ONLY = ("data", "json", "tolerance")  # audit options a view does not take
+VIEW_ONLY = ("json", "tolerance")  # audit options a view does not take
 
 
 @dataclass
@@ -52,7 +52,8 @@ class AuditOptions:
         "Reference checkpoint: compare model and tokenizer hashes, and replay the reference on a sample.",
         click_type=click.Path(exists=True, file_okay=False)))
     data: str | None = field(default=None, metadata=field_help(
-        "Preference data: re-encode every row (needs --model for the tokenizer) and compare.",
+        "Preference data: re-encode every row (needs --model for the tokenizer) and compare (with --show/--html: "
+        "a note says whether the cached rows still match it).",
         click_type=click.Path(exists=True)))
     run: str | None = field(default=None, metadata=field_help(
         "A train-dpo --output-dir: check that its run-manifest.json names this cache and its weights.",
@@ -153,7 +154,7 @@ def main(cache, debug, **options):
                                    f"({', '.join(mixed)}) without them")
     elif opts.tokenizer:
         raise click.UsageError("--tokenizer is for --show/--html (the audit takes the tokenizer from --model)")
-    if opts.data and not opts.model:
+    if opts.data and not opts.model and not (opts.show or opts.html):
         raise click.UsageError("--data needs --model: the rows are re-encoded with the cache's tokenizer")
     json_path = opts.json or opts.html
     label = "--json" if opts.json else "--html"
@@ -193,8 +194,11 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     tokenizer = show.verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
     scan = audit_cache(root, manifest)  # rows are shown from the shards that pass shard_files only
     failed = [c.name for c in scan.checks if c.status == FAIL]
-    note = f"this cache fails {', '.join(failed)}: run audit-ref {cache} for the details" if failed else None
-    if note:
+    notes = [f"this cache fails {', '.join(failed)}: run audit-ref {cache} for the details"] if failed else []
+    if opts.data:  # the data re-encoded as the audit does: do the cached rows still say what the data says?
+        check = audit_data(manifest, scan, opts.data, tokenizer)
+        notes.append(f"--data {opts.data}: {check.status}: {check.detail}")
+    for note in notes:
         click.echo(f"note: {note}", err=True)
     picks = (show.pick_rows(scan.index, opts.show, cache) if opts.show else
              show.sample_rows(scan.index, sample, opts.seed))
@@ -212,7 +216,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     if opts.show:
         click.echo(show.render_text(views, colour="NO_COLOR" not in os.environ))
     if opts.html:
-        page = show.render_html(views, cache, manifest, note).encode("utf-8")
+        page = show.render_html(views, cache, manifest, notes).encode("utf-8")
         atomic_write(Path(opts.html), lambda f: f.write(page))
         click.echo(f"wrote {opts.html}: {len(views)} row(s) token by token")
 

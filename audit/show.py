@@ -303,7 +303,7 @@ def _summary_html(views: list[RowView]) -> str:
             + "</table>")
 
 
-def _stamps_html(cache, manifest: dict, note: str | None) -> str:
+def _stamps_html(cache, manifest: dict, notes: list[str]) -> str:
     e = html.escape
     comp = manifest.get("computation") or {}
     model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
@@ -312,10 +312,10 @@ def _stamps_html(cache, manifest: dict, note: str | None) -> str:
                                                                   f"{comp.get('mode')} batching"),
              ("rows", f"{manifest.get('rows')}"), ("made", str(manifest.get("created_at")))]
     table = "<table>" + "".join(f"<tr><th>{e(k)}</th><td><code>{e(v)}</code></td></tr>" for k, v in items) + "</table>"
-    return table + (f"<p><strong>{e(note)}</strong></p>" if note else "")
+    return table + "".join(f"<p><strong>{e(note)}</strong></p>" for note in notes)
 
 
-def render_html(views: list[RowView], cache, manifest: dict, note: str | None = None) -> str:
+def render_html(views: list[RowView], cache, manifest: dict, notes: list[str] = ()) -> str:
     """One self-contained page: the cache's stamps, a summary of where each row's margin comes from, and every row
     token by token (coloured by log-prob band; hover a token for its id and values)."""
     legend = " ".join(f'<span class="tok {name}">{name}<small>p &ge; {np.exp(bound):.2g}</small></span>'
@@ -327,7 +327,7 @@ def render_html(views: list[RowView], cache, manifest: dict, note: str | None = 
         # nothing is fetched: no network, no scripts, not even images
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
         f"<title>{title}</title><style>{CSS}</style></head><body>",
-        f"<h1>{title}</h1>", _stamps_html(cache, manifest, note),
+        f"<h1>{title}</h1>", _stamps_html(cache, manifest, list(notes)),
         f"<p>Reference log-prob bands: {legend}. Grey tokens are the prompt (not scored); the black bar is where it "
         "ends. Under each completion token: its reference log-prob"
         + (" and the policy's log-ratio (policy minus reference)" if any(v.policy_margin is not None for v in views)

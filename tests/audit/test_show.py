@@ -147,6 +147,17 @@ def assert_ratios(out: str, policy, row: dict) -> None:
                                - policy_ratios(policy, row, "rejected").sum())) <= 6e-4
 
 
+def test_show_with_data_says_whether_the_cached_rows_still_match_it(dpo_cache, dpo_data, tmp_path):
+    code, out, err = audit(dpo_cache, "--show", "1", "--data", dpo_data)
+    assert code == 0 and "row 1 id 'r0001'" in out
+    assert f"note: --data {dpo_data}: PASS" in err
+    rows = [json.loads(line) for line in dpo_data.read_text().splitlines()]
+    rows[1]["chosen"][0]["content"] += " and more"
+    code, out, err = audit(dpo_cache, "--show", "1", "--data", write_jsonl(tmp_path / "changed.jsonl", rows))
+    assert code == 0 and "row 1 id 'r0001'" in out
+    assert "FAIL: the data differs from the cached rows: changed 1: 'r0001'" in err
+
+
 def test_show_with_a_run_gives_the_policys_log_ratio(dpo_cache, llama_dir, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
