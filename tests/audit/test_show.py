@@ -230,6 +230,14 @@ def test_html_apart_from_every_input(dpo_cache, llama_dir, tmp_path, where):
     assert sorted(p.name for p in target.parent.iterdir()) == before
 
 
+def test_html_at_a_symlink_is_refused_before_anything_is_shown(dpo_cache, tmp_path, victim):
+    link = tmp_path / "view.html"
+    link.symlink_to(victim)
+    code, out, err = audit(dpo_cache, "--html", link, "--show", "0")
+    assert code == 2 and out == "" and "symlink" in err
+    assert victim.read_text() == "precious\n" and link.is_symlink()
+
+
 def test_html_is_a_view_not_the_audit(dpo_cache, tmp_path):
     code, _, err = audit(dpo_cache, "--html", tmp_path / "v.html", "--json", tmp_path / "a.json")
     assert code == 2 and "--json" in err and not (tmp_path / "v.html").exists()
