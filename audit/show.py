@@ -140,8 +140,8 @@ def row_views(root: Path, picks: pl.DataFrame, tokenizer, policy=None) -> list[R
     views = {}
     for (shard,), group in picks.group_by("shard", maintain_order=True):
         table = pl.from_arrow(fmt.read_columns(root / shard).replace_schema_metadata(None)).with_row_index("row")
-        chosen = table.join(group.select("row", "index"), on="row", how="inner")
-        for r in chosen.to_dicts():
+        picked = table.join(group.select("row", "index"), on="row", how="inner")
+        for r in picked.to_dicts():
             parts = {"prompt": Part("prompt", r["prompt_input_ids"], _texts(tokenizer, r["prompt_input_ids"]))}
             for side in fmt.SIDES:
                 ids = r[f"{side}_input_ids"]
