@@ -6,6 +6,7 @@ one log-prob per completion token, sums, value ranges, the top-k columns of a `-
 counts. `--model` compares the model and tokenizer hashes with a checkpoint and replays the reference (and the
 top-k columns) on a sample of rows; `--data` re-encodes the data and
 compares every row; `--run` checks that a train-dpo output names this cache and holds the weights it recorded.
+`--show ROW` and `--html FILE` are views instead of the audit: rows token by token (audit/show.py).
 
 Every check is a named result (PASS, FAIL or SKIP) and all of them run. A check whose input is already known to be
 wrong is not run on it: a shard that fails `shard_files` is left out of the row checks (its content may not even
@@ -16,6 +17,7 @@ the tokenizer hash. So each corruption is reported once, by the check that owns 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,9 +26,11 @@ from pathlib import Path
 import click
 
 from runtime.cli import EXIT_FAILED, EXIT_OK, dataclass_options, field_help, given_values, quiet_libraries, run_cli
+from runtime.errors import JobError
 from runtime.paths import check_apart
 from runtime.tolerance import describe_replay
 from schemas import format as fmt
+from schemas import run_manifest
 from schemas.files import atomic_write, check_destination
 
 from .cache import audit_cache
@@ -36,6 +40,8 @@ from .report import _jsonable, render, token_stats
 from .runs import audit_data, audit_run
 
 DEFAULT_SAMPLE = 100
+HTML_SAMPLE = 20  # rows on an --html page without --show or --sample
+VIEW_ONLY = ("json", "tolerance")  # audit options a view does not take
 
 
 @dataclass
@@ -46,15 +52,17 @@ class AuditOptions:
         "Reference checkpoint: compare model and tokenizer hashes, and replay the reference on a sample.",
         click_type=click.Path(exists=True, file_okay=False)))
     data: str | None = field(default=None, metadata=field_help(
-        "Preference data: re-encode every row (needs --model for the tokenizer) and compare.",
+        "Preference data: re-encode every row (needs --model for the tokenizer) and compare (with --show/--html: "
+        "a note says whether the cached rows still match it).",
         click_type=click.Path(exists=True)))
     run: str | None = field(default=None, metadata=field_help(
         "A train-dpo --output-dir: check that its run-manifest.json names this cache and its weights.",
         click_type=click.Path(exists=True, file_okay=False)))
     sample: int = field(default=DEFAULT_SAMPLE, metadata=field_help(
-        "Rows to replay with --model, drawn at random (0: no replay).", min=0))
-    all: bool = field(default=False, metadata=field_help("Replay every row."))
-    seed: int = field(default=0, metadata=field_help("Seed of the replay sample."))
+        "Rows to replay with --model, drawn at random (0: no replay); with --html, rows on the page (default 20).",
+        min=0))
+    all: bool = field(default=False, metadata=field_help("Replay every row (with --html: show every row)."))
+    seed: int = field(default=0, metadata=field_help("Seed of the replay sample (and of the --html sample)."))
     tolerance: float | None = field(default=None, metadata=field_help(
         "Per-token replay tolerance.", click_type=click.FloatRange(min=0, min_open=True),
         show_default=describe_replay()))
@@ -62,6 +70,18 @@ class AuditOptions:
         "Also write the report as JSON here.", click_type=click.Path(dir_okay=False)))
     trust_remote_code: bool = field(default=False, metadata=field_help(
         "Allow custom model code from the checkpoint folder."))
+    show: list[str] | None = field(default=None, metadata=field_help(
+        "Instead of the audit, print these rows token by token: each token's text and reference log-prob, where the "
+        "prompt ends, and with --run the policy's log-ratio. A row is an id (the cache's `id` column) or an index; "
+        "repeat the option or separate rows with commas.", group="Views"))
+    html: str | None = field(default=None, metadata=field_help(
+        "Instead of the audit, write the --show rows (else a sample of --sample rows, 20 unless given; --all: every "
+        "row) token by token as one self-contained HTML page here, with the cache's stamps and where each margin "
+        "comes from.", group="Views", click_type=click.Path(dir_okay=False)))
+    tokenizer: str | None = field(default=None, metadata=field_help(
+        "For --show/--html: the folder of the tokenizer the cache was made with (its hash is checked against the "
+        "cache's).", group="Views", click_type=click.Path(exists=True, file_okay=False),
+        show_default="--model, else the model folder the cache recorded"))
 
 
 def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMPLE, seed=0, tolerance=None,
@@ -127,18 +147,30 @@ def main(cache, debug, **options):
     if given.get("all") and "sample" in given:
         raise click.UsageError("give --sample N or --all, not both")
     opts = AuditOptions(**given)
-    if opts.data and not opts.model:
+    if opts.show or opts.html:
+        mixed = [f"--{k}" for k in VIEW_ONLY if k in given]
+        if mixed:
+            raise click.UsageError(f"--show/--html are views of the cache, not the audit: run the audit "
+                                   f"({', '.join(mixed)}) without them")
+    elif opts.tokenizer:
+        raise click.UsageError("--tokenizer is for --show/--html (the audit takes the tokenizer from --model)")
+    if opts.data and not opts.model and not (opts.show or opts.html):
         raise click.UsageError("--data needs --model: the rows are re-encoded with the cache's tokenizer")
-    json_path = opts.json
+    json_path = opts.json or opts.html
+    label = "--json" if opts.json else "--html"
 
     if json_path and not Path(json_path).resolve().parent.is_dir():
-        raise click.UsageError(f"--json {json_path}: its folder does not exist")
+        raise click.UsageError(f"{label} {json_path}: its folder does not exist")
 
     def body():
         if json_path:  # the report is an output like any other: apart from every input, the cache's files included
-            check_apart(json_path, "--json", {"CACHE": cache, "--model": opts.model, "--data": opts.data,
-                                              "--run": opts.run})
+            check_apart(json_path, label, {"CACHE": cache, "--model": opts.model, "--data": opts.data,
+                                           "--run": opts.run, "--tokenizer": opts.tokenizer})
             check_destination(json_path)  # a link there is refused now, not after the audit
+        if opts.show or opts.html:
+            quiet_libraries()
+            view(cache, opts, None if opts.all else given.get("sample", HTML_SAMPLE))
+            sys.exit(EXIT_OK)
         if opts.model or opts.data:
             quiet_libraries()
         report = run_audit(cache, model=opts.model, data=opts.data, run=opts.run,
@@ -151,6 +183,42 @@ def main(cache, debug, **options):
         sys.exit(EXIT_FAILED if report["failed"] else EXIT_OK)
 
     run_cli(body, debug)
+
+
+def view(cache, opts: AuditOptions, sample: int | None) -> None:
+    """--show and --html: the rows token by token, once the tokenizer is the cache's (audit/show.py)."""
+    from . import show
+
+    root = Path(cache)
+    manifest = fmt.read_manifest(root)
+    tokenizer = show.verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
+    scan = audit_cache(root, manifest)  # rows are shown from the shards that pass shard_files only
+    failed = [c.name for c in scan.checks if c.status == FAIL]
+    notes = [f"this cache fails {', '.join(failed)}: run audit-ref {cache} for the details"] if failed else []
+    if opts.data:  # the data re-encoded as the audit does: do the cached rows still say what the data says?
+        check = audit_data(manifest, scan, opts.data, tokenizer)
+        notes.append(f"--data {opts.data}: {check.status}: {check.detail}")
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+    picks = (show.pick_rows(scan.index, opts.show, cache) if opts.show else
+             show.sample_rows(scan.index, sample, opts.seed))
+    policy = None
+    if opts.run:
+        try:
+            recorded = run_manifest.read_run_manifest(opts.run)
+        except run_manifest.RunManifestError as e:
+            raise click.BadParameter(str(e), param_hint="--run")
+        _, problems = run_manifest.run_cache_findings(recorded, root, manifest["stamps"])
+        if problems:  # a log-ratio against a reference the run did not train with means nothing
+            raise JobError(f"--run {opts.run}: {problems[0].message}")
+        policy = show.load_policy(opts.run, opts.model, manifest, opts.trust_remote_code)
+    views = show.row_views(root, picks, tokenizer, policy)
+    if opts.show:
+        click.echo(show.render_text(views, colour="NO_COLOR" not in os.environ))
+    if opts.html:
+        page = show.render_html(views, cache, manifest, notes).encode("utf-8")
+        atomic_write(Path(opts.html), lambda f: f.write(page))
+        click.echo(f"wrote {opts.html}: {len(views)} row(s) token by token")
 
 
 if __name__ == "__main__":

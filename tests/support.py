@@ -275,6 +275,22 @@ def audit_ref(cache, *args, json_path=None):
     return result.exit_code, report, result.output
 
 
+def fake_run(out: Path, checkpoint: Path, cache: Path) -> Path:
+    """A train-dpo output folder as `_finish` leaves it: a checkpoint (or a LoRA adapter) and a run manifest naming
+    the cache."""
+    from schemas import format as fmt
+    from schemas.stamps import file_sha256, model_hash
+
+    shutil.copytree(checkpoint, out)
+    manifest = json.loads((cache / fmt.MANIFEST).read_text())
+    run = {"kind": "refcache-train-dpo-run",
+           "reference": {"cache": {"path": str(cache), "manifest_sha256": file_sha256(cache / fmt.MANIFEST),
+                                   "stamps": manifest["stamps"]}, "live_model": None},
+           "final_model_hash": model_hash(out) if (out / "config.json").is_file() else None}
+    (out / "run-manifest.json").write_text(json.dumps(run, indent=2))
+    return out
+
+
 def check_of(report, name) -> dict:
     """One check of an audit-ref report, by name."""
     return next(c for c in report["checks"] if c["name"] == name)

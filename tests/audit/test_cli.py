@@ -13,31 +13,15 @@ from pathlib import Path
 import pytest
 
 from conftest import audit_ref as audit, build_llama, check_of as check, edit_manifest, float32_sum, pref_rows
-from conftest import precompute_in_process as precompute, rewrite_shard, save_checkpoint, statuses, write_jsonl
+from conftest import fake_run, precompute_in_process as precompute, rewrite_shard, save_checkpoint, statuses
+from conftest import write_jsonl
 from audit.cli import SECTIONS
 from schemas import format as fmt
-from schemas.stamps import file_sha256, model_hash
 
 ALL_CHECKS = [n for names in SECTIONS.values() for n in names]
 TOP_K_CHECKS = [n for n in ALL_CHECKS if n.startswith(("top_k_", "replay_top_k"))]  # SKIP: a cache without top-k
 BAD_ROWS = [{"id": "bad-empty", "prompt": "what?", "chosen": "", "rejected": "no"},
             {"id": "bad-missing", "prompt": "why?", "rejected": "because"}]
-
-# ---------------------------------------------------------------------------------------------------------------
-# helpers
-
-
-def fake_run(out: Path, checkpoint: Path, cache: Path) -> Path:
-    """A train-dpo output folder as `_finish` leaves it: a checkpoint and a run manifest naming the cache."""
-    shutil.copytree(checkpoint, out)
-    manifest = json.loads((cache / fmt.MANIFEST).read_text())
-    run = {"kind": "refcache-train-dpo-run",
-           "reference": {"cache": {"path": str(cache), "manifest_sha256": file_sha256(cache / fmt.MANIFEST),
-                                   "stamps": manifest["stamps"]}, "live_model": None},
-           "final_model_hash": model_hash(out)}
-    (out / "run-manifest.json").write_text(json.dumps(run, indent=2))
-    return out
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # fixtures: one clean cache (3 shards of 10/10/4 rows, 2 skipped rows), another cache, other checkpoints, runs

@@ -1,0 +1,318 @@
+"""audit-ref --show and --html (audit/show.py): every completion token with its cached reference log-prob, where the
+prompt ends, a run's policy log-ratio against an independent forward, the tokenizer checked before anything is shown,
+unknown rows and misplaced outputs refused, data text escaped, and the page rendered by a real headless browser
+(Debian's chromium; scripts/setup.sh installs it)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import build_llama, edit_manifest, fake_run, precompute_in_process, read_cache, save_checkpoint
+from conftest import make_lora_adapter, write_jsonl
+from audit.show import visible
+from schemas import format as fmt
+
+CHROMIUM = shutil.which("chromium")
+HOSTILE = [{"id": "<b>row-0</b>", "prompt": "<script>document.title='owned'</script> what & why?",
+            "chosen": "sure <i>yes</i> & \"quoted\"", "rejected": "hmm </span><img src=x onerror=alert(1)>"},
+           {"id": "row-1", "prompt": "why is the sky blue?", "chosen": "sure the sun", "rejected": "hmm red"}]
+
+
+def audit(cache, *args, color=False):
+    """audit-ref in process: (exit code, stdout, stderr)."""
+    from click.testing import CliRunner
+
+    from audit.cli import main
+
+    result = CliRunner().invoke(main, [str(cache), *map(str, args)], color=color, catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def texts(tokenizer, ids) -> list[str]:
+    return [tokenizer.decode([i]) for i in ids]
+
+
+def table_lines(out: str, part: str) -> list[list[str]]:
+    """The token lines of one part's table in --show's output: [pos, id, 'token', ref logp(, log-ratio)]."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  {part}: ")) + 2
+    rows = []
+    for line in lines[start:]:
+        m = re.match(r"^\s+(\d+)\s+(\d+)\s+('.*?'|\".*?\")\s+(-?[\d.]+)(?:\s+([+-][\d.]+))?$", line)
+        if not m:
+            break
+        rows.append([g for g in m.groups() if g is not None])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory, llama_dir):
+    from transformers import AutoTokenizer
+
+    out = Path(shutil.copytree(llama_dir, tmp_path_factory.mktemp("tok") / "other"))
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}</s>{% endfor %}"
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hostile_cache(tmp_path_factory, llama_dir):
+    """A cache of rows whose ids and text are HTML."""
+    base = tmp_path_factory.mktemp("hostile")
+    return precompute_in_process(llama_dir, write_jsonl(base / "rows.jsonl", HOSTILE), base / "cache")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --show
+
+
+def test_show_prints_every_token_with_its_cached_logprob(dpo_cache, tokenizer):
+    rows = read_cache(dpo_cache)
+    code, out, err = audit(dpo_cache, "--show", "r0003", "--show", "7")
+    assert code == 0, err
+    assert "\x1b[" not in out  # plain text where the output is not a terminal
+    blocks = out.split("\nrow ")
+    assert len(blocks) == 2
+    for index, block in zip((3, 7), blocks):
+        row = rows.row(index, named=True)
+        assert f"id {row['id']!r}" in block
+        prompt = "    |" + "|".join(visible(t) for t in texts(tokenizer, row["prompt_input_ids"])) + "|"
+        lines = block.splitlines()
+        assert lines.index(prompt) < lines.index(
+            "  -- the prompt ends here; the completion tokens below are scored --") < next(
+            i for i, line in enumerate(lines) if line.startswith("  chosen: "))
+        for side in fmt.SIDES:
+            got = table_lines(block, side)
+            ids, logps = row[f"{side}_input_ids"], np.asarray(row[f"{side}_logps"])
+            assert [int(g[1]) for g in got] == ids and [int(g[0]) for g in got] == list(range(len(ids)))
+            assert [g[2] for g in got] == [repr(visible(t)) for t in texts(tokenizer, ids)]
+            np.testing.assert_allclose([float(g[3]) for g in got], logps, atol=5e-4)
+        margin = re.search(r"margin: reference chosen - rejected ([+-][\d.]+)", block).group(1)
+        assert abs(float(margin) - (row["chosen_logp"] - row["rejected_logp"])) <= 5e-4
+
+
+def test_show_colours_the_tokens_in_a_terminal(dpo_cache):
+    code, out, _ = audit(dpo_cache, "--show", "0", color=True)
+    assert code == 0 and "\x1b[" in out
+
+
+def test_show_unknown_row_is_refused_naming_it_and_how_to_find_ids(dpo_cache):
+    code, out, err = audit(dpo_cache, "--show", "r0001,nope")
+    assert code == 2 and out == ""
+    assert "no row 'nope'" in err and "'r0000'" in err and "index 0..39" in err
+
+
+def test_show_checks_the_tokenizer_before_showing_anything(dpo_cache, other_tokenizer):
+    code, out, err = audit(dpo_cache, "--show", "0", "--tokenizer", other_tokenizer)
+    assert code == 2 and out == ""
+    assert "tokenizer hashes to" in err and "the cache was made with" in err
+
+
+def test_show_without_the_recorded_model_asks_for_model(dpo_cache, tmp_path):
+    cache = Path(shutil.copytree(dpo_cache, tmp_path / "cache"))
+    edit_manifest(cache, lambda m: m["model"].update(path=str(tmp_path / "gone")))
+    code, out, err = audit(cache, "--show", "0")
+    assert code == 2 and out == "" and "pass --model" in err
+
+
+def policy_ratios(policy, row: dict, side: str) -> np.ndarray:
+    """The policy's log-probs of a cached completion by hand (one forward, log_softmax, each next token's value)
+    minus the cached reference log-probs."""
+    ids = row["prompt_input_ids"] + row[f"{side}_input_ids"]
+    with torch.no_grad():
+        logits = policy(torch.tensor([ids])).logits[0].double()
+    start = len(row["prompt_input_ids"])
+    own = logits.log_softmax(-1)[start - 1 : -1].gather(-1, torch.tensor(ids[start:])[:, None])[:, 0].numpy()
+    return own - np.asarray(row[f"{side}_logps"])
+
+
+def assert_ratios(out: str, policy, row: dict) -> None:
+    """--show's log-ratio column and margin are the policy's, computed by hand."""
+    for side in fmt.SIDES:
+        ratio = policy_ratios(policy, row, side)
+        assert np.abs(ratio).max() > 0.01  # another model than the reference: the ratios say something
+        np.testing.assert_allclose([float(g[4]) for g in table_lines(out, side)], ratio, atol=6e-4)
+    total = re.search(r"policy log-ratio chosen - rejected ([+-][\d.]+)", out).group(1)
+    assert abs(float(total) - (policy_ratios(policy, row, "chosen").sum()
+                               - policy_ratios(policy, row, "rejected").sum())) <= 6e-4
+
+
+def test_show_with_data_says_whether_the_cached_rows_still_match_it(dpo_cache, dpo_data, tmp_path):
+    code, out, err = audit(dpo_cache, "--show", "1", "--data", dpo_data)
+    assert code == 0 and "row 1 id 'r0001'" in out
+    assert f"note: --data {dpo_data}: PASS" in err
+    rows = [json.loads(line) for line in dpo_data.read_text().splitlines()]
+    rows[1]["chosen"][0]["content"] += " and more"
+    code, out, err = audit(dpo_cache, "--show", "1", "--data", write_jsonl(tmp_path / "changed.jsonl", rows))
+    assert code == 0 and "row 1 id 'r0001'" in out
+    assert "FAIL: the data differs from the cached rows: changed 1: 'r0001'" in err
+
+
+def test_show_with_a_run_gives_the_policys_log_ratio(dpo_cache, llama_dir, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    policy_dir = save_checkpoint(build_llama(len(tokenizer), seed=5), tokenizer, tmp_path / "policy")
+    run = fake_run(tmp_path / "run", policy_dir, dpo_cache)
+    code, out, err = audit(dpo_cache, "--show", "r0002", "--run", run, "--model", llama_dir)
+    assert code == 0, err
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    assert_ratios(out, policy, read_cache(dpo_cache).row(2, named=True))
+
+
+def test_show_with_a_lora_run_scores_base_plus_adapter(dpo_cache, llama_dir, tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    run = fake_run(tmp_path / "run", make_lora_adapter(llama_dir, tmp_path / "adapter"), dpo_cache)
+    code, out, err = audit(dpo_cache, "--show", "4", "--run", run)
+    assert code == 2 and out == "" and "LoRA adapter" in err and "--model" in err
+    code, out, err = audit(dpo_cache, "--show", "4", "--run", run, "--model", llama_dir)
+    assert code == 0, err
+    base = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    assert_ratios(out, peft.PeftModel.from_pretrained(base, run).eval(), read_cache(dpo_cache).row(4, named=True))
+
+
+def test_show_refuses_a_run_trained_on_another_cache(dpo_cache, llama_dir, tmp_path):
+    run = fake_run(tmp_path / "run", llama_dir, dpo_cache)
+    record = json.loads((run / "run-manifest.json").read_text())
+    record["reference"]["cache"]["manifest_sha256"] = "0" * 64
+    (run / "run-manifest.json").write_text(json.dumps(record))
+    code, out, err = audit(dpo_cache, "--show", "0", "--run", run)
+    assert code == 2 and out == "" and "--run" in err and "sha256" in err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --html
+
+
+def test_html_is_one_self_contained_page_of_a_seeded_sample(dpo_cache, tmp_path):
+    page_path = tmp_path / "view.html"
+    code, out, err = audit(dpo_cache, "--html", page_path, "--sample", 5, "--seed", 1)
+    assert code == 0, err
+    page = page_path.read_text()
+    ids = read_cache(dpo_cache)["id"].to_list()
+    picked = np.sort(np.random.default_rng(1).choice(len(ids), size=5, replace=False))
+    shown = re.findall(r'<h2 id="row-(\d+)">', page)
+    assert [int(i) for i in shown] == picked.tolist()
+    manifest = json.loads((dpo_cache / fmt.MANIFEST).read_text())
+    assert all(v in page for v in manifest["stamps"].values())
+    links = re.findall(r"(?:src|href)\s*=\s*[\"']?([^\"' >]*)", page)
+    assert links and all(link.startswith("#") for link in links)  # only the summary's links to its rows
+    assert "<script" not in page and "url(" not in page and "@import" not in page
+    assert "Where the margin comes from" in page
+
+
+def test_html_default_sample_and_every_row(dpo_cache, tmp_path):
+    for args, rows in ((), 20), (("--all",), 40):
+        page_path = tmp_path / "view.html"
+        assert audit(dpo_cache, "--html", page_path, *args)[0] == 0
+        assert len(re.findall(r'<h2 id="row-', page_path.read_text())) == rows
+
+
+@pytest.mark.parametrize("where", ["cache", "model"])
+def test_html_apart_from_every_input(dpo_cache, llama_dir, tmp_path, where):
+    cache = Path(shutil.copytree(dpo_cache, tmp_path / "cache"))
+    model = Path(shutil.copytree(llama_dir, tmp_path / "model"))
+    target = (cache if where == "cache" else model) / "view.html"
+    before = sorted(p.name for p in target.parent.iterdir())
+    code, out, err = audit(cache, "--html", target, "--model", model)
+    assert code == 2 and "--html" in err and "apart" in err
+    assert sorted(p.name for p in target.parent.iterdir()) == before
+
+
+def test_html_at_a_symlink_is_refused_before_anything_is_shown(dpo_cache, tmp_path, victim):
+    link = tmp_path / "view.html"
+    link.symlink_to(victim)
+    code, out, err = audit(dpo_cache, "--html", link, "--show", "0")
+    assert code == 2 and out == "" and "symlink" in err
+    assert victim.read_text() == "precious\n" and link.is_symlink()
+
+
+def test_html_is_a_view_not_the_audit(dpo_cache, tmp_path):
+    code, _, err = audit(dpo_cache, "--html", tmp_path / "v.html", "--json", tmp_path / "a.json")
+    assert code == 2 and "--json" in err and not (tmp_path / "v.html").exists()
+
+
+def test_html_escapes_every_data_text(hostile_cache, tokenizer, tmp_path):
+    page_path = tmp_path / "view.html"
+    assert audit(hostile_cache, "--html", page_path, "--all")[0] == 0
+    page = page_path.read_text()
+    assert "<script" not in page and "<img" not in page and "<i>" not in page and "<b>row-0" not in page
+    assert "&lt;b&gt;row-0&lt;/b&gt;" in page
+    # each token is text of its own span: a "<" left unescaped would open a tag and change what the parser reads
+    rows = read_cache(hostile_cache).to_dicts()
+    assert dom_tokens(page) == [(part, [visible(t) for t in texts(tokenizer, row[f"{part}_input_ids"])])
+                                for row in rows for part in ("prompt", *fmt.SIDES)]
+
+
+class Tokens(HTMLParser):
+    """The text of each token span of a page (its numbers removed first), by part (prompt, chosen, rejected)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parts, self.text = [], None
+
+    def handle_starttag(self, tag, attrs):
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "div" and "part" in classes:
+            self.parts.append(([c for c in classes if c != "part"][0], []))
+        elif tag == "span" and "tok" in classes and self.parts:
+            self.text = ""
+
+    def handle_endtag(self, tag):
+        if tag == "span" and self.text is not None:
+            self.parts[-1][1].append(self.text)
+            self.text = None
+
+    def handle_data(self, data):
+        if self.text is not None:
+            self.text += data
+
+
+def dom_tokens(dom: str) -> list[tuple[str, list[str]]]:
+    """(part, token texts) of each part of the page."""
+    stripped = re.sub(r"<small[^>]*>.*?</small>", "", dom, flags=re.S)
+    parser = Tokens()
+    parser.feed(stripped)
+    return parser.parts
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (scripts/setup.sh installs it as root)")
+def test_html_renders_in_a_headless_browser(hostile_cache, dpo_cache, tokenizer, tmp_path):
+    from PIL import Image
+
+    for cache, count in ((hostile_cache, 2), (dpo_cache, 3)):
+        page_path = tmp_path / f"{cache.parent.name}.html"
+        assert audit(cache, "--html", page_path, "--sample", count)[0] == 0
+        url = page_path.resolve().as_uri()
+        browser = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                   f"--user-data-dir={tmp_path / 'profile'}"]
+        shot = tmp_path / f"{cache.parent.name}.png"
+        subprocess.run([*browser, f"--screenshot={shot}", "--window-size=1000,800", url], check=True,
+                       capture_output=True, timeout=120)
+        pixels = np.asarray(Image.open(shot).convert("L"), np.float64)
+        assert pixels.shape == (800, 1000)
+        assert pixels.std() > 20 and (pixels < 200).mean() > 0.02  # text and coloured tokens, not a blank page
+        dom = subprocess.run([*browser, "--dump-dom", url], check=True, capture_output=True, text=True,
+                             timeout=120).stdout
+        assert "<script" not in dom  # the data's <script> stayed text
+        rows = read_cache(cache)
+        parts = dom_tokens(dom)
+        shown = [int(i) for i in re.findall(r'<h2 id="row-(\d+)">', dom)]
+        assert len(shown) == count and len(parts) == 3 * count
+        for k, index in enumerate(shown):
+            row = rows.row(index, named=True)
+            for j, part in enumerate(("prompt", *fmt.SIDES)):
+                name, tokens = parts[3 * k + j]
+                ids = row[f"{part}_input_ids"]
+                assert name == part and tokens == [visible(t) for t in texts(tokenizer, ids)]
