@@ -152,13 +152,23 @@ def check_live_reference(policy, reference) -> None:
                        "a --ref-cache made from the other reference")
 
 
-def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: int):
+def base_name(base: dict) -> str:
+    """How the adapter names its base model (adapter_config.json's `base_model_name_or_path`, what
+    `AutoPeftModelForCausalLM` loads): the hub id --model was given as, else the folder's absolute path, so the adapter
+    loads from any working directory. `base`: runtime.hub.origin of --model."""
+    return base.get("hub_id") or str(Path(base["path"]).resolve())
+
+
+def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: int, base: dict):
     """The base (with --init-adapter merged in when it was loaded) wrapped with a fresh, trainable LoRA adapter, its
     random lora_A drawn from `seed` (the Trainer seeds only after the model is built; without this the run would not
-    be reproducible)."""
+    be reproducible). `base`: runtime.hub.origin of --model, recorded in every saved adapter_config.json (its name,
+    and for a hub id the snapshot's commit as `revision`)."""
     import torch
 
     peft = require_peft("--use-peft")
+    # peft records model.name_or_path (the path as given to from_pretrained, maybe relative) as the base
+    model.name_or_path = model.config._name_or_path = base_name(base)
     if opts.load_in_4bit or opts.load_in_8bit:
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
@@ -171,7 +181,7 @@ def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: in
     try:
         with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # QLoRA: on the GPU
             torch.manual_seed(seed)
-            return peft.get_peft_model(model, config)
+            return peft.get_peft_model(model, config, revision=base.get("revision"))
     except ValueError as e:  # e.g. target modules not found in the model
         raise JobError(f"--lora-target-modules: {' '.join(str(e).split())[:300]}") from None
 

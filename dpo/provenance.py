@@ -9,6 +9,7 @@ from pathlib import Path
 
 from runtime.checkpoint import software_versions
 from runtime.errors import JobError
+from runtime.hub import origin
 from schemas import run_manifest as rm
 
 
@@ -44,12 +45,18 @@ def record_in(folder: Path, record: dict) -> None:
 def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, summary: dict, *,
                        final_model_hash: str | None, **sections) -> dict:
     """`final_model_hash`: of the saved model (None: a LoRA run that wrote no merged model); `sections`: further
-    sections (e.g. `peft`)."""
+    sections (e.g. `peft`). A model or data set given as a hub id is recorded as its snapshot's path with `hub_id` and
+    `revision` beside it (cfg.origins; the data's resolved here)."""
+    reference = record | {"verification": train.report}
+    if record["live_model"] and "ref_model" in cfg.origins:  # not in the checkpoints' record, which a resume compares
+        reference["live_model"] = record["live_model"] | _hub(cfg.origins["ref_model"])
     manifest = rm.build_run_manifest(
-        reference=record | {"verification": train.report},
-        initial_model={"path": cfg.model, "model_hash": initial_hash},
-        data={"path": cfg.data, "split": cfg.split, "fingerprint": train.fingerprint, "rows": train.table.num_rows},
-        eval_data={"path": cfg.eval_data, "split": cfg.eval_split, "fingerprint": record["eval_data_fingerprint"]}
+        reference=reference,
+        initial_model={"path": cfg.model, "model_hash": initial_hash} | _hub(cfg.origins.get("model", {})),
+        data=origin(cfg.data, "dataset") | {"split": cfg.split, "fingerprint": train.fingerprint,
+                                            "rows": train.table.num_rows},
+        eval_data=origin(cfg.eval_data, "dataset") | {"split": cfg.eval_split,
+                                                      "fingerprint": record["eval_data_fingerprint"]}
         if cfg.eval_data else None,
         config=dataclasses.asdict(cfg),
         software=software_versions(),
@@ -61,3 +68,8 @@ def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, s
     )
     rm.write_json(out / rm.RUN_MANIFEST, manifest)
     return manifest
+
+
+def _hub(given: dict) -> dict:
+    """The hub fields of a runtime.hub.origin (none for a local path)."""
+    return {k: v for k, v in given.items() if k != "path"}

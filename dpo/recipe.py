@@ -15,7 +15,7 @@ from runtime.cli import field_help
 from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
-from runtime.hub import resolve_model
+from runtime.hub import origin
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig, column_mapping
 from schemas.stamps import model_hash
 
@@ -135,6 +135,8 @@ class TrainConfig:
     lora: lora.LoraOptions = field(default_factory=lora.LoraOptions, metadata={"cli": False})  # dpo/lora.py options
     # set once the run starts writing --output-dir (dpo/resume.start_run): in its checkpoints and run manifest
     run_id: str | None = field(default=None, init=False, metadata={"cli": False})
+    # where --model and --ref-model came from (runtime.hub.origin: a hub id beside its snapshot), set when resolved
+    origins: dict = field(default_factory=dict, init=False, metadata={"cli": False})
 
     def loss_config(self) -> LossConfig:
         return LossConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossConfig)})  # same names
@@ -232,7 +234,9 @@ def _take_output_dir(cfg: TrainConfig, held: contextlib.ExitStack) -> None:
 
 def _open_policy(cfg: TrainConfig, log) -> Checkpoint:
     """The policy checkpoint, checked (with --init-adapter, a LoRA run's), and the LoRA options."""
-    cfg.model, cfg.ref_model = resolve_model(cfg.model), resolve_model(cfg.ref_model)
+    cfg.origins = {name: origin(getattr(cfg, name), "model") for name in ("model", "ref_model") if getattr(cfg, name)}
+    cfg.model = cfg.origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
+    cfg.ref_model = cfg.origins["ref_model"]["path"] if cfg.ref_model else None
     policy = Checkpoint.open(cfg.model, cfg.trust_remote_code, lora.init_adapter(cfg.lora))
     lora.check_options(cfg.lora)
     for note in lora.notes(cfg.lora, cached=cfg.ref_cache is not None):
@@ -335,7 +339,7 @@ def _load_models(cfg: TrainConfig, run: Run, args):
     disable_dropout(policy)
     ref_model = None
     if cfg.lora.use_peft:
-        policy = lora.wrap_policy(policy, cfg.lora, cfg.gradient_checkpointing, cfg.seed)
+        policy = lora.wrap_policy(policy, cfg.lora, cfg.gradient_checkpointing, cfg.seed, cfg.origins["model"])
         ref_model = lora.AdapterDisabled(policy) if cfg.ref_cache is None else None
     elif cfg.ref_cache is None:
         ref_model = run.live.load_model(dtype, args.device)
@@ -396,7 +400,7 @@ def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) 
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": run.verify_s, "eval": final_eval,
                "phases": timer.phases}
     if trainer.is_world_process_zero():
-        with writing(out, "the run's last files (metrics.png, run-manifest.json) are incomplete"):
+        with writing(out, "the run's last files (metrics.png, run-manifest.json, README.md) are incomplete"):
             _finish(cfg, out, run, summary, timer)
     return summary
 
@@ -418,6 +422,7 @@ def _choose_layout(cfg: TrainConfig, args, policy, ref_model, train, pad_id: int
 
 
 def _finish(cfg, out: Path, run: Run, summary: dict, timer: PhaseTimer) -> None:
+    from .card import write_cards
     from .provenance import write_run_manifest
     from .trainer import plot_metrics
 
@@ -433,4 +438,5 @@ def _finish(cfg, out: Path, run: Run, summary: dict, timer: PhaseTimer) -> None:
     manifest = write_run_manifest(cfg, out, run.record, run.train, run.policy.base_hash, summary, run_id=cfg.run_id,
                                   **sections)
     summary["final_model_hash"] = manifest["final_model_hash"]
+    write_cards(out, manifest)
     timer.mark("manifest")  # in the summary only: the manifest is written by then

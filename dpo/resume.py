@@ -5,8 +5,8 @@ A run writes the output dir's run record (schemas/run_manifest.RUN_RECORD, a new
 before any checkpoint; a resume keeps it. Every checkpoint's record carries the run id. A resume names a checkpoint-N
 folder directly in --output-dir (not a symlink) whose record has the output dir's run id, complete and made only of
 files that load without running code. --overwrite-output-dir deletes only what an earlier run provably wrote (its
-run record, run manifest, metrics and the checkpoint-N folders that carry our record), refuses a file in the way
-that the new run would write and cannot be proved ours, and leaves everything else."""
+run record, run manifest, metrics, model card and the checkpoint-N folders that carry our record), refuses a file in
+the way that the new run would write and cannot be proved ours, and leaves everything else."""
 
 from __future__ import annotations
 
@@ -21,11 +21,13 @@ from runtime.errors import JobError
 from runtime.locks import is_lock_file
 from schemas import run_manifest as rm
 
+from .card import CARD, is_card
 from .checkpoint_files import check_checkpoint_files
 
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 TRAINER_STATE = "trainer_state.json"
 METRICS = ("metrics.jsonl", "metrics.png")
+OUTPUTS = (*METRICS, CARD)  # a run's other files in --output-dir, each proved ours by _ours
 
 
 def is_complete(checkpoint: Path) -> bool:
@@ -137,19 +139,21 @@ def _ours(path: Path) -> bool:
                 isinstance(json.loads(line).get("step"), int) for line in lines if line.strip())
         if name == "metrics.png":
             return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        if name == CARD:
+            return is_card(path)
     except (rm.RunManifestError, OSError, ValueError, AttributeError):
         return False
     return False
 
 
 def _would_write(name: str) -> bool:
-    return bool(CHECKPOINT.fullmatch(name)) or name in (rm.RUN_RECORD, rm.RUN_MANIFEST, *METRICS)
+    return bool(CHECKPOINT.fullmatch(name)) or name in (rm.RUN_RECORD, rm.RUN_MANIFEST, *OUTPUTS)
 
 
 def overwrite_plan(out: Path) -> tuple[list[Path], list[Path]]:
     """(what --overwrite-output-dir retires, what it leaves). Refuses a file or folder in the way of the new run
-    (a name it writes: checkpoint-N, the run record, run manifest, metrics) that an earlier run did not provably
-    write: replacing it could destroy something that is not ours."""
+    (a name it writes: checkpoint-N, the run record, run manifest, metrics, model card) that an earlier run did not
+    provably write: replacing it could destroy something that is not ours."""
     out = Path(out)
     entries = sorted(p for p in out.iterdir() if not is_lock_file(p)) if out.is_dir() and not out.is_symlink() else []
     retire = [p for p in entries if _would_write(p.name) and _ours(p)]

@@ -19,7 +19,7 @@ import click
 import torch
 
 from runtime.cli import field_help
-from runtime.hub import resolve_data, resolve_model
+from runtime.hub import origin
 from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype, software_versions
 from runtime.data import Encoded, load_rows, usable_rows
 from runtime.distributed import Dist, distributed
@@ -101,6 +101,7 @@ class Job:
     plan: list[dict]
     device: torch.device
     dtype: torch.dtype
+    origins: dict = field(default_factory=dict)  # {"model", "data"}: runtime.hub.origin, hub ids beside the paths
 
     def claimed(self, cfg: PrecomputeConfig) -> dict:
         """The computation values known before loading: what a resume compares first."""
@@ -144,9 +145,11 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
 def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     """Read and encode the data, compute the stamps and cut the rows into shards; nothing is written yet."""
     out = Path(cfg.out)
-    cfg.model = resolve_model(cfg.model)  # a hub id in the local Hugging Face cache -> its snapshot folder
+    origins = {"model": origin(cfg.model, "model")}
+    cfg.model = origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
-    check_apart(out, "--out", {"--model": cfg.model, "--data": resolve_data(cfg.data), "--adapter": cfg.adapter})
+    origins["data"] = origin(cfg.data, "dataset")
+    check_apart(out, "--out", {"--model": cfg.model, "--data": origins["data"]["path"], "--adapter": cfg.adapter})
     device = resolve_device(cfg.device)  # a bad --device is refused before any work
     tokenizer = checkpoint.tokenizer
     source = load_rows(cfg.data, cfg.split)
@@ -161,7 +164,7 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
         "mask_checksum": combined_mask_checksum([p.mask_checksum for p in encoded.pairs], cfg.encoding.to_json()),
     }
     plan = plan_shards(encoded, cfg.rows_per_shard, cfg.encoding)
-    return Job(out, checkpoint, source, encoded, stamps, plan, device, resolve_dtype(cfg.dtype, device))
+    return Job(out, checkpoint, source, encoded, stamps, plan, device, resolve_dtype(cfg.dtype, device), origins)
 
 
 def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) -> Resume:
@@ -245,13 +248,15 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
         "format_version": fmt.FORMAT_VERSION,
         "stamps": job.stamps,
         "encoding": cfg.encoding.to_dict(),
-        "model": {"name": Path(cfg.model).resolve().name, "path": str(cfg.model)}
-        | ({"adapter": str(cfg.adapter)} if cfg.adapter else {}),
+        # where the model and data came from (a hub id beside its snapshot path): not part of the cache's content
+        "model": {"name": job.origins["model"].get("hub_id") or Path(cfg.model).resolve().name}
+        | job.origins["model"] | ({"adapter": str(cfg.adapter)} if cfg.adapter else {}),
         "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer), "parts": tokenizer_parts(tokenizer)},
         "computation": scored["computation"],  # what scored the rows (the recorded one when nothing was left)
         "software": software_versions(),
         "source": {
-            "data": str(cfg.data),
+            "data": job.origins["data"]["path"],
+            **{k: v for k, v in job.origins["data"].items() if k != "path"},  # hub_id, revision
             "split": cfg.split,
             "files": job.source.files,
             "fingerprint": job.source.fingerprint,
@@ -272,7 +277,7 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
 
 def _says_the_same(out: Path, manifest: dict) -> bool:
     """The manifest already in `out` says all that `manifest` would, apart from when, with which software and from
-    which paths the cache was made: it is kept as it is (a no-op rerun, or one from another directory, changes no
+    which paths (or hub ids) the cache was made: it is kept as it is (a no-op rerun, or one from another directory, changes no
     file). A run names a cache by its content (schemas.run_manifest.cache_id), so a rewritten one is the same cache
     too; keeping it also keeps runs that pinned the manifest's bytes resumable."""
     if not (out / fmt.MANIFEST).is_file():
@@ -284,7 +289,8 @@ def _says_the_same(out: Path, manifest: dict) -> bool:
 
     def content(m: dict) -> dict:
         kept = {k: v for k, v in m.items() if k not in ("created_at", "software", "model")}
-        kept["source"] = {k: v for k, v in (m.get("source") or {}).items() if k not in ("data", "files")}
+        kept["source"] = {k: v for k, v in (m.get("source") or {}).items()
+                          if k not in ("data", "files", "hub_id", "revision")}
         return kept
 
     return content(there) == content(json.loads(json.dumps(manifest)))

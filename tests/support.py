@@ -137,6 +137,24 @@ def pref_rows(n=24, seed=0, fmt="standard") -> list[dict]:
     return rows
 
 
+def hub_snapshot(kind: str, repo: str, files: dict[str, Path]) -> Path:
+    """A model or data set `repo` in the local Hugging Face cache (HF_HOME of the session), laid out as the hub does:
+    refs/main naming a commit, snapshot files linking into blobs/. `kind`: model or dataset."""
+    from huggingface_hub import constants
+
+    root = Path(constants.HF_HUB_CACHE) / f"{kind}s--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = root / "snapshots" / commit
+    snap.mkdir(parents=True, exist_ok=True)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    (root / "blobs").mkdir(exist_ok=True)
+    for i, (name, src) in enumerate(files.items()):
+        shutil.copy(src, root / "blobs" / f"blob{i}")
+        (snap / name).symlink_to(Path("..", "..", "blobs", f"blob{i}"))
+    return snap
+
+
 def write_jsonl(path: Path, rows) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

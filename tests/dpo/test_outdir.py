@@ -206,7 +206,7 @@ def test_overwrite_retires_only_the_earlier_runs_own_files(tmp_path):
 
 
 @pytest.mark.parametrize("planted", ["symlinked_checkpoint", "foreign_checkpoint", "symlinked_manifest",
-                                     "foreign_metrics", "metrics_png_not_a_png"])
+                                     "foreign_metrics", "metrics_png_not_a_png", "foreign_readme", "symlinked_card"])
 def test_overwrite_refuses_what_is_in_the_way_and_not_provably_ours(tmp_path, planted):
     from dpo.resume import overwrite_plan
 
@@ -216,7 +216,7 @@ def test_overwrite_refuses_what_is_in_the_way_and_not_provably_ours(tmp_path, pl
     (precious / "file").write_text("keep")
     name = {"symlinked_checkpoint": "checkpoint-9", "foreign_checkpoint": "checkpoint-9",
             "symlinked_manifest": "run-manifest.json", "foreign_metrics": "metrics.jsonl",
-            "metrics_png_not_a_png": "metrics.png"}[planted]
+            "metrics_png_not_a_png": "metrics.png", "foreign_readme": "README.md", "symlinked_card": "README.md"}[planted]
     if planted == "symlinked_checkpoint":
         (out / name).symlink_to(precious, target_is_directory=True)
     elif planted == "foreign_checkpoint":
@@ -225,12 +225,17 @@ def test_overwrite_refuses_what_is_in_the_way_and_not_provably_ours(tmp_path, pl
         (out / name).symlink_to(precious / "file")
     elif planted == "foreign_metrics":
         (out / name).write_text("my lab notebook\n")
+    elif planted == "foreign_readme":  # a user's card (the run's own is tagged refcache: test_model_card.py)
+        (out / name).write_text("---\nlicense: mit\ntags:\n- dpo\n---\n# my notes on this run\n")
+    elif planted == "symlinked_card":  # a link to a card of ours elsewhere is still a link
+        (precious / "file").write_text("---\ntags:\n- refcache\n---\n")
+        (out / name).symlink_to(precious / "file")
     else:
         (out / name).write_text("not an image")
-    before = sorted(p.name for p in out.iterdir())
+    before, kept = sorted(p.name for p in out.iterdir()), (precious / "file").read_text()
     with pytest.raises(JobError, match=rf"--overwrite-output-dir .*: {name}.* not an earlier train-dpo run's own"):
         overwrite_plan(out)
-    assert sorted(p.name for p in out.iterdir()) == before and (precious / "file").read_text() == "keep"
+    assert sorted(p.name for p in out.iterdir()) == before and (precious / "file").read_text() == kept
 
 
 def test_a_metrics_record_cut_off_by_a_full_disk_neither_blocks_a_resume_nor_an_overwrite(tmp_path):

@@ -138,6 +138,27 @@ def test_metrics_file_and_plot(runs):
     assert not (runs["live"][0] / "metrics.png").exists()  # plot=False there
 
 
+def test_model_card_of_a_full_model_run(runs, dpo_cache):
+    """Issue 25 item 8 (LoRA runs: test_model_card.py): README.md names the cache's identity, the data, the options
+    and the final metrics with the plot; a live run says it had no cache."""
+    from huggingface_hub import ModelCard
+
+    out = runs["cached"][0]
+    card = ModelCard.load(out / "README.md")
+    meta = card.data.to_dict()
+    assert meta["library_name"] == "transformers" and meta["tags"] == ["dpo", "refcache"]
+    m = json.loads((out / "run-manifest.json").read_text())
+    cache = m["reference"]["cache"]
+    for value in (cache["cache_id"], file_sha256(dpo_cache / "manifest.json"), *cache["stamps"].values(),
+                  m["data"]["fingerprint"], m["final_model_hash"]):
+        assert f"`{value}`" in card.text, value
+    assert f"| loss | {step_records(out)[20]['loss']:.4g} |" in card.text
+    assert "](metrics.png)" in card.text and "| `learning_rate` | `0.001` |" in card.text
+    live = ModelCard.load(runs["live"][0] / "README.md")
+    assert "A live reference model, no cache" in live.text and "adapter disabled" not in live.text
+    assert "cache_id" not in live.text and "metrics.png" not in live.text  # plot=False
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # resume, gradient accumulation, other losses
 

@@ -3,12 +3,11 @@ missing one names the `hf download` command (nothing is downloaded)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import pref_rows, write_jsonl
+from support import hub_snapshot, pref_rows, write_jsonl
 from runtime.data import load_rows
 from runtime.errors import JobError
 
@@ -16,29 +15,13 @@ from runtime.errors import JobError
 # issue 16 (what a TRL user expects), item 6: models and data by hub id, through the local Hugging Face cache
 
 
-def _hub_snapshot(kind: str, repo: str, files: dict[str, Path]) -> Path:
-    from huggingface_hub import constants
-
-    root = Path(constants.HF_HUB_CACHE) / f"{kind}s--{repo.replace('/', '--')}"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    snap = root / "snapshots" / commit
-    snap.mkdir(parents=True, exist_ok=True)
-    (root / "refs").mkdir(exist_ok=True)
-    (root / "refs" / "main").write_text(commit)
-    (root / "blobs").mkdir(exist_ok=True)
-    for i, (name, src) in enumerate(files.items()):  # as the hub lays it out: snapshot files link into blobs/
-        shutil.copy(src, root / "blobs" / f"blob{i}")
-        (snap / name).symlink_to(Path("..", "..", "blobs", f"blob{i}"))
-    return snap
-
-
 def test_model_and_data_by_hub_id(llama_dir, tmp_path):
     from runtime.hub import resolve_model
     from schemas.stamps import model_hash
 
-    _hub_snapshot("model", "acme/tiny-sft", {p.name: p for p in llama_dir.iterdir() if p.is_file()})
+    hub_snapshot("model", "acme/tiny-sft", {p.name: p for p in llama_dir.iterdir() if p.is_file()})
     write_jsonl(tmp_path / "train.jsonl", pref_rows(4))
-    _hub_snapshot("dataset", "acme/prefs", {"train.jsonl": tmp_path / "train.jsonl"})
+    hub_snapshot("dataset", "acme/prefs", {"train.jsonl": tmp_path / "train.jsonl"})
     resolved = resolve_model("acme/tiny-sft")
     assert Path(resolved).is_dir() and model_hash(resolved) == model_hash(llama_dir)
     assert len(load_rows("acme/prefs", "train").rows) == 4
