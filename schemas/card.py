@@ -91,7 +91,8 @@ def _size(rows: int) -> str:
 
 def _table(values: dict) -> str:
     lines = ["| key | value |", "|---|---|"]
-    lines += [f"| `{k}` | `{v if isinstance(v, str) else json.dumps(v)}` |" for k, v in sorted(values.items())]
+    cell = lambda v: (v if isinstance(v, str) else json.dumps(v)).replace("|", "\\|")  # a table cell holds no |
+    lines += [f"| `{k}` | `{cell(v)}` |" for k, v in sorted(values.items())]
     return "\n".join(lines)
 
 
@@ -99,7 +100,7 @@ def _use(split: str) -> str:
     """train-dpo's options that take this cache: its training cache, or the eval cache of a held-out split."""
     if split == "train":
         return "--ref-cache path/to/this/cache"
-    return f"--eval-data DATA --eval-split {split} --eval-ref-cache path/to/this/cache"
+    return f"--ref-cache TRAIN_CACHE --eval-data DATA --eval-split {split} --eval-ref-cache path/to/this/cache"
 
 
 def _text(manifest: dict) -> str:
