@@ -134,8 +134,25 @@ def audit_cache(root: Path, manifest: dict) -> CacheScan:
     checks.append(Check("skipped_counts", FAIL, skipped[0].message) if skipped else Check(
         "skipped_counts", PASS, f"{listed} skipped row(s), {(manifest.get('source') or {}).get('rows_in')} rows in = "
         f"{manifest.get('rows')} cached + {listed} skipped"))
+    checks.append(_card(root, manifest, failed=[c.name for c in checks if c.status == FAIL]))
     index = pl.concat([_index(df) for df in frames]) if frames else pl.DataFrame(schema=INDEX_SCHEMA)
     return CacheScan(checks, index, stats, unverified)
+
+
+def _card(root: Path, manifest: dict, failed: list[str]) -> Check:
+    """The dataset card against the manifest, once the cache itself passed: a damaged or edited manifest is reported
+    by its own check, not again as a card that disagrees with it."""
+    present, found = rules.card_findings(root, manifest)
+    if present and failed:
+        return Check("card", SKIP, f"compared with the manifest once the cache passes (failed: {', '.join(failed)})")
+    if found:
+        f = found[0]
+        detail = f.message + (f" (expected {f.expected}, found {f.found})" if f.expected is not None else "")
+        return Check("card", FAIL, f"{detail}; {f.remedy}")
+    if not present:
+        return Check("card", SKIP, f"no dataset card ({fmt.CARD}): a cache made before precompute-ref wrote cards")
+    return Check("card", PASS, f"{fmt.CARD}'s metadata (the shards it names, stamps, encoding, computation, counts) "
+                 "agrees with the manifest")
 
 
 def _index(df: pl.DataFrame) -> pl.DataFrame:

@@ -9,7 +9,7 @@ PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 SECTIONS = {
     "cache": ("manifest", "shard_files", "shard_stamps", "row_checksums", "shard_checksums", "cache_checksum",
               "unique_ids", "list_lengths", "sums", "logprob_values", "top_k_shape", "top_k_ids", "top_k_order",
-              "top_k_mass", "top_k_dataset", "skipped_counts"),
+              "top_k_mass", "top_k_dataset", "skipped_counts", "card"),
     "model": ("model_hash", "tokenizer_hash", "replay", "replay_top_k"),
     "data": ("data_rows",),
     "run": ("run_cache", "run_final_hash"),

@@ -29,6 +29,7 @@ from runtime.logprobs import verified_head
 from runtime.paths import check_apart
 from schemas import format as fmt
 from schemas import rules
+from schemas.card import write_card
 from schemas.encoding import EncodingConfig
 from schemas.files import remove_file
 from schemas.stamps import combined_mask_checksum, ids_checksum, tokenizer_hash, tokenizer_parts
@@ -237,7 +238,8 @@ def _load(cfg: PrecomputeConfig, job: Job, log):
 
 
 def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
-    """skipped.jsonl, then the manifest (last: its presence means the cache is complete)."""
+    """skipped.jsonl, then the manifest (its presence means the cache is complete), then the dataset card rendered
+    from it (not part of the cache's identity: a cache without one is complete)."""
     out, encoded, tokenizer = job.out, job.encoded, job.checkpoint.tokenizer
     # Shards written now come with their entries; only those kept from an earlier run are hashed here.
     entries = [scored["written"].get(s["file"]) or fmt.shard_entry(out / s["file"], s["stop"] - s["start"],
@@ -272,6 +274,7 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
     }
     if not _says_the_same(out, manifest):
         fmt.write_manifest(out, manifest)
+    write_card(out, fmt.read_manifest(out))  # the card of the manifest that stays (kept or just written)
     return entries
 
 

@@ -20,6 +20,7 @@ from runtime.errors import JobError
 from runtime.locks import is_lock_file
 from schemas import format as fmt
 from schemas import rules
+from schemas.card import read_card_metadata
 from schemas.encoding import EncodingConfig
 from schemas.files import TEMP, remove_file
 
@@ -108,12 +109,13 @@ def _agreed(previous: dict | None, computations: dict[str, dict]) -> dict | None
 def own_files(out: Path) -> list[Path]:
     """The files of --out that are a cache's own, which precompute-ref may replace or delete; the lock file is not
     listed. Anything else there (another program's files, a folder, a link, a skipped.jsonl that is not a list of
-    this cache's skipped rows) is refused, naming it, before anything is written or deleted: precompute-ref writes
+    this cache's skipped rows, a README.md that is not its dataset card) is refused, naming it, before anything is written or deleted: precompute-ref writes
     only into an empty folder or one holding its own cache. The one rule for a resume and for --overwrite.
 
     A cache is there when manifest.json is a refcache manifest or a shard carries a refcache footer; then its
-    manifest.json, its shard-NNNNN.parquet files (a damaged one is scored again) and its skipped.jsonl (JSON Lines of
-    skipped rows, agreeing with the manifest's counts when there is one) are its own. Other .parquet files are its
+    manifest.json, its shard-NNNNN.parquet files (a damaged one is scored again), its skipped.jsonl (JSON Lines of
+    skipped rows, agreeing with the manifest's counts when there is one) and its README.md (a dataset card with
+    refcache metadata, of the manifest's stamps when there is one) are its own. Other .parquet files are its
     own only with a refcache footer; temporary files of atomic writes always are."""
     entries = {}
     for p in sorted(out.iterdir()):
@@ -159,6 +161,8 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
         return None if p in footers or (cache and SHARD.match(p.name)) else "no refcache footer"
     if p.name == fmt.SKIPPED:
         return None if cache and _own_skipped(p.parent, manifest) else "not the list of rows this cache skipped"
+    if p.name == fmt.CARD:
+        return None if cache and _own_card(p, manifest) else "not this cache's dataset card"
     return ""
 
 
@@ -180,6 +184,16 @@ def _own_skipped(out: Path, manifest: dict | None) -> bool:
     if not lines or not all(isinstance(r, dict) and "row" in r and isinstance(r.get("reason"), str) for r in lines):
         return False
     return manifest is None or not rules.skipped_findings(out, manifest)[1]
+
+
+def _own_card(path: Path, manifest: dict | None) -> bool:
+    """README.md as precompute-ref writes it (a dataset card with refcache metadata, schemas/card.py), of a cache with
+    the manifest's stamps. Only the stamps: the rest of it is rewritten from the manifest at the end of the run."""
+    meta = read_card_metadata(path) or {}
+    stamps = (meta.get("refcache") or {}).get("stamps") if isinstance(meta.get("refcache"), dict) else None
+    if not isinstance(stamps, dict):
+        return False
+    return manifest is None or not rules.stamp_findings(manifest.get("stamps"), {k: stamps.get(k) for k in fmt.STAMPS})
 
 
 def clear_cache_dir(out: Path) -> None:

@@ -25,6 +25,7 @@ from .stamps import canonical_json, combined_mask_checksum, file_sha256, ids_che
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SKIPPED = "skipped.jsonl"
+CARD = "README.md"  # the dataset card (schemas/card.py): not part of the cache's identity
 LOCK = ".refcache.lock"
 STAMPS = ("model_hash", "tokenizer_hash", "mask_checksum")
 SHARD_ENTRY = ("file", "rows", "bytes", "sha256", "mask_checksum", "ids_checksum")

@@ -14,6 +14,7 @@ Stamps are compared by `stamp_findings` only. A caller supplies only its remedy 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import format as fmt
+from .card import DEFINED, card_metadata, read_card_metadata
 from .format import TOP_K_COLUMNS
 from .encoding import EncodingConfig, row_mask_checksum
 from .findings import RERUN, CacheError, Finding
@@ -533,6 +535,34 @@ def skipped_findings(root: Path, manifest: dict) -> tuple[int, list[Finding]]:
         problems.append(f"rows_in {source.get('rows_in')} != rows {manifest.get('rows')} + skipped "
                         f"{source.get('skipped')}")
     return len(lines), [Finding("skipped_counts", "manifest", "; ".join(problems))] if problems else []
+
+
+CARD_REMEDY = ("re-run the same precompute-ref command: it writes the card from the manifest (a README.md that is "
+               "not this cache's card is refused: move it away first)")
+
+
+def card_findings(root: Path, manifest: dict) -> tuple[bool, list[Finding]]:
+    """The dataset card (README.md, schemas/card.py) against the manifest: (whether there is one, findings). The
+    metadata refcache defines (`configs`: the shards, `refcache`: the identity) must be what the manifest gives; the
+    rest of the metadata and the text are not compared. No card is no finding (caches made before cards)."""
+    path = root / fmt.CARD
+    if not os.path.lexists(path):
+        return False, []
+    meta = read_card_metadata(path) if path.is_file() and not path.is_symlink() else None
+    if meta is None:
+        return True, [Finding("card", "card", f"{fmt.CARD} is not a dataset card huggingface_hub can read (or not a "
+                              "plain file)", remedy=CARD_REMEDY)]
+    want = card_metadata(manifest)
+    differ = [k for k in DEFINED if meta.get(k) != want[k]]
+    if not differ:
+        return True, []
+    k = differ[0]
+    found, expected = meta.get(k), want[k]
+    if k == "refcache" and isinstance(found, dict):  # name the fields that differ, not two blocks
+        keys = [f for f in expected if found.get(f) != expected[f]] + [f for f in found if f not in expected]
+        found, expected = {f: found.get(f) for f in keys}, {f: expected.get(f) for f in keys}
+    return True, [Finding("card", "card", f"{fmt.CARD}'s metadata '{k}' differs from the manifest", expected=expected,
+                          found=found, remedy=CARD_REMEDY)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -4,13 +4,12 @@ them. See FORMAT.md, "Run manifest"."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from .files import atomic_write
 from .findings import Finding
-from .stamps import canonical_json, file_sha256
+from .stamps import cache_id, canonical_json, file_sha256  # noqa: F401  (cache_id: re-exported)
 
 RUN_MANIFEST = "run-manifest.json"
 RUN_KIND = "refcache-train-dpo-run"
@@ -22,16 +21,6 @@ CACHE_MANIFEST = "manifest.json"  # the cache's own manifest (format.MANIFEST; n
 
 class RunManifestError(ValueError):
     """A run manifest or checkpoint record that is missing or malformed."""
-
-
-def cache_id(manifest: dict) -> str:
-    """A cache's identity: its content (stamps, encoding, and each shard file by name and sha256, in order), not the
-    bytes of manifest.json, which also say when, by which software and from which paths it was made; a rerun that
-    rewrites only those (a no-op rerun, --overwrite or a rescored shard giving the same files, another cwd) is the
-    same cache, and a run trained on it still resumes and audits."""
-    shards = [[e.get("file"), e.get("sha256")] for e in manifest.get("shards") or [] if isinstance(e, dict)]
-    content = {"stamps": manifest.get("stamps"), "encoding": manifest.get("encoding"), "shards": shards}
-    return hashlib.sha256(b"refcache-cache-id-v1" + canonical_json(content).encode("utf-8")).hexdigest()
 
 
 def cache_record(cache_dir, stamps: dict) -> dict:

@@ -41,6 +41,16 @@ def canonical_json(obj) -> str:
     return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
+def cache_id(manifest: dict) -> str:
+    """A cache's identity: its content (stamps, encoding, and each shard file by name and sha256, in order), not the
+    bytes of manifest.json, which also say when, by which software and from which paths it was made; a rerun that
+    rewrites only those (a no-op rerun, --overwrite or a rescored shard giving the same files, another cwd) is the
+    same cache, and a run trained on it still resumes and audits."""
+    shards = [[e.get("file"), e.get("sha256")] for e in manifest.get("shards") or [] if isinstance(e, dict)]
+    content = {"stamps": manifest.get("stamps"), "encoding": manifest.get("encoding"), "shards": shards}
+    return hashlib.sha256(b"refcache-cache-id-v1" + canonical_json(content).encode("utf-8")).hexdigest()
+
+
 def _canonical(obj) -> bytes:
     return canonical_json(obj).encode("utf-8")
 

@@ -324,7 +324,21 @@ def edit_manifest(cache: Path, edit) -> None:
 
     manifest = json.loads((cache / fmt.MANIFEST).read_text())
     edit(manifest)
+    forge_manifest(cache, manifest)
+
+
+def forge_manifest(cache: Path, manifest: dict) -> None:
+    """Write a manifest as a forger who knows the format would: with the cache's dataset card (when it has one)
+    rendered again from it, so that only the rules that own the forged content can notice."""
+    from schemas import format as fmt
+    from schemas.card import write_card
+
     fmt.write_manifest(cache, manifest)
+    if (cache / fmt.CARD).is_file():
+        try:
+            write_card(cache, fmt.read_manifest(cache))
+        except fmt.CacheError:  # a manifest too broken to render a card from: the card stays as it was
+            pass
 
 
 def rewrite_shard(cache: Path, name: str, edit, *, ids=False) -> None:
@@ -383,7 +397,7 @@ def rewrite_top_k_shard(cache: Path, name: str, edit) -> None:
                             encoding=EncodingConfig.from_dict(json.loads(meta["encoding"])), computation=computation)
     manifest = fmt.read_manifest(cache)
     manifest["shards"] = [entry if e["file"] == name else e for e in manifest["shards"]]
-    fmt.write_manifest(cache, manifest)
+    forge_manifest(cache, manifest)
 
 
 def float32_sum(values) -> float:

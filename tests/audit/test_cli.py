@@ -69,7 +69,7 @@ def test_clean_cache_passes_every_check(world, cache):
     assert report["made"]["created_at"] and report["made"]["software"]["refcache"]
     for title in ("Cache integrity", "Reference model", "Data", "Training run", "Tokens", "Log-probs per shard"):
         assert title in output
-    assert output.rstrip().splitlines()[-1].startswith("PASS (17 passed, 0 failed, 6 skipped)")
+    assert output.rstrip().splitlines()[-1].startswith("PASS (18 passed, 0 failed, 6 skipped)")
 
 
 def test_without_extras_the_cache_checks_pass_and_the_rest_is_skipped(cache):
@@ -78,6 +78,23 @@ def test_without_extras_the_cache_checks_pass_and_the_rest_is_skipped(cache):
     assert statuses(report) == {n: "PASS" if n in SECTIONS["cache"] and n not in TOP_K_CHECKS else "SKIP"
                                 for n in ALL_CHECKS}
     assert "2 skipped row(s)" in check(report, "skipped_counts")["detail"]
+
+
+def test_the_card_check_names_what_differs_and_skips_a_cache_without_a_card(world, cache):
+    """A card of another cache fails naming the stamps and cache_id that differ (with the remedy); a cache made before
+    cards (no README.md) passes, its card check skipped; a card beside a damaged manifest waits for the manifest."""
+    card_of_another_cache(world, cache)
+    code, report, _ = audit(cache)
+    detail = check(report, "card")["detail"]
+    assert code == 1 and "'refcache' differs from the manifest" in detail and "cache_id" in detail, detail
+    assert "mask_checksum" in detail and "precompute-ref" in detail
+    (cache / fmt.CARD).unlink()
+    code, report, output = audit(cache)
+    assert code == 0 and check(report, "card")["status"] == "SKIP" and "no dataset card" in output, output
+    shutil.copy(world["cache"] / fmt.CARD, cache / fmt.CARD)
+    edit_cache_checksum(world, cache)
+    code, report, _ = audit(cache)
+    assert statuses(report)["card"] == "SKIP" and "cache_checksum" in check(report, "card")["detail"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,6 +193,19 @@ def drop_skipped_line(w, cache):
     path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
 
 
+def card_without_a_shard(w, cache):
+    """The dataset card edited with huggingface_hub's own card API: its configs no longer name the last shard."""
+    from huggingface_hub import DatasetCard
+
+    card = DatasetCard.load(cache / fmt.CARD)
+    card.data.configs[0]["data_files"][0]["path"].pop()
+    card.save(cache / fmt.CARD)
+
+
+def card_of_another_cache(w, cache):
+    shutil.copy(w["other_cache"] / fmt.CARD, cache / fmt.CARD)
+
+
 def alter_run_checkpoint(w, cache):
     run = Path(shutil.copytree(w["run"], cache.parent / "run"))
     weights = run / "model.safetensors"
@@ -204,6 +234,8 @@ CORRUPTIONS = [  # (corruption, failing checks, shard and row of the first failu
     (swap_rows, {"shard_checksums"}, ("shard-00000.parquet", None)),
     (edit_cache_checksum, {"cache_checksum"}, None),
     (drop_skipped_line, {"skipped_counts"}, None),
+    (card_without_a_shard, {"card"}, None),
+    (card_of_another_cache, {"card"}, None),
     (alter_run_checkpoint, {"run_final_hash"}, None),
 ]
 

@@ -28,6 +28,7 @@ from click.testing import CliRunner
 from schemas import format as fmt
 from schemas.encoding import EncodingConfig
 from schemas.stamps import combined_mask_checksum, file_sha256, ids_checksum
+from support import forge_manifest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -174,7 +175,7 @@ def copy_tree(src: Path, dst: Path) -> Path:
 
 
 def write_manifest(root: Path, manifest: dict):
-    fmt.write_manifest(Path(root), manifest)
+    forge_manifest(Path(root), manifest)  # with the dataset card rendered again, as a forger would
 
 
 def edit_manifest(root: Path, edit):

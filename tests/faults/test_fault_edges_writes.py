@@ -18,9 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from huggingface_hub import DatasetCard
 
 from conftest import pref_rows, write_jsonl
-from faultkit import TRAIN, assert_one_paragraph, copy_tree, env, file_hashes, invoke, precompute, train
+from faultkit import (TRAIN, assert_one_paragraph, audit, check_of, copy_tree, env, file_hashes, invoke, precompute,
+                      train)
 from schemas import format as fmt
 from schemas.cache import open_cache
 
@@ -155,7 +157,7 @@ def test_2_a_cache_whose_skipped_jsonl_is_not_its_own_is_refused(world, tmp_path
     assert everything(out) == before
 
 
-OTHERS = ["notes_file", "folder", "hidden_file", "foreign_parquet"]
+OTHERS = ["notes_file", "folder", "hidden_file", "foreign_parquet", "foreign_readme", "card_of_another_cache"]
 
 
 @pytest.mark.parametrize("into, other", [("empty_folder", o) for o in [*OTHERS, "foreign_manifest"]]
@@ -164,12 +166,18 @@ def test_2_out_holding_files_that_are_not_a_caches_is_refused(world, tmp_path, o
     out = copy_tree(world["clean"], tmp_path / "out") if into == "cache" else tmp_path / "out"
     out.mkdir(exist_ok=True)
     name = {"notes_file": "notes.txt", "folder": "keep", "hidden_file": ".env", "foreign_parquet": "table.parquet",
-            "foreign_manifest": fmt.MANIFEST}[other]
+            "foreign_manifest": fmt.MANIFEST, "foreign_readme": fmt.CARD, "card_of_another_cache": fmt.CARD}[other]
     if other == "folder":
         (out / name).mkdir()
         (out / name / "mine.txt").write_text("mine")
     elif other == "foreign_manifest":
         (out / name).write_text('{"name": "a web app manifest"}')
+    elif other == "foreign_readme":  # a user's README, even one with card metadata, is not this cache's card
+        (out / name).write_text("---\nlicense: mit\n---\n# my notes\n")
+    elif other == "card_of_another_cache":  # a refcache card, of a cache of another model
+        card = DatasetCard.load(world["clean"] / fmt.CARD)
+        card.data.refcache["stamps"]["model_hash"] = "0" * 64
+        card.save(out / name)
     else:
         (out / name).write_bytes(b"PAR1 not a cache's PAR1" if name.endswith(".parquet") else b"mine")
     before = everything(out)
@@ -189,15 +197,52 @@ def test_2_its_own_skipped_jsonl_is_resumed_and_replaced(world, tmp_path):
     assert (out / fmt.SKIPPED).read_bytes() == listed
     over = precompute(*world["args"], "--data", world["data"], "--out", out, "--overwrite")
     assert over.exit_code == 0, over.output
-    assert names(out) == sorted([*file_hashes(world["clean"], "*.parquet"), fmt.MANIFEST, fmt.LOCK])
+    assert names(out) == sorted([*file_hashes(world["clean"], "*.parquet"), fmt.MANIFEST, fmt.CARD, fmt.LOCK])
+
+
+def test_2_its_own_card_is_rewritten_from_the_manifest_that_stays(world, tmp_path):
+    """README.md is the cache's own when it is a refcache card of the manifest's stamps: a resume keeps the folder
+    and rewrites a stale card (here one whose text and metadata were edited) from the manifest; a no-op rerun then
+    changes no file; --overwrite deletes it with the cache and writes it again; audit-ref passes it throughout."""
+    out = copy_tree(world["clean"], tmp_path / "cache")
+    card = DatasetCard.load(out / fmt.CARD)
+    clean = (out / fmt.CARD).read_bytes()
+    card.data.refcache["rows"] = 1
+    card.text = "edited by hand\n"
+    card.save(out / fmt.CARD)
+    assert invoke_audit(out) == (1, "FAIL")
+    again = precompute(*world["args"], "--data", world["data"], "--out", out)
+    assert again.exit_code == 0 and "(0 scored now)" in again.output, again.output
+    assert (out / fmt.CARD).read_bytes() == clean and invoke_audit(out) == (0, "PASS")
+    before = file_hashes(out)
+    assert precompute(*world["args"], "--data", world["data"], "--out", out).exit_code == 0
+    assert file_hashes(out) == before
+    over = precompute(*world["args"], "--data", world["data"], "--out", out, "--overwrite")
+    assert over.exit_code == 0, over.output
+    assert (out / fmt.CARD).read_bytes() == clean and invoke_audit(out) == (0, "PASS")
+    # killed inside the card's write (after the manifest): a complete cache without its card, and the writer's
+    # temporary file; the rerun removes the temporary, scores nothing and writes the card
+    (out / fmt.CARD).unlink()
+    (out / f".{fmt.CARD}.tmp-99999").write_bytes(clean[: len(clean) // 2])
+    assert invoke_audit(out) == (0, "SKIP")
+    again = precompute(*world["args"], "--data", world["data"], "--out", out)
+    assert again.exit_code == 0 and "(0 scored now)" in again.output, again.output
+    assert names(out) == sorted([*file_hashes(world["clean"], "*.parquet"), fmt.MANIFEST, fmt.CARD, fmt.LOCK])
+    assert (out / fmt.CARD).read_bytes() == clean
+
+
+def invoke_audit(cache) -> tuple[int, str]:
+    """audit-ref's exit code and its card check's status."""
+    code, report, _ = audit(cache)
+    return code, check_of(report, "card")["status"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 3: no write follows a symlink at its destination (the lock and temporary files included)
 
 
-@pytest.mark.parametrize("planted", [fmt.LOCK, fmt.MANIFEST, fmt.SKIPPED, "shard-00001.parquet",
-                                     f".manifest.json.tmp-{os.getpid()}"])
+@pytest.mark.parametrize("planted", [fmt.LOCK, fmt.MANIFEST, fmt.SKIPPED, fmt.CARD, "shard-00001.parquet",
+                                     f".manifest.json.tmp-{os.getpid()}", f".{fmt.CARD}.tmp-{os.getpid()}"])
 @pytest.mark.parametrize("mode", ["resume", "overwrite"])
 def test_3_precompute_refuses_a_symlink_in_out_and_keeps_its_target(world, tmp_path, victim, planted, mode):
     out = copy_tree(world["skipping"], tmp_path / "cache")

@@ -128,7 +128,7 @@ def test_precompute_killed_then_rerun_equals_a_clean_run(world, phase):
         assert f"({len(complete)} already done)" in rerun.output
     assert file_hashes(out, "*.parquet") == clean_shards
     assert {k: file_hashes(out, "*.parquet")[k] for k in complete} == shards  # finished shards kept, not rewritten
-    assert sorted(p.name for p in out.iterdir()) == sorted([*clean_shards, fmt.MANIFEST, fmt.LOCK])  # no temp files
+    assert sorted(p.name for p in out.iterdir()) == sorted([*clean_shards, fmt.MANIFEST, fmt.CARD, fmt.LOCK])  # no temp files
     ours, theirs = manifest_of(out), manifest_of(clean)
     for key in ("shards", "stamps", "encoding", "rows", "format_version", "computation"):
         assert ours[key] == theirs[key], key

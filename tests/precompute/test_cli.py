@@ -73,7 +73,7 @@ def test_run_killed_mid_shard_resumes_to_the_clean_run_bytes(llama_dir, tmp_path
     assert len(clean) == 10
     assert shard_hashes(out) == clean
     assert {k: clean[k] for k in partial} == partial  # the shards written before the kill were kept as they were
-    assert sorted(p.name for p in out.iterdir()) == sorted([*clean, fmt.MANIFEST, fmt.LOCK])  # no temp files
+    assert sorted(p.name for p in out.iterdir()) == sorted([*clean, fmt.MANIFEST, fmt.CARD, fmt.LOCK])  # no temp files
     assert json.loads((out / fmt.MANIFEST).read_text())["shards"] == \
         json.loads((tmp_path / "clean" / fmt.MANIFEST).read_text())["shards"]
     open_cache(out)

@@ -45,7 +45,7 @@ def test_two_clean_runs_are_byte_identical_and_resume_rescores_only_missing_shar
     result = ok(*args, "--out", out)
     assert scored_now(result) == (30, 4 + 4 + 2)  # shards 5, 6 (4 rows each) and 7 (2 rows)
     assert shard_hashes(out) == clean
-    assert sorted(p.name for p in out.iterdir()) == sorted([*clean, fmt.MANIFEST, fmt.LOCK])  # no temp files left
+    assert sorted(p.name for p in out.iterdir()) == sorted([*clean, fmt.MANIFEST, fmt.CARD, fmt.LOCK])  # no temp files left
     open_cache(out)
     assert scored_now(ok(*args, "--out", out)) == (30, 0)  # finished: nothing to redo
 

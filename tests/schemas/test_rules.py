@@ -18,6 +18,7 @@ import pytest
 
 from schemas import format as fmt
 from schemas import rules
+from schemas.card import dataset_card, write_card
 from schemas.encoding import EncodingConfig, row_mask_checksum
 from schemas.stamps import combined_mask_checksum, file_sha256
 
@@ -149,6 +150,8 @@ def every_rule(root: Path, caller: dict) -> set[tuple[str, str]]:
     if len(frames) == len(manifest["shards"]) and not any(f.rule == "shard_checksums" for f in found):
         found += rules.cache_checksum_findings(every, manifest)
     found += rules.skipped_findings(root, manifest)[1]
+    if not found:  # the card is compared with a sound manifest (audit-ref's card check waits for the others)
+        found += rules.card_findings(root, manifest)[1]
     if found:  # a reader refuses the cache before it compares it with its caller
         return {(f.rule, f.kind) for f in found}
     found += rules.computation_findings(manifest["computation"], caller["computation"])
@@ -244,6 +247,15 @@ def skipped_line(root, manifest, caller):
     (root / fmt.SKIPPED).write_text(json.dumps({"id": "x", "reason": "too_long"}) + "\n")
 
 
+def card_edited(edit):
+    """Damage: the cache's dataset card written for its manifest, then `edit(card)` (huggingface_hub's card API)."""
+    def damage(root, manifest, caller):
+        card = dataset_card(manifest)
+        edit(card)
+        card.save(root / fmt.CARD)
+    return damage
+
+
 def duplicate_id(root, manifest, caller):
     rows = rows_of()
     rows[PER_SHARD]["id"] = rows[0]["id"]
@@ -284,6 +296,12 @@ CASES = {  # name: (damage, the findings it must produce, and no other)
             {("sums", "values")}),
     "positive log-prob": (shard_rewritten(positive), {("logprob_values", "values")}),
     "skipped list": (skipped_line, {("skipped_counts", "manifest")}),
+    "card of other stamps": (card_edited(lambda c: c.data.refcache["stamps"].update(model_hash="0" * 64)),
+                             {("card", "card")}),
+    "card naming a shard less": (card_edited(lambda c: c.data.configs[0]["data_files"][0]["path"].pop()),
+                                 {("card", "card")}),
+    "card unreadable": (lambda root, m, c: (root / fmt.CARD).write_bytes(b"---\n[not: yaml\n---\n"),
+                        {("card", "card")}),
     "caller computation": (caller_edit(lambda c: c.update(computation={**COMP, "dtype": "bfloat16"})),
                            {("computation", "computation")}),
     "caller model": (caller_edit(lambda c: c.update(model_hash="x" * 64)), {("stamps", "model_hash")}),
@@ -294,8 +312,14 @@ CASES = {  # name: (damage, the findings it must produce, and no other)
 }
 
 
-def test_a_sound_cache_and_its_caller_find_nothing(pristine):
+def test_a_sound_cache_and_its_caller_find_nothing(pristine, tmp_path):
     assert every_rule(pristine, matching_caller()) == set()
+    root = Path(shutil.copytree(pristine, tmp_path / "cache"))
+    assert write_card(root, fmt.read_manifest(root))  # with its card, or a card with free metadata added to it
+    assert every_rule(root, matching_caller()) == set()
+    card_edited(lambda c: (setattr(c.data, "license", "mit"), setattr(c, "text", "mine")))(
+        root, fmt.read_manifest(root), None)
+    assert every_rule(root, matching_caller()) == set()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -438,8 +462,8 @@ def test_every_rule_has_a_case():
     covered = {rule for _, expected in (*CASES.values(), *TOP_K_CASES.values(), *TOP_K_TABLE_CASES.values())
                for rule, _ in expected}
     assert covered == {"manifest", "shard_files", "shard_stamps", "shard_checksums", "row_checksums", "cache_checksum",
-                       "unique_ids", *rules.VALUE_RULES, *rules.TOP_K_RULES, "skipped_counts", "computation", "stamps",
-                       "rows"}
+                       "unique_ids", *rules.VALUE_RULES, *rules.TOP_K_RULES, "skipped_counts", "card", "computation",
+                       "stamps", "rows"}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,178 @@
+"""A cache's dataset card: README.md beside manifest.json, with Hugging Face dataset-card metadata, rendered from the
+manifest by huggingface_hub (`DatasetCard`, `DatasetCardData`). Its `configs` metadata names the manifest's shards
+one by one, so `datasets.load_dataset(CACHE_DIR)` reads the rows as stored and nothing else of the folder; its
+`refcache` metadata is the manifest's identity (format version, cache_id, stamps, encoding, computation, counts), and
+its text says the same for people, with how to use the cache.
+
+The card is derived from the manifest and never the other way round: it is not part of the cache's identity
+(cache_id and the stamps do not cover it), train-dpo's reader does not read it, and a cache without one (made before
+cards) is as good. precompute-ref writes it after the manifest, from the manifest that stays in the folder, and
+only when its bytes would change (a no-op rerun changes no file). audit-ref's `card` check compares its metadata with
+the manifest (rules.card_findings). Nothing here reads or writes the card's text beyond rendering it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from . import format as fmt
+from .files import atomic_write
+from .stamps import cache_id
+
+SPLIT_NAME = re.compile(r"^\w+(\.\w+)*$")  # what `datasets` accepts as a split name
+TAGS = ["refcache", "dpo", "reference-log-probs"]
+SIZES = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
+         (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M"), (1_000_000_000, "100M<n<1B")]
+DEFINED = ("configs", "refcache")  # the metadata refcache defines (and audit-ref compares); the rest is free
+
+
+def split_of(manifest: dict) -> str:
+    """The split the card names: the data split the cache was made from, or `train` when `datasets` would not take
+    that name as a split."""
+    split = (manifest.get("source") or {}).get("split") if isinstance(manifest.get("source"), dict) else None
+    return split if isinstance(split, str) and SPLIT_NAME.match(split) else "train"
+
+
+def card_metadata(manifest: dict) -> dict:
+    """The card metadata refcache defines (DEFINED), from a manifest that `format.read_manifest` accepted."""
+    shards = [e["file"] for e in manifest["shards"]]
+    identity = {"format_version": manifest["format_version"], "cache_id": cache_id(manifest),
+                "stamps": {k: manifest["stamps"][k] for k in fmt.STAMPS}, "encoding": manifest["encoding"],
+                "computation": manifest.get("computation"), "top_k": fmt.top_k_of(manifest.get("computation")),
+                "rows": sum(e["rows"] for e in manifest["shards"]), "shards": len(shards)}
+    # file names, not a glob: the shards and only they, whatever else the folder holds
+    configs = [{"config_name": "default", "data_files": [{"split": split_of(manifest), "path": shards}]}]
+    return {"configs": configs, "refcache": identity}
+
+
+def dataset_card(manifest: dict):
+    """The card of a manifest (a huggingface_hub DatasetCard): a function of the manifest alone, without when, with
+    which software or from which paths it was made."""
+    from huggingface_hub import DatasetCard, DatasetCardData
+
+    rows = sum(e["rows"] for e in manifest["shards"])
+    data = DatasetCardData(pretty_name=f"refcache reference log-probs of {_model_name(manifest)} "
+                                       f"({split_of(manifest)} split)",
+                           tags=TAGS, size_categories=[_size(rows)], **card_metadata(manifest))
+    return DatasetCard(f"---\n{data.to_yaml()}\n---\n\n{_text(manifest)}")
+
+
+def write_card(root: Path, manifest: dict) -> bool:
+    """Write `root`/README.md for `manifest` (atomically, never through a link) unless it already holds exactly that;
+    True when written."""
+    path = Path(root) / fmt.CARD
+    data = str(dataset_card(manifest)).encode("utf-8")
+    if path.is_file() and not path.is_symlink() and path.read_bytes() == data:
+        return False
+    atomic_write(path, lambda f: f.write(data))
+    return True
+
+
+def read_card_metadata(path: Path) -> dict | None:
+    """A README.md's card metadata (huggingface_hub's parser), or None when it is not a readable card."""
+    from huggingface_hub import DatasetCard
+
+    try:
+        return DatasetCard.load(Path(path)).data.to_dict()
+    except Exception:  # not UTF-8, bad YAML, a metadata block that is not a mapping: not a card
+        return None
+
+
+def _model_name(manifest: dict) -> str:
+    model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+    name = model.get("name") if isinstance(model.get("name"), str) else "a reference model"
+    return name + (f" + adapter {Path(model['adapter']).name}" if isinstance(model.get("adapter"), str) else "")
+
+
+def _size(rows: int) -> str:
+    return next((label for bound, label in SIZES if rows < bound), "1B<n<10B")
+
+
+def _table(values: dict) -> str:
+    lines = ["| key | value |", "|---|---|"]
+    cell = lambda v: (v if isinstance(v, str) else json.dumps(v)).replace("|", "\\|")  # a table cell holds no |
+    lines += [f"| `{k}` | `{cell(v)}` |" for k, v in sorted(values.items())]
+    return "\n".join(lines)
+
+
+def _use(split: str) -> str:
+    """train-dpo's options that take this cache: its training cache, or the eval cache of a held-out split."""
+    if split == "train":
+        return "--ref-cache path/to/this/cache"
+    return f"--ref-cache TRAIN_CACHE --eval-data DATA --eval-split {split} --eval-ref-cache path/to/this/cache"
+
+
+def _text(manifest: dict) -> str:
+    meta = card_metadata(manifest)["refcache"]
+    split, stamps, top_k = split_of(manifest), meta["stamps"], meta["top_k"]
+    source = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
+    counts = {"rows": meta["rows"], "shards": meta["shards"], "bytes": sum(e["bytes"] for e in manifest["shards"])}
+    counts |= {k: source[k] for k in ("rows_in", "skipped", "identical_pairs") if k in source}
+    counts |= {f"skipped: {k}": v for k, v in (source.get("skipped_by_reason") or {}).items()}
+    counts |= {f"rows in TRL format {k}": v for k, v in (source.get("formats") or {}).items()}
+    columns = "\n".join(f"- `{c.name}`: {c.stored}" + (f" (stored form of {c.logical}: read it with "
+                                                        "`schemas.format.read_columns`)" if c.physical else "")
+                        for c in fmt.shard_columns(top_k))
+    return f"""# Reference log-probs of {_model_name(manifest)} ({split} split)
+
+A refcache cache: the per-token log-probs of a frozen reference model on a preference data set,
+written once by `precompute-ref`, so that `train-dpo --ref-cache` trains DPO without loading the reference. Each row is
+a preference pair: its id, the token ids of its prompt and completions, and one reference log-prob per completion
+token{f", with the reference's {top_k} most probable tokens at each position" if top_k else ""}.
+
+## Stamps
+
+What train-dpo and audit-ref compare before they use a row (`manifest.json` is the authority; this card is rendered
+from it and is not part of the cache's identity).
+
+| stamp | value |
+|---|---|
+| model hash | `{stamps["model_hash"]}` |
+| tokenizer hash | `{stamps["tokenizer_hash"]}` |
+| mask checksum | `{stamps["mask_checksum"]}` |
+| cache id | `{meta["cache_id"]}` |
+| data fingerprint | `{source.get("fingerprint")}` |
+| format version | `{meta["format_version"]}` |
+
+## Encoding
+
+How each pair was turned into token ids (`schemas/encoding.py`'s `encode_pair`):
+
+{_table(manifest["encoding"])}
+
+## Computation
+
+What scored the rows (batching mode, dtype, device, attention, top-k, ...):
+
+{_table(manifest.get("computation") or {})}
+
+## Counts
+
+{_table(counts)}
+
+## Columns
+
+Parquet shards (zstd), listed in `manifest.json` in row order; the card's `configs` name each of them, so that
+`datasets` reads only them:
+
+{columns}
+
+## Use
+
+```python
+from datasets import load_dataset
+rows = load_dataset("path/to/this/cache", split="{split}")  # the shards as stored, not verified
+from schemas import read_cache
+rows = read_cache("path/to/this/cache")  # a polars LazyFrame, after verifying the hashes and stamps
+```
+
+```bash
+# DPO against this reference, on the data it was made from
+train-dpo --model POLICY --data DATA {_use(split)} --output-dir run
+# re-verify the cache, and replay the reference on a sample of rows
+audit-ref path/to/this/cache --model REFERENCE_MODEL
+```
+
+train-dpo refuses the cache when its model, tokenizer, encoding or rows differ from those stamped here.
+"""
