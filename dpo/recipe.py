@@ -419,10 +419,12 @@ def _choose_layout(cfg: TrainConfig, args, policy, ref_model, train, pad_id: int
 
 def _finish(cfg, out: Path, run: Run, summary: dict, timer: PhaseTimer) -> None:
     from .provenance import write_run_manifest
-    from .trainer import plot_metrics
+    from .trainer import plot_metrics, plot_title
 
     if cfg.plot and (out / "metrics.jsonl").exists():
-        plot_metrics(out / "metrics.jsonl", out / "metrics.png")
+        run_name = cfg.training_args.get("run_name") or out.resolve().name  # --run-name, else the output dir's
+        plot_metrics(out / "metrics.jsonl", out / "metrics.png",
+                     plot_title(run_name, cfg.loss_type, cfg.beta, cfg.learning_rate))
     timer.mark("plot")
     if cfg.lora.use_peft:  # the checkpoint is an adapter: its own hash, and the merged model's if written
         peft = lora.manifest_section(cfg.lora, out, run.policy, run.reference or run.policy.model_hash)
