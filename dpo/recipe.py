@@ -396,6 +396,10 @@ def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) 
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": run.verify_s, "eval": final_eval,
                "phases": timer.phases}
     if trainer.is_world_process_zero():
+        from .run_summary import closing_facts
+
+        merged = out / lora.MERGED_DIR if cfg.lora.use_peft and cfg.lora.merge_adapter else None
+        summary |= closing_facts(cfg, trainer, run, result, out / "metrics.jsonl", merged)
         with writing(out, "the run's last files (metrics.png, run-manifest.json) are incomplete"):
             _finish(cfg, out, run, summary, timer)
     return summary

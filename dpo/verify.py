@@ -183,6 +183,7 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
         "files_s": round(t_files, 3),
         "total_s": round(time.perf_counter() - t0, 3),
         "stamps": cache.stamps,
+        "dtype": (cache.manifest.get("computation") or {}).get("dtype"),  # the cached log-probs' precision
     }
     reasons = ", ".join(f"{k}: {v}" for k, v in report["skipped"].items())
     skipped = f", {len(encoded.skipped)} bad rows skipped ({reasons})" if encoded.skipped else ""
