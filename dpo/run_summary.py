@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from schemas.rules import stamp_findings
+
 from .losses import LossConfig, pair_loss
 
 
@@ -81,7 +83,9 @@ def closing_facts(cfg, trainer, run, result, metrics_path: Path, merged_dir: Pat
         facts["resumed_from"] = step = resumed_step(cfg.resume_from_checkpoint)
         facts["train_loss"] = whole_run_train_loss(records, step, result.training_loss, result.global_step)
     if cfg.ref_cache is not None:
+        # standard DPO: the cache's model is the policy's starting point (the stamp rule compares the hashes)
+        starts_at_reference = not stamp_findings({"model_hash": run.reference}, {"model_hash": run.policy.model_hash})
         facts["precision"] = precision_note(
             run.train.report.get("dtype"), policy_dtype(cfg), records,
-            starts_at_reference=run.reference == run.policy.model_hash, expected=loss_at_reference(cfg.loss_config()))
+            starts_at_reference=starts_at_reference, expected=loss_at_reference(cfg.loss_config()))
     return facts
