@@ -4,17 +4,12 @@ and a note where the cache's precision differs from the policy's."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from schemas.rules import stamp_findings
 
 from .losses import LossConfig, pair_loss
-
-
-def metrics_records(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl (dpo/trainer.MetricsFile), in file order."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from .trainer import metrics_records
 
 
 def whole_run_train_loss(records: list[dict], resumed_from: int, session_loss: float, global_step: int) -> float:

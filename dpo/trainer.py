@@ -140,6 +140,11 @@ class MetricsFile(TrainerCallback):
                 append_text(self.path, json.dumps(record) + "\n")
 
 
+def metrics_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl (MetricsFile), in file order."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 @dataclass(frozen=True)
 class Panel:
     """One quantity against step: its title, y-axis label and series (metric key, legend name; "" for a panel of one
@@ -183,7 +188,7 @@ def metric_panels(records: list[dict]) -> tuple[Panel, ...]:
 
 
 def plot_title(run_name: str, loss_type: str, beta: float, learning_rate: float) -> str:
-    return f"{run_name}: DPO, loss {loss_type}, β = {beta:g}, learning rate {learning_rate:g}"
+    return f"{run_name}: loss {loss_type}, β = {beta:g}, learning rate {learning_rate:g}"
 
 
 def metrics_figure(records: list[dict], title: str):
@@ -220,7 +225,6 @@ def metrics_figure(records: list[dict], title: str):
 
 def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
     """metrics.png of the run's metrics.jsonl (metrics_figure)."""
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     png = io.BytesIO()
-    metrics_figure(records, title).savefig(png, format="png", dpi=90)
+    metrics_figure(metrics_records(metrics_path), title).savefig(png, format="png", dpi=90)
     atomic_write(out_png, lambda f: f.write(png.getvalue()))

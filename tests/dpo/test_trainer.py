@@ -68,7 +68,7 @@ def _drawn(records):
 
 def test_metrics_figure_is_titled_labelled_and_its_legends_stay_off_the_curves():
     fig = _drawn(_run_records(3))
-    assert fig.get_suptitle() == "run-7: DPO, loss ipo, β = 0.25, learning rate 5e-07"
+    assert fig.get_suptitle() == "run-7: loss ipo, β = 0.25, learning rate 5e-07"
     axes = fig.axes
     renderer = fig.canvas.get_renderer()
     boxes = [ax.get_window_extent(renderer) for ax in axes]
