@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -190,18 +191,43 @@ def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
 
 def summary_text(s: dict) -> str:
     """The closing lines: what was trained and where each output is; a verification figure only where a cache was
-    verified (not with a live reference), a plot line only where a plot was written (not with --no-plot)."""
+    verified (not with a live reference), a plot line only where a plot was written (not with --no-plot), the merged
+    model where one was written; the train loss of the whole run (across a resume); the checkpoint
+    --load-best-model-at-end kept; a note where the cache's precision differs from the policy's."""
     acc = s["eval"].get("eval_rewards/accuracies")
     out = Path(s["output_dir"])
     verified = f" (verification {s['verify_s']:.1f} s)" if s.get("reference", "cache") == "cache" else ""
+    loss = f"train loss {s['train_loss']:.4f}" + (
+        f" (all {s['steps']} steps; resumed at step {s['resumed_from']})" if s.get("resumed_from") else "")
+    best = s.get("best_checkpoint")
+    kept = ""
+    if best:
+        kept = (f" (--load-best-model-at-end: the weights of {Path(best['path']).name}, best {best['metric']} "
+                f"{best['value']:.4f})" if best["path"] else " (--load-best-model-at-end: no evaluation chose a "
+                "checkpoint, so the last step's weights)")
     plot = f"\n  plot:       {out / 'metrics.png'}" if (out / "metrics.png").is_file() else ""
+    merged = f"\n  merged:     {s['merged_dir']}" if s.get("merged_dir") else ""
     return (
-        f"trained {s['steps']} steps in {s['train_s']:.1f} s{verified}; train loss {s['train_loss']:.4f}"
+        f"trained {s['steps']} steps in {s['train_s']:.1f} s{verified}; {loss}"
         + (f"; eval reward accuracy {acc:.3f} (share of eval pairs whose implicit reward beta*log(pi/ref) "
            "ranks chosen above rejected)" if acc is not None else "")
-        + f"\n  checkpoint: {out}\n  metrics:    {out / 'metrics.jsonl'}{plot}"
-        f"\n  manifest:   {out / 'run-manifest.json'}"
+        + f"\n  checkpoint: {out}{kept}{merged}\n  metrics:    {out / 'metrics.jsonl'}{plot}"
+        f"\n  manifest:   {out / 'run-manifest.json'}" + _precision_text(s.get("precision"))
     )
+
+
+def _precision_text(note: dict | None) -> str:
+    if not note:
+        return ""
+    text = (f"\nnote: the cache's reference log-probs are {note['cache_dtype']} and the policy computes in "
+            f"{note['policy_dtype']}, so they differ by rounding even where the policy is the reference")
+    if "step_1_loss" not in note:
+        return text
+    expected = note["loss_at_reference"]
+    if expected is None:  # (an RPO term: no data-free value to compare with)
+        return text + f" (step 1's mean per-token log-ratio {note['step_1_logratio']:.2e}, not 0)"
+    named = " = ln 2" if abs(expected - math.log(2)) < 1e-7 else ""
+    return text + f": step 1's loss is {note['step_1_loss']:.6f}, not {expected:.6f}{named}"
 
 
 @click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

@@ -400,6 +400,10 @@ def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) 
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": run.verify_s, "eval": final_eval,
                "phases": timer.phases}
     if trainer.is_world_process_zero():
+        from .run_summary import closing_facts
+
+        merged = out / lora.MERGED_DIR if cfg.lora.use_peft and cfg.lora.merge_adapter else None
+        summary |= closing_facts(cfg, trainer, run, result, out / "metrics.jsonl", merged)
         with writing(out, "the run's last files (metrics.png, run-manifest.json, README.md) are incomplete"):
             _finish(cfg, out, run, summary, timer)
     return summary
@@ -424,10 +428,12 @@ def _choose_layout(cfg: TrainConfig, args, policy, ref_model, train, pad_id: int
 def _finish(cfg, out: Path, run: Run, summary: dict, timer: PhaseTimer) -> None:
     from .card import write_cards
     from .provenance import write_run_manifest
-    from .trainer import plot_metrics
+    from .trainer import plot_metrics, plot_title
 
     if cfg.plot and (out / "metrics.jsonl").exists():
-        plot_metrics(out / "metrics.jsonl", out / "metrics.png")
+        run_name = cfg.training_args.get("run_name") or out.resolve().name  # --run-name, else the output dir's
+        plot_metrics(out / "metrics.jsonl", out / "metrics.png",
+                     plot_title(run_name, cfg.loss_type, cfg.beta, cfg.learning_rate))
     timer.mark("plot")
     if cfg.lora.use_peft:  # the checkpoint is an adapter: its own hash, and the merged model's if written
         peft = lora.manifest_section(cfg.lora, out, run.policy, run.reference or run.policy.model_hash)

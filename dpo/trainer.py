@@ -7,6 +7,7 @@ import io
 import json
 from collections import defaultdict
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -139,45 +140,91 @@ class MetricsFile(TrainerCallback):
                 append_text(self.path, json.dumps(record) + "\n")
 
 
-KL_PANELS = [(("kl/policy_ref/chosen", "kl/policy_ref/rejected", "kl/ref_policy/chosen", "kl/ref_policy/rejected"),
-              "KL per token, lower bound (top-k)"),
-             (("ref_top_k_mass/chosen", "ref_top_k_mass/rejected"), "reference's top-k mass (bound tightness)")]
+def metrics_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl (MetricsFile), in file order."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def metric_panels(records: list[dict]) -> list[tuple[tuple[str, ...], str]]:
-    """The plot's panels: (metric names, title); KL panels when the run logged the top-k KL metrics."""
-    panels = [(("loss",), "loss"), (("rewards/accuracies", "logps/accuracies"), "preference accuracy"),
-              (("rewards/margins",), "reward margin"), (("logratio/chosen", "logratio/rejected"), "log-ratio per token")]
-    if any(prefix + KL_PANELS[0][0][0] in r for r in records for prefix in ("", "eval_")):
-        panels += KL_PANELS
-    return panels
+@dataclass(frozen=True)
+class Panel:
+    """One quantity against step: its title, y-axis label and series (metric key, legend name; "" for a panel of one
+    series), train and eval."""
+
+    title: str
+    ylabel: str
+    series: tuple[tuple[str, str], ...]
+    ylim: tuple[float, float] | None = None
 
 
-def plot_metrics(metrics_path: Path, out_png: Path) -> None:
-    """Loss, accuracy, margins and per-token log-ratio against step, train and eval (and, with a top-k cache, the
-    per-token KL bounds)."""
-    # The object API with the Agg canvas (no pyplot state, no GUI backend probing) and fixed margins: tight_layout
-    # would draw the figure once more only to measure it.
+def _sides(prefix: str) -> tuple[tuple[str, str], ...]:
+    return ((f"{prefix}/chosen", "chosen"), (f"{prefix}/rejected", "rejected"))
+
+
+SHARE = (-0.03, 1.03)
+PANELS = (
+    Panel("loss", "loss", (("loss", ""),)),
+    Panel("reward accuracy", "share of pairs with\nreward(chosen) > reward(rejected)", (("rewards/accuracies", ""),),
+          SHARE),
+    Panel("log-prob accuracy", "share of pairs with\nlog π(chosen) > log π(rejected)", (("logps/accuracies", ""),),
+          SHARE),
+    Panel("reward margin", "reward(chosen) − reward(rejected)\n(β · log-ratio, nats)", (("rewards/margins", ""),)),
+    Panel("policy/reference log-ratio", "mean log(π / π_ref) per token (nats)", _sides("logratio")),
+    Panel("learning rate", "learning rate", (("learning_rate", ""),)),
+)
+# with a top-k cache (dpo/losses.py): the KL bounds in both directions, and how tight they are
+KL_PANELS = (
+    Panel("KL(policy ‖ reference), top-k bound", "nats per token (a lower bound)", _sides("kl/policy_ref")),
+    Panel("KL(reference ‖ policy), top-k bound", "nats per token (a lower bound)", _sides("kl/ref_policy")),
+    Panel("reference's top-k mass", "probability (1: the KL bounds are exact)", _sides("ref_top_k_mass"), SHARE),
+)
+SPLITS = (("", "train", dict(linestyle="-")), ("eval_", "eval", dict(linestyle="--", marker="o", markersize=4)))
+COLOURS = {"": ("tab:blue", "tab:orange"), "chosen": ("tab:green",) * 2, "rejected": ("tab:red",) * 2}
+
+
+def metric_panels(records: list[dict]) -> tuple[Panel, ...]:
+    """The plot's panels; the KL panels when the run logged the top-k KL metrics."""
+    logged_kl = any(prefix + KL_PANELS[0].series[0][0] in r for r in records for prefix in ("", "eval_"))
+    return PANELS + KL_PANELS if logged_kl else PANELS
+
+
+def plot_title(run_name: str, loss_type: str, beta: float, learning_rate: float) -> str:
+    return f"{run_name}: loss {loss_type}, β = {beta:g}, learning rate {learning_rate:g}"
+
+
+def metrics_figure(records: list[dict], title: str):
+    """A matplotlib Figure of the metrics against step, train and eval: one quantity per panel, each legend to the
+    right of its panel (never over the curves), whole-number steps; each line's gid is its metric key."""
+    # The object API with the Agg canvas: no pyplot state, no GUI backend probing
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     panels = metric_panels(records)
-    fig = Figure(figsize=(10, 7) if len(panels) == 4 else (15, 7))
+    rows = len(panels) // 3
+    fig = Figure(figsize=(16, 3.6 * rows + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, len(panels) // 2)
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.95, wspace=0.2, hspace=0.35)
-    for ax, (keys, title) in zip(axes.flat, panels):
-        for key in keys:
-            for prefix, style in (("", "-"), ("eval_", "o-")):
+    fig.suptitle(title)
+    for ax, panel in zip(fig.subplots(rows, 3).flat, panels):
+        for key, name in panel.series:
+            for (prefix, split, style), colour in zip(SPLITS, COLOURS[name]):
                 points = [(r["step"], r[prefix + key]) for r in records if prefix + key in r]
-                label = ("eval " if prefix else "train ") + key if len(keys) > 1 else ("eval" if prefix else "train")
                 if points:
-                    ax.plot(*zip(*points), style, label=label, markersize=3)
-        ax.set_title(title)
+                    ax.plot(*zip(*points), color=colour, label=f"{split}, {name}" if name else split,
+                            gid=prefix + key, **style)
+        ax.set_title(panel.title)
         ax.set_xlabel("step")
+        ax.set_ylabel(panel.ylabel)
+        if panel.ylim:
+            ax.set_ylim(*panel.ylim)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small" if len(keys) > 2 else None)
+        if ax.lines:
+            ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
+    return fig
+
+
+def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
+    """metrics.png of the run's metrics.jsonl (metrics_figure)."""
     png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=90)
+    metrics_figure(metrics_records(metrics_path), title).savefig(png, format="png", dpi=90)
     atomic_write(out_png, lambda f: f.write(png.getvalue()))

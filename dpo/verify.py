@@ -114,24 +114,27 @@ def encoded_table(encoded: Encoded) -> pa.Table:
 
 
 def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded) -> CacheError:
-    """Rows missing or differing: say why when the cache's record shows it (another split, another data format)."""
+    """Rows missing or differing: say why when the cache's record shows it (another split, another data format), and
+    then that reason's remedy in place of the generic one (re-running precompute-ref over these rows would be
+    another cache, not the one this run is missing)."""
     source = cache.manifest.get("source") or {}
-    hints = []
+    facts, remedies = [], []
     if source.get("split") not in (None, split):
-        hints.append(f"the cache holds split {source['split']!r}" + (" (the eval split's cache)" if source["split"] in (
-            "test", "eval", "validation") else "") + f", not {split!r}: pass it as --eval-ref-cache, and the cache of "
-            f"split {split!r} as --ref-cache")
+        facts.append(f"the cache holds split {source['split']!r}" + (" (the eval split's cache)" if source["split"] in (
+            "test", "eval", "validation") else "") + f", not {split!r}")
+        remedies.append(f"pass it as --eval-ref-cache, and the cache of split {split!r} as --ref-cache "
+                        f"(precompute-ref --split {split} makes one)")
     formats = source.get("formats")
     if isinstance(formats, dict) and formats and encoded.formats:
         cached_templated = formats.get("conversational", 0) > 0
         if cached_templated != encoded.templated:
-            hints.append("the chat-template rendering differs: the cache's rows are "
+            facts.append("the chat-template rendering differs: the cache's rows are "
                          f"{', '.join(sorted(formats))} and these are {', '.join(sorted(encoded.formats))} "
-                         "(conversational rows are rendered with the chat template, standard ones are not); use the "
-                         "data the cache was made from")
-    if not hints:
+                         "(conversational rows are rendered with the chat template, standard ones are not)")
+            remedies.append("use the data the cache was made from")
+    if not facts:
         return error
-    return type(error)(error.kind, error.message + "; " + "; ".join(hints), remedy=error.remedy,
+    return type(error)(error.kind, error.message + "; " + "; ".join(facts), remedy="; ".join(remedies),
                        expected=error.expected, found=error.found, shard=error.shard, row=error.row)
 
 
@@ -183,6 +186,7 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
         "files_s": round(t_files, 3),
         "total_s": round(time.perf_counter() - t0, 3),
         "stamps": cache.stamps,
+        "dtype": (cache.manifest.get("computation") or {}).get("dtype"),  # the cached log-probs' precision
     }
     reasons = ", ".join(f"{k}: {v}" for k, v in report["skipped"].items())
     skipped = f", {len(encoded.skipped)} bad rows skipped ({reasons})" if encoded.skipped else ""

@@ -9,6 +9,25 @@ from precompute.job import PrecomputeConfig
 from runtime.cli import (ENCODING_OPTIONS, GroupedCommand, dataclass_options, encoding_from, encoding_options,
                          exit_without_teardown, given_values, quiet_libraries, run_cli)
 
+
+def summary_text(s: dict) -> str:
+    """The closing lines: what the cache holds, and the work done now (a rerun with every pair already in the cache
+    did none: it says so rather than a throughput of 0)."""
+    skipped = ", ".join(f"{k}: {v}" for k, v in s["skipped_by_reason"].items()) or "none"
+    if s["rows_scored"]:
+        work = (f"  tokens: {s['tokens']:,}  batching: {s['mode']}  padding: {s['padding_fraction']:.1%}  "
+                f"wall: {s['wall_s']:.1f} s  throughput: {s['tokens_per_s']:,.0f} tokens/s")
+    else:
+        work = (f"  nothing to score: every pair was in the cache already (batching {s['mode']}); "
+                f"wall: {s['wall_s']:.1f} s")
+    return (
+        f"wrote {s['rows']} pairs ({s['rows_scored']} scored now) in {s['shards']} shards to {s['out']}\n"
+        f"  skipped rows: {s['skipped']} ({skipped}); identical chosen/rejected: {s['identical_pairs']}\n{work}\n"
+        f"  cache size: {s['bytes'] / 2**20:.2f} MiB ({s['bytes_per_completion_token']:.1f} bytes per "
+        f"completion token)"
+    )
+
+
 @click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @dataclass_options(PrecomputeConfig)
 @encoding_options
@@ -28,15 +47,7 @@ def main(debug, **options):
         s = run_precompute(cfg, log=lambda m: click.echo(m, err=True))
         if "rank" in s:  # torchrun: rank 0 prints the summary
             return
-        skipped = ", ".join(f"{k}: {v}" for k, v in s["skipped_by_reason"].items()) or "none"
-        click.echo(
-            f"wrote {s['rows']} pairs ({s['rows_scored']} scored now) in {s['shards']} shards to {s['out']}\n"
-            f"  skipped rows: {s['skipped']} ({skipped}); identical chosen/rejected: {s['identical_pairs']}\n"
-            f"  tokens: {s['tokens']:,}  batching: {s['mode']}  padding: {s['padding_fraction']:.1%}  wall: {s['wall_s']:.1f} s  "
-            f"throughput: {s['tokens_per_s']:,.0f} tokens/s\n"
-            f"  cache size: {s['bytes'] / 2**20:.2f} MiB ({s['bytes_per_completion_token']:.1f} bytes per "
-            f"completion token)"
-        )
+        click.echo(summary_text(s))
 
     run_cli(body, debug, writes_to=lambda: options.get("out"))
 

@@ -341,12 +341,12 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
 
     total = {"tokens": 0, "processed": 0, "slots": 0, "written": {}}
     t0 = time.perf_counter()
-    bar = tqdm(total=sum(s["stop"] - s["start"] for s in todo), unit="row", disable=not (cfg.progress and show_progress),
+    bar = tqdm(total=sum(s["stop"] - s["start"] for s in todo), unit="pair", disable=not (cfg.progress and show_progress),
                file=sys.stderr)
 
-    def tick(rows, tokens):
+    def tick(pairs, tokens):  # whole pairs (score_pairs)
         total["live"] = total.get("live", 0) + tokens
-        bar.update(rows)
+        bar.update(pairs)
         bar.set_postfix_str(f"{total['live'] / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
 
     for shard in todo:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from schemas.encoding import EncodedPair
@@ -17,20 +18,25 @@ def score_pairs(model, pairs: list[EncodedPair], pad_id: int, token_budget: int,
     with top_k also the top_k most probable ids, their log-probs and the tail): (chosen list, rejected list, stats).
 
     stats: tokens (of the plain sequences: the work done, whatever the mode), processed (real tokens through the
-    model), slots (tokens including padding). on_batch(pairs, tokens) is called after each batch.
+    model), slots (tokens including padding). on_batch(pairs, tokens) is called after each batch with the pairs it
+    completed (both sequences scored: a mode may score a pair's two in different batches) and its tokens.
     """
     way = lookup(mode)
     values: list = [None] * (2 * len(pairs))  # chosen of pair i at 2i, rejected at 2i + 1
+    scored = np.zeros(2 * len(pairs), dtype=bool)
     stats = {"tokens": 0, "processed": 0, "slots": 0}
     for batch in way.plan(pairs, token_budget):
         order, parts, counts = way.score(model, pairs, batch, pad_id, top_k=top_k)
         for i, part in zip(order, parts):
             values[i] = part
+        scored[order] = True
+        touched = np.unique(np.asarray(order) // 2)  # a pair touched now and whole now was completed now
+        completed = int((scored[2 * touched] & scored[2 * touched + 1]).sum())
         tokens = sum(len(prompt) + len(completion) for prompt, completion in (sequence(pairs, i) for i in order))
         stats = {"tokens": stats["tokens"] + tokens, "processed": stats["processed"] + counts["processed"],
                  "slots": stats["slots"] + counts["slots"]}
         if on_batch:
-            on_batch(len(order) / 2, tokens)
+            on_batch(completed, tokens)
     return values[0::2], values[1::2], stats
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -106,6 +108,110 @@ def test_summary_says_only_what_happened(tmp_path):
     (tmp_path / "metrics.png").write_bytes(b"\x89PNG")
     cached = summary_text({**run, "reference": "cache"})
     assert "(verification 0.1 s)" in cached and f"plot:       {tmp_path / 'metrics.png'}" in cached
+
+
+def _summary_loss(output: str) -> float:
+    return float(output.split("train loss ")[1].split()[0].rstrip(";"))
+
+
+def test_summary_train_loss_after_a_resume_is_the_whole_runs(tmp_path, llama_dir, dpo_data, dpo_cache):
+    """Issue 25 item 11: resumed at step 3 of 6, the summary's (and the manifest's) train loss is the mean over all 6
+    steps, not the Trainer's mean over the 3 resumed ones."""
+    import shutil
+
+    run = ["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--max-steps", 6, "--save-steps", 3,
+           "--use-cpu", "--learning-rate", 1e-3, "--per-device-train-batch-size", 4, "--logging-steps", 1,
+           "--seed", 7, "--no-plot"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    whole = _cli([*run, "--output-dir", full])
+    assert whole.exit_code == 0, whole.output
+    losses = {step: r["loss"] for step, r in step_records(full).items()}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and len(set(losses.values())) == 6
+    resumed.mkdir()  # a copy of the run up to checkpoint-3 (its record, metrics and checkpoint)
+    shutil.copy(full / "refcache-run.json", resumed)
+    shutil.copytree(full / "checkpoint-3", resumed / "checkpoint-3")
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in map(json.loads, (
+        full / "metrics.jsonl").read_text().splitlines()) if r["step"] <= 3))
+    result = _cli([*run, "--output-dir", resumed, "--resume-from-checkpoint", resumed / "checkpoint-3"])
+    assert result.exit_code == 0, result.output
+    mean = sum(losses.values()) / 6
+    assert _summary_loss(result.output) == pytest.approx(mean, abs=1e-4)
+    assert _summary_loss(result.output) != pytest.approx(sum(losses[s] for s in (4, 5, 6)) / 3, abs=1e-4)
+    assert "(all 6 steps; resumed at step 3)" in result.output
+    assert json.loads((resumed / "run-manifest.json").read_text())["result"]["train_loss"] == pytest.approx(mean,
+                                                                                                         abs=1e-6)
+    assert _summary_loss(whole.output) == pytest.approx(mean, abs=1e-4) and "resumed" not in whole.output
+
+
+def test_whole_run_train_loss_counts_each_logged_loss_for_the_steps_it_covers():
+    """Logged every 2 steps (and at step 1): the record at step 4 is the mean of steps 3 and 4, so it counts twice;
+    a record after the resumed step (logged again by the resumed run) does not count."""
+    from dpo.run_summary import whole_run_train_loss
+
+    records = [{"step": 1, "loss": 0.7}, {"step": 2, "loss": 0.6}, {"step": 2, "eval_loss": 0.1},
+               {"step": 4, "loss": 0.5}, {"step": 6, "loss": 9.0}]
+    # resumed at step 4 of 10: the Trainer's own mean over steps 5..10 is 0.3
+    assert whole_run_train_loss(records, 4, 0.3, 10) == pytest.approx((0.7 + 0.6 + 2 * 0.5 + 6 * 0.3) / 10)
+    # resumed at step 5 (not a logging step): step 5 was never logged, so it is left out
+    assert whole_run_train_loss(records, 5, 0.3, 10) == pytest.approx((0.7 + 0.6 + 2 * 0.5 + 5 * 0.3) / 9)
+
+
+def test_summary_names_the_checkpoint_load_best_model_at_end_kept(tmp_path, llama_dir, dpo_data, dpo_cache):
+    """Issue 25 item 11: with --load-best-model-at-end the summary says whose weights the output holds, as the
+    Trainer's own state (trainer_state.json of the last checkpoint) records it."""
+    out = tmp_path / "out"
+    result = _cli(["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir", out,
+                   "--eval-data", dpo_data, "--eval-split", "train", "--eval-ref-cache", dpo_cache,
+                   "--eval-strategy", "steps", "--eval-steps", 2, "--save-steps", 2, "--max-steps", 4,
+                   "--load-best-model-at-end", "--metric-for-best-model", "rewards/margins", "--use-cpu", *TRAIN[3:]])
+    assert result.exit_code == 0, result.output
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    best = Path(state["best_model_checkpoint"]).name
+    assert (f"(--load-best-model-at-end: the weights of {best}, best eval_rewards/margins "
+            f"{state['best_metric']:.4f})") in result.output
+    without = summary_text_of(tmp_path)
+    assert "load-best-model-at-end" not in without
+
+
+def summary_text_of(tmp_path, **keys) -> str:
+    from dpo.cli import summary_text
+
+    return summary_text({"eval": {}, "output_dir": str(tmp_path), "steps": 3, "train_s": 1.0, "verify_s": 0.1,
+                         "train_loss": 0.5, **keys})
+
+
+def test_summary_lists_the_merged_model_and_notes_a_cache_of_another_precision(tmp_path):
+    """Issue 25 item 11: merged/ listed when written; a bfloat16 cache under a float32 policy: the step-1 loss is
+    not ln 2, said once, with the figure (and with the log-ratio where the loss has no data-free value)."""
+    merged = tmp_path / "merged"
+    assert f"\n  merged:     {merged}\n" in summary_text_of(tmp_path, merged_dir=str(merged))
+    assert "merged:" not in summary_text_of(tmp_path, merged_dir=None)
+    note = {"cache_dtype": "bfloat16", "policy_dtype": "float32", "step_1_loss": 0.6952, "loss_at_reference":
+            math.log(2), "step_1_logratio": 3e-3}
+    text = summary_text_of(tmp_path, precision=note)
+    assert text.count("note:") == 1
+    assert ("note: the cache's reference log-probs are bfloat16 and the policy computes in float32, so they differ "
+            "by rounding even where the policy is the reference: step 1's loss is 0.695200, not 0.693147 = ln 2"
+            ) in text
+    rpo = summary_text_of(tmp_path, precision=note | {"loss_at_reference": None})
+    assert "step 1's mean per-token log-ratio 3.00e-03, not 0" in rpo
+    assert "note:" not in summary_text_of(tmp_path, precision=None)
+
+
+def test_a_bfloat16_cache_under_a_float32_policy_is_noted_with_the_step_1_loss(tmp_path, llama_dir, dpo_data):
+    from precompute.job import PrecomputeConfig, run_precompute
+
+    cache = tmp_path / "bf16-cache"
+    run_precompute(PrecomputeConfig(model=str(llama_dir), data=str(dpo_data), out=str(cache), dtype="bfloat16",
+                                    progress=False), log=lambda m: None)
+    out = tmp_path / "out"
+    result = _cli(["--model", llama_dir, "--data", dpo_data, "--ref-cache", cache, "--output-dir", out, *TRAIN])
+    assert result.exit_code == 0, result.output
+    first = step_records(out)[1]["loss"]
+    assert abs(first - math.log(2)) > 1e-6  # the rounding shows
+    assert (f"note: the cache's reference log-probs are bfloat16 and the policy computes in float32, so they differ "
+            f"by rounding even where the policy is the reference: step 1's loss is {first:.6f}, not 0.693147 = ln 2"
+            ) in result.output
 
 
 def test_help_has_no_argparse_escapes():

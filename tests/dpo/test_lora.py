@@ -15,7 +15,7 @@ from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
 from conftest import DATA, assert_close, count_models, make_lora_adapter, records, step_records
-from dpo.cli import main as train_main
+from dpo.cli import main as train_main, summary_text
 from dpo.lora import LoraOptions
 from dpo.recipe import TrainConfig, run_train
 from schemas.stamps import adapter_hash, merged_model_hash, model_hash, reference_model_hash
@@ -278,8 +278,9 @@ def test_merge_adapter_writes_the_merged_model_and_audit_checks_the_run(tmp_path
 
     out = tmp_path / "run"
     lora = LoraOptions(use_peft=True, lora_r=4, merge_adapter=True)
-    train(llama_dir, dpo_data, out, lora, ref_cache=str(dpo_cache), max_steps=3, learning_rate=1e-2,
-          per_device_train_batch_size=4)
+    summary = train(llama_dir, dpo_data, out, lora, ref_cache=str(dpo_cache), max_steps=3, learning_rate=1e-2,
+                    per_device_train_batch_size=4)
+    assert f"merged:     {out / 'merged'}" in summary_text(summary)  # issue 25 item 11: listed in the summary
     m = json.loads((out / "run-manifest.json").read_text())
     assert m["final_model_hash"] == m["peft"]["merged_model_hash"] == model_hash(out / "merged")
     base = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()

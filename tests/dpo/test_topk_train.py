@@ -23,7 +23,7 @@ from conftest import build_llama, records
 from dpo.layout import PrefixSharedCollator, pair_logps
 from dpo.losses import LossConfig, TopK, coarse_kl, dpo_loss
 from dpo.recipe import TrainConfig, run_train
-from dpo.trainer import KL_PANELS, DPOTrainer, PairCollator, metric_panels, plot_metrics
+from dpo.trainer import KL_PANELS, PANELS, DPOTrainer, PairCollator, metric_panels, plot_metrics
 from runtime.errors import JobError
 from runtime.logprobs import reference_logps, reference_top_k, token_logps
 
@@ -482,11 +482,11 @@ def test_torchrun_two_ranks_log_the_same_kls_and_tdpo_loss_as_one_process(llama_
 
 def test_the_plot_gets_a_kl_panel_when_the_run_logged_kls(tmp_path):
     plain = [{"step": 1, "loss": 0.7, "logratio/chosen": 0.0}]
-    assert len(metric_panels(plain)) == 4 and not any(p in metric_panels(plain) for p in KL_PANELS)
+    assert metric_panels(plain) == PANELS
     with_kl = plain + [{"step": 2, "eval_loss": 0.6, **{f"eval_{m}": 0.01 for m in KL_METRICS}}]
-    assert metric_panels(with_kl)[4:] == KL_PANELS
-    assert {k for keys, _ in KL_PANELS for k in keys} == set(KL_METRICS)
+    assert metric_panels(with_kl) == PANELS + KL_PANELS
+    assert {k for panel in KL_PANELS for k, _ in panel.series} == set(KL_METRICS)
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in with_kl) + "\n")
-    plot_metrics(path, tmp_path / "metrics.png")
+    plot_metrics(path, tmp_path / "metrics.png", "a title")
     assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"

@@ -230,10 +230,14 @@ def test_eval_cache_given_as_ref_cache_says_so(tmp_path, llama_dir):
     write_jsonl(tmp_path / "d" / "eval.jsonl", pref_rows(4, seed=3))
     run_precompute(PrecomputeConfig(model=str(llama_dir), data=str(tmp_path / "d"), split="test",
                                     out=str(tmp_path / "eval-cache"), progress=False), log=lambda m: None)
-    with pytest.raises(Exception, match=r"the cache holds split 'test' \(the eval split's cache\).*--eval-ref-cache"):
+    with pytest.raises(Exception, match=r"(?s)the cache holds split 'test' \(the eval split's cache\).*--eval-ref-cache") as e:
         verify_and_join(tokenizer=AutoTokenizer.from_pretrained(llama_dir), model_dir=str(llama_dir),
                         data=str(tmp_path / "d"), split="train", cache_dir=str(tmp_path / "eval-cache"),
                         log=lambda m: None)
+    # issue 25 item 11: one remedy, this one; not also "re-run precompute-ref over the full data", which contradicts it
+    assert e.value.remedy == ("pass it as --eval-ref-cache, and the cache of split 'train' as --ref-cache "
+                              "(precompute-ref --split train makes one)")
+    assert str(e.value).count("remedy") == 1 and "full data" not in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -141,3 +141,51 @@ def test_a_missing_required_option_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(main, ["--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "c")])
     assert result.exit_code == 2 and "Missing option '--model'" in result.output, result.output
     assert not (tmp_path / "c").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 25 item 11: the progress bar counts whole pairs; a rerun with nothing left says so
+
+
+def test_progress_counts_whole_pairs_when_a_batch_splits_a_pair(llama_dir, tmp_path):
+    """full_forward batches sequences by length, so a pair's chosen and rejected can land in different batches: the
+    bar moves by the pairs each batch completed (whole numbers), not by half pairs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from precompute.modes import lookup
+    from precompute.modes.scoring import score_pairs
+    from runtime.data import encode_rows, load_rows
+    from schemas.encoding import EncodingConfig
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(24, seed=5))
+    pairs = encode_rows(load_rows(data), tok, EncodingConfig()).pairs
+    budget = 64
+    batches = [list(b) for b in lookup("full_forward").plan(pairs, budget)]
+    batch_of = {i: n for n, b in enumerate(batches) for i in b}
+    split = [p for p in range(len(pairs)) if batch_of[2 * p] != batch_of[2 * p + 1]]
+    assert split and len(batches) > 2  # the case under test occurs
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    ticks = []
+    score_pairs(model, pairs, tok.pad_token_id, budget, "full_forward", lambda n, tokens: ticks.append(n))
+    # independently: after batch n, the pairs whose two sequences are both in batches 0..n
+    whole = [sum(max(batch_of[2 * p], batch_of[2 * p + 1]) == n for p in range(len(pairs)))
+             for n in range(len(batches))]
+    assert ticks == whole and all(type(t) is int for t in ticks) and sum(ticks) == len(pairs)
+
+
+def test_a_rerun_with_nothing_left_says_nothing_to_score(llama_dir, tmp_path):
+    data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(8, seed=41))
+    args = ["--model", llama_dir, "--data", data, "--out", tmp_path / "cache"]
+    first = in_process(*args, "--no-progress").output
+    assert "throughput:" in first and "nothing to score" not in first
+    rerun = in_process(*args).output  # with the progress bar: nothing to draw either
+    assert "wrote 8 pairs (0 scored now)" in rerun
+    assert "nothing to score: every pair was in the cache already" in rerun
+    assert "tokens/s" not in rerun and "throughput" not in rerun and "tok/s" not in rerun
+
+
+def test_the_progress_bar_counts_pairs(llama_dir, tmp_path):
+    data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(10, seed=43))
+    out = in_process("--model", llama_dir, "--data", data, "--out", tmp_path / "cache", "--token-budget", 64).output
+    assert "10/10" in out and ("pair/s" in out or "s/pair" in out) and "row/s" not in out, out

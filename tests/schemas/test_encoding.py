@@ -675,3 +675,23 @@ def test_column_mapping_is_recorded_in_one_form_and_only_when_set():
 def test_column_mapping_errors_name_the_item(text, error):
     with pytest.raises(ValueError, match=error):
         EncodingConfig(columns=text)
+
+
+def test_data_readme_shows_the_completion_tokens_the_encoder_keeps():
+    """Issue 25 item 11: data/README.md's worked example is what encode_pair gives with data/sft-model's tokenizer:
+    the prompt tokens, and completion tokens that end with the EOS (the template's newline after it is not kept)."""
+    from transformers import AutoTokenizer
+
+    from conftest import DATA
+
+    tok = AutoTokenizer.from_pretrained(DATA / "sft-model")
+    row = {"prompt": [{"role": "user", "content": "Add 3 and 4."}],
+           "chosen": [{"role": "assistant", "content": "Sure! 3 plus 4 is 7."}],
+           "rejected": [{"role": "assistant", "content": "Hmm. 3 plus 4 is 7."}]}
+    pair = encode_pair(row, tok, EncodingConfig())
+    assert pair.chosen_ids[-1] == tok.eos_token_id
+    assert tok.apply_chat_template(row["prompt"] + row["chosen"], tokenize=False).endswith(tok.eos_token + "\n")
+    readme = " ".join((DATA / "README.md").read_text().split())
+    shown = lambda ids: "`" + " ".join(tok.convert_ids_to_tokens(ids)) + "`"
+    assert shown(pair.prompt_ids) in readme and shown(pair.chosen_ids) in readme
+    assert "newline after it" not in readme and "</s> Ċ`" not in readme
