@@ -79,7 +79,7 @@ common.MODELS.setdefault(GPU_MODEL, dict(hidden=2048, layers=22, heads=32, kv=4,
 
 SIZES = {
     # pairs: precompute's data (and train-dpo's); truth_pairs: the first pairs compared with the fp32 forward
-    "gpu": dict(model=GPU_MODEL, pairs=2048, seq=1024, token_budget=32768, truth_pairs=48, batch=8, warmup=2, steps=6),
+    "gpu": dict(model=GPU_MODEL, pairs=1024, seq=1024, token_budget=32768, truth_pairs=48, batch=8, warmup=2, steps=6),
     "smoke": dict(model="1M", pairs=8, seq=48, token_budget=4096, truth_pairs=8, batch=2, warmup=1, steps=2),
 }
 TRAIN = {  # configuration: (reference, batch layout)
@@ -122,6 +122,8 @@ def peak(dev: torch.device, dtype: torch.dtype) -> dict:
     dtype_name = str(dtype).removeprefix("torch.")
     source = ("datasheet, dense bf16" if sheet else
               f"not in the datasheet table: the measured torch.mm {dtype_name} rate")
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # the children need the memory, not this process's allocator
     return {"device": name, "tflops": sheet or mm, "source": source, "mm_tflops": mm, "mm_dtype": dtype_name}
 
 
@@ -196,8 +198,7 @@ def child_precompute(a) -> dict:
         return seen["summary"]
 
     job._score_shards, job.run_precompute = timed_score, keep_summary
-    common.reset_peak()
-    err = io.StringIO()
+    err = io.StringIO()  # a fresh process: its peak memory is this command's
     code = 0
     try:
         with contextlib.redirect_stderr(err):
@@ -312,9 +313,9 @@ def check(a) -> dict:
     out = {"size": size, "dtype": dtype_name}
     with common.workdir("gpu-check") as work:
         t = time.perf_counter()
+        out["peak"] = peak(dev, dtype)
         model_dir, data, shape = build_case(work, size, dev, dtype)
         out["model"] = shape
-        out["peak"] = peak(dev, dtype)
         stages["build"] = time.perf_counter() - t
         print(f"model {shape['params'] / 1e9:.3f}B parameters, {size['pairs']} pairs of up to {size['seq']} tokens, "
               f"{dtype_name} on {out['peak']['device']} [{stages['build']:.0f} s]", flush=True)
@@ -378,8 +379,8 @@ def tables(r: dict) -> list[str]:
     from render import table
 
     m, p, size = r["model"], r["peak"], r["size"]
-    L = [f"Device: {p['device']}; peak {p['tflops']:,.1f} TFLOP/s ({p['source']}); torch.mm {p['mm_dtype']} "
-         f"measured {p['mm_tflops']:,.1f} TFLOP/s. Model: Llama-style, {m['params'] / 1e9:.3f}B parameters (hidden "
+    L = [f"Device: {p['device']}; peak {_g(p['tflops'])} TFLOP/s ({p['source']}); torch.mm {p['mm_dtype']} "
+         f"measured {_g(p['mm_tflops'])} TFLOP/s. Model: Llama-style, {m['params'] / 1e9:.3f}B parameters (hidden "
          f"{m['hidden']} x {m['layers']} layers, {m['heads']} heads, {m['kv_heads']} key/value heads, vocab "
          f"{m['vocab']}), random init, {r['dtype']}. Data: {size['pairs']} synthetic pairs of up to {size['seq']} "
          f"tokens. Wall: {r['stages_s']['total']:.0f} s "
