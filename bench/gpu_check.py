@@ -310,14 +310,14 @@ def check(a) -> dict:
     common.quiet()
     t0 = time.perf_counter()
     stages = {}
-    out = {"size": size, "dtype": dtype_name}
+    out = {"size": size, "dtype": dtype_name, "device": dev.type}
     with common.workdir("gpu-check") as work:
         t = time.perf_counter()
         out["peak"] = peak(dev, dtype)
         model_dir, data, shape = build_case(work, size, dev, dtype)
         out["model"] = shape
         stages["build"] = time.perf_counter() - t
-        print(f"model {shape['params'] / 1e9:.3f}B parameters, {size['pairs']} pairs of up to {size['seq']} tokens, "
+        print(f"model {shape['params']:,} parameters, {size['pairs']} pairs of up to {size['seq']} tokens, "
               f"{dtype_name} on {out['peak']['device']} [{stages['build']:.0f} s]", flush=True)
 
         t = time.perf_counter()
@@ -379,8 +379,10 @@ def tables(r: dict) -> list[str]:
     from render import table
 
     m, p, size = r["model"], r["peak"], r["size"]
+    memory = "torch.cuda.max_memory_allocated" if r["device"] == "cuda" else "peak RSS"
+    params = f"{m['params'] / 1e9:.2f}B" if m["params"] >= 1e9 else f"{m['params'] / 1e6:.1f}M"
     L = [f"Device: {p['device']}; peak {_g(p['tflops'])} TFLOP/s ({p['source']}); torch.mm {p['mm_dtype']} "
-         f"measured {_g(p['mm_tflops'])} TFLOP/s. Model: Llama-style, {m['params'] / 1e9:.3f}B parameters (hidden "
+         f"measured {_g(p['mm_tflops'])} TFLOP/s. Model: Llama-style, {params} parameters (hidden "
          f"{m['hidden']} x {m['layers']} layers, {m['heads']} heads, {m['kv_heads']} key/value heads, vocab "
          f"{m['vocab']}), random init, {r['dtype']}. Data: {size['pairs']} synthetic pairs of up to {size['seq']} "
          f"tokens. Wall: {r['stages_s']['total']:.0f} s "
@@ -392,11 +394,12 @@ def tables(r: dict) -> list[str]:
             continue
         v = c.get("vs_fp32") or {}
         diffs = ([f"{v['max_abs_diff']:.3g}", f"{v['mean_abs_diff']:.3g}",
-                  f"{v['tokens']:,} ({v['pairs']} pairs); {v['tolerance']:g}"] if v else ["n/a"] * 3)
+                  f"{v['tokens']:,} ({v['pairs']} pairs); {v['tolerance']:g} "
+                  f"({'within' if v['max_abs_diff'] <= v['tolerance'] else 'EXCEEDED'})"] if v else ["n/a"] * 3)
         rows.append([attn, c["mode"], f"{c['tokens_per_s']:,.0f}", f"{c['share_of_peak']:.1%}",
                      f"{c['score_s']:.2f} / {c['wall_s']:.1f}", f"{c['peak_mb']:,.0f} MiB", *diffs])
     L += [f"precompute-ref, {r['dtype']}:", ""]
-    L += table("attention | batching | tokens/s (scoring) | share of peak | scoring / end-to-end s | peak memory | "
+    L += table(f"attention | batching | tokens/s (scoring) | share of peak | scoring / end-to-end s | {memory} | "
                "max abs diff vs fp32 | mean abs diff | tokens compared; tolerance", rows)
     rows = []
     base = r["train"].get("cached_padded", {})
@@ -409,7 +412,7 @@ def tables(r: dict) -> list[str]:
         rows.append([reference, layout, f"{t['step']['median'] * 1000:,.1f} ms ({len(t['step_s'])} steps)", ratio,
                      f"{t['peak_mb']:,.0f} MiB"])
     L += ["", f"train-dpo, batch {size['batch']} pairs, {'bf16 mixed precision' if r['dtype'] == 'bfloat16' else 'float32'}:", ""]
-    L += table("reference | batch layout | step time (median) | vs cached padded | peak memory", rows)
+    L += table(f"reference | batch layout | step time (median) | vs cached padded | {memory}", rows)
     return L
 
 
