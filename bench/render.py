@@ -474,4 +474,25 @@ def render(results: Path = common.RESULTS) -> str:
                      "bf16, adds a ~350M model); the GPU results land here." if device == "cuda" else ".") + "\n")
             continue
         L += render_device(R)
+    L += render_gpu_check(Path(results))
     return "\n".join(L).rstrip() + "\n"
+
+
+GPU_CHECK_RUN = """Run on one GPU: `bench/gpu_check.sh` (`bench/gpu_check.py` under an 8-minute limit; sized to take about
+5 minutes on an H100/H200-class device, an estimate until it has run on one; `pip install flash-attn` adds the
+flash_attention_2 row), then `bench/run_all.py --render-only` to put its tables here. What it measures and how is
+in its docstring; `--cpu-smoke` runs the same code paths on CPU at tiny sizes (tests/bench/test_gpu_check.py runs
+it)."""
+
+
+def render_gpu_check(results: Path) -> list[str]:
+    """The GPU check's section (bench/gpu_check.py): its tables from its CUDA result, else how to run it."""
+    import gpu_check
+
+    L = ["## GPU check", "", GPU_CHECK_RUN, ""]
+    path = results / f"{gpu_check.PART}-cuda.json"
+    if not path.exists():
+        return L + ["It has not run on a GPU yet: none was lent to the session that wrote it (2026-12-02), so only its "
+                    "CPU smoke run is known to work."]
+    r = json.loads(path.read_text())
+    return L + [f"Machine: {common.machine_line(r['machine'])}", ""] + gpu_check.tables(r)
