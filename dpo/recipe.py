@@ -240,6 +240,7 @@ def _open_policy(cfg: TrainConfig, log) -> Checkpoint:
 
     cfg.model, cfg.ref_model = resolve_model(cfg.model), resolve_model(cfg.ref_model)
     policy = Checkpoint.open(cfg.model, cfg.trust_remote_code, lora.init_adapter(cfg.lora))
+    policy.start_hashing()  # while the tokenizer loads and the cache's files are hashed
     lora.check_options(cfg.lora)
     for note in lora.notes(cfg.lora, cached=cfg.ref_cache is not None):
         log(note)
