@@ -116,7 +116,8 @@ def test_stored_trainer_options_are_the_computed_ones(tmp_path, monkeypatch):
             fresh[name].opts, fresh[name].secondary_opts, fresh[name].multiple, fresh[name].is_flag), name
     rebuilt = GroupedCommand(main.name, params=[fresh.get(p.name, p) for p in main.params], help=main.help,
                              context_settings=main.context_settings)
-    assert rebuilt.get_help(click.Context(rebuilt)) == main.get_help(click.Context(main))
+    context = lambda command: click.Context(command, **command.context_settings)  # as the command line makes it
+    assert rebuilt.get_help(context(rebuilt)) == main.get_help(context(main))
 
     path.write_text("{not json")  # damaged: computed again and stored again
     assert [s.to_json() for s in trainer_options.trainer_specs(NOT_TRAINER_OPTIONS)] == [
