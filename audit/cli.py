@@ -29,15 +29,9 @@ from runtime.cli import EXIT_FAILED, EXIT_OK, dataclass_options, field_help, giv
 from runtime.errors import JobError
 from runtime.paths import check_apart
 from runtime.tolerance import describe_replay
-from schemas import format as fmt
-from schemas import run_manifest
 from schemas.files import atomic_write, check_destination
 
-from .cache import audit_cache
 from .checks import FAIL, PASS, SECTIONS, SKIP, Check
-from .replay import audit_model
-from .report import _jsonable, render, token_stats
-from .runs import audit_data, audit_run
 
 DEFAULT_SAMPLE = 100
 HTML_SAMPLE = 20  # rows on an --html page without --show or --sample
@@ -87,6 +81,14 @@ class AuditOptions:
 def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMPLE, seed=0, tolerance=None,
               trust_remote_code=False) -> dict:
     """The whole audit as a JSON-ready report. A missing or unreadable manifest raises CacheError."""
+    # imported here, not at the top: `audit-ref --help` and a refused command line need no polars nor pyarrow
+    from schemas import format as fmt
+
+    from .cache import audit_cache
+    from .replay import audit_model
+    from .report import token_stats
+    from .runs import audit_data, audit_run
+
     t0 = time.perf_counter()
     root = Path(cache_dir)
     manifest = fmt.read_manifest(root)
@@ -163,6 +165,8 @@ def main(cache, debug, **options):
         raise click.UsageError(f"{label} {json_path}: its folder does not exist")
 
     def body():
+        from .report import _jsonable, render
+
         if json_path:  # the report is an output like any other: apart from every input, the cache's files included
             check_apart(json_path, label, {"CACHE": cache, "--model": opts.model, "--data": opts.data,
                                            "--run": opts.run, "--tokenizer": opts.tokenizer})
@@ -187,7 +191,12 @@ def main(cache, debug, **options):
 
 def view(cache, opts: AuditOptions, sample: int | None) -> None:
     """--show and --html: the rows token by token, once the tokenizer is the cache's (audit/show.py)."""
+    from schemas import format as fmt
+    from schemas import run_manifest
+
     from . import show
+    from .cache import audit_cache
+    from .runs import audit_data
 
     root = Path(cache)
     manifest = fmt.read_manifest(root)

@@ -12,20 +12,22 @@ import os
 from pathlib import Path
 
 import click
-import transformers
 
-from runtime.cli import GroupedCommand, ParsedText, exit_without_teardown, click_type, dataclass_options, given_values, quiet_libraries, run_cli
+from runtime.cli import GroupedCommand, ParsedText, exit_without_teardown, click_type, dataclass_options, given_values, quiet_libraries, run_cli, spec_options
 
 from .lora import LoraOptions
 from .recipe import TrainConfig
+from .trainer_options import trainer_specs
 
 LORA = {f.name: f for f in dataclasses.fields(LoraOptions)}
 OURS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli") is not False} | LORA
 # TrainingArguments fields that are not options: ours under the same name, the ones the recipe must set itself,
 # and `debug` (our --debug shows tracebacks).
 NOT_TRAINER_OPTIONS = set(OURS) | {"remove_unused_columns", "debug"}
-TRAINER = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)
-           if f.init and f.name not in NOT_TRAINER_OPTIONS and not f.name.startswith("_")}
+# the TrainingArguments options, stored per installation (dpo/trainer_options.py): --help and a refusal of the
+# command line do not import transformers and torch
+TRAINER_SPECS = trainer_specs(NOT_TRAINER_OPTIONS)
+TRAINER = {s.name for s in TRAINER_SPECS if not s.name.startswith("_")}
 REQUIRED = tuple(name for name, f in OURS.items() if f.metadata.get("required"))
 # TRL's names for our options (`trl dpo`'s ScriptArguments / ModelConfig fields): the one table of them, --config keys
 # and command-line options alike (--model_name_or_path is --model)
@@ -45,6 +47,8 @@ def _value_type(name: str):
         if "parse" in f.metadata:
             return ParsedText(f.metadata["parse"], f.metadata.get("metavar")), False
         return click_type(typing.get_type_hints(LoraOptions if name in LORA else TrainConfig)[name])
+    import transformers
+
     return click_type(typing.get_type_hints(transformers.TrainingArguments)[name])
 
 
@@ -236,8 +240,7 @@ def _precision_text(note: dict | None) -> str:
                    "`trl dpo` YAML; the command line overrides it.")
 @dataclass_options(TrainConfig, enforce_required=False, aliases=TRL_ALIASES)
 @dataclass_options(LoraOptions)
-@dataclass_options(transformers.TrainingArguments, group="Training (every other transformers.TrainingArguments)",
-                   skip=NOT_TRAINER_OPTIONS)
+@spec_options(TRAINER_SPECS)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def main(config_file, debug, **given):
     """Train a policy with DPO against a verified reference cache (the reference model is never loaded), or
@@ -249,8 +252,8 @@ def main(config_file, debug, **given):
     def body():
         from .recipe import run_train
 
+        resolved.append(resolve_config(config_file, given))  # a refused command line needs no model library
         quiet_libraries()
-        resolved.append(resolve_config(config_file, given))
         summary = run_train(resolved[0], log=lambda m: click.echo(m, err=True))
         from runtime.distributed import Dist
 

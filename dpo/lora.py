@@ -23,10 +23,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.checkpoint import require_peft
 from runtime.cli import field_help
 from runtime.errors import JobError
-from schemas.format import StampMismatch
+from schemas.findings import StampMismatch
 from schemas.stamps import ADAPTER_CONFIG, adapter_hash, model_hash
 
 DEFAULT_TARGETS = "all-linear"  # peft: every linear layer of the blocks (attention and MLP projections), not the head
@@ -67,6 +66,8 @@ def check_options(opts: LoraOptions) -> None:
         if given:
             raise JobError(f"{', '.join(given)} only apply to a LoRA policy; add --use-peft")
         return
+    from runtime.checkpoint import require_peft
+
     require_peft("--use-peft")
     if opts.lora_r < 1:
         raise JobError(f"--lora-r must be at least 1, got {opts.lora_r}")
@@ -165,6 +166,8 @@ def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: in
     be reproducible). `base`: runtime.hub.origin of --model, recorded in every saved adapter_config.json (its name,
     and for a hub id the snapshot's commit as `revision`)."""
     import torch
+
+    from runtime.checkpoint import require_peft
 
     peft = require_peft("--use-peft")
     # peft records model.name_or_path (the path as given to from_pretrained, maybe relative) as the base

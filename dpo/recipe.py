@@ -8,9 +8,8 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from runtime import locks
-from runtime.checkpoint import Checkpoint
 from runtime.cli import field_help
 from runtime.disk import writing
 from runtime.distributed import Dist
@@ -20,12 +19,15 @@ from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConf
 from schemas.stamps import model_hash
 
 from . import lora
-from .losses import LOSS_TYPES, LossConfig
+from .loss_config import LOSS_TYPES, LossConfig
 from .outdir import check_no_links, check_output_dir, prepare_metrics
 from .phases import PhaseTimer
 from .preflight import check_reference_options, check_training_options, has_accelerator
 from .preflight import latest_checkpoint  # noqa: F401  (re-exported)
 from .verify import EncodedOnly, Verified, declared_reference, encode_only, verify_and_join
+
+if TYPE_CHECKING:  # imported where used: `train-dpo --help` reads TrainConfig without importing torch
+    from runtime.checkpoint import Checkpoint
 
 
 def _f(default, help, group, **extra):
@@ -222,6 +224,8 @@ def _take_output_dir(cfg: TrainConfig, held: contextlib.ExitStack) -> None:
     """Lock --output-dir for the whole run before anything is written in it, so that a second train-dpo into the
     same folder is refused; then check it again (another run may have used it since the first check). Rank 0 holds
     the lock for every rank of its job."""
+    from runtime import locks
+
     def take():
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -234,10 +238,13 @@ def _take_output_dir(cfg: TrainConfig, held: contextlib.ExitStack) -> None:
 
 def _open_policy(cfg: TrainConfig, log) -> Checkpoint:
     """The policy checkpoint, checked (with --init-adapter, a LoRA run's), and the LoRA options."""
+    from runtime.checkpoint import Checkpoint
+
     cfg.origins = {name: origin(getattr(cfg, name), "model") for name in ("model", "ref_model") if getattr(cfg, name)}
     cfg.model = cfg.origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     cfg.ref_model = cfg.origins["ref_model"]["path"] if cfg.ref_model else None
     policy = Checkpoint.open(cfg.model, cfg.trust_remote_code, lora.init_adapter(cfg.lora))
+    policy.start_hashing()  # while the tokenizer loads and the cache's files are hashed
     lora.check_options(cfg.lora)
     for note in lora.notes(cfg.lora, cached=cfg.ref_cache is not None):
         log(note)
@@ -247,6 +254,8 @@ def _open_policy(cfg: TrainConfig, log) -> Checkpoint:
 def _verify(cfg: TrainConfig, policy: Checkpoint, log) -> Run:
     """The reference the cache(s) must hold, then the rows: verified and joined to the cached values (or, live,
     encoded); a resume must be against the same reference and data."""
+    from runtime.checkpoint import Checkpoint
+
     from .provenance import check_resume_reference, reference_record
 
     tokenizer = policy.tokenizer  # loaded (a broken one refused) before the clock starts

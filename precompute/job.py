@@ -150,6 +150,8 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     cfg.model = origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
     origins["data"] = origin(cfg.data, "dataset")
+    if dist.rank == 0:  # the one rank that hashes it (stamps below): while the tokenizer loads and the rows encode
+        checkpoint.start_hashing()
     check_apart(out, "--out", {"--model": cfg.model, "--data": origins["data"]["path"], "--adapter": cfg.adapter})
     device = resolve_device(cfg.device)  # a bad --device is refused before any work
     tokenizer = checkpoint.tokenizer

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import json
 import os
 import platform
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,9 +88,30 @@ class Checkpoint:
         tokenizer = self.tokenizer
         return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
+    def start_hashing(self) -> None:
+        """Compute `base_hash` in a background thread from now on, so that it overlaps what the job does before it
+        first needs the hash (loading the tokenizer, reading and encoding the data, hashing cache shards): sha256
+        releases the GIL. The same files and config are hashed as `base_hash` alone would hash; only the moment
+        changes, and `base_hash` waits for the result (or raises the thread's error)."""
+        if "base_hash" in self.__dict__ or "_hashing" in self.__dict__:
+            return
+        pending = concurrent.futures.Future()
+
+        def work():
+            try:
+                pending.set_result(model_hash(self.path, config=self.config, files=list(self.files)))
+            except BaseException as e:  # handed to whoever asks for base_hash
+                pending.set_exception(e)
+
+        self.__dict__["_hashing"] = pending  # frozen dataclass: its cached values live in __dict__
+        threading.Thread(target=work, name=f"model-hash {self.path}", daemon=True).start()
+
     @functools.cached_property
     def base_hash(self) -> str:
         """schemas.stamps.model_hash of the folder (without the adapter), from what `open` read."""
+        pending = self.__dict__.pop("_hashing", None)
+        if pending is not None:
+            return pending.result()
         return model_hash(self.path, config=self.config, files=list(self.files))
 
     @functools.cached_property

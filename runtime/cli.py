@@ -209,8 +209,41 @@ def _help_text(fld: dataclasses.Field) -> str:
     return text + (f" [default: {default}]" if default is not None and not fld.metadata.get("required") else "")
 
 
-def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None):
-    """A decorator adding one click option per init field of dataclass `cls`, in both spellings (--learning-rate and
+@dataclasses.dataclass(frozen=True)
+class OptionSpec:
+    """One generated option as plain data: what click needs to parse and document it. A field of a foreign dataclass
+    (transformers.TrainingArguments) has a plain kind (bool, int, float, str or a list of choices), so its spec can be
+    stored as JSON (`to_json` / `from_json`) and the option built without importing the class (dpo/trainer_options.py)."""
+
+    name: str
+    decls: tuple[str, ...]
+    kind: object  # a click type, or one of bool, int, float, str
+    multiple: bool
+    help: str
+    group: str | None
+    required: bool
+
+    def to_json(self) -> dict:
+        kind = self.kind
+        if isinstance(kind, click.Choice):
+            kind = {"choices": list(kind.choices)}
+        elif kind in (bool, int, float, str):
+            kind = kind.__name__
+        else:
+            raise TypeError(f"option {self.name}: a {type(kind).__name__} cannot be stored")
+        return {"name": self.name, "decls": list(self.decls), "kind": kind, "multiple": self.multiple, "help": self.help,
+                "group": self.group, "required": self.required}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "OptionSpec":
+        kind = data["kind"]
+        kind = click.Choice(kind["choices"]) if isinstance(kind, dict) else {"bool": bool, "int": int, "float": float,
+                                                                              "str": str}[kind]
+        return cls(**{**data, "decls": tuple(data["decls"]), "kind": kind})
+
+
+def option_specs(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None) -> list[OptionSpec]:
+    """One OptionSpec per init field of dataclass `cls`, in field order, in both spellings (--learning-rate and
     --learning_rate), default None so that only given values are collected (the dataclass keeps its defaults).
     enforce_required=False: required fields are checked by the caller, e.g. after merging a config file.
     `aliases`: {other name: field name}, more names of a field's option (both spellings of each)."""
@@ -218,39 +251,54 @@ def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_require
     for alias, name in (aliases or {}).items():
         names_of.setdefault(name, []).append(alias)
     hints = typing.get_type_hints(cls)
+    specs = []
+    for fld in dataclasses.fields(cls):
+        if not fld.init or fld.name in skip or fld.metadata.get("cli") is False:
+            continue
+        kind, multiple = click_type(hints[fld.name])
+        if "choices" in fld.metadata:
+            kind = click.Choice([str(c) for c in fld.metadata["choices"]])
+        if "click_type" in fld.metadata:
+            kind = fld.metadata["click_type"]
+        if "parse" in fld.metadata:
+            kind = ParsedText(fld.metadata["parse"], fld.metadata.get("metavar"))
+        if "min" in fld.metadata:
+            kind = (click.IntRange if kind is int else click.FloatRange)(min=fld.metadata["min"])
+        kebab, snake = "--" + fld.name.replace("_", "-"), "--" + fld.name
+        others = [d for a in names_of.get(fld.name, []) for d in dict.fromkeys(("--" + a.replace("_", "-"),
+                                                                                 "--" + a))]
+        where = fld.metadata.get("group", group) if "group" in fld.metadata else group
+        text = _help_text(fld) + (" [required]" if fld.metadata.get("required") and not enforce_required else "")
+        required = bool(fld.metadata.get("required")) and enforce_required
+        if kind is bool:
+            decls = [f"{kebab}/--no-{kebab[2:]}"] + ([f"{snake}/--no_{snake[2:]}"] if snake != kebab else [])
+            decls += [f"{d}/--no-{d[2:]}" for d in others]
+        else:
+            decls = [kebab] + ([snake] if snake != kebab else []) + others
+        specs.append(OptionSpec(fld.name, tuple(decls), kind, multiple, text, where, required))
+    return specs
+
+
+def spec_options(specs: list[OptionSpec]):
+    """A decorator adding one click option per spec, in the specs' order."""
 
     def decorate(f):
-        for fld in reversed(dataclasses.fields(cls)):
-            if not fld.init or fld.name in skip or fld.metadata.get("cli") is False:
-                continue
-            kind, multiple = click_type(hints[fld.name])
-            if "choices" in fld.metadata:
-                kind = click.Choice([str(c) for c in fld.metadata["choices"]])
-            if "click_type" in fld.metadata:
-                kind = fld.metadata["click_type"]
-            if "parse" in fld.metadata:
-                kind = ParsedText(fld.metadata["parse"], fld.metadata.get("metavar"))
-            if "min" in fld.metadata:
-                kind = (click.IntRange if kind is int else click.FloatRange)(min=fld.metadata["min"])
-            kebab, snake = "--" + fld.name.replace("_", "-"), "--" + fld.name
-            others = [d for a in names_of.get(fld.name, []) for d in dict.fromkeys(("--" + a.replace("_", "-"),
-                                                                                     "--" + a))]
-            where = fld.metadata.get("group", group) if "group" in fld.metadata else group
-            text = _help_text(fld) + (" [required]" if fld.metadata.get("required") and not enforce_required else "")
-            required = bool(fld.metadata.get("required")) and enforce_required
+        for spec in reversed(specs):
             # default None only where not required: click (8.5) takes an explicit None default as a given value
-            common = {"help": text, "group": where, "cls": GroupedOption, "required": required,
-                      **({} if required else {"default": None})}
-            if kind is bool:
-                decls = [f"{kebab}/--no-{kebab[2:]}"] + ([f"{snake}/--no_{snake[2:]}"] if snake != kebab else [])
-                decls += [f"{d}/--no-{d[2:]}" for d in others]
-                f = click.option(*decls, fld.name, **common)(f)
+            common = {"help": spec.help, "group": spec.group, "cls": GroupedOption, "required": spec.required,
+                      **({} if spec.required else {"default": None})}
+            if spec.kind is bool:
+                f = click.option(*spec.decls, spec.name, **common)(f)
             else:
-                decls = [kebab] + ([snake] if snake != kebab else []) + others
-                f = click.option(*decls, fld.name, type=kind, multiple=multiple, **common)(f)
+                f = click.option(*spec.decls, spec.name, type=spec.kind, multiple=spec.multiple, **common)(f)
         return f
 
     return decorate
+
+
+def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None):
+    """A decorator adding one click option per init field of dataclass `cls` (option_specs)."""
+    return spec_options(option_specs(cls, group=group, skip=skip, enforce_required=enforce_required, aliases=aliases))
 
 
 def given_values(values: dict) -> dict:

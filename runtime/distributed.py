@@ -6,8 +6,6 @@ import contextlib
 import datetime
 import os
 
-import torch
-
 from .errors import JobError
 
 
@@ -37,6 +35,8 @@ class Dist:
                 outcome = ("ok", make())
             except Exception as e:  # every rank must learn of the failure, or the others would wait forever
                 outcome = ("error", e if every_rank or isinstance(e, JobError) else JobError(f"rank 0: {e}"))
+        if self.world > 1:
+            import torch.distributed  # only under torchrun: a single process needs no torch here
         if self.world > 1 and every_rank:
             failures = [None] * self.world
             mine = None if outcome[0] == "ok" else f"{type(outcome[1]).__name__}: {outcome[1]}"
@@ -54,12 +54,16 @@ class Dist:
 
     def barrier(self):
         if self.world > 1:
+            import torch.distributed
+
             torch.distributed.barrier()
 
 
 @contextlib.contextmanager
 def distributed():
     """Join the torchrun process group for the job's duration (gloo: only small objects cross it)."""
+    import torch.distributed
+
     dist = Dist()
     started = dist.world > 1 and not torch.distributed.is_initialized()
     if started:

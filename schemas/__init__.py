@@ -1,3 +1,10 @@
 """The cache contract. `read_cache(dir)`: a verified cache as a polars LazyFrame."""
 
-from .cache import read_cache  # noqa: F401  (re-exported)
+
+def __getattr__(name):
+    # read_cache re-exported on first use: importing schemas.encoding (every command line) need not load pyarrow
+    if name == "read_cache":
+        from .cache import read_cache
+
+        return read_cache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

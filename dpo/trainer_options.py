@@ -1,0 +1,103 @@
+"""train-dpo's options generated from `transformers.TrainingArguments`, without importing transformers each time.
+
+Importing TrainingArguments imports torch, transformers and (where installed) peft: about 2.5 s of CPU before
+`train-dpo --help` or a mistyped option could answer. The options (runtime.cli.OptionSpec) are therefore kept as JSON
+in the user's cache folder, under a key of everything they are computed from: the installed versions of
+transformers, torch and accelerate (TrainingArguments' defaults and types depend on them), the bytes of the
+transformers modules that define the class and its enums, the bytes of the code here that turns fields into
+options, and the fields train-dpo defines itself. Any change gives another key, so a stored table is never used for
+another installation; a missing or unreadable one is computed again (and stored when the folder is writable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from runtime import cli
+from runtime.cli import OptionSpec, option_specs
+
+GROUP = "Training (every other transformers.TrainingArguments)"
+FORMAT = 1
+# the transformers modules TrainingArguments' fields, types and defaults are written in
+SOURCES = ("training_args.py", "trainer_utils.py", "debug_utils.py")
+VERSIONS = ("transformers", "torch", "accelerate")
+
+
+def cache_folder() -> Path:
+    """$REFCACHE_HOME, else refcache/ in the user's cache folder ($XDG_CACHE_HOME or ~/.cache)."""
+    if os.environ.get("REFCACHE_HOME"):
+        return Path(os.environ["REFCACHE_HOME"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "refcache"
+
+
+def _version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def table_key(skip) -> str | None:
+    """The key of the option table for this installation and these train-dpo fields (`skip`), or None when
+    transformers' source cannot be found (then the table is always computed)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    digest = hashlib.sha256()
+    parts = {"format": FORMAT, "python": list(sys.version_info[:2]), "skip": sorted(skip),
+             "versions": {name: _version(name) for name in VERSIONS}}
+    digest.update(json.dumps(parts, sort_keys=True).encode())
+    for path in [folder / name for name in SOURCES] + [Path(cli.__file__), Path(__file__)]:
+        try:
+            digest.update(path.read_bytes())
+        except OSError:
+            return None
+    return digest.hexdigest()[:32]
+
+
+def computed_specs(skip) -> list[OptionSpec]:
+    """The option table from TrainingArguments itself (imports transformers, and with it torch)."""
+    import transformers
+
+    return option_specs(transformers.TrainingArguments, group=GROUP, skip=skip)
+
+
+def _read(path: Path) -> list[OptionSpec] | None:
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        return [OptionSpec.from_json(s) for s in stored["options"]]
+    except (OSError, ValueError, KeyError, TypeError):  # missing, partly written by an older version, damaged
+        return None
+
+
+def _store(path: Path, specs: list[OptionSpec]) -> None:
+    from schemas.files import UnsafeDestination, atomic_write
+
+    text = json.dumps({"format": FORMAT, "options": [s.to_json() for s in specs]}, indent=1) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+    except (OSError, UnsafeDestination):  # a read-only home, a link planted there: computed again next time
+        pass
+
+
+def trainer_specs(skip) -> list[OptionSpec]:
+    """TrainingArguments' init fields as options (not those in `skip`), from the stored table when there is one for
+    this installation, else computed and stored."""
+    key = table_key(skip)
+    path = cache_folder() / f"train-dpo-options-{key}.json" if key else None
+    specs = _read(path) if path else None
+    if specs is None:
+        specs = computed_specs(skip)
+        if path:
+            _store(path, specs)
+    return specs
