@@ -1,5 +1,6 @@
-"""audit-ref --model: the model and tokenizer hashes, and the replay of a seeded sample of cached rows through the
-plain forward (kept in its own file: a shared truth function may replace `replay`'s scoring later)."""
+"""audit-ref --model: the model and tokenizer hashes, and the replay of a seeded sample of cached rows: in padded
+batches of a layout other than the cache's once they reproduce `runtime.logprobs.reference_logps` on a probe of those
+rows, else one sequence at a time with reference_logps itself."""
 
 from __future__ import annotations
 

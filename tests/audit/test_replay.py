@@ -1,6 +1,7 @@
 """audit/replay.py: audit-ref --model replays cached rows through the plain forward of the shipped data/ model: all 40
 rows pass in float32 and a 1e-3 change in one token is found and located; the sample is seeded; the tolerance
-(runtime/tolerance.py, tests/runtime/test_tolerance.py) follows the recorded dtype and device."""
+(runtime/tolerance.py, tests/runtime/test_tolerance.py) follows the recorded dtype and device; the replay runs padded
+batches of a layout other than the cache's, trusted only after a probe against reference_logps (issue 25, item 13)."""
 
 from __future__ import annotations
 
