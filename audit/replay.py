@@ -1,5 +1,6 @@
-"""audit-ref --model: the model and tokenizer hashes, and the replay of a seeded sample of cached rows through the
-plain forward (kept in its own file: a shared truth function may replace `replay`'s scoring later)."""
+"""audit-ref --model: the model and tokenizer hashes, and the replay of a seeded sample of cached rows: in padded
+batches of a layout other than the cache's once they reproduce `runtime.logprobs.reference_logps` on a probe of those
+rows, else one sequence at a time with reference_logps itself."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import numpy as np
 import polars as pl
 
 from schemas import format as fmt
-from schemas.format import top_k_of
+from schemas.encoding import EncodedPair
+from schemas.format import TokenScores, top_k_of
 from schemas.rules import stamp_findings, top_k_allowance
 from schemas.stamps import tokenizer_hash
 
@@ -56,11 +58,15 @@ def _top_k(manifest: dict) -> tuple[int, str | None]:
 
 
 def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sample, seed, tolerance) -> list[Check]:
-    """Score a seeded sample of cached rows again with the definition of a reference log-prob
-    (`runtime.logprobs.reference_logps`: the unpadded sequence alone through the model's own forward, whatever
-    mode made the cache), in the recorded dtype on this machine's device, and compare per token with the cached
-    values; with top-k columns, also those with `reference_top_k` (check replay_top_k). `checkpoint`: a
-    runtime.checkpoint.Checkpoint; `sample=None` replays every row."""
+    """Score a seeded sample of cached rows again, in the recorded dtype on this machine's device, and compare per
+    token with the cached values; with top-k columns, also those (check replay_top_k). `checkpoint`: a
+    runtime.checkpoint.Checkpoint; `sample=None` replays every row.
+
+    The rows run in length-sorted padded batches of a layout other than the one that wrote the cache (`_layout`),
+    once that layout reproduces the definition of a reference log-prob (`runtime.logprobs.reference_logps`: the
+    unpadded sequence alone through the model's own forward) on a probe of the sampled rows, the longest included,
+    at the tolerance of runtime/tolerance.py; otherwise (or for a model whose numbers depend on the batch's shape)
+    one sequence at a time with reference_logps itself, the reason in the check's info."""
     from runtime.checkpoint import preserved_rng, resolve_device, resolve_dtype
     from runtime.tolerance import replay_tolerance
 
@@ -82,28 +88,107 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
         vocab = model.get_output_embeddings().weight.shape[0]
         if top_k and top_k.k > vocab:  # top_k_shape reports the lists
             top_k, no_top_k = None, f"computation.top_k is {k}, more than the model's {vocab} tokens"
+        t1 = time.perf_counter()
+        way = _replay_way(root, model, comp, index[picks], checkpoint.pad_id, top_k.k if top_k else 0)
         for (shard,), group in index[picks].group_by("shard", maintain_order=True):
-            _replay_shard(model, root / shard, group["row"], found, top_k)
+            rows = _rows(root / shard, group["row"])
+            scores = way.score([(r["prompt_input_ids"], r[f"{side}_input_ids"]) for r in rows for side in SIDES])
+            for n, (r, side) in enumerate((r, side) for r in rows for side in SIDES):
+                found.add(shard, r, side, np.asarray(scores[n].logps, np.float64))
+                if top_k:
+                    top_k.add(shard, r, side, scores[n].top_ids, scores[n].top_logps, scores[n].tail, model)
+    scoring = time.perf_counter() - t1
     info = {"rows": count, "dtype": dtype, "device": str(device), "recorded_device_type": comp.get("device_type"),
-            "tolerance": tol, "seed": seed, "sampled": index[picks]["id"].to_list()}
+            "tolerance": tol, "seed": seed, "sampled": index[picks]["id"].to_list(), **way.info(count, scoring)}
     seconds = time.perf_counter() - t0
     return [found.check(info, seconds),
             top_k.check(info) if top_k else Check("replay_top_k", SKIP, no_top_k)]
 
 
-def _replay_shard(model, path: Path, rows: pl.Series, found: "Differences", top_k: "TopKDifferences | None") -> None:
-    """Replay the given rows of one shard and add their differences from the cached values to `found` (and those
-    of the top-k columns to `top_k`)."""
-    from runtime.logprobs import reference_logps, reference_top_k
+SIDES = ("chosen", "rejected")
+PROBE_ROWS = 4  # the two longest and the two shortest of the replayed rows
+DEFAULT_TOKEN_BUDGET = 16384  # tokens per padded batch when the manifest records none (precompute-ref's default)
 
+
+def _rows(path: Path, rows: pl.Series) -> list[dict]:
+    """The given rows of one shard, in shard order, each with its index in the shard as "row"."""
     table = pl.from_arrow(fmt.read_columns(path).replace_schema_metadata(None))
-    for r in table.with_row_index("row").filter(pl.col("row").is_in(rows.implode())).to_dicts():
-        for side in ("chosen", "rejected"):
-            new = reference_logps(model, r["prompt_input_ids"], r[f"{side}_input_ids"]).cpu().numpy()
-            found.add(path.name, r, side, new.astype(np.float64))
-            if top_k:
-                fresh = reference_top_k(model, r["prompt_input_ids"], r[f"{side}_input_ids"], top_k.k)
-                top_k.add(path.name, r, side, *(t.cpu().numpy() for t in fresh), model)
+    return table.with_row_index("row").filter(pl.col("row").is_in(rows.implode())).to_dicts()
+
+
+def _layout(comp: dict) -> tuple[bool, str]:
+    """(left padding?, its name): the padded layout the replay runs, never the one that wrote the cache, so that a
+    mistake of that layout on some rows (a padded slot seen, a position shifted) is not made again by the replay
+    and passed off as agreement."""
+    mode = comp.get("mode")
+    if mode == "full_forward":  # right-padded batches wrote it: pad on the left, positions given from the mask
+        return True, "left-padded batches (the cache was written from right-padded ones, full_forward)"
+    return False, f"right-padded batches (the cache was written with {mode or 'an unrecorded mode'})"
+
+
+class _Way:
+    """How the replay scores: `score(sequences)` gives a TokenScores (numpy) per (prompt, completion), in order."""
+
+    def __init__(self, model, pad_id: int, top_k: int, budget: int, left: bool | None, name: str, why: str | None):
+        self.model, self.pad_id, self.top_k, self.budget, self.left = model, pad_id, top_k, budget, left
+        self.name, self.why = name, why
+
+    def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[TokenScores]:
+        if self.left is None:
+            return [_truth(self.model, p, c, self.top_k) for p, c in sequences]
+        from runtime.logprobs import padded_scores
+        from runtime.packing import length_batches
+
+        out = [None] * len(sequences)
+        for batch in length_batches([len(p) + len(c) for p, c in sequences], self.budget):
+            scores, _ = padded_scores(self.model, [sequences[i] for i in batch], self.pad_id, self.top_k, self.left)
+            for i, s in zip(batch, scores):
+                out[i] = s
+        return out
+
+    def info(self, rows: int, seconds: float) -> dict:
+        return {"layout": self.name, "fallback": self.why, "scoring_seconds": round(seconds, 3),
+                "rows_per_s": round(rows / seconds, 2) if seconds > 0 else None}
+
+
+def _truth(model, prompt: list[int], completion: list[int], top_k: int) -> TokenScores:
+    """The definition's own values of one sequence: reference_logps (and reference_top_k)."""
+    from runtime.logprobs import reference_logps
+    from runtime.probe import reference_scores
+
+    if top_k:
+        return reference_scores(model, prompt, completion, top_k)
+    return TokenScores(reference_logps(model, prompt, completion).cpu().numpy())
+
+
+def _replay_way(root: Path, model, comp: dict, picked: pl.DataFrame, pad_id: int, top_k: int) -> _Way:
+    """Batches of `_layout`, if they reproduce reference_logps (and reference_top_k) on probe rows of `picked`, the
+    longest included (runtime/probe.py, at the probe's tolerance); else one sequence at a time, saying why."""
+    from runtime.architecture import shape_dependent
+    from runtime.logprobs import effective_budget
+    from runtime.probe import disagreement, reference_values
+
+    left, name = _layout(comp)
+    size = picked.with_columns(n=pl.col("prompt_tokens") + pl.max_horizontal("chosen_tokens", "rejected_tokens"))
+    size = size.with_row_index("at").sort("n", "at")
+    probe_at = sorted(set(size["at"].head(PROBE_ROWS // 2).to_list() + size["at"].tail(PROBE_ROWS // 2).to_list()))
+    longest = int(size["n"].max()) if size.height else 0
+    recorded = comp.get("token_budget")
+    budget = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else \
+        DEFAULT_TOKEN_BUDGET
+    way = _Way(model, pad_id, top_k, effective_budget(model, budget, longest), left, name, None)
+    why = shape_dependent(model, longest)
+    if why is None:
+        probe = picked[probe_at]
+        rows = [r for (shard,), g in probe.group_by("shard", maintain_order=True) for r in _rows(root / shard, g["row"])]
+        pairs = [EncodedPair(r["prompt_input_ids"], r["chosen_input_ids"], r["rejected_input_ids"]) for r in rows]
+        fast = lambda ps: way.score([(p.prompt_ids, c) for p in ps for c in (p.chosen_ids, p.rejected_ids)])
+        why = disagreement(model, fast, pairs, truth=reference_values(model, pairs, top_k))
+        if why is None:
+            way.name = f"{name}, matching reference_logps on {len(pairs)} probe rows (the longest included)"
+            return way
+    return _Way(model, pad_id, top_k, 0, None, f"one sequence at a time (reference_logps): {name.split(' (')[0]} "
+                f"not used, {why}", why)
 
 
 class Differences:
@@ -139,7 +224,8 @@ class Differences:
                 "sequence_max_abs_diff": stat(seqs, np.max), "sequence_mean_abs_diff": stat(seqs, np.mean),
                 "tokens_beyond_tolerance": self.beyond, "sequences_not_comparable": self.uncomparable,
                 "seconds": round(seconds, 3)}
-        summary = (f"{info['rows']:,} rows ({tokens.size:,} tokens) in {info['dtype']} on {info['device']}: per token "
+        summary = (f"{info['rows']:,} rows ({tokens.size:,} tokens) in {info['dtype']} on {info['device']}, "
+                   f"{info['rows_per_s'] or 0:,.1f} rows/s through {info['layout']}: per token "
                    f"max {info['token_max_abs_diff']:.1e} mean {info['token_mean_abs_diff']:.1e}, per sequence max "
                    f"{info['sequence_max_abs_diff']:.1e} mean {info['sequence_mean_abs_diff']:.1e}; tolerance "
                    f"{self.tol:.0e}")

@@ -11,6 +11,7 @@ for the completion positions only where the model takes a `logits_to_keep` mask.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -20,6 +21,7 @@ from .head import HEADS, PROBE_TOKENS
 from .tolerance import head_tolerance
 
 CHUNK_ELEMENTS = 2**25  # logits held at once (~128 MiB in float32)
+HEAD_ELEMENTS = 2**28  # logits one forward may hold when the model's own head has to produce them (1 GiB float32)
 
 
 def unwrap(model):
@@ -234,26 +236,66 @@ def completion_logps(
 
 
 def completion_scores(model, input_ids, attention_mask, prompt_lens, completion_lens,
-                      chunk_elements: int = CHUNK_ELEMENTS, top_k: int = 0, given=None) -> TokenScores:
-    """`token_scores` of every completion token of right-padded rows, flattened in row order (completion_logps)."""
+                      chunk_elements: int = CHUNK_ELEMENTS, top_k: int = 0, given=None,
+                      position_ids: torch.Tensor | None = None) -> TokenScores:
+    """`token_scores` of every completion token of padded rows, flattened in row order (completion_logps). Rows are
+    right-padded, or left-padded with their `position_ids` given (each row's prompt starts at its first unmasked
+    column)."""
     seq = torch.arange(input_ids.shape[1], device=input_ids.device)
-    start = prompt_lens.to(input_ids.device)[:, None]
+    first = attention_mask.long().argmax(1)[:, None]  # 0 in right-padded rows
+    start = first + prompt_lens.to(input_ids.device)[:, None]
     end = start + completion_lens.to(input_ids.device)[:, None]
     rows, cols = ((seq >= start) & (seq < end)).nonzero(as_tuple=True)  # row-major: row order, then position
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids
     return token_scores(model, inputs, rows, cols - 1, input_ids[rows, cols], chunk_elements, top_k=top_k,
                         given=given)
 
 
-def pad_sequences(sequences: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad id lists into (input_ids, attention_mask)."""
+def pad_sequences(sequences: list[list[int]], pad_id: int, device=None,
+                  left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad (or left-pad) id lists into (input_ids, attention_mask)."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
+        at = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, at] = torch.as_tensor(s, dtype=torch.long)
+        mask[i, at] = 1
     return ids.to(device), mask.to(device)
+
+
+def padded_scores(model, sequences: list[tuple[list[int], list[int]]], pad_id: int, top_k: int = 0,
+                  left: bool = False) -> tuple[list[TokenScores], dict]:
+    """Completion scores of (prompt, completion) sequences run as one padded batch with its attention mask: one
+    TokenScores (numpy) per sequence, and {"processed": real tokens, "slots": tokens including padding}. Right
+    padding is precompute-ref's full_forward layout (default positions); left padding gives each row its positions
+    from the mask (audit-ref's replay of a full_forward cache runs it, a layout other than the one it checks)."""
+    device = next(unwrap(model).parameters()).device
+    ids, mask = pad_sequences([list(p) + list(c) for p, c in sequences], pad_id, device, left=left)
+    clen = torch.tensor([len(c) for _, c in sequences])
+    positions = (mask.cumsum(1) - 1).clamp(min=0) if left else None
+    flat = completion_scores(model, ids, mask, torch.tensor([len(p) for p, _ in sequences]), clen, top_k=top_k,
+                             position_ids=positions)
+    return split_scores(flat, clen), {"processed": int(mask.sum()), "slots": mask.numel()}
+
+
+def split_scores(flat: TokenScores, lengths: torch.Tensor) -> list[TokenScores]:
+    """Flattened scores cut into consecutive parts of `lengths`, as numpy."""
+    flat = flat.map(lambda v: v.cpu().numpy() if isinstance(v, torch.Tensor) else v)
+    cuts = np.cumsum(lengths.numpy())[:-1]
+    fields = {k: np.split(v, cuts) for k, v in flat.fields().items()}
+    return [TokenScores(**{k: parts[i] for k, parts in fields.items()}) for i in range(len(cuts) + 1)]
+
+
+def effective_budget(model, token_budget: int, longest: int) -> int:
+    """token_budget, lowered where the model's own head makes the logits (head.py) so that a forward's logits stay
+    within HEAD_ELEMENTS (never below one sequence of the job)."""
+    if verified_head(model) == "hook":
+        return token_budget
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return min(token_budget, max(longest, HEAD_ELEMENTS // vocab))
 
 
 def verified_head(model) -> str:

@@ -64,7 +64,8 @@ def _max_abs(a, b) -> float:
     """Largest |a - b|, equal infinities (a tail of -inf: k is the vocabulary) counting as no difference."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     same = a == b  # also -inf == -inf, where a - b is NaN
-    return float(np.max(np.where(same, 0.0, np.abs(a - b)), initial=0.0))
+    with np.errstate(invalid="ignore"):
+        return float(np.max(np.where(same, 0.0, np.abs(a - b)), initial=0.0))
 
 
 def max_difference(got, truth) -> float:

@@ -9,10 +9,10 @@ score, estimated cost, unsupported reasons, description) and one line in REGISTR
 from __future__ import annotations
 
 from runtime.architecture import shape_dependent
+from runtime.logprobs import HEAD_ELEMENTS, effective_budget
 
 from .base import BatchingMode
-from .choose import (
-    FALLBACK, HEAD_ELEMENTS, candidates, choose_mode, effective_budget, probe_pairs, unsupported)
+from .choose import FALLBACK, candidates, choose_mode, probe_pairs, unsupported
 from .registry import MODES, REGISTRY, batching_help, lookup, readme_table
 from .scoring import estimated_cost, score_pairs
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from schemas.encoding import EncodedPair
 from schemas.format import TokenScores
@@ -97,10 +96,3 @@ def sequence(pairs: list[EncodedPair], i: int) -> tuple[list[int], list[int]]:
 def sequence_lengths(pairs: list[EncodedPair]) -> list[int]:
     return [len(p.prompt_ids) + len(c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
 
-
-def split(flat: TokenScores, lengths: torch.Tensor) -> list[TokenScores]:
-    """Flattened scores cut into consecutive parts of `lengths`, as numpy."""
-    flat = flat.map(lambda v: v.cpu().numpy() if isinstance(v, torch.Tensor) else v)
-    cuts = np.cumsum(lengths.numpy())[:-1]
-    fields = {k: np.split(v, cuts) for k, v in flat.fields().items()}
-    return [TokenScores(**{k: parts[i] for k, parts in fields.items()}) for i in range(len(cuts) + 1)]

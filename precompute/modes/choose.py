@@ -21,18 +21,6 @@ from .registry import REGISTRY, lookup
 from .scoring import estimated_cost, score_pairs
 
 FALLBACK = ("full_forward", "single")  # after a mode asked for by name; auto ends with single
-HEAD_ELEMENTS = 2**28  # logits one forward may hold when the model's own head has to produce them (1 GiB float32)
-
-
-def effective_budget(model, token_budget: int, longest: int) -> int:
-    """token_budget, lowered where the model's own head makes the logits (head.py) so that a forward's logits stay
-    within HEAD_ELEMENTS (never below one sequence of the job)."""
-    from runtime.logprobs import verified_head
-
-    if verified_head(model) == "hook":
-        return token_budget
-    vocab = model.get_output_embeddings().weight.shape[0]
-    return min(token_budget, max(longest, HEAD_ELEMENTS // vocab))
 
 
 def unsupported(mode: str, model, longest: int) -> str | None:

@@ -3,13 +3,11 @@ plain forward every other tool runs; the fall-back of every other mode)."""
 
 from __future__ import annotations
 
-import torch
-
 from runtime.cost import padded_rows
-from runtime.logprobs import completion_scores, pad_sequences
+from runtime.logprobs import padded_scores
 from runtime.packing import length_batches
 
-from .base import BatchingMode, sequence, sequence_lengths, split
+from .base import BatchingMode, sequence, sequence_lengths
 
 
 class FullForward(BatchingMode):
@@ -21,11 +19,8 @@ class FullForward(BatchingMode):
         return length_batches(sequence_lengths(pairs), token_budget)
 
     def score(self, model, pairs, batch, pad_id, top_k=0):
-        seqs = [sequence(pairs, i) for i in batch]
-        ids, mask = pad_sequences([p + c for p, c in seqs], pad_id, next(model.parameters()).device)
-        clen = torch.tensor([len(c) for _, c in seqs])
-        flat = completion_scores(model, ids, mask, torch.tensor([len(p) for p, _ in seqs]), clen, top_k=top_k)
-        return batch, split(flat, clen), {"processed": int(mask.sum()), "slots": mask.numel()}
+        scores, counts = padded_scores(model, [sequence(pairs, i) for i in batch], pad_id, top_k)
+        return batch, scores, counts
 
     def batch_cost(self, lengths, batch):
         return padded_rows(lengths.seqs[batch])

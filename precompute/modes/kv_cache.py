@@ -17,9 +17,9 @@ from schemas.encoding import EncodedPair
 from schemas.format import TokenScores
 
 from runtime.cost import causal
-from runtime.logprobs import pad_sequences, token_scores, unwrap
+from runtime.logprobs import pad_sequences, split_scores, token_scores, unwrap
 
-from .base import BatchingMode, split
+from .base import BatchingMode
 from runtime.architecture import state_layers, window_too_short
 
 
@@ -62,7 +62,7 @@ def kv_cache_batch(model, pairs: list[EncodedPair], batch: list[int], pad_id: in
                               torch.as_tensor([c[0] for c in completions], device=device), return_output=True,
                               top_k=top_k)
     # each prompt's last position scores the first token of both completions
-    first = split(first, torch.ones(len(completions), dtype=torch.long))
+    first = split_scores(first, torch.ones(len(completions), dtype=torch.long))
     rest = [c[1:] for c in completions]  # input c[:-1] predicts c[1:]
     slots = ids.numel()
     if any(rest):
@@ -78,7 +78,7 @@ def kv_cache_batch(model, pairs: list[EncodedPair], batch: list[int], pad_id: in
         targets = torch.as_tensor([t for r in rest for t in r], device=device)
         flat = token_scores(model, inputs, rows, cols, targets, top_k=top_k)
         slots += cont.numel()
-        parts = split(flat, lens.cpu())
+        parts = split_scores(flat, lens.cpu())
     else:
         parts = [f.map(lambda v: v[:0]) for f in first]
     values = [TokenScores.join([first[k], parts[k]], np.concatenate) for k in range(len(completions))]

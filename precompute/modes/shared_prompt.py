@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from runtime.cost import tree_rows
-from runtime.logprobs import token_scores
+from runtime.logprobs import split_scores, token_scores
 from runtime.packing import pack_rows, row_batches, tree_batch
 
-from .base import BatchingMode, sequence, split
+from .base import BatchingMode, sequence
 from runtime.architecture import tree_mask_unsupported
 
 
@@ -27,7 +27,7 @@ class SharedPrompt(BatchingMode):
         order = [2 * i + k for row in batch for i in row for k in (0, 1)]
         seqs = [sequence(pairs, i) for i in order]
         inputs, rows, sources, targets = tree_batch(pairs, batch, pad_id, model.dtype, next(model.parameters()).device)
-        values = split(token_scores(model, inputs, rows, sources, targets, top_k=top_k),
+        values = split_scores(token_scores(model, inputs, rows, sources, targets, top_k=top_k),
                        torch.tensor([len(c) for _, c in seqs]))
         processed = sum(len(c) + (len(p) if i % 2 == 0 else 0) for i, (p, c) in zip(order, seqs))  # prompts once
         return order, values, {"processed": processed, "slots": inputs["input_ids"].numel()}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from runtime.cost import unpadded_sequences
-from runtime.logprobs import reset_position_state, token_scores
+from runtime.logprobs import reset_position_state, split_scores, token_scores
 
-from .base import BatchingMode, sequence, split
+from .base import BatchingMode, sequence
 
 
 def single_sequence(model, prompt: list[int], completion: list[int], top_k: int = 0) -> tuple[object, dict]:
@@ -33,7 +33,7 @@ class Single(BatchingMode):
     def score(self, model, pairs, batch, pad_id, top_k=0):
         prompt, completion = sequence(pairs, batch[0])
         flat, counts = single_sequence(model, prompt, completion, top_k)
-        return batch, split(flat, torch.tensor([len(completion)])), counts
+        return batch, split_scores(flat, torch.tensor([len(completion)])), counts
 
     def batch_cost(self, lengths, batch):
         return unpadded_sequences(lengths.seqs[batch])

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from runtime.cost import unpadded_sequences
-from runtime.logprobs import token_scores
+from runtime.logprobs import split_scores, token_scores
 
-from .base import FLASH, BatchingMode, sequence, sequence_lengths, split
+from .base import FLASH, BatchingMode, sequence, sequence_lengths
 from runtime.architecture import state_across_rows
 
 
@@ -58,7 +58,7 @@ class Varlen(BatchingMode):
     def score(self, model, pairs, batch, pad_id, top_k=0):
         seqs = [sequence(pairs, i) for i in batch]
         flat, counts = varlen_batch(model, seqs, top_k)
-        return batch, split(flat, torch.tensor([len(c) for _, c in seqs])), counts
+        return batch, split_scores(flat, torch.tensor([len(c) for _, c in seqs])), counts
 
     def batch_cost(self, lengths, batch):
         return unpadded_sequences(lengths.seqs[batch])

@@ -79,6 +79,9 @@ def test_a_clean_top_k_cache_passes_every_check(caches):
     # the replay's figures against values as stored: 16-bit codes, within fmt.LOGP_ERROR of what was scored
     assert info["tokens"] == check(report, "replay")["info"]["tokens"]
     assert info["token_max_abs_diff"] <= fmt.LOGP_ERROR + 1e-5
+    # replayed in padded batches (top-k from the same forward), trusted after matching reference_top_k on a probe
+    layout = check(report, "replay")["info"]
+    assert layout["fallback"] is None and "matching reference_logps on 4 probe rows" in layout["layout"]
 
 
 def test_top_k_as_large_as_the_vocabulary_has_an_empty_tail_and_passes(caches):
