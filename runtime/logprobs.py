@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from schemas.format import TOP_K_COLUMNS, TokenScores
 
 from .head import HEADS, PROBE_TOKENS
+from .placement import input_device
 from .tolerance import head_tolerance
 
 CHUNK_ELEMENTS = 2**25  # logits held at once (~128 MiB in float32)
@@ -190,7 +191,7 @@ def reference_log_softmax(model, prompt_ids: list[int], completion_ids: list[int
     prompt + completion as a batch of one (fresh position state), its own `logits` after log_softmax (float32), at
     the positions that predict each completion token: [completion tokens, vocabulary]. Every batching mode and head
     path is checked against this; it uses none of them."""
-    device = next(unwrap(model).parameters()).device
+    device = input_device(unwrap(model))
     ids = torch.as_tensor([list(prompt_ids) + list(completion_ids)], device=device)
     reset_position_state(model)
     logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : ids.shape[1] - 1].float()
@@ -264,7 +265,7 @@ def verified_head(model) -> str:
     if found is not None:
         return found
     vocab = inner.get_output_embeddings().weight.shape[0]
-    device = next(inner.parameters()).device
+    device = input_device(inner)
     ids = ((torch.arange(PROBE_TOKENS, device=device) * 7919 + 3) % vocab).tolist()
     with torch.no_grad():
         truth = reference_logps(model, ids[:1], ids[1:])

@@ -7,6 +7,7 @@ import torch
 
 from runtime.cost import padded_rows
 from runtime.logprobs import completion_scores, pad_sequences
+from runtime.placement import input_device
 from runtime.packing import length_batches
 
 from .base import BatchingMode, sequence, sequence_lengths, split
@@ -22,7 +23,7 @@ class FullForward(BatchingMode):
 
     def score(self, model, pairs, batch, pad_id, top_k=0):
         seqs = [sequence(pairs, i) for i in batch]
-        ids, mask = pad_sequences([p + c for p, c in seqs], pad_id, next(model.parameters()).device)
+        ids, mask = pad_sequences([p + c for p, c in seqs], pad_id, input_device(model))
         clen = torch.tensor([len(c) for _, c in seqs])
         flat = completion_scores(model, ids, mask, torch.tensor([len(p) for p, _ in seqs]), clen, top_k=top_k)
         return batch, split(flat, clen), {"processed": int(mask.sum()), "slots": mask.numel()}
