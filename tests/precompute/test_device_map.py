@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import audit_ref, manifest_of, pref_rows, read_cache, scored_now, write_jsonl
+from conftest import audit_ref, manifest_of, pref_rows, read_cache, scored_now, shard_hashes, write_jsonl
 from conftest import precompute_cli as cli, precompute_ok as ok
 from runtime.placement import parse_max_memory
 from schemas import format as fmt
@@ -70,6 +70,8 @@ def test_disk_offload_gives_the_in_memory_cache(tmp_path, llama_dir, data, in_me
         meta = pq.read_schema(out / entry["file"]).metadata
         assert json.loads(meta[(fmt.META_PREFIX + "computation").encode()]) == plain
     open_cache(out)  # a valid cache by the reader's rules
+    # on the CPU the split computes bit for bit what the whole model does: the very same shard files
+    assert shard_hashes(out) == shard_hashes(in_memory)
     assert [p.name for p in offload.iterdir()] == ["mine.txt"]  # the job's own offload folder is gone, nothing else
 
     code, report, output = audit_ref(out)
