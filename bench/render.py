@@ -407,7 +407,9 @@ def render_offload(O: dict) -> list[str]:
     size = O["size"]
     L = [f"{size['model']} model ({size['weights_bytes'] / 2**20:.1f} MiB of weights), {size['pairs']} pairs of up to "
          f"{size['seq']} tokens; run_precompute end to end, round-robin. offload: --device-map auto --max-memory half "
-         "the weights (the rest read from disk at every forward); fits: --device-map auto with room for all.", ""]
+         "the weights (the rest read from disk at every forward); fits: --device-map auto with room for all "
+         f"(`{O['command']}`, 1-minute load average {O.get('loadavg_start')} -> {O['machine'].get('loadavg_1min')}: "
+         "on a loaded machine only the ratio is worth reading).", ""]
     L += table("run | wall | tokens/s | vs in-memory | max abs diff vs in-memory | batching",
                [[n, sec(O["wall"][n]), f"{O['tokens'] / O['wall'][n]['median']:,.0f}", x(O["ratio_vs_in_memory"][n]),
                  f"{O['max_abs_diff_vs_in_memory'][n]:.1e}", O["mode"][n]] for n in O["wall"]])
