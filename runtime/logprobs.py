@@ -43,6 +43,9 @@ def _scores(logits: torch.Tensor, targets: torch.Tensor, top_k: int, given: torc
     k scored under the policy) the values at those ids; the tail is the log of the mass outside the ids, a
     log-sum-exp over the other tokens themselves (no 1 - sum: no cancellation), -inf where the ids cover the whole
     vocabulary (with a zero, not NaN, gradient there)."""
+    # a model split by a device map (runtime/placement.py) may put its head on another device than its inputs
+    targets = targets.to(logits.device)
+    given = given.to(logits.device) if given is not None else None
     norm = torch.logsumexp(logits, dim=-1, keepdim=True)
     logps = logits.gather(-1, targets[:, None]).squeeze(-1) - norm[:, 0]
     if not top_k and given is None:
@@ -81,6 +84,7 @@ def _gather_scores(logits: torch.Tensor, index: torch.Tensor, targets: torch.Ten
                    given=None) -> TokenScores:
     """The scores of log_softmax(logits[index]) at `targets`, a chunk of positions at a time (the float32 copy
     stays bounded)."""
+    index = index.to(logits.device)
     parts = [_scores(logits[index[s : s + step]].float(), targets[s : s + step], top_k,
                      None if given is None else given[s : s + step])
              for s in range(0, len(index), step)]
@@ -131,7 +135,7 @@ def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: in
 
     def score(_module, _args, output):
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-        h = hidden[rows, sources]
+        h = hidden[rows.to(hidden.device), sources.to(hidden.device)]
         # With several chunks, recompute each one's logits in the backward pass instead of keeping them all.
         recompute = torch.is_grad_enabled() and h.requires_grad and h.shape[0] > step
         parts = []
