@@ -138,3 +138,30 @@ def test_max_memory_reads_one_form():
     assert parse_max_memory("500MB") == parse_max_memory("cpu=500000000") == "cpu=500000000"
     with pytest.raises(ValueError, match="not a memory size"):
         parse_max_memory("0=-3GB")
+
+
+def test_top_k_under_disk_offload(tmp_path, llama_dir, data):
+    """The top-k columns too (ids, log-probs, tail) come out of the split model as out of the whole one."""
+    plain, split = tmp_path / "plain", tmp_path / "split"
+    ok("--model", llama_dir, "--data", data, "--out", plain, "--top-k", 4)
+    ok("--model", llama_dir, "--data", data, "--out", split, "--top-k", 4, "--device-map", "auto",
+       "--max-memory", str(weights_bytes(llama_dir) // 2))
+    x, y = read_cache(plain), read_cache(split)
+    for side in ("chosen", "rejected"):
+        assert x[f"{side}_top_ids"].to_list() == y[f"{side}_top_ids"].to_list()
+        for col in (f"{side}_top_logps", f"{side}_tail", f"{side}_logps"):
+            a = np.concatenate([np.ravel(np.asarray(v, float)) for v in x[col].to_list()])
+            b = np.concatenate([np.ravel(np.asarray(v, float)) for v in y[col].to_list()])
+            assert np.abs(a - b).max() <= 1e-5, col
+    assert manifest_of(split)["computation"]["top_k"] == 4 and "disk" in manifest_of(split)["computation"]["layout"][
+        "modules"]
+
+
+def test_the_layout_is_not_compared():
+    from schemas import rules
+
+    layout = {"device_map": "auto", "max_memory": "cpu=1", "offload_folder_used": False, "modules": {"disk": [""]}}
+    assert rules.computation_findings({"dtype": "float32", "layout": layout}, {"dtype": "float32"}) == []
+    found = rules.computation_findings({"dtype": "float32", "layout": layout}, {"dtype": "bfloat16"})
+    assert [f.expected for f in found] == [{"dtype": "float32"}]
+    assert fmt.scored_computation({"dtype": "float32", "layout": layout}) == {"dtype": "float32"}
