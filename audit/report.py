@@ -7,6 +7,8 @@ from collections import Counter
 import numpy as np
 import polars as pl
 
+from runtime.placement import describe
+
 from .checks import FAIL, PASS, SECTIONS, SKIP
 
 
@@ -66,7 +68,8 @@ def render(report: dict) -> str:
            f"  reference {(made.get('model') or {}).get('name')} in {comp.get('dtype')} on {comp.get('device_type')} "
            f"({comp.get('attn_implementation')} attention, {comp.get('mode')} batching); data {src.get('data')} split "
            f"{src.get('split')}; "
-           f"{report['stats']['rows']:,} rows, {report['stats']['bytes'] / 2**20:.2f} MiB", ""]
+           f"{report['stats']['rows']:,} rows, {report['stats']['bytes'] / 2**20:.2f} MiB",
+           *([f"  split by {describe(comp['layout'])}"] if isinstance(comp.get("layout"), dict) else []), ""]
     by_name = {c["name"]: c for c in report["checks"]}
     titles = {"cache": "Cache integrity", "model": "Reference model (--model)", "data": "Data (--data)",
               "run": "Training run (--run)"}

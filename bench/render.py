@@ -403,7 +403,22 @@ def render_memory(M: dict) -> list[str]:
     return L
 
 
-SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep and memory run only when asked
+def render_offload(O: dict) -> list[str]:
+    size = O["size"]
+    L = [f"{size['model']} model ({size['weights_bytes'] / 2**20:.1f} MiB of weights), {size['pairs']} pairs of up to "
+         f"{size['seq']} tokens; run_precompute end to end, round-robin. offload: --device-map auto --max-memory half "
+         "the weights (the rest read from disk at every forward); fits: --device-map auto with room for all "
+         f"(`{O['command']}`, 1-minute load average {O.get('loadavg_start')} -> {O['machine'].get('loadavg_1min')}: "
+         "on a loaded machine only the ratio is worth reading).", ""]
+    L += table("run | wall | tokens/s | vs in-memory | max abs diff vs in-memory | batching",
+               [[n, sec(O["wall"][n]), f"{O['tokens'] / O['wall'][n]['median']:,.0f}", x(O["ratio_vs_in_memory"][n]),
+                 f"{O['max_abs_diff_vs_in_memory'][n]:.1e}", O["mode"][n]] for n in O["wall"]])
+    layout = O.get("layout") or {}
+    return L + ["", f"Offload layout: {layout.get('modules')}; offload folder written to: "
+                    f"{layout.get('offload_folder_used')}."]
+
+
+SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memory and offload run only when asked
     ("precompute", "1. Precompute throughput", render_precompute),
     ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
     ("train", "2. Training step and peak memory", render_train),
@@ -414,6 +429,7 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep and m
     ("modes", "7. Precompute batching modes", render_modes),
     ("sweep", "8. The whole job: a sweep of 3 runs (bench_sweep.py)", render_sweep),
     ("memory", "9. Peak memory at the limit a cache allows (bench_memory.py)", render_memory),
+    ("offload", "10. A reference split to disk (bench_offload.py)", render_offload),
 ]
 
 

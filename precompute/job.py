@@ -27,6 +27,7 @@ from runtime import locks
 from runtime.errors import JobError
 from runtime.logprobs import verified_head
 from runtime.paths import check_apart
+from runtime import placement
 from schemas import format as fmt
 from schemas import rules
 from schemas.card import write_card
@@ -66,6 +67,19 @@ class PrecomputeConfig:
         choices=("auto", "float32", "bfloat16", "float16")))
     device: str = field(default="auto", metadata=field_help(
         "auto (CUDA device LOCAL_RANK if present, else CPU), cpu, cuda, cuda:N.", "Computation"))
+    device_map: str | None = field(default=None, metadata=field_help(
+        "Split a reference larger than one device across the visible GPUs, then CPU memory, then disk (accelerate's "
+        "big-model dispatch through transformers' from_pretrained(device_map=...)); one process, not with --device. "
+        "The numbers are the model's own: batching modes are probed on the split model.", "Computation",
+        choices=placement.DEVICE_MAPS))
+    max_memory: str | None = field(default=None, metadata=field_help(
+        "With --device-map: the memory each device may hold, DEVICE=SIZE,... (e.g. 0=20GiB,1=20GiB,cpu=60GiB), or "
+        "one SIZE for the CPU; what does not fit goes to disk. Default: what accelerate finds free.", "Computation",
+        parse=placement.parse_max_memory, metavar="DEVICE=SIZE,..."))
+    offload_folder: str | None = field(default=None, metadata=field_help(
+        "With --device-map: folder for weights offloaded to disk (a fresh folder is made inside it and removed at the "
+        "end); apart from --model, --data and --out. Default: a temporary folder.", "Computation",
+        click_type=click.Path(file_okay=False)))
     attn_implementation: str = field(default="auto", metadata=field_help(
         "Attention kernel: auto (what transformers picks for the model), sdpa, eager, flash_attention_2.",
         "Computation"))
@@ -103,6 +117,7 @@ class Job:
     device: torch.device
     dtype: torch.dtype
     origins: dict = field(default_factory=dict)  # {"model", "data"}: runtime.hub.origin, hub ids beside the paths
+    max_memory: dict | None = None  # --max-memory as from_pretrained takes it
 
     def claimed(self, cfg: PrecomputeConfig) -> dict:
         """The computation values known before loading: what a resume compares first."""
@@ -136,7 +151,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     job = _plan(cfg, log, dist)
     with contextlib.ExitStack() as lock:
         resume = dist.share(lambda: _resume(cfg, job, lock, log))  # rank 0 holds the lock for the whole job
-        scored = _score(cfg, job, resume, log, dist)
+        scored = _score(cfg, job, resume, log, dist, lock)
         if dist.rank != 0:
             return {"rank": dist.rank, "shards_scored": scored["mine"]}
         entries = _finish(cfg, job, scored)
@@ -150,10 +165,14 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     cfg.model = origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
     origins["data"] = origin(cfg.data, "dataset")
+    inputs = {"--model": cfg.model, "--data": origins["data"]["path"], "--adapter": cfg.adapter}
     if dist.rank == 0:  # the one rank that hashes it (stamps below): while the tokenizer loads and the rows encode
         checkpoint.start_hashing()
-    check_apart(out, "--out", {"--model": cfg.model, "--data": origins["data"]["path"], "--adapter": cfg.adapter})
+    check_apart(out, "--out", inputs)
+    max_memory = _placement(cfg, inputs, dist)
     device = resolve_device(cfg.device)  # a bad --device is refused before any work
+    if cfg.device_map is not None:
+        device = placement.main_device(max_memory, device)
     tokenizer = checkpoint.tokenizer
     source = load_rows(cfg.data, cfg.split)
     encoded = usable_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row, cfg.data)
@@ -167,7 +186,22 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
         "mask_checksum": combined_mask_checksum([p.mask_checksum for p in encoded.pairs], cfg.encoding.to_json()),
     }
     plan = plan_shards(encoded, cfg.rows_per_shard, cfg.encoding)
-    return Job(out, checkpoint, source, encoded, stamps, plan, device, resolve_dtype(cfg.dtype, device), origins)
+    return Job(out, checkpoint, source, encoded, stamps, plan, device, resolve_dtype(cfg.dtype, device), origins,
+               max_memory)
+
+
+def _placement(cfg: PrecomputeConfig, inputs: dict, dist: Dist) -> dict | None:
+    """--device-map, --max-memory and --offload-folder checked (the offload folder is an output: apart from every
+    input and from --out); --max-memory as from_pretrained takes it."""
+    try:
+        cfg.max_memory = placement.parse_max_memory(cfg.max_memory) if cfg.max_memory is not None else None
+    except ValueError as e:
+        raise JobError(f"--max-memory {cfg.max_memory}: {e}") from None
+    placement.check_placement(cfg.device_map, cfg.max_memory, cfg.offload_folder, cfg.device, dist.world,
+                              cfg.adapter)
+    if cfg.offload_folder is not None:
+        check_apart(cfg.offload_folder, "--offload-folder", {**inputs, "--out": cfg.out})
+    return placement.max_memory_dict(cfg.max_memory)
 
 
 def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) -> Resume:
@@ -188,7 +222,7 @@ def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) ->
     return resume
 
 
-def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist) -> dict:
+def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, stack: contextlib.ExitStack) -> dict:
     """Load the model (only when this rank has shards to score), check the computation it actually gives against
     what the kept shards record, and score this rank's shards."""
     todo = [s for s in job.plan if s["file"] not in resume.done]
@@ -198,7 +232,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist) -> 
         log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
             f"({len(resume.done)} already done) on {dist.world} x {job.device.type} in "
             f"{str(job.dtype).removeprefix('torch.')}")
-        model, computation, mode, pad_id, budget = _load(cfg, job, log)
+        model, computation, mode, pad_id, budget = _load(cfg, job, log, stack)
         if resume.computation is not None:  # compared after load, before any row is scored
             differs = rules.computation_findings(resume.computation, computation, where=str(job.out),
                                                   remedy=COMPUTATION)
@@ -217,10 +251,14 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist) -> 
     return {**stats, "mine": len(mine), "todo": todo}
 
 
-def _load(cfg: PrecomputeConfig, job: Job, log):
+def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
     """The model, and how it scores: the batching mode (probed against the plain forward on the job's first shard and
-    longest pair, not this rank's, so every rank and every resumed run agrees), the head path and the budget."""
-    model = load_model_for(cfg, job.dtype, job.device, job.checkpoint)
+    longest pair, not this rank's, so every rank and every resumed run agrees; with --device-map on the split model
+    itself), the head path and the budget. `stack` holds the offload folder for as long as the job runs."""
+    if cfg.device_map is None:
+        model, layout = load_model_for(cfg, job.dtype, job.device, job.checkpoint), None
+    else:
+        model, layout = _load_dispatched(cfg, job, log, stack)
     encoded, plan = job.encoded, job.plan
     pad = job.checkpoint.pad_id
     first = encoded.pairs[plan[0]["start"] : plan[0]["stop"]]
@@ -235,8 +273,32 @@ def _load(cfg: PrecomputeConfig, job: Job, log):
     mode = choose_mode(model, cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair],
                        top_k=cfg.top_k)
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
-                   "head": verified_head(model), "batching": REGISTRY[mode].description}
+                   "head": verified_head(model), "batching": REGISTRY[mode].description,
+                   **({"layout": layout} if layout else {})}  # a note, not compared on a rerun (COMPUTATION_NOTES)
     return model, computation, mode, pad, budget
+
+
+def _load_dispatched(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
+    """The model split by accelerate's dispatch (--device-map), and its layout. Weights offloaded to disk go to a
+    fresh folder of this job's own inside --offload-folder (or the system's temporary folder), removed at the end."""
+    import tempfile
+
+    parent = None
+    if cfg.offload_folder is not None:
+        parent = Path(cfg.offload_folder).resolve()
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JobError(f"--offload-folder {cfg.offload_folder}: cannot make it ({e.strerror or e})") from None
+    try:
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="refcache-offload-", dir=parent)))
+    except OSError as e:
+        raise JobError(f"--offload-folder {cfg.offload_folder}: cannot write there ({e.strerror or e})") from None
+    model = load_model_for(cfg, job.dtype, None, job.checkpoint, device_map=cfg.device_map,
+                           max_memory=job.max_memory, offload_folder=str(folder))
+    layout = placement.layout(model, cfg.device_map, cfg.max_memory, any(folder.iterdir()))
+    log(f"device map: {placement.describe(layout)}")
+    return model, layout
 
 
 def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
@@ -323,15 +385,20 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
     }
 
 
-def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint | None = None):
+def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint | None = None, **placed):
     """The reference model of `checkpoint` (opened from cfg when None) with the requested attention implementation
-    (None: transformers' choice); one that cannot use it is refused naming those it can."""
+    (None: transformers' choice); one that cannot use it is refused naming those it can. `placed`: device_map,
+    max_memory and offload_folder for from_pretrained (device None then)."""
     checkpoint = checkpoint or Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
     attn = None if cfg.attn_implementation in (None, "auto") else cfg.attn_implementation
     try:
-        return checkpoint.load_model(dtype, device, attn)
+        return checkpoint.load_model(dtype, device, attn, **placed)
     except (ImportError, ValueError) as e:  # an implementation the model or this install does not have
         detail = " ".join(str(e).split())[:300]
+        if placed and attn is None:  # then only the split can be what from_pretrained refused
+            raise JobError(f"{cfg.model}: the model cannot be split with --device-map {cfg.device_map} "
+                           f"--max-memory {cfg.max_memory} ({detail}); give the devices more memory, or an "
+                           "--offload-folder on a disk with room") from None
         raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {cfg.attn_implementation} "
                        f"({detail}); it supports: {', '.join(checkpoint.attention_choices())}, "
                        "or leave --attn-implementation at auto") from None

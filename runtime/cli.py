@@ -95,12 +95,15 @@ def exit_without_teardown(command) -> None:
 
 def quiet_libraries() -> None:
     """Our own progress bar and summary replace the libraries' per-file bars and notices."""
+    import logging
+
     import datasets
     import transformers
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+    logging.getLogger("accelerate").setLevel(logging.ERROR)  # --device-map: precompute-ref prints the layout itself
 
 
 def encoding_options(f):

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from schemas.format import TOP_K_COLUMNS, TokenScores
 
 from .head import HEADS, PROBE_TOKENS
+from .placement import input_device
 from .tolerance import head_tolerance
 
 CHUNK_ELEMENTS = 2**25  # logits held at once (~128 MiB in float32)
@@ -44,6 +45,9 @@ def _scores(logits: torch.Tensor, targets: torch.Tensor, top_k: int, given: torc
     k scored under the policy) the values at those ids; the tail is the log of the mass outside the ids, a
     log-sum-exp over the other tokens themselves (no 1 - sum: no cancellation), -inf where the ids cover the whole
     vocabulary (with a zero, not NaN, gradient there)."""
+    # a model split by a device map (runtime/placement.py) may put its head on another device than its inputs
+    targets = targets.to(logits.device)
+    given = given.to(logits.device) if given is not None else None
     norm = torch.logsumexp(logits, dim=-1, keepdim=True)
     logps = logits.gather(-1, targets[:, None]).squeeze(-1) - norm[:, 0]
     if not top_k and given is None:
@@ -82,6 +86,7 @@ def _gather_scores(logits: torch.Tensor, index: torch.Tensor, targets: torch.Ten
                    given=None) -> TokenScores:
     """The scores of log_softmax(logits[index]) at `targets`, a chunk of positions at a time (the float32 copy
     stays bounded)."""
+    index = index.to(logits.device)
     parts = [_scores(logits[index[s : s + step]].float(), targets[s : s + step], top_k,
                      None if given is None else given[s : s + step])
              for s in range(0, len(index), step)]
@@ -132,7 +137,7 @@ def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: in
 
     def score(_module, _args, output):
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-        h = hidden[rows, sources]
+        h = hidden[rows.to(hidden.device), sources.to(hidden.device)]
         # With several chunks, recompute each one's logits in the backward pass instead of keeping them all.
         recompute = torch.is_grad_enabled() and h.requires_grad and h.shape[0] > step
         parts = []
@@ -192,7 +197,7 @@ def reference_log_softmax(model, prompt_ids: list[int], completion_ids: list[int
     prompt + completion as a batch of one (fresh position state), its own `logits` after log_softmax (float32), at
     the positions that predict each completion token: [completion tokens, vocabulary]. Every batching mode and head
     path is checked against this; it uses none of them."""
-    device = next(unwrap(model).parameters()).device
+    device = input_device(unwrap(model))
     ids = torch.as_tensor([list(prompt_ids) + list(completion_ids)], device=device)
     reset_position_state(model)
     logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : ids.shape[1] - 1].float()
@@ -272,7 +277,7 @@ def padded_scores(model, sequences: list[tuple[list[int], list[int]]], pad_id: i
     TokenScores (numpy) per sequence, and {"processed": real tokens, "slots": tokens including padding}. Right
     padding is precompute-ref's full_forward layout (default positions); left padding gives each row its positions
     from the mask (audit-ref's replay of a full_forward cache runs it, a layout other than the one it checks)."""
-    device = next(unwrap(model).parameters()).device
+    device = input_device(unwrap(model))
     ids, mask = pad_sequences([list(p) + list(c) for p, c in sequences], pad_id, device, left=left)
     clen = torch.tensor([len(c) for _, c in sequences])
     positions = (mask.cumsum(1) - 1).clamp(min=0) if left else None
@@ -306,7 +311,7 @@ def verified_head(model) -> str:
     if found is not None:
         return found
     vocab = inner.get_output_embeddings().weight.shape[0]
-    device = next(inner.parameters()).device
+    device = input_device(inner)
     ids = ((torch.arange(PROBE_TOKENS, device=device) * 7919 + 3) % vocab).tolist()
     with torch.no_grad():
         truth = reference_logps(model, ids[:1], ids[1:])

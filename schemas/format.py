@@ -36,6 +36,9 @@ SIDES = ("chosen", "rejected")
 PER_TOKEN = ("logps",)  # per-token scores every cache holds: shard columns f"{side}_{suffix}"
 TOP_K_COLUMNS = ("top_ids", "top_logps", "tail")  # and those a cache made with --top-k K > 0 holds
 COMPUTATION_DEFAULTS = {"top_k": 0}  # a computation key a cache may leave out, and what its absence means
+# computation keys that say where the model ran, not what it computed (precompute-ref --device-map's layout): kept in
+# the manifest only, never in a shard's footer, and never compared on a rerun, so a split model makes the same cache
+COMPUTATION_NOTES = ("layout",)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,13 @@ def per_token_columns(top_k: int = 0) -> list[str]:
 def shard_schema(top_k: int = 0) -> pa.Schema:
     """The schema stored in a shard of a cache made with --top-k top_k."""
     return pa.schema([(c.name, c.stored) for c in shard_columns(top_k)])
+
+
+def scored_computation(computation):
+    """A computation without its COMPUTATION_NOTES: what a shard's footer carries (anything not a dict as it is)."""
+    if not isinstance(computation, dict):
+        return computation
+    return {k: v for k, v in computation.items() if k not in COMPUTATION_NOTES}
 
 
 def top_k_of(computation) -> int:
@@ -245,7 +255,7 @@ def shard_metadata(model_hash, tokenizer_hash, encoding: EncodingConfig, shard_c
         "mask_checksum": shard_checksum,
         "ids_checksum": ids_sum,
         "encoding": encoding.to_json(),
-        "computation": canonical_json(computation),
+        "computation": canonical_json(scored_computation(computation)),
     }
     return {(META_PREFIX + k).encode(): v.encode() for k, v in meta.items()}
 

@@ -88,7 +88,7 @@ def expected_footer(stamps: dict, encoding: EncodingConfig, entry: dict, computa
             "tokenizer_hash": stamps["tokenizer_hash"], "mask_checksum": entry["mask_checksum"],
             "ids_checksum": entry["ids_checksum"], "encoding": encoding.to_json()}
     if with_computation:
-        want["computation"] = canonical_json(computation)
+        want["computation"] = canonical_json(fmt.scored_computation(computation))
     return want
 
 
@@ -454,11 +454,11 @@ def computation_findings(recorded: dict, now: dict, *, partial: bool = False, wh
                          remedy: str = RERUN) -> list[Finding]:
     """Every key of the recorded computation (dtype, device type, attention implementation, mode, head path, token
     budget, ...) against this run's. With partial=True keys this run does not know yet are not compared. A key of
-    fmt.COMPUTATION_DEFAULTS (top_k) left out means its default, on either side. `remedy`: the caller's
-    (precompute-ref's resume: precompute/resume.COMPUTATION)."""
+    fmt.COMPUTATION_DEFAULTS (top_k) left out means its default, on either side; fmt.COMPUTATION_NOTES (the layout
+    of a split model) are not compared. `remedy`: the caller's (precompute-ref's resume: precompute/resume.COMPUTATION)."""
     out = []
     defaults = fmt.COMPUTATION_DEFAULTS
-    for key in sorted(set(recorded) | set(now)):
+    for key in sorted((set(recorded) | set(now)) - set(fmt.COMPUTATION_NOTES)):
         if partial and key not in now and key not in defaults:
             continue
         was, uses = recorded.get(key, defaults.get(key)), now.get(key, defaults.get(key))

@@ -18,6 +18,7 @@ from schemas.format import TokenScores
 
 from runtime.cost import causal
 from runtime.logprobs import pad_sequences, split_scores, token_scores, unwrap
+from runtime.placement import input_device
 
 from .base import BatchingMode
 from runtime.architecture import state_layers, window_too_short
@@ -52,7 +53,7 @@ def kv_cache_batch(model, pairs: list[EncodedPair], batch: list[int], pad_id: in
                    top_k: int = 0) -> tuple[list[TokenScores], dict]:
     """Per-token scores (TokenScores) of chosen and rejected for the pairs in `batch`, in the order
     [chosen of batch[0], rejected of batch[0], chosen of batch[1], ...], plus token counts."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     completions = [c for i in batch for c in (pairs[i].chosen_ids, pairs[i].rejected_ids)]
     ids, mask = pad_sequences([pairs[i].prompt_ids for i in batch], pad_id, device)
     plen = mask.sum(1).repeat_interleave(2)  # one row per completion from here on

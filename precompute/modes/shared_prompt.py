@@ -7,6 +7,7 @@ import torch
 
 from runtime.cost import tree_rows
 from runtime.logprobs import split_scores, token_scores
+from runtime.placement import input_device
 from runtime.packing import pack_rows, row_batches, tree_batch
 
 from .base import BatchingMode, sequence
@@ -26,7 +27,7 @@ class SharedPrompt(BatchingMode):
     def score(self, model, pairs, batch, pad_id, top_k=0):
         order = [2 * i + k for row in batch for i in row for k in (0, 1)]
         seqs = [sequence(pairs, i) for i in order]
-        inputs, rows, sources, targets = tree_batch(pairs, batch, pad_id, model.dtype, next(model.parameters()).device)
+        inputs, rows, sources, targets = tree_batch(pairs, batch, pad_id, model.dtype, input_device(model))
         values = split_scores(token_scores(model, inputs, rows, sources, targets, top_k=top_k),
                        torch.tensor([len(c) for _, c in seqs]))
         processed = sum(len(c) + (len(p) if i % 2 == 0 else 0) for i, (p, c) in zip(order, seqs))  # prompts once

@@ -7,13 +7,14 @@ import torch
 
 from runtime.cost import unpadded_sequences
 from runtime.logprobs import reset_position_state, split_scores, token_scores
+from runtime.placement import input_device
 
 from .base import BatchingMode, sequence
 
 
 def single_sequence(model, prompt: list[int], completion: list[int], top_k: int = 0) -> tuple[object, dict]:
     """Completion scores of one sequence scored alone: unpadded, batch of one, fresh position state."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     ids = torch.as_tensor([prompt + completion], device=device)
     at = torch.arange(len(prompt), ids.shape[1], device=device)
     reset_position_state(model)

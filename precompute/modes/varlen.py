@@ -10,6 +10,7 @@ import torch
 
 from runtime.cost import unpadded_sequences
 from runtime.logprobs import split_scores, token_scores
+from runtime.placement import input_device
 
 from .base import FLASH, BatchingMode, sequence, sequence_lengths
 from runtime.architecture import state_across_rows
@@ -30,7 +31,7 @@ def varlen_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
 
 def varlen_batch(model, seqs: list[tuple[list[int], list[int]]], top_k: int = 0) -> tuple[object, dict]:
     """Flattened completion scores of the (prompt, completion) sequences `seqs`, packed into one row."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     ids, positions, sources, targets = [], [], [], []
     for prompt, completion in seqs:
         start = len(ids)

@@ -1,0 +1,109 @@
+"""Where a reference's layers go when it does not fit one device: accelerate's big-model dispatch as transformers'
+`from_pretrained(device_map=..., max_memory=..., offload_folder=...)` runs it (visible accelerators, then CPU
+memory, then disk), the options that ask for it, the device a dispatched model takes its inputs on, and the layout
+a job records. Nothing here loads or computes on its own: the numbers stay the model's own forward."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import JobError
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # the strategies from_pretrained takes by name
+
+
+def _size(text: str) -> str:
+    """A memory size as accelerate reads it ("20GiB", "500MB", or a number of bytes), in bytes."""
+    from accelerate.utils import convert_file_size_to_int
+
+    text = text.strip()
+    try:
+        size = int(text) if text.isdigit() else convert_file_size_to_int(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ValueError(f"{text!r} is not a memory size (e.g. 20GiB, 500MB or a number of bytes)")
+    return str(size)
+
+
+def parse_max_memory(text: str) -> str:
+    """--max-memory: `DEVICE=SIZE,...` (DEVICE a GPU index, or cpu) or one SIZE (the CPU's budget), written back as
+    `device=bytes,...` so the same budget reads the same whatever the unit. A ValueError names what is wrong."""
+    budgets = {}
+    for part in [p for p in text.split(",") if p.strip()] or [""]:
+        device, _, size = part.rpartition("=")
+        device = device.strip().lower() or "cpu"
+        if not (device == "cpu" or device.isdigit()):
+            raise ValueError(f"device {device!r}: use a GPU index (0, 1, ...) or cpu, as in 0=20GiB,cpu=60GiB")
+        if device in budgets:
+            raise ValueError(f"device {device} is given twice")
+        budgets[device] = _size(size)
+    return ",".join(f"{d}={s}" for d, s in budgets.items())
+
+
+def max_memory_dict(parsed: str | None) -> dict | None:
+    """parse_max_memory's text as from_pretrained's max_memory ({0: bytes, "cpu": bytes})."""
+    if not parsed:
+        return None
+    pairs = (p.split("=") for p in parsed.split(","))
+    return {int(d) if d.isdigit() else d: int(s) for d, s in pairs}
+
+
+def check_placement(device_map: str | None, max_memory: str | None, offload_folder: str | None, device: str,
+                    world: int, adapter: str | None) -> None:
+    """Refuse options that cannot go together, before any work."""
+    if device_map is None:
+        given = [name for name, v in (("--max-memory", max_memory), ("--offload-folder", offload_folder)) if v]
+        if given:
+            raise JobError(f"{' and '.join(given)} place a model split by --device-map; add --device-map auto (or "
+                           f"leave {' and '.join(given)} out)")
+        return
+    if device != "auto":
+        raise JobError(f"--device {device} and --device-map {device_map} both say where the model goes; give one "
+                       "(--max-memory cpu=SIZE keeps a device map on the CPU)")
+    if world > 1:
+        raise JobError(f"--device-map {device_map} splits one model over this process's devices, and this job runs "
+                       f"{world} processes (torchrun) that would each take all of them; run it as one process")
+    if adapter is not None:
+        raise JobError(f"--adapter with --device-map {device_map}: the adapter is merged into weights that are "
+                       "only loaded as they run; merge it first (peft merge_and_unload, save_pretrained) and pass "
+                       "the merged folder as --model")
+
+
+def main_device(max_memory: dict | None, fallback: torch.device) -> torch.device:
+    """The device a dispatched model computes on first (accelerate's main device): the CPU when the budget names
+    no GPU, else what --device auto gives."""
+    if max_memory is not None and all(not isinstance(d, int) for d in max_memory):
+        return torch.device("cpu")
+    return fallback
+
+
+def input_device(model) -> torch.device:
+    """Where a model's input ids go: for a model dispatched by a device map the first accelerator it uses, else
+    the CPU (accelerate's hooks move each layer's inputs and weights from there); for any other model, its
+    parameters' device."""
+    placed = getattr(model, "hf_device_map", None)
+    if placed:
+        on = [d for d in placed.values() if d not in ("cpu", "disk")]
+        return torch.device(on[0]) if on else torch.device("cpu")
+    return next(model.parameters()).device
+
+
+def layout(model, device_map: str, max_memory: str | None, offload_used: bool) -> dict:
+    """What a job records of a split: the device map asked for, the budget, whether the offload folder was written
+    to, and which modules each device (or disk) holds ({"": device} is the whole model on one)."""
+    placed = getattr(model, "hf_device_map", None) or {"": str(input_device(model))}
+    modules: dict[str, list[str]] = {}
+    for name, device in placed.items():
+        modules.setdefault(str(device), []).append(name)
+    return {"device_map": device_map, "max_memory": max_memory, "offload_folder_used": offload_used,
+            "modules": {d: sorted(names) for d, names in sorted(modules.items())}}
+
+
+def describe(layout_record: dict) -> str:
+    """One line for audit-ref: the device map, budget, and module counts per place."""
+    modules = layout_record.get("modules") or {}
+    where = ", ".join(f"{d}: {len(m)} module{'s' if len(m) != 1 else ''}" for d, m in modules.items())
+    used = "written to" if layout_record.get("offload_folder_used") else "not written to"
+    return (f"device map {layout_record.get('device_map')} (max memory {layout_record.get('max_memory') or 'all'}; "
+            f"{where}; offload folder {used})")
