@@ -55,6 +55,14 @@ TARGETS = [  # (key, description, goal text, test)
     ("step_vs_live", "cached training step vs live reference (time)", "<= 0.75x", lambda v: v <= 0.75),
     ("mem_vs_policy", "cached peak memory vs policy-only", "within 5%", lambda v: abs(v - 1) <= 0.05),
     ("hash_vs_sha256sum", "model hashing vs sha256sum (MB/s)", ">= 0.8x", lambda v: v >= 0.8),
+    ("flops_precompute", "precompute-ref useful FLOP/s, share of the matmul rate (end to end)", ">= 0.70",
+     lambda v: v >= 0.70),
+    ("flops_train", "train-dpo step (cached, prefix_shared) useful FLOP/s, share of the matmul rate", ">= 0.60",
+     lambda v: v >= 0.60),
+    ("vocab_train_mem", "128k vocabulary, seq 2048: train-dpo peak RSS vs TRL precompute_ref_log_probs", "<= 0.5x",
+     lambda v: v <= 0.5),
+    ("vocab_precompute_mem", "128k vocabulary, seq 2048: precompute-ref peak RSS above the weights (GiB)",
+     "<= 1 GiB", lambda v: v <= 1.0),
 ]
 
 
@@ -95,7 +103,22 @@ def measured(R: dict) -> dict:
         mbps = h["mb_per_s"]
         m["hash_vs_sha256sum"] = _pair(mbps["model_hash"], mbps["sha256sum"], f"{h['mb']} MB file",
                                        higher_is_faster=True)
+    if "flops" in R:
+        long = next((c for c in R["flops"]["cases"] if c["size"]["model"] != "data"), None)
+        if long and "precompute" in long:
+            m["flops_precompute"] = _share(long["precompute"]["share_of_mm"]["refcache"], long["case"])
+        if long and "train" in long:
+            m["flops_train"] = _share(long["train"]["share_of_mm"], long["case"])
+    if "vocab" in R and "ours_vs_trl_precompute" in R["vocab"]:
+        m["vocab_train_mem"] = _share(R["vocab"]["ours_vs_trl_precompute"], "128k vocab, seq 2048")
+    if "vocab" in R and "precompute_over_weights_mb" in R["vocab"]:
+        m["vocab_precompute_mem"] = _share(R["vocab"]["precompute_over_weights_mb"] / 1024, "128k vocab, seq 2048")
     return m
+
+
+def _share(value: float, where: str) -> dict:
+    """A target value that is not a ratio of two timed medians (no best-repetition ratio)."""
+    return {"value": value, "best": None, "where": where, "spread": 1.0}
 
 
 def render_targets(R: dict) -> list[str]:
@@ -109,7 +132,8 @@ def render_targets(R: dict) -> list[str]:
         r = m[key]
         best = f"{r['best']:.3f}x ({'met' if ok(r['best']) else 'missed'})" if r["best"] is not None else "-"
         noisy = " (noisy)" if r["spread"] > 1.3 else ""
-        lines.append(f"| {desc} | **{r['value']:.3f}x** ({r['where']}) | {goal} | "
+        unit = "" if key.startswith(("flops", "vocab_precompute")) else "x"
+        lines.append(f"| {desc} | **{r['value']:.3f}{unit}** ({r['where']}) | {goal} | "
                      f"{'met' if ok(r['value']) else '**missed**'} | {best} | {r['spread']:.2f}{noisy} |")
     lines += ["", "The verdict is on the ratio of medians. The ratio of the best repetitions is shown beside it because "
               "other processes on a shared machine only ever add time; where the spread is large, read both."]
@@ -403,6 +427,89 @@ def render_memory(M: dict) -> list[str]:
     return L
 
 
+def gf(v: float) -> str:
+    return f"{v / 1e9:,.1f}"
+
+
+def render_flops(F: dict) -> list[str]:
+    L = ["Useful FLOPs are counted from the encoded pairs, the same numerator for every contender of a case (each "
+         "prompt once, each completion once, no padding): forward = 2 x N_body per token (N_body: all parameters but "
+         "the input and output embeddings) + 2 x hidden x vocab per scored position (the head's matmul where its "
+         "output is used: one position per completion token) + attention, 4 x heads x head_dim per (query, key) "
+         "per layer, causal within each sequence (completion token j sees prompt + j keys); a training step is 3 x "
+         "the forward of its batch (backward = 2 x forward; the optimizer not counted). The last column counts the "
+         "head at every token instead (the Kaplan 2N convention with N including the head). The matmul rate: "
+         "torch.mm of two 2048 x 2048 float32 matrices in the same child process, interleaved with the work "
+         "(round-robin with the precompute contenders; once after every training step, outside its time). Shares "
+         "are per process (its work against its own matmul rate), median over rounds.", ""]
+    rows = []
+    for c in F["cases"]:
+        if "precompute" in c:
+            p = c["precompute"]
+            names = {"refcache": "precompute-ref end to end (run_precompute)",
+                     "score": f"score_pairs alone ({p['mode']})",
+                     "padded_hf": f"plain padded HF forward (padding {p['padded_hf_padding_fraction']:.0%})"}
+            for k, name in names.items():
+                rows.append([c["case"], name, f"{gf(p['flops']['total'])} ({p['pairs']} pairs)", sec(p["times"][k]),
+                             gf(p["useful_flops_per_s"][k]), gf(p["mm_flops_per_s"]), f"**{p['share_of_mm'][k]:.2f}**",
+                             f"{p['share_of_mm_head_every_token'][k]:.2f}"])
+        for layout, name in (("train", "train-dpo step, prefix_shared"), ("train_padded", "train-dpo step, padded")):
+            if layout in c:
+                t = c[layout]
+                rows.append([c["case"], f"{name} (batch {c['size']['batch']} pairs)",
+                             f"{gf(t['step_flops']['median'])} per step", ms(t["step"]), gf(t["useful_flops_per_s"]),
+                             gf(t["mm_flops_per_s"]), f"**{t['share_of_mm']:.2f}**",
+                             f"{t['share_of_mm_head_every_token']:.2f}"])
+    L += table("case | work | useful GFLOPs | time | useful GFLOP/s | matmul GFLOP/s | share of matmul | share, head at "
+               "every token", rows)
+    loads = "; ".join(f"{c['case']}: " + ", ".join(f"{k} {' '.join(map(str, v))}" for k, v in c.get("loadavg", {}).items())
+                      for c in F["cases"])
+    L += ["", f"1-minute load average (2 cores) at the start of the part {F.get('loadavg_start')}, at the end of "
+          f"each child: {loads or 'not recorded'}. Under load both the work and the matmul slow down; the share is "
+          "their ratio within one process, so it is the figure to read, the absolute GFLOP/s are not."]
+    for c in F["cases"]:
+        for part, what in (("precompute", "score_pairs"), ("train", "the last timed train-dpo step (prefix_shared)"),
+                           ("train_padded", "the last timed train-dpo step (padded)")):
+            prof = c.get(part, {}).get("profile")
+            if prof:
+                L += ["", f"<details><summary>torch.profiler, {what} on {c['case']} (top ops by self time)</summary>",
+                      "", "```", prof.rstrip(), "```", "</details>"]
+    checks = [c["precompute"]["matmul_check"] for c in F["cases"] if c.get("precompute", {}).get("matmul_check")]
+    if checks:
+        L += ["", "Check of the count: torch.utils.flop_counter.FlopCounterMode on a forward over one unpadded "
+              "sequence counts " + ", ".join(f"{k['flop_counter_matmuls']:,}" for k in checks) + " matmul FLOPs; "
+              "this count's body + head at every token gives " + ", ".join(f"{k['ours']:,.0f}" for k in checks) +
+              " (attention is counted by formula: the counter does not count torch's CPU attention kernel)."]
+    return L + [""] + F.get("notes", [])
+
+
+def render_vocab(V: dict) -> list[str]:
+    s, R = V["size"], V["runs"]
+    names = {"precompute": "precompute-ref (chunked head)", "precompute_keep": "precompute-ref, head logits_to_keep",
+             "ours": "train-dpo, cached (chunked head)", "ours_keep": "train-dpo, cached, head logits_to_keep",
+             "trl_precompute": "TRL DPOTrainer, precompute_ref_log_probs=True",
+             "trl_live": "TRL DPOTrainer, live reference"}
+    trl = R.get("trl_precompute", {}).get("maxrss_mb")
+    rows = []
+    for mode, r in R.items():
+        if "error" in r:
+            rows.append([names.get(mode, mode), r["error"], "", "", ""])
+            continue
+        t = sec(r["wall"], 1) + " (whole job)" if "wall" in r else ms(r["step"]) + " per step"
+        loads = ", ".join(f"{x['loadavg']:.1f}" for x in r["rounds"])
+        rows.append([names.get(mode, mode), mb(r["maxrss_mb"]), x(r["maxrss_mb"] / trl, 3) if trl else "-", t,
+                     mb(r["baseline_rss_mb"]), loads])
+    L = [f"Llama-style, hidden {V['spec']['hidden']} x {V['spec']['layers']} layers, vocabulary {V['spec']['vocab']:,} "
+         f"({V['params'] / 1e6:.1f}M parameters, {V['weights_mb']:.0f} MiB of float32 weights, nearly all of them "
+         f"the two embeddings); {s['pairs']} synthetic pairs of 1,024-2,048 tokens per sequence ({V['tokens']:,} "
+         f"tokens), max length {s['seq']}; training batch {s['batch']} pair(s), {s['warmup']} warm-up + {s['steps']} "
+         "timed steps; each configuration a process of its own, peak RSS of the whole process (TRL's includes its "
+         "reference pass in __init__, ours is train-dpo alone: the cache was written by another process).", ""]
+    L += table("configuration | peak RSS | / TRL precompute_ref_log_probs | time | baseline after imports | load "
+               "average (1 min, at the end)", rows)
+    return L + [""] + V.get("notes", [])
+
+
 SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep and memory run only when asked
     ("precompute", "1. Precompute throughput", render_precompute),
     ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
@@ -414,6 +521,8 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep and m
     ("modes", "7. Precompute batching modes", render_modes),
     ("sweep", "8. The whole job: a sweep of 3 runs (bench_sweep.py)", render_sweep),
     ("memory", "9. Peak memory at the limit a cache allows (bench_memory.py)", render_memory),
+    ("flops", "10. Useful FLOP/s against the machine's matmul rate (bench_flops.py)", render_flops),
+    ("vocab", "11. A 128k vocabulary at sequence 2048 (bench_vocab.py)", render_vocab),
 ]
 
 
