@@ -207,7 +207,7 @@ def cases(quick: bool) -> list[dict]:
     return [
         dict(name="35M long prompt (512 + 128/128)", model="35M", prompt=512, completion=128,
              pairs=4 if quick else 8, batch=2, warmup=1, steps=2 if quick else 3, seq=1024, reps=2 if quick else 3),
-        dict(name="data/", model="data", batch=8, warmup=1, steps=3 if quick else 6, reps=3 if quick else 5),
+        dict(name="data/", model="data", batch=8, warmup=1, steps=3 if quick else 6, reps=2 if quick else 4),
     ]
 
 

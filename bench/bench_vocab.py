@@ -19,7 +19,9 @@ Each configuration runs in a process of its own (peak RSS of that process: VmHWM
   trl_live              trl.DPOTrainer with a live reference model
 Targets: ours peak <= 0.5x trl_precompute's; precompute peak <= weights + 1 GiB.
 
-    nice .venv/bin/python bench/bench_vocab.py [--quick]
+    nice .venv/bin/python bench/bench_vocab.py [--quick] [--configs a,b] [--reuse]
+
+--configs runs only those configurations; with --reuse the saved rounds of the others (same size) are kept.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--profile", type=int, default=0, help="1: torch.profiler on ours and trl_precompute")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--reuse", action="store_true", help="keep the saved rounds (same size) of configurations not run")
     a = ap.parse_args()
     if a.child:
         if a.child.startswith("precompute"):
@@ -115,6 +118,11 @@ def main():
         show = lambda r: (f"peak {r['maxrss_mb']:.0f} MiB, " + (f"wall {r['wall_s']:.1f} s" if "wall_s" in r else
                           f"steps {' '.join(f'{v:.1f}' for v in r['step_s'])} s") + f", load {r['loadavg']:.1f}")
         runs = common.rounds(size["rounds"], configs, argv, show=show)
+    saved = common.result_path("vocab", a.quick, a.results)
+    if a.reuse and saved.exists() and json.loads(saved.read_text())["size"] == size:
+        kept = json.loads(saved.read_text())["runs"]
+        runs = {**{m: r["rounds"] for m, r in kept.items() if m not in runs}, **runs}
+        runs = {m: runs[m] for m in CONFIGS if m in runs}
     weights_mb = runs["precompute"][0]["weights_mb"] if "precompute" in runs else None
     res = {"size": size, "spec": SPEC, "params": common.n_params(common.build_llama(SPEC)), "weights_mb": weights_mb,
            "tokens": info["tokens"], "runs": {}}
