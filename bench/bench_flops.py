@@ -244,7 +244,7 @@ def summarize(case: dict, runs: dict) -> dict:
         # per round: each contender's share of that process's own matmul rate, then the median over rounds
         share = {k: common.statistics.median(flops["total"] / r["times"][k]["median"] / (MM_FLOPS / r["times"]["mm"]["median"])
                                              for r in rs) for k in rate}
-        out["precompute"] = {"mode": rs[0]["mode"], "pairs": rs[0]["pairs"], "shape": rs[0]["shape"], "flops": flops,
+        out["precompute"] = {"matmul_check": rs[0].get("matmul_check"), "mode": rs[0]["mode"], "pairs": rs[0]["pairs"], "shape": rs[0]["shape"], "flops": flops,
                              "times": {k: common.stats(v) for k, v in pooled.items()}, "mm_flops_per_s": mm_rate,
                              "useful_flops_per_s": rate, "share_of_mm": share,
                              "share_of_mm_head_every_token": {k: v * flops["head_every_token"] / flops["total"]

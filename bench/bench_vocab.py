@@ -75,6 +75,18 @@ RUNNERS = {
 }
 
 
+def scored_per_step(model: Path, data: Path, size: dict) -> int:
+    """The most completion tokens (scored positions) any `batch` pairs of the data hold: the logits a training
+    forward through the model's own head keeps at once."""
+    from runtime.checkpoint import load_tokenizer
+    from runtime.data import encode_rows, load_rows
+    from schemas.encoding import EncodingConfig
+
+    pairs = encode_rows(load_rows(str(data), "train"), load_tokenizer(str(model)),
+                        EncodingConfig(max_length=size["seq"])).pairs
+    return sum(sorted((len(p.chosen_ids) + len(p.rejected_ids) for p in pairs), reverse=True)[: size["batch"]])
+
+
 def make_checkpoint(work: Path) -> Path:
     path = work / "model-128k"
     common.build_llama(SPEC, max_positions=2048).save_pretrained(path, safe_serialization=True)
@@ -108,6 +120,7 @@ def main():
         t = time.perf_counter()
         cache = work / "cache"
         info = common.precompute(model, data, cache, size["seq"])
+        scored = scored_per_step(model, data, size)
         print(f"cache: {info['tokens']:,} tokens in {time.perf_counter() - t:.0f} s", flush=True)
 
         def argv(mode):
@@ -125,7 +138,7 @@ def main():
         runs = {m: runs[m] for m in CONFIGS if m in runs}
     weights_mb = runs["precompute"][0]["weights_mb"] if "precompute" in runs else None
     res = {"size": size, "spec": SPEC, "params": common.n_params(common.build_llama(SPEC)), "weights_mb": weights_mb,
-           "tokens": info["tokens"], "runs": {}}
+           "tokens": info["tokens"], "scored_per_step_max": scored, "runs": {}}
     for mode, rs in runs.items():
         if mode.startswith("precompute"):
             res["runs"][mode] = {"mode": mode, "maxrss": common.stats([r["maxrss_mb"] for r in rs]),
