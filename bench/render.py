@@ -55,6 +55,16 @@ TARGETS = [  # (key, description, goal text, test)
     ("step_vs_live", "cached training step vs live reference (time)", "<= 0.75x", lambda v: v <= 0.75),
     ("mem_vs_policy", "cached peak memory vs policy-only", "within 5%", lambda v: abs(v - 1) <= 0.05),
     ("hash_vs_sha256sum", "model hashing vs sha256sum (MB/s)", ">= 0.8x", lambda v: v >= 0.8),
+    ("flops_precompute", "precompute-ref useful FLOP/s, share of the matmul rate (end to end)", ">= 0.70",
+     lambda v: v >= 0.70),
+    ("flops_score", "precompute-ref's scoring alone (score_pairs, no load/probe/write) useful FLOP/s, share of the "
+     "matmul rate", ">= 0.70", lambda v: v >= 0.70),
+    ("flops_train", "train-dpo step (cached, prefix_shared) useful FLOP/s, share of the matmul rate", ">= 0.60",
+     lambda v: v >= 0.60),
+    ("vocab_train_mem", "128k vocabulary, seq 2048: train-dpo peak RSS vs TRL precompute_ref_log_probs", "<= 0.5x",
+     lambda v: v <= 0.5),
+    ("vocab_precompute_mem", "128k vocabulary, seq 2048: precompute-ref peak RSS above the weights (GiB)",
+     "<= 1 GiB", lambda v: v <= 1.0),
 ]
 
 
@@ -95,7 +105,23 @@ def measured(R: dict) -> dict:
         mbps = h["mb_per_s"]
         m["hash_vs_sha256sum"] = _pair(mbps["model_hash"], mbps["sha256sum"], f"{h['mb']} MB file",
                                        higher_is_faster=True)
+    if "flops" in R:
+        long = next((c for c in R["flops"]["cases"] if c["size"]["model"] != "data"), None)
+        if long and "precompute" in long:
+            m["flops_precompute"] = _share(long["precompute"]["share_of_mm"]["refcache"], long["case"])
+            m["flops_score"] = _share(long["precompute"]["share_of_mm"]["score"], long["case"])
+        if long and "train" in long:
+            m["flops_train"] = _share(long["train"]["share_of_mm"], long["case"])
+    if "vocab" in R and "ours_vs_trl_precompute" in R["vocab"]:
+        m["vocab_train_mem"] = _share(R["vocab"]["ours_vs_trl_precompute"], "128k vocab, seq 2048")
+    if "vocab" in R and "precompute_over_weights_mb" in R["vocab"]:
+        m["vocab_precompute_mem"] = _share(R["vocab"]["precompute_over_weights_mb"] / 1024, "128k vocab, seq 2048")
     return m
+
+
+def _share(value: float, where: str) -> dict:
+    """A target value that is not a ratio of two timed medians (no best-repetition ratio)."""
+    return {"value": value, "best": None, "where": where, "spread": 1.0}
 
 
 def render_targets(R: dict) -> list[str]:
@@ -109,7 +135,8 @@ def render_targets(R: dict) -> list[str]:
         r = m[key]
         best = f"{r['best']:.3f}x ({'met' if ok(r['best']) else 'missed'})" if r["best"] is not None else "-"
         noisy = " (noisy)" if r["spread"] > 1.3 else ""
-        lines.append(f"| {desc} | **{r['value']:.3f}x** ({r['where']}) | {goal} | "
+        unit = "" if key.startswith(("flops", "vocab_precompute")) else "x"
+        lines.append(f"| {desc} | **{r['value']:.3f}{unit}** ({r['where']}) | {goal} | "
                      f"{'met' if ok(r['value']) else '**missed**'} | {best} | {r['spread']:.2f}{noisy} |")
     lines += ["", "The verdict is on the ratio of medians. The ratio of the best repetitions is shown beside it because "
               "other processes on a shared machine only ever add time; where the spread is large, read both."]
@@ -418,7 +445,145 @@ def render_offload(O: dict) -> list[str]:
                     f"{layout.get('offload_folder_used')}."]
 
 
-SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memory and offload run only when asked
+def gf(v: float) -> str:
+    return f"{v / 1e9:,.1f}"
+
+
+def render_flops(F: dict) -> list[str]:
+    L = ["Useful FLOPs are counted from the encoded pairs, the same numerator for every contender of a case (each "
+         "prompt once, each completion once, no padding): forward = 2 x N_body per token (N_body: every weight matrix "
+         "but the input and output embeddings; norm vectors do no matmul) + 2 x hidden x vocab per scored position (the head's matmul where its "
+         "output is used: one position per completion token) + attention, 4 x heads x head_dim per (query, key) "
+         "per layer, causal within each sequence (completion token j sees prompt + j keys); a training step is 3 x "
+         "the forward of its batch (backward = 2 x forward; the optimizer not counted). The last column counts the "
+         "head at every token instead (the Kaplan 2N convention with N including the head). The matmul rate: "
+         "torch.mm of two 2048 x 2048 float32 matrices in the same child process, interleaved with the work "
+         "(round-robin with the precompute contenders; once after every training step, outside its time). Shares "
+         "are per process (its work against its own matmul rate), median over rounds.", ""]
+    rows = []
+    for c in F["cases"]:
+        if "precompute" in c:
+            p = c["precompute"]
+            names = {"refcache": "precompute-ref end to end (run_precompute)",
+                     "score": f"score_pairs alone ({p['mode']})",
+                     "padded_hf": f"plain padded HF forward (padding {p['padded_hf_padding_fraction']:.0%})"}
+            for k, name in names.items():
+                rows.append([c["case"], name, f"{gf(p['flops']['total'])} ({p['pairs']} pairs)", sec(p["times"][k]),
+                             gf(p["useful_flops_per_s"][k]), gf(p["mm_flops_per_s"]), f"**{p['share_of_mm'][k]:.2f}**",
+                             f"{p['share_of_mm_head_every_token'][k]:.2f}"])
+        for layout, name in (("train", "train-dpo step, prefix_shared"), ("train_padded", "train-dpo step, padded")):
+            if layout in c:
+                t = c[layout]
+                rows.append([c["case"], f"{name} (batch {c['size']['batch']} pairs)",
+                             f"{gf(t['step_flops']['median'])} per step", ms(t["step"]), gf(t["useful_flops_per_s"]),
+                             gf(t["mm_flops_per_s"]), f"**{t['share_of_mm']:.2f}**",
+                             f"{t['share_of_mm_head_every_token']:.2f}"])
+    L += table("case | work | useful GFLOPs | time | useful GFLOP/s | matmul GFLOP/s | share of matmul | share, head at "
+               "every token", rows)
+    loads = "; ".join(f"{c['case']}: " + ", ".join(f"{k} {' '.join(map(str, v))}" for k, v in c.get("loadavg", {}).items())
+                      for c in F["cases"])
+    L += ["", f"1-minute load average (2 cores) at the start of the part {F.get('loadavg_start')}, at the end of "
+          f"each child: {loads or 'not recorded'}. Under load both the work and the matmul slow down; the share is "
+          "their ratio within one process, so it is the figure to read, the absolute GFLOP/s are not."]
+    for c in F["cases"]:
+        for part, what in (("precompute", "score_pairs"), ("train", "the last timed train-dpo step (prefix_shared)"),
+                           ("train_padded", "the last timed train-dpo step (padded)")):
+            prof = c.get(part, {}).get("profile")
+            if prof:
+                L += ["", f"<details><summary>torch.profiler, {what} on {c['case']} (top ops by self time)</summary>",
+                      "", "```", prof.rstrip(), "```", "</details>"]
+    for c in F["cases"]:
+        for part in ("precompute", "train"):
+            share, prof = c.get(part, {}).get("share_of_mm"), c.get(part, {}).get("profile")
+            mm = _self_share(prof, "aten::mm") if prof else None
+            if mm is None:
+                continue
+            share = share["score"] if isinstance(share, dict) else share
+            L += ["", f"- {c['case']}, {'score_pairs' if part == 'precompute' else 'train-dpo step'}: useful share "
+                  f"{share:.2f} of the matmul rate; in its profile the matrix multiplies (aten::mm) take {mm:.0%} of "
+                  f"the time, so (nearly all useful FLOPs being matmuls) they run at about {share / mm:.2f}x the 2048^3 rate "
+                  "and the rest of the time goes to "
+                  "memory-bound elementwise work that does no counted FLOP (RMSNorm's pow/mean/mul, rotary "
+                  "embeddings' neg/cat/mul/add, SiLU x up-projection, the key/value cache's cat in kv_cache mode, "
+                  "the head's log-softmax; in training also AdamW's elementwise update and zeroing the gradients). "
+                  "Without fusing those (torch.compile, issue 26 item 2) the share cannot pass the matmul share of "
+                  "the time."]
+    if any(c["size"]["model"] == "data" for c in F["cases"]):
+        L += ["", "- data/: a 0.9M-parameter model (hidden 128) and pairs of a few dozen tokens: matrices of 128 x 384 "
+              "do too little work per call for any kernel to reach the 2048^3 rate, and per-call overhead (Python, "
+              "dispatch, the Trainer's step) dominates; its share is reported for completeness, not as a target."]
+    L += ["", "- precompute-ref end to end adds its fixed costs to the scoring (loading, hashing, the batching-mode "
+          "probe, which scores the probe pairs twice and the reference forward once, writing the shards): on a handful "
+          "of pairs they outweigh the scoring (issue 26 item 4)."]
+    checks = [c["precompute"]["matmul_check"] for c in F["cases"] if c.get("precompute", {}).get("matmul_check")]
+    if checks:
+        L += ["", "Check of the count: torch.utils.flop_counter.FlopCounterMode on a forward over one unpadded "
+              "sequence counts " + ", ".join(f"{k['flop_counter_matmuls']:,}" for k in checks) + " matmul FLOPs; "
+              "this count's body + head at every token gives " + ", ".join(f"{k['ours']:,.0f}" for k in checks) +
+              " (attention is counted by formula: the counter does not count torch's CPU attention kernel)."]
+    return L + [""] + F.get("notes", [])
+
+
+def _self_share(profile: str, op: str) -> float | None:
+    """The self-CPU share of `op` in a torch.profiler table."""
+    for line in profile.splitlines():
+        cells = line.split()
+        if cells and cells[0] == op:
+            return float(cells[1].rstrip("%")) / 100
+    return None
+
+
+def render_vocab(V: dict) -> list[str]:
+    s, R = V["size"], V["runs"]
+    names = {"precompute": "precompute-ref (chunked head)", "precompute_keep": "precompute-ref, head logits_to_keep",
+             "ours": "train-dpo, cached (chunked head)", "ours_keep": "train-dpo, cached, head logits_to_keep",
+             "trl_precompute": "TRL DPOTrainer, precompute_ref_log_probs=True",
+             "trl_live": "TRL DPOTrainer, live reference"}
+    trl = R.get("trl_precompute", {}).get("maxrss_mb")
+    rows = []
+    for mode, r in R.items():
+        if "error" in r:
+            rows.append([names.get(mode, mode), r["error"], "", "", ""])
+            continue
+        t = sec(r["wall"], 1) + " (whole job)" if "wall" in r else ms(r["step"]) + " per step"
+        loads = ", ".join(f"{x['loadavg']:.1f}" for x in r["rounds"])
+        rows.append([names.get(mode, mode), mb(r["maxrss_mb"]), x(r["maxrss_mb"] / trl, 3) if trl else "-", t,
+                     mb(r["baseline_rss_mb"]), loads])
+    L = [f"Llama-style, hidden {V['spec']['hidden']} x {V['spec']['layers']} layers, vocabulary {V['spec']['vocab']:,} "
+         f"({V['params'] / 1e6:.1f}M parameters, {V['weights_mb']:.0f} MiB of float32 weights, nearly all of them "
+         f"the two embeddings); {s['pairs']} synthetic pairs of 1,024-2,048 tokens per sequence ({V['tokens']:,} "
+         f"tokens), max length {s['seq']}; training batch {s['batch']} pair(s), {s['warmup']} warm-up + {s['steps']} "
+         "timed steps; each configuration a process of its own, peak RSS of the whole process (TRL's includes its "
+         "reference pass in __init__, ours is train-dpo alone: the cache was written by another process).", ""]
+    L += table("configuration | peak RSS | / TRL precompute_ref_log_probs | time | baseline after imports | load "
+               "average (1 min, at the end)", rows)
+    L.append("")
+    if "precompute" in R:
+        p = R["precompute"]
+        L.append(f"- precompute-ref peak {mb(p['maxrss_mb'])} = weights {V['weights_mb']:.0f} MiB + "
+                 f"{(p['maxrss_mb'] - V['weights_mb']) / 1024:.2f} GiB (target <= 1 GiB above the weights), of which "
+                 f"{mb(p['baseline_rss_mb'])} is the process after its imports (torch, transformers, datasets, "
+                 f"pyarrow) before any work. The rest is the batching-mode probe's reference forward "
+                 "(runtime.logprobs.reference_logps, the truth every mode is checked against) over the job's longest "
+                 "pair: the model's own logits over that whole sequence (the definition runs the head on every "
+                 "position, as model(ids).logits does), about 0.5 MiB per token at this vocabulary, plus one 128 MiB "
+                 "chunk of its log-softmax.")
+    if "ours" in R and trl:
+        L.append(f"- train-dpo peak {mb(R['ours']['maxrss_mb'])} = **{R['ours']['maxrss_mb'] / trl:.3f}x** TRL with "
+                 f"precompute_ref_log_probs ({mb(trl)}; target <= 0.5x)")
+    if "ours" in R and "ours_keep" in R:
+        extra = R["ours_keep"]["maxrss_mb"] - R["ours"]["maxrss_mb"]
+        per = V.get("scored_per_step_max")
+        L.append(f"- the model's own head for the scored positions (`logits_to_keep`, the path of models whose logits "
+                 f"the chunked projection does not reproduce) costs {mb(extra)} more at the peak than the chunked "
+                 "head" + (f": the step's forward holds up to {per:,} scored positions x {V['spec']['vocab']:,} "
+                           f"float32 logits ({per * V['spec']['vocab'] * 4 / 2**20:,.0f} MiB) and, in the backward, "
+                           "their gradient" if per else "") + ". It grows with the scored tokens per step: lower "
+                 "--per-device-train-batch-size (and raise --gradient-accumulation-steps) to bound it (README).")
+    return L + V.get("notes", [])
+
+
+SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memory, offload, flops and vocab run only when asked
     ("precompute", "1. Precompute throughput", render_precompute),
     ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
     ("train", "2. Training step and peak memory", render_train),
@@ -430,6 +595,8 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memo
     ("sweep", "8. The whole job: a sweep of 3 runs (bench_sweep.py)", render_sweep),
     ("memory", "9. Peak memory at the limit a cache allows (bench_memory.py)", render_memory),
     ("offload", "10. A reference split to disk (bench_offload.py)", render_offload),
+    ("flops", "11. Useful FLOP/s against the machine's matmul rate (bench_flops.py)", render_flops),
+    ("vocab", "12. A 128k vocabulary at sequence 2048 (bench_vocab.py)", render_vocab),
 ]
 
 

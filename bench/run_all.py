@@ -27,7 +27,8 @@ PARTS = {  # part -> script; the default run
     "scaling": "bench_scaling.py",
     "modes": "bench_modes.py",
 }
-SCRIPTS = {**PARTS, "sweep": "bench_sweep.py", "memory": "bench_memory.py", "offload": "bench_offload.py"}  # the whole-job parts: only when named
+SCRIPTS = {**PARTS, "sweep": "bench_sweep.py", "memory": "bench_memory.py",  # the whole-job parts: only when named
+           "offload": "bench_offload.py", "flops": "bench_flops.py", "vocab": "bench_vocab.py"}
 
 
 def run_parts(parts: list[str], quick: bool, results: Path) -> dict:

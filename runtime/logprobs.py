@@ -192,23 +192,33 @@ def reset_position_state(model) -> None:
 
 
 @torch.no_grad()
-def reference_log_softmax(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
-    """THE definition of the reference's distribution: the model's own forward over the unpadded sequence
-    prompt + completion as a batch of one (fresh position state), its own `logits` after log_softmax (float32), at
-    the positions that predict each completion token: [completion tokens, vocabulary]. Every batching mode and head
-    path is checked against this; it uses none of them."""
+def reference_logits(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """The model's own forward over the unpadded sequence prompt + completion as a batch of one (fresh position
+    state), its own `logits` (float32) at the positions that predict each completion token: [completion tokens,
+    vocabulary]. The head runs on every position, as `model(ids).logits` does: `logits_to_keep` is one of the head
+    paths checked against this (runtime/head.py), so the definition must not go through it."""
     device = input_device(unwrap(model))
     ids = torch.as_tensor([list(prompt_ids) + list(completion_ids)], device=device)
     reset_position_state(model)
     logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : ids.shape[1] - 1].float()
     reset_position_state(model)
-    return logits.log_softmax(-1)
+    return logits
+
+
+def reference_log_softmax(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """THE definition of the reference's distribution: `reference_logits` after log_softmax (float32), [completion
+    tokens, vocabulary]. Every batching mode and head path is checked against this; it uses none of them."""
+    return reference_logits(model, prompt_ids, completion_ids).log_softmax(-1)
 
 
 def reference_logps(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
-    """THE definition of a reference log-prob: `reference_log_softmax` at each completion token."""
-    logps = reference_log_softmax(model, prompt_ids, completion_ids)
-    return logps.gather(-1, torch.as_tensor(list(completion_ids), device=logps.device)[:, None]).squeeze(-1)
+    """THE definition of a reference log-prob: `reference_log_softmax` at each completion token. log_softmax is
+    row by row, so it runs on chunks of positions: one [tokens, vocabulary] copy fewer at a large vocabulary."""
+    logits = reference_logits(model, prompt_ids, completion_ids)
+    targets = torch.as_tensor(list(completion_ids), device=logits.device)[:, None]
+    step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    parts = [logits[s : s + step].log_softmax(-1).gather(-1, targets[s : s + step]) for s in range(0, len(logits), step)]
+    return torch.cat(parts).squeeze(-1) if parts else logits.new_zeros(0)
 
 
 def reference_top_k(model, prompt_ids: list[int], completion_ids: list[int], k: int):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import build_llama
+from runtime import logprobs
 from runtime.logprobs import completion_logps, pad_sequences, reference_logps, reference_top_k, token_logps, unwrap
 
 VOCAB = 300
@@ -121,6 +122,32 @@ def test_chunked_hook_path_gives_the_gradient_of_a_plain_forward(model):
 def test_reference_logps_is_the_plain_forward(model):
     for p, c in sequences():
         torch.testing.assert_close(reference_logps(model, p, c), plain(model, p, c), rtol=0, atol=TOL)
+
+
+@torch.no_grad()
+def whole_forward_logps(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """reference_logps as it was before the head ran on the completion positions only: logits at every position,
+    one log_softmax over all the completion positions."""
+    logits = model(input_ids=torch.tensor([prompt + completion]), use_cache=False).logits[0, len(prompt) - 1 : -1]
+    return logits.float().log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("chunk_elements", [logprobs.CHUNK_ELEMENTS, 2 * VOCAB])  # one chunk; 2 positions a chunk
+def test_reference_logps_are_the_whole_forward_whatever_the_chunks(model, monkeypatch, chunk_elements):
+    """log_softmax a chunk of positions at a time gives the very numbers of the whole forward (bit for bit), and the
+    head runs on every position of the sequence: the definition takes no head path (logits_to_keep is one of the
+    paths checked against it)."""
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", chunk_elements)
+    rows = []
+    handle = model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
+    try:
+        for p, c in sequences():
+            rows.clear()
+            got = reference_logps(model, p, c)
+            assert rows == [len(p) + len(c)]
+            assert torch.equal(got, whole_forward_logps(model, p, c))
+    finally:
+        handle.remove()
 
 
 def test_reference_logps_resets_a_dynamic_rotary_embedding():

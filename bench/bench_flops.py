@@ -1,0 +1,329 @@
+"""Part 11: useful FLOP/s, as a share of the machine's own dense matmul rate measured in the same process.
+
+Useful FLOPs are those of the work itself, counted from the encoded pairs (each prompt once, each completion once,
+no padding), never from what a layout runs:
+  forward   2 * N_body per token (N_body: every weight matrix except the input and output embeddings)
+            + 2 * hidden * vocab per scored position (the head's matmul, only where its output is used: one position
+              per completion token; `head_every_token` in the JSON counts it at every token instead)
+            + attention, 4 * heads * head_dim per (query, key) pair per layer (QK^T and the weighted sum), causal
+              within each sequence: prompt token i sees i keys, completion token j sees prompt + j keys
+  train     3 x forward (the backward is twice the forward), the optimizer step not counted.
+The matmul rate is torch.mm of two 2048 x 2048 matrices in the model's dtype (2 * 2048^3 FLOPs), timed in the same
+child process, interleaved with the measured work (round-robin between the contenders; in training, once after every
+step, outside the step's time).
+
+Configurations, each in a child process of its own, round-robin over rounds (common.rounds), on two cases: the 35M
+long-prompt case (prompt 512, completions 128/128, the shape of bench_modes' long-prompt case) and data/:
+  precompute    run_precompute end to end (`refcache`), score_pairs alone in the mode it picked (`score`), and a
+                plain padded Hugging Face forward of the same pairs (`padded_hf`: length-sorted padded batches of
+                both sequences of every pair, the same token budget, `.logits` at every position), interleaved with mm
+  train         train-dpo's step (cached reference, batch_layout prefix_shared), step time as in train_steps
+  train_padded  the same with batch_layout padded (every prompt twice, padding)
+
+    .venv/bin/python bench/bench_flops.py [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import common
+from common import np, torch
+
+MM = 2048
+CONFIGS = ("precompute", "train", "train_padded")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# counting
+
+def model_shape(model) -> dict:
+    cfg = model.config
+    emb_in, emb_out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    embeddings = {p.data_ptr(): p.numel() for p in (emb_in, emb_out)}
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)  # norms' vectors are no matmul
+    return {"n_body": matrices - sum(embeddings.values()), "hidden": emb_out.shape[1],
+            "vocab": emb_out.shape[0], "layers": cfg.num_hidden_layers, "attn_width": heads * head_dim}
+
+
+def forward_flops(shape: dict, lengths: np.ndarray) -> dict:
+    """Useful forward FLOPs of pairs with lengths [n, 3] (prompt, chosen, rejected), by part (see the docstring)."""
+    P, C, R = (lengths[:, i].astype(np.float64) for i in range(3))
+    tokens = P + C + R
+    keys = P * (P + 1) / 2 + sum(X * P + X * (X + 1) / 2 for X in (C, R))
+    head = 2 * shape["hidden"] * shape["vocab"]
+    out = {"body": 2 * shape["n_body"] * tokens.sum(), "head": head * (C + R).sum(),
+           "attention": 4 * shape["layers"] * shape["attn_width"] * keys.sum()}
+    out["total"] = out["body"] + out["head"] + out["attention"]
+    out["head_every_token"] = out["total"] - out["head"] + head * tokens.sum()
+    return out
+
+
+@torch.no_grad()
+def matmul_check(model, pair) -> dict:
+    """The matmul FLOPs torch's own FlopCounterMode counts in a forward over one unpadded sequence (prompt + chosen,
+    logits at every position) against this count's body + head at every token: an independent check of N."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ids = torch.as_tensor([pair.prompt_ids + pair.chosen_ids], device=next(model.parameters()).device)
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, use_cache=False)
+    counted = sum(v for k, v in counter.get_flop_counts()["Global"].items() if "mm" in str(k))
+    f = forward_flops(model_shape(model), np.array([[len(pair.prompt_ids), len(pair.chosen_ids), 0]]))
+    return {"flop_counter_matmuls": counted, "ours": f["head_every_token"] - f["attention"]}
+
+
+def pair_lengths(pairs) -> np.ndarray:
+    return np.array([[len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)] for p in pairs], dtype=np.int64)
+
+
+def mm_fn(dtype, dev):
+    a = torch.randn(MM, MM, dtype=dtype, device=dev)
+    b = torch.randn(MM, MM, dtype=dtype, device=dev)
+    return lambda: torch.mm(a, b)
+
+
+MM_FLOPS = 2 * MM**3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the children
+
+def child_precompute(a) -> dict:
+    from precompute.job import PrecomputeConfig, run_precompute, score_pairs
+    from runtime.checkpoint import Checkpoint, load_tokenizer
+    from runtime.data import encode_rows, load_rows
+    from runtime.logprobs import pad_sequences
+    from runtime.packing import length_batches
+    from schemas.encoding import EncodingConfig
+
+    dev = common.device()
+    encoding = EncodingConfig(max_length=a.seq) if a.seq else EncodingConfig()
+    tok = load_tokenizer(a.model)
+    pairs = encode_rows(load_rows(a.data, "train"), tok, encoding).pairs
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    budget, per_shard = PrecomputeConfig.token_budget, PrecomputeConfig.rows_per_shard
+    model = Checkpoint.open(a.model).load_model(common.torch_dtype(dev), dev, "sdpa")
+    seqs = [p.prompt_ids + c for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+    batches = [pad_sequences([seqs[i] for i in b], pad_id, dev) for b in length_batches([len(s) for s in seqs], budget)]
+    out, last = Path(a.out) / "cache", {}
+
+    def refcache():
+        shutil.rmtree(out, ignore_errors=True)
+        last.update(run_precompute(PrecomputeConfig(model=a.model, data=a.data, out=str(out), encoding=encoding,
+                                                    progress=False), log=lambda m: None))
+
+    def score():
+        for s in range(0, len(pairs), per_shard):
+            score_pairs(model, pairs[s : s + per_shard], pad_id, budget, last["mode"])
+
+    @torch.no_grad()
+    def padded_hf():
+        for ids, mask in batches:
+            model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    refcache()  # warm-up; tells the mode
+    fns = {"mm": mm_fn(common.torch_dtype(dev), dev), "refcache": refcache, "score": score, "padded_hf": padded_hf}
+    with torch.no_grad():
+        times = common.interleaved(fns, reps=a.reps, warmup=1)
+    shape = model_shape(model)
+    flops = forward_flops(shape, pair_lengths(pairs))
+    tokens = sum(int(m.sum()) for _, m in batches)
+    slots = sum(m.numel() for _, m in batches)
+    r = {"matmul_check": matmul_check(model, pairs[0]), "mode": last["mode"], "pairs": len(pairs), "shape": shape, "flops": flops, "times": times,
+         "padded_hf_padding_fraction": 1 - tokens / slots, "refcache_padding_fraction": last.get("padding_fraction")}
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
+            score()
+        r["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48)
+    return r
+
+
+def child_train(a, layout: str) -> dict:
+    import train_steps
+    from dpo import layout as L, trainer as T
+
+    seen = []  # the lengths of every collated batch, in order (the loader collates one ahead of the step)
+    for cls in (L.PrefixSharedCollator, T.PairCollator):
+        orig = cls.__call__
+
+        def call(self, rows, _orig=orig):
+            seen.append([[len(r["prompt_ids"]), len(r["chosen_ids"]), len(r["rejected_ids"])] for r in rows])
+            return _orig(self, rows)
+
+        cls.__call__ = call
+    dev = common.device()
+    mm, mm_s = mm_fn(common.torch_dtype(dev), dev), []
+    profile = None
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        profile = torch_profile(activities=[ProfilerActivity.CPU])
+    timer = train_steps.step_timer(profile, a.steps + a.warmup - 1)  # the last step only: the others stay unprofiled
+    timed_end = timer.on_step_end
+
+    def on_step_end(args, state, control, **kw):
+        timed_end(args, state, control, **kw)
+        mm()  # one unrecorded call, then the timed one
+        common.sync()
+        t = time.perf_counter()
+        mm()
+        common.sync()
+        mm_s.append(time.perf_counter() - t)
+        timer.last = time.perf_counter()  # the next step's time starts after the matmul
+
+    timer.on_step_end = on_step_end
+    begin = timer.on_train_begin
+
+    def on_train_begin(*args, **kw):
+        seen.clear()  # the layout probe collates a batch of its own before training
+        begin(*args, **kw)
+
+    timer.on_train_begin = on_train_begin
+    from runtime.checkpoint import Checkpoint
+
+    shape = model_shape(Checkpoint.open(a.model).load_model(torch.float32, torch.device("cpu"), "sdpa"))
+    train_steps.run_ours(a, "cached", timer, str(Path(a.out) / layout), batch_layout=layout)
+    steps = [forward_flops(shape, np.array(b)) for b in seen[: len(timer.step_s)]]
+    table = (profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48)
+             if profile is not None else None)
+    return {"layout": layout, "shape": shape, "profile": table, "step_s": timer.step_s[a.warmup :], "mm_s": mm_s[a.warmup :],
+            "step_flops": [3 * f["total"] for f in steps[a.warmup :]],
+            "step_flops_head_every_token": [3 * f["head_every_token"] for f in steps[a.warmup :]],
+            "maxrss_mb": timer.maxrss_mb}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the parent
+
+def cases(quick: bool) -> list[dict]:
+    return [
+        dict(name="35M long prompt (512 + 128/128)", model="35M", prompt=512, completion=128,
+             pairs=4 if quick else 8, batch=2, warmup=1, steps=2 if quick else 3, seq=1024, reps=2 if quick else 3),
+        dict(name="data/", model="data", batch=8, warmup=1, steps=3 if quick else 6, reps=2 if quick else 4),
+    ]
+
+
+def long_prompt_rows(n: int, vocab: int, prompt: int, completion: int, seed: int = 0) -> list[dict]:
+    """Pairs of exactly `prompt` prompt words and `completion` words per completion (EOS included), word tokenizer."""
+    rng = np.random.default_rng(seed)
+    words = lambda k: " ".join(f"w{i}" for i in rng.integers(3, vocab, size=k))
+    return [{"id": f"p{i:04d}", "prompt": words(prompt), "chosen": " " + words(completion - 1),
+             "rejected": " " + words(completion - 1)} for i in range(n)]
+
+
+def prepare(case: dict, work: Path) -> dict:
+    """model, data (precompute's), train data (one epoch of the train steps) and its cache."""
+    if case["model"] == "data":
+        model, data = common.sft_data()
+        return {"model": model, "data": data, "train_data": data, "cache": work / "cache-data", "seq": None}
+    model = common.make_checkpoint(work, case["model"])
+    vocab = common.MODELS[case["model"]]["vocab"]
+    n_train = case["batch"] * (case["warmup"] + case["steps"])
+    rows = long_prompt_rows(max(case["pairs"], n_train), vocab, case["prompt"], case["completion"])
+    data = common.write_jsonl(work / "long" / "train.jsonl", rows[: case["pairs"]])
+    train = common.write_jsonl(work / "long-train" / "train.jsonl", rows[:n_train])
+    return {"model": model, "data": data, "train_data": train, "cache": work / "cache-long", "seq": case["seq"]}
+
+
+def summarize(case: dict, runs: dict) -> dict:
+    out = {"case": case["name"], "size": case, "loadavg": {k: [r["loadavg"] for r in rs] for k, rs in runs.items()}}
+    if runs.get("precompute"):
+        rs = runs["precompute"]
+        flops = rs[0]["flops"]
+        pooled = {k: [v for r in rs for v in r["times"][k]["values"]] for k in rs[0]["times"]}
+        mm_rate = MM_FLOPS / common.statistics.median(pooled["mm"])
+        rate = {k: flops["total"] / common.statistics.median(v) for k, v in pooled.items() if k != "mm"}
+        # per round: each contender's share of that process's own matmul rate, then the median over rounds
+        share = {k: common.statistics.median(flops["total"] / r["times"][k]["median"] / (MM_FLOPS / r["times"]["mm"]["median"])
+                                             for r in rs) for k in rate}
+        out["precompute"] = {"matmul_check": rs[0].get("matmul_check"), "mode": rs[0]["mode"], "pairs": rs[0]["pairs"], "shape": rs[0]["shape"], "flops": flops,
+                             "times": {k: common.stats(v) for k, v in pooled.items()}, "mm_flops_per_s": mm_rate,
+                             "useful_flops_per_s": rate, "share_of_mm": share,
+                             "share_of_mm_head_every_token": {k: v * flops["head_every_token"] / flops["total"]
+                                                              for k, v in share.items()},
+                             "padded_hf_padding_fraction": rs[0]["padded_hf_padding_fraction"],
+                             "refcache_padding_fraction": rs[0]["refcache_padding_fraction"],
+                             "profile": rs[0].get("profile")}
+    for layout in ("train", "train_padded"):
+        if runs.get(layout):
+            rs = runs[layout]
+            step_s = [v for r in rs for v in r["step_s"]]
+            flops = [v for r in rs for v in r["step_flops"]]
+            every = [v for r in rs for v in r["step_flops_head_every_token"]]
+            mm_s = [v for r in rs for v in r["mm_s"]]
+            mm_rate = MM_FLOPS / common.statistics.median(mm_s)
+            rates = [f / s for f, s in zip(flops, step_s)]
+            out[layout] = {"layout": rs[0]["layout"], "shape": rs[0]["shape"], "step": common.stats(step_s),
+                           "mm": common.stats(mm_s), "mm_flops_per_s": mm_rate, "step_flops": common.stats(flops),
+                           "useful_flops_per_s": common.statistics.median(rates),
+                           "share_of_mm": common.statistics.median(rates) / mm_rate,
+                           "share_of_mm_head_every_token": common.statistics.median(
+                               [f / s for f, s in zip(every, step_s)]) / mm_rate,
+                           "maxrss_mb": common.statistics.median(r["maxrss_mb"] for r in rs),
+                           "profile": rs[0].get("profile")}
+    return out
+
+
+def main():
+    ap = common.child_parser(__doc__, CONFIGS)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=0)
+    a = ap.parse_args()
+    if a.child:
+        common.quiet()
+        r = child_precompute(a) if a.child == "precompute" else child_train(a, {"train": "prefix_shared",
+                                                                                "train_padded": "padded"}[a.child])
+        print(json.dumps({"config": a.child, "loadavg": round(common.os.getloadavg()[0], 2), **r}, default=float))
+        return
+    common.quiet()
+    results = []
+    with common.workdir("flops") as work:
+        for case in cases(a.quick):
+            t = time.perf_counter()
+            p = prepare(case, work)
+            common.precompute(p["model"], p["train_data"], p["cache"], p["seq"])
+            configs = CONFIGS[:2] if a.quick else CONFIGS
+
+            def argv(mode, p=p, case=case):
+                data = p["data"] if mode == "precompute" else p["train_data"]
+                return common.child_argv(__file__, mode, model=p["model"], data=data, cache=p["cache"], seq=p["seq"],
+                                         batch=case["batch"], warmup=case["warmup"], steps=case["steps"],
+                                         out=work / "runs", reps=case["reps"], profile=int(case["model"] != "data"))
+
+            runs = common.rounds(1 if a.quick else 2, configs, argv, show=show)
+            r = summarize(case, runs)
+            r["loadavg_end"] = round(common.os.getloadavg()[0], 2)
+            results.append(r)
+            print(f"{case['name']}: {line(r)} [{time.perf_counter() - t:.0f} s]", flush=True)
+    path = common.save("flops", {"cases": results}, a)
+    print(f"wrote {path}")
+
+
+def show(r: dict) -> str:
+    if "times" in r:
+        return " ".join(f"{k} {v['median']:.2f}s" for k, v in r["times"].items()) + f" load {r['loadavg']}"
+    return f"steps {' '.join(f'{v:.2f}' for v in r['step_s'])} s, mm {' '.join(f'{v:.3f}' for v in r['mm_s'])} s" \
+           f" load {r['loadavg']}"
+
+
+def line(r: dict) -> str:
+    parts = []
+    if "precompute" in r:
+        parts.append("precompute share of mm: " + ", ".join(f"{k} {v:.2f}" for k, v in r["precompute"]["share_of_mm"]
+                                                              .items()))
+    for layout in ("train", "train_padded"):
+        if layout in r:
+            parts.append(f"{layout} step {r[layout]['share_of_mm']:.2f}")
+    return "; ".join(parts)
+
+
+if __name__ == "__main__":
+    main()
