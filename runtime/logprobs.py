@@ -33,6 +33,14 @@ def unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def uncompiled(model):
+    """`model` without torch.compile's wrapper (an OptimizedModule keeps the module it compiles as `_orig_mod`): what
+    the truth runs on, so that a compiled forward is checked against the eager one, never against itself."""
+    while hasattr(model, "_orig_mod"):
+        model = model._orig_mod
+    return model
+
+
 def _project(inner, hidden: torch.Tensor) -> torch.Tensor:
     """The output embeddings applied to hidden states, nothing else: `verified_head` only lets this path run
     on models whose own logits it reproduces (no soft-capping, scaling or other post-processing)."""
@@ -135,6 +143,9 @@ def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: in
                            top_k, given)
     captured = {}
 
+    # Run eagerly under torch.compile: the positions, targets and chunked head stay out of the compiled graph (a
+    # new closure per batch would otherwise be traced and recompiled at every batch); the decoder is what compiles.
+    @torch.compiler.disable
     def score(_module, _args, output):
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
         h = hidden[rows.to(hidden.device), sources.to(hidden.device)]
@@ -196,7 +207,9 @@ def reference_logits(model, prompt_ids: list[int], completion_ids: list[int]) ->
     """The model's own forward over the unpadded sequence prompt + completion as a batch of one (fresh position
     state), its own `logits` (float32) at the positions that predict each completion token: [completion tokens,
     vocabulary]. The head runs on every position, as `model(ids).logits` does: `logits_to_keep` is one of the head
-    paths checked against this (runtime/head.py), so the definition must not go through it."""
+    paths checked against this (runtime/head.py), so the definition must not go through it; nor through
+    torch.compile (a compiled model is judged by its eager module's forward)."""
+    model = uncompiled(model)
     device = input_device(unwrap(model))
     ids = torch.as_tensor([list(prompt_ids) + list(completion_ids)], device=device)
     reset_position_state(model)
