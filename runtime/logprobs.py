@@ -328,7 +328,9 @@ def effective_budget(model, token_budget: int, longest: int) -> int:
 
 def verified_head(model) -> str:
     """The first of HEADS that reproduces the model's own log-probs (cached on the model; `logits` always does,
-    it is the model's own output)."""
+    it is the model's own output). Probed on the eager module: the head is the model's, compiled or not, and a probe
+    through torch.compile would compile a graph of its own."""
+    model = uncompiled(model)
     inner = unwrap(model)
     found = getattr(inner, "_refcache_head", None)
     if found is not None:
