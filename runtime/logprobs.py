@@ -143,9 +143,6 @@ def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: in
                            top_k, given)
     captured = {}
 
-    # Run eagerly under torch.compile: the positions, targets and chunked head stay out of the compiled graph (a
-    # new closure per batch would otherwise be traced and recompiled at every batch); the decoder is what compiles.
-    @torch.compiler.disable
     def score(_module, _args, output):
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
         h = hidden[rows.to(hidden.device), sources.to(hidden.device)]
@@ -158,6 +155,10 @@ def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: in
             parts.append(checkpoint(_chunk_scores, *chunk, use_reentrant=False) if recompute else _chunk_scores(*chunk))
         captured["scores"] = _joined(parts, width, hidden)
 
+    if model is not uncompiled(model):
+        # Eager under torch.compile: the positions, targets and chunked head stay out of the compiled graph (a new
+        # closure per batch would otherwise be traced and recompiled at every batch); the decoder is what compiles.
+        score = torch.compiler.disable(score)
     handle = inner.base_model.register_forward_hook(score)
     try:
         output = model(**{"use_cache": False, **inputs}, logits_to_keep=1)
