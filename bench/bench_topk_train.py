@@ -7,13 +7,15 @@
 
 on the same model, data, batch and precision; target: kl and tdpo2 within 1.10x of sigmoid. Each configuration runs
 in a process of its own, round-robin over the rounds; step time (median after the warm-up) and peak RSS as
-bench/train_steps.py measures them.
+bench/train_steps.py measures them. Then each configuration is profiled (torch.profiler, 2 steps after the warm-up,
+a separate run: the profiler slows steps); the tables land in the results and bench/RESULTS.md.
 
-    .venv/bin/python bench/bench_topk_train.py [--quick]
+    .venv/bin/python bench/bench_topk_train.py [--quick] [--no-profile]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import common
@@ -30,8 +32,15 @@ RUNNERS = {"sigmoid": lambda a, t, o: steps.run_ours(a, "cached", t, o),
            "tdpo2": lambda a, t, o: steps.run_ours(a, "cached", t, o, loss_type="tdpo2")}
 
 
+def child_argv(size, model_dir, data, cache, work, mode, profile=False) -> list[str]:
+    return steps.child_argv(__file__, size, model_dir, data, cache, work, mode) + (["--profile"] if profile else [])
+
+
 def main():
-    args = common.child_parser(__doc__, MODES).parse_args()
+    ap = common.child_parser(__doc__, MODES)
+    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)  # a child: profile its steps
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiling runs")
+    args = ap.parse_args()
     if args.child:
         print(json.dumps(steps.child(args, RUNNERS)))
         return
@@ -43,8 +52,8 @@ def main():
         top_k_cache = work / f"cache-top{TOP_K}"
         common.precompute(model_dir, data, top_k_cache, size["seq"], top_k=TOP_K)
         caches = {"sigmoid": cache, "kl": top_k_cache, "tdpo2": top_k_cache}
-        rounds = common.rounds(size["rounds"], MODES, lambda m: steps.child_argv(
-            __file__, size, model_dir, data, caches[m], work, m), steps.step_line)
+        rounds = common.rounds(size["rounds"], MODES, lambda m: child_argv(size, model_dir, data, caches[m], work, m),
+                               steps.step_line)
         runs = {m: steps.summarize(v) for m, v in rounds.items()}
         base = runs["sigmoid"]
         res = {"size": size, "top_k": TOP_K, "params": common.n_params(common.build_llama(size["model"])), **info,
@@ -52,6 +61,10 @@ def main():
                                 for m in ("kl", "tdpo2")},
                **{f"mem_{m}_vs_sigmoid": runs[m]["maxrss_mb"] / base["maxrss_mb"] for m in ("kl", "tdpo2")}}
         steps.show_runs(runs)
+        if not args.no_profile:
+            prof_size = {**size, "warmup": 1, "steps": 2}
+            res["profiles"] = {m: common.run_child(child_argv(prof_size, model_dir, data, caches[m], work, m,
+                                                              profile=True)).get("profile") for m in MODES}
         print("  ".join(f"{k} {v:.3f}" for k, v in res.items() if k.startswith(("ratio", "mem"))), flush=True)
     print(f"wrote {common.save('topk-train', res, args)}")
 
