@@ -89,21 +89,20 @@ def main():
     ap = common.parser(__doc__)
     args = ap.parse_args()
     common.quiet()
-    work = common.workdir("topk")
-    model_dir, data = common.sft_data()
-    result = {"data/": sizes(model_dir, data / "train.jsonl", work, "data")}
-    big = work / "model-32k"
-    common.build_llama("1M", vocab=32768).save_pretrained(big, safe_serialization=True)
-    common.word_tokenizer(32768).save_pretrained(big)
-    synthetic = common.write_jsonl(work / "synthetic.jsonl", common.synthetic_pairs(16 if args.quick else 64, 256,
-                                                                                     32768))
-    result["1M, vocab 32k, untrained"] = sizes(big, synthetic, work, "32k")
-    result["time"] = timing(model_dir, data / "train.jsonl", work, reps=1 if args.quick else 3)
+    with common.workdir("topk") as work:
+        model_dir, data = common.sft_data()
+        result = {"data/": sizes(model_dir, data / "train.jsonl", work, "data")}
+        big = work / "model-32k"
+        common.build_llama("1M", vocab=32768).save_pretrained(big, safe_serialization=True)
+        common.word_tokenizer(32768).save_pretrained(big)
+        synthetic = common.write_jsonl(work / "synthetic.jsonl", common.synthetic_pairs(16 if args.quick else 64, 256,
+                                                                                         32768))
+        result["1M, vocab 32k, untrained"] = sizes(big, synthetic, work, "32k")
+        result["time"] = timing(model_dir, data / "train.jsonl", work, reps=1 if args.quick else 5)
     t = result["time"]
     print(f"precompute-ref on data/: K=32 / K=0 = {t['run_ratio_k32_over_k0']:.2f}x (whole run), "
           f"{t['score_ratio_k32_over_k0']:.2f}x (scoring + shard write)")
-    print(common.save("topk", result, args.quick))
-    shutil.rmtree(work, ignore_errors=True)
+    print(common.save("topk", result, args))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import common
 
-ORDER = ("precompute", "train", "verify", "gather", "size", "scaling", "modes")  # machine and load lines: these parts
+ORDER = ("precompute", "train", "verify", "gather", "size", "scaling", "modes", "topk", "topk-train")  # machine and load lines: these parts
 
 
 def load(results: Path, device: str) -> dict:
@@ -55,6 +55,11 @@ TARGETS = [  # (key, description, goal text, test)
     ("step_vs_live", "cached training step vs live reference (time)", "<= 0.75x", lambda v: v <= 0.75),
     ("mem_vs_policy", "cached peak memory vs policy-only", "within 5%", lambda v: abs(v - 1) <= 0.05),
     ("hash_vs_sha256sum", "model hashing vs sha256sum (MB/s)", ">= 0.8x", lambda v: v >= 0.8),
+    ("topk_precompute", "precompute-ref --top-k 32 vs 0, whole run (time)", "<= 1.15x", lambda v: v <= 1.15),
+    ("topk_step_kl", "training step with the top-k KL metrics (K=32) vs sigmoid on a plain cache (time)", "<= 1.10x",
+     lambda v: v <= 1.10),
+    ("topk_step_tdpo2", "training step, --loss-type tdpo2 (K=32) vs sigmoid on a plain cache (time)", "<= 1.10x",
+     lambda v: v <= 1.10),
 ]
 
 
@@ -95,6 +100,14 @@ def measured(R: dict) -> dict:
         mbps = h["mb_per_s"]
         m["hash_vs_sha256sum"] = _pair(mbps["model_hash"], mbps["sha256sum"], f"{h['mb']} MB file",
                                        higher_is_faster=True)
+    if "topk" in R:
+        t = R["topk"]["time"]["run_s"]
+        m["topk_precompute"] = _pair(t["32"], t["0"], "data/")
+    if "topk-train" in R:
+        T = R["topk-train"]
+        where, runs = f"{T['size']['model']}@{T['size']['seq']}", T["runs"]
+        for mode in ("kl", "tdpo2"):
+            m[f"topk_step_{mode}"] = _pair(runs[mode]["step"], runs["sigmoid"]["step"], where)
     return m
 
 
@@ -403,6 +416,39 @@ def render_memory(M: dict) -> list[str]:
     return L
 
 
+def render_topk(K: dict) -> list[str]:
+    L = table("case | K | bytes per completion token | top-k columns, bytes per token",
+              [[case, k, f"{r['bytes_per_completion_token']:.1f}",
+                ", ".join(f"{c} {v:.2f}" for c, v in r["per_column_per_token"].items()) or "-"]
+               for case, rows in K.items() if isinstance(rows, dict) and "0" in rows for k, r in rows.items()])
+    t = K["time"]
+    L += ["", "Precompute time on data/ (full_forward), K = 32 and K = 0 round-robin:", "",
+          *table("what | K = 0 | K = 32 | K=32 / K=0",
+                 [["whole precompute-ref run (load, probe, score, write)", sec(t["run_s"]["0"]), sec(t["run_s"]["32"]),
+                   x(t["run_ratio_k32_over_k0"], 3)],
+                  ["scoring and shard writing on the loaded model", sec(t["score_and_write_s"]["0"]),
+                   sec(t["score_and_write_s"]["32"]), x(t["score_ratio_k32_over_k0"], 3)]])]
+    return L
+
+
+def render_topk_train(T: dict) -> list[str]:
+    s, base = T["size"], T["runs"]["sigmoid"]
+    L = [f"{s['model']} model ({T['params'] / 1e6:.1f}M parameters), sequences up to {s['seq']} tokens, batch "
+         f"{s['batch']} pairs, {T['pairs']} pairs; top-k cache K = {T['top_k']}; {s['rounds']} rounds x "
+         f"({s['warmup']} warm-up + {s['steps']} timed steps) per configuration, each round a fresh process.", ""]
+    L += table("configuration | step time | vs sigmoid | peak RSS (process, to last step) | steady per-step peak RSS",
+               [[mode, ms(r["step"]), x(common.ratio(r["step"], base["step"]), 3),
+                 f"{mb(r['maxrss_mb'])} ({x(r['maxrss_mb'] / base['maxrss_mb'], 3)})", mb(r["step_peak"]["median"])]
+                for mode, r in T["runs"].items()])
+    for title, profiles in (("before", T.get("profiles_before")), ("this run", T.get("profiles"))):
+        for mode, prof in ((profiles or {}).get("tables") or profiles or {}).items():
+            if isinstance(prof, str):
+                note = f" ({profiles['note']})" if "note" in profiles else ""
+                L += ["", f"<details><summary>torch.profiler, {mode}, {title}{note}: 2 steps after a warm-up (top ops "
+                      "by self time)</summary>", "", "```", prof.rstrip(), "```", "</details>"]
+    return L
+
+
 SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep and memory run only when asked
     ("precompute", "1. Precompute throughput", render_precompute),
     ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
@@ -414,6 +460,8 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep and m
     ("modes", "7. Precompute batching modes", render_modes),
     ("sweep", "8. The whole job: a sweep of 3 runs (bench_sweep.py)", render_sweep),
     ("memory", "9. Peak memory at the limit a cache allows (bench_memory.py)", render_memory),
+    ("topk", "10. Top-k cache: size and precompute time (bench_topk.py)", render_topk),
+    ("topk-train", "11. Training step with a top-k cache: KL metrics, TDPO (bench_topk_train.py)", render_topk_train),
 ]
 
 

@@ -27,7 +27,8 @@ PARTS = {  # part -> script; the default run
     "scaling": "bench_scaling.py",
     "modes": "bench_modes.py",
 }
-SCRIPTS = {**PARTS, "sweep": "bench_sweep.py", "memory": "bench_memory.py"}  # the whole-job parts: only when named
+SCRIPTS = {**PARTS, "sweep": "bench_sweep.py", "memory": "bench_memory.py",  # the whole-job parts: only when named
+           "topk": "bench_topk.py", "topk-train": "bench_topk_train.py"}
 
 
 def run_parts(parts: list[str], quick: bool, results: Path) -> dict:
