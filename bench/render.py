@@ -427,7 +427,10 @@ def render_topk(K: dict) -> list[str]:
                  [["whole precompute-ref run (load, probe, score, write)", sec(t["run_s"]["0"]), sec(t["run_s"]["32"]),
                    x(t["run_ratio_k32_over_k0"], 3)],
                   ["scoring and shard writing on the loaded model", sec(t["score_and_write_s"]["0"]),
-                   sec(t["score_and_write_s"]["32"]), x(t["score_ratio_k32_over_k0"], 3)]])]
+                   sec(t["score_and_write_s"]["32"]), x(t["score_ratio_k32_over_k0"], 3)]]
+                 + ([["whole run, CPU seconds on one torch thread", sec(t["run_cpu_s_one_thread"]["0"]),
+                      sec(t["run_cpu_s_one_thread"]["32"]), x(t["run_cpu_ratio_k32_over_k0"], 3)]]
+                    if "run_cpu_s_one_thread" in t else []))]
     return L
 
 
@@ -440,6 +443,14 @@ def render_topk_train(T: dict) -> list[str]:
                [[mode, ms(r["step"]), x(common.ratio(r["step"], base["step"]), 3),
                  f"{mb(r['maxrss_mb'])} ({x(r['maxrss_mb'] / base['maxrss_mb'], 3)})", mb(r["step_peak"]["median"])]
                 for mode, r in T["runs"].items()])
+    for title, parts in (("this run", T.get("components")), ("before", T.get("components_before"))):
+        if parts:
+            note = f" ({parts['note']})" if "note" in parts else ""
+            L += ["", f"CPU seconds per step on one torch thread, {title}{note}: median of {parts['reps']} steps per "
+                  "configuration, interleaved in one process (collate, forward and loss, backward; no optimizer step):",
+                  "", *table("configuration | collate | forward + loss | backward | total | vs sigmoid",
+                             [[m, *(f"{t[k] * 1000:.1f} ms" for k in ("collate", "forward_loss", "backward", "total")),
+                               x(t["vs_sigmoid"], 3)] for m, t in parts["cpu_s"].items()])]
     for title, profiles in (("before", T.get("profiles_before")), ("this run", T.get("profiles"))):
         for mode, prof in ((profiles or {}).get("tables") or profiles or {}).items():
             if isinstance(prof, str):
