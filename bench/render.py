@@ -443,6 +443,13 @@ def render_topk_train(T: dict) -> list[str]:
                [[mode, ms(r["step"]), x(common.ratio(r["step"], base["step"]), 3),
                  f"{mb(r['maxrss_mb'])} ({x(r['maxrss_mb'] / base['maxrss_mb'], 3)})", mb(r["step_peak"]["median"])]
                 for mode, r in T["runs"].items()])
+    L += ["", "Where the time went before (profiles below, commit 07b0f2e): the policy's scores at the reference's ids "
+          "took a masked copy of each chunk's logits, isneginf / all / where passes over it, a second log-sum-exp, and "
+          "in the backward their gradients (each a tensor of the logits' size) summed by autograd. Now "
+          "(runtime/logprobs.py `_Distribution`) the log-probs, the scores at the ids and the tail come from one "
+          "exp(logits - max) with the ids zeroed, and the backward is the closed form in one such tensor; with ids the "
+          "head's elementwise work is below the plain log-softmax's, and what is left of a top-k step's extra is "
+          "collating the [tokens, K] columns and the [tokens, K + 1] KL arithmetic in the loss."]
     for title, parts in (("this run", T.get("components")), ("before", T.get("components_before"))):
         if parts:
             note = f" ({parts['note']})" if "note" in parts else ""
@@ -451,7 +458,8 @@ def render_topk_train(T: dict) -> list[str]:
                   "", *table("configuration | collate | forward + loss | backward | total | vs sigmoid",
                              [[m, *(f"{t[k] * 1000:.1f} ms" for k in ("collate", "forward_loss", "backward", "total")),
                                x(t["vs_sigmoid"], 3)] for m, t in parts["cpu_s"].items()])]
-    for title, profiles in (("before", T.get("profiles_before")), ("this run", T.get("profiles"))):
+    for title, profiles in (("before", T.get("profiles_before")), ("after", T.get("profiles_after")),
+                            ("this run", T.get("profiles"))):
         for mode, prof in ((profiles or {}).get("tables") or profiles or {}).items():
             if isinstance(prof, str):
                 note = f" ({profiles['note']})" if "note" in profiles else ""
