@@ -60,6 +60,12 @@ TARGETS = [  # (key, description, goal text, test)
      lambda v: v <= 1.10),
     ("topk_step_tdpo2", "training step, --loss-type tdpo2 (K=32) vs sigmoid on a plain cache (time)", "<= 1.10x",
      lambda v: v <= 1.10),
+    ("topk_precompute_cpu", "the same precompute-ref ratio in CPU seconds on one torch thread", "<= 1.15x",
+     lambda v: v <= 1.15),
+    ("topk_step_kl_cpu", "the same KL-metrics step ratio in CPU seconds on one torch thread", "<= 1.10x",
+     lambda v: v <= 1.10),
+    ("topk_step_tdpo2_cpu", "the same tdpo2 step ratio in CPU seconds on one torch thread", "<= 1.10x",
+     lambda v: v <= 1.10),
 ]
 
 
@@ -103,11 +109,17 @@ def measured(R: dict) -> dict:
     if "topk" in R:
         t = R["topk"]["time"]["run_s"]
         m["topk_precompute"] = _pair(t["32"], t["0"], "data/")
+        cpu = R["topk"]["time"].get("run_cpu_s_one_thread")
+        if cpu:
+            m["topk_precompute_cpu"] = _pair(cpu["32"], cpu["0"], "data/")
     if "topk-train" in R:
         T = R["topk-train"]
         where, runs = f"{T['size']['model']}@{T['size']['seq']}", T["runs"]
         for mode in ("kl", "tdpo2"):
             m[f"topk_step_{mode}"] = _pair(runs[mode]["step"], runs["sigmoid"]["step"], where)
+            if T.get("components"):
+                m[f"topk_step_{mode}_cpu"] = {"value": T["components"]["cpu_s"][mode]["vs_sigmoid"], "best": None,
+                                              "where": where, "spread": 1.0}
     return m
 
 
