@@ -239,8 +239,9 @@ def shard_table(ids, prompt_ids, chosen_ids, rejected_ids, chosen, rejected, top
             tokens = chosen_ids if side == "chosen" else rejected_ids
             if column.nested and any(np.shape(r) != (len(t), top_k) for r, t in zip(rows, tokens)):
                 raise ValueError(f"shard_table: {column.name} must hold {top_k} values per completion token")
-            if column.codec == "logp16":
-                rows = [_code_steps(encode_logps(r)) for r in rows]
+            if column.codec == "logp16" and rows:  # one call over the shard's tokens (codes, steps: per token)
+                codes = _code_steps(encode_logps(np.concatenate([np.asarray(r).reshape(-1, top_k) for r in rows])))
+                rows = np.split(codes, np.cumsum([len(t) for t in tokens])[:-1])
             build = _nested_array if column.nested else _list_array
             values[column.name] = build(rows, column.stored.value_type)
     return pa.Table.from_arrays([values[c.name] for c in columns], schema=shard_schema(top_k))
