@@ -445,6 +445,22 @@ def render_offload(O: dict) -> list[str]:
                     f"{layout.get('offload_folder_used')}."]
 
 
+def render_ranks(K: dict) -> list[str]:
+    size = K["size"]
+    L = [f"{size['model']} model; {size['shards']} shards of {size['rows_per_shard']} pairs, even shards up to "
+         f"{size['long']} tokens, odd ones up to {size['short']} (data sorted by source); `torchrun --standalone "
+         "--nproc-per-node 2` (gloo, one thread per rank) on the 2 cores, the two ways round-robin; the summary's "
+         f"per-rank scoring wall times (`{K['command']}`, 1-minute load average {K.get('loadavg_start')} -> "
+         f"{K['machine'].get('loadavg_1min')}: other processes share the cores, read the spreads side by side).", ""]
+    L += table("shards dealt | tokens per rank | slowest rank's scoring | spread (max - min) | spread / slowest | job "
+               "wall", [[w.replace("_", "-"), " / ".join(f"{t:,}" for t in r["rank_tokens"]), sec(r["slowest_rank_s"]),
+                         sec(r["spread_s"]), f"{r['spread_share']:.0%}", sec(r["job_wall_s"])]
+                        for w, r in K["ways"].items()])
+    return L + ["", f"Slowest rank, round-robin over by tokens: {x(K['slowest_rank_ratio'])}; both ways wrote the same "
+                    "shards byte for byte. The job's wall time is mostly start-up (imports, model load, the probe) "
+                    "at these sizes; the scoring phase is what the dealing changes."]
+
+
 def gf(v: float) -> str:
     return f"{v / 1e9:,.1f}"
 
@@ -583,7 +599,7 @@ def render_vocab(V: dict) -> list[str]:
     return L + V.get("notes", [])
 
 
-SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memory, offload, flops and vocab run only when asked
+SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memory, offload, flops, vocab and ranks run only when asked
     ("precompute", "1. Precompute throughput", render_precompute),
     ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
     ("train", "2. Training step and peak memory", render_train),
@@ -597,6 +613,7 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memo
     ("offload", "10. A reference split to disk (bench_offload.py)", render_offload),
     ("flops", "11. Useful FLOP/s against the machine's matmul rate (bench_flops.py)", render_flops),
     ("vocab", "12. A 128k vocabulary at sequence 2048 (bench_vocab.py)", render_vocab),
+    ("ranks", "13. Shards dealt to 2 ranks by tokens vs round-robin, skewed lengths (bench_ranks.py)", render_ranks),
 ]
 
 

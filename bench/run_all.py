@@ -28,7 +28,8 @@ PARTS = {  # part -> script; the default run
     "modes": "bench_modes.py",
 }
 SCRIPTS = {**PARTS, "sweep": "bench_sweep.py", "memory": "bench_memory.py",  # the whole-job parts: only when named
-           "offload": "bench_offload.py", "flops": "bench_flops.py", "vocab": "bench_vocab.py"}
+           "offload": "bench_offload.py", "flops": "bench_flops.py", "vocab": "bench_vocab.py",
+           "ranks": "bench_ranks.py"}
 
 
 def run_parts(parts: list[str], quick: bool, results: Path) -> dict:

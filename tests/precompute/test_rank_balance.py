@@ -63,3 +63,15 @@ def test_the_dealing_balances_these_shards():
     by_tokens = [sum(work[i] for i in r) for r in dealt]
     round_robin = [sum(work[0::2]), sum(work[1::2])]
     assert max(by_tokens) < max(round_robin) and max(by_tokens) - min(by_tokens) <= max(work)
+
+
+def test_a_rank_dealt_no_shard_still_agrees_on_the_auto_budget(llama_dir, tmp_path):
+    data = write_jsonl(tmp_path / "prefs.jsonl", skewed_rows(1, 3))  # one shard, two ranks
+    out = tmp_path / "cache"
+    two = run_in_session([*TORCHRUN, "-m", "precompute.cli", "--model", str(llama_dir), "--data", str(data), "--out",
+                          str(out), "--rows-per-shard", "3", "--no-progress", "--token-budget", "auto"], tmp_path)
+    assert re.search(r"tokens per rank: [\d,]+, 0\b", two.stderr), two.stderr
+    assert "rank 0/2: shard 1/1" in two.stderr and "rank 1/2: shard" not in two.stderr
+    assert "token budget: auto -> 16384" in two.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["computation"]["token_budget_resolved"]["tokens"] == 16384 and len(manifest["shards"]) == 1
