@@ -470,6 +470,22 @@ def render_offload(O: dict) -> list[str]:
                     f"{layout.get('offload_folder_used')}."]
 
 
+def render_ranks(K: dict) -> list[str]:
+    size = K["size"]
+    L = [f"{size['model']} model; {size['shards']} shards of {size['rows_per_shard']} pairs, even shards up to "
+         f"{size['long']} tokens, odd ones up to {size['short']} (data sorted by source); `torchrun --standalone "
+         "--nproc-per-node 2` (gloo, one thread per rank) on the 2 cores, the two ways round-robin; the summary's "
+         f"per-rank scoring wall times (`{K['command']}`, 1-minute load average {K.get('loadavg_start')} -> "
+         f"{K['machine'].get('loadavg_1min')}: other processes share the cores, read the spreads side by side).", ""]
+    L += table("shards dealt | tokens per rank | slowest rank's scoring | spread (max - min) | spread / slowest | job "
+               "wall", [[w.replace("_", "-"), " / ".join(f"{t:,}" for t in r["rank_tokens"]), sec(r["slowest_rank_s"]),
+                         sec(r["spread_s"]), f"{r['spread_share']:.0%}", sec(r["job_wall_s"])]
+                        for w, r in K["ways"].items()])
+    return L + ["", f"Slowest rank, round-robin over by tokens: {x(K['slowest_rank_ratio'])}; both ways wrote the same "
+                    "shards byte for byte. The job's wall time is mostly start-up (imports, model load, the probe) "
+                    "at these sizes; the scoring phase is what the dealing changes."]
+
+
 def gf(v: float) -> str:
     return f"{v / 1e9:,.1f}"
 
@@ -660,7 +676,7 @@ def render_topk_train(T: dict) -> list[str]:
     return L
 
 
-SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memory, offload, flops, vocab, topk and topk-train run only when asked
+SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memory, offload, flops, vocab, topk, topk-train and ranks run only when asked
     ("precompute", "1. Precompute throughput", render_precompute),
     ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
     ("train", "2. Training step and peak memory", render_train),
@@ -676,6 +692,7 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memo
     ("vocab", "12. A 128k vocabulary at sequence 2048 (bench_vocab.py)", render_vocab),
     ("topk", "13. Top-k cache: size and precompute time (bench_topk.py)", render_topk),
     ("topk-train", "14. Training step with a top-k cache: KL metrics, TDPO (bench_topk_train.py)", render_topk_train),
+    ("ranks", "15. Shards dealt to 2 ranks by tokens vs round-robin, skewed lengths (bench_ranks.py)", render_ranks),
 ]
 
 
