@@ -174,6 +174,9 @@ def _replay_way(root: Path, model, comp: dict, picked: pl.DataFrame, pad_id: int
     probe_at = sorted(set(size["at"].head(PROBE_ROWS // 2).to_list() + size["at"].tail(PROBE_ROWS // 2).to_list()))
     longest = int(size["n"].max()) if size.height else 0
     recorded = comp.get("token_budget")
+    if recorded == "auto":  # what `auto` came to on the machine that wrote the cache (a note beside it)
+        resolved = comp.get("token_budget_resolved")
+        recorded = resolved.get("tokens") if isinstance(resolved, dict) else None
     budget = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else \
         DEFAULT_TOKEN_BUDGET
     way = _Way(model, pad_id, top_k, effective_budget(model, budget, longest), left, name, None)

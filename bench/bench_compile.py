@@ -1,4 +1,4 @@
-"""Part 13: torch.compile of the scoring forward (precompute-ref --torch-compile) and of the training step
+"""Part 16: torch.compile of the scoring forward (precompute-ref --torch-compile) and of the training step
 (train-dpo --torch-compile, TrainingArguments' option), against the same work uncompiled, side by side.
 
 Useful FLOP/s and the matmul rate are bench_flops.py's (part 11: each prompt once, each completion once, no padding;

@@ -4,7 +4,8 @@ Sizes: precompute-ref on the embedded data/ (a trained model, vocabulary 1024: r
 synthetic pairs under an untrained 1M model with a 32k vocabulary (near-uniform top-k ids: the pessimistic case
 for the ids' dictionary encoding). Sizes are deterministic: one run per case. Time: the whole precompute-ref run on
 data/ (load, probe, score, write) and the scoring plus shard writing alone on the loaded model, K = 0 and K = 32
-round-robin (common.interleaved), so load from other processes falls on both alike.
+round-robin (common.interleaved), so load from other processes falls on both alike; and the whole run's CPU seconds
+on one torch thread, which load from other processes barely moves.
 
     .venv/bin/python bench/bench_topk.py [--quick]
 """
@@ -55,6 +56,25 @@ def sizes(model, data, work, name: str) -> dict:
     return rows
 
 
+def cpu_seconds(fns: dict, reps: int) -> dict:
+    """CPU seconds of each function on one torch thread, round-robin after a warm-up: a figure that other processes
+    on a shared machine barely move (wall-clock times there swing by several times)."""
+    threads = common.torch.get_num_threads()
+    common.torch.set_num_threads(1)
+    try:
+        for fn in fns.values():
+            fn()
+        out = {k: [] for k in fns}
+        for _ in range(reps):
+            for k, fn in fns.items():
+                t = time.process_time()
+                fn()
+                out[k].append(time.process_time() - t)
+    finally:
+        common.torch.set_num_threads(threads)
+    return {k: common.stats(v) for k, v in out.items()}
+
+
 def timing(model_dir, data, work, reps: int) -> dict:
     from precompute.job import Checkpoint
     from precompute.modes import score_pairs
@@ -64,6 +84,7 @@ def timing(model_dir, data, work, reps: int) -> dict:
 
     whole = common.interleaved({k: (lambda k=k: run(model_dir, data, work / f"time-k{k}", k)) for k in (0, 32)},
                                reps=reps, warmup=1)
+    whole_cpu = cpu_seconds({k: (lambda k=k: run(model_dir, data, work / f"time-k{k}", k)) for k in (0, 32)}, reps)
     checkpoint = Checkpoint.open(str(model_dir), False, None)
     model = checkpoint.load_model(common.torch.float32, common.torch.device("cpu"), None)
     encoded = usable_rows(load_rows(str(data), "train"), checkpoint.tokenizer, EncodingConfig(), "error", str(data))
@@ -81,6 +102,8 @@ def timing(model_dir, data, work, reps: int) -> dict:
     score = common.interleaved({k: (lambda k=k: score_and_write(k)) for k in (0, 32)}, reps=reps, warmup=1)
     write = {k: score_and_write(k) for k in (0, 32)}
     return {"run_s": whole, "run_ratio_k32_over_k0": common.ratio(whole[32], whole[0]),
+            "run_cpu_s_one_thread": whole_cpu,
+            "run_cpu_ratio_k32_over_k0": common.ratio(whole_cpu[32], whole_cpu[0]),
             "score_and_write_s": score, "score_ratio_k32_over_k0": common.ratio(score[32], score[0]),
             "write_s": write}
 
@@ -89,21 +112,21 @@ def main():
     ap = common.parser(__doc__)
     args = ap.parse_args()
     common.quiet()
-    work = common.workdir("topk")
-    model_dir, data = common.sft_data()
-    result = {"data/": sizes(model_dir, data / "train.jsonl", work, "data")}
-    big = work / "model-32k"
-    common.build_llama("1M", vocab=32768).save_pretrained(big, safe_serialization=True)
-    common.word_tokenizer(32768).save_pretrained(big)
-    synthetic = common.write_jsonl(work / "synthetic.jsonl", common.synthetic_pairs(16 if args.quick else 64, 256,
-                                                                                     32768))
-    result["1M, vocab 32k, untrained"] = sizes(big, synthetic, work, "32k")
-    result["time"] = timing(model_dir, data / "train.jsonl", work, reps=1 if args.quick else 3)
+    with common.workdir("topk") as work:
+        model_dir, data = common.sft_data()
+        result = {"data/": sizes(model_dir, data / "train.jsonl", work, "data")}
+        big = work / "model-32k"
+        common.build_llama("1M", vocab=32768).save_pretrained(big, safe_serialization=True)
+        common.word_tokenizer(32768).save_pretrained(big)
+        synthetic = common.write_jsonl(work / "synthetic.jsonl", common.synthetic_pairs(16 if args.quick else 64, 256,
+                                                                                         32768))
+        result["1M, vocab 32k, untrained"] = sizes(big, synthetic, work, "32k")
+        result["time"] = timing(model_dir, data / "train.jsonl", work, reps=1 if args.quick else 5)
     t = result["time"]
     print(f"precompute-ref on data/: K=32 / K=0 = {t['run_ratio_k32_over_k0']:.2f}x (whole run), "
-          f"{t['score_ratio_k32_over_k0']:.2f}x (scoring + shard write)")
-    print(common.save("topk", result, args.quick))
-    shutil.rmtree(work, ignore_errors=True)
+          f"{t['score_ratio_k32_over_k0']:.2f}x (scoring + shard write), {t['run_cpu_ratio_k32_over_k0']:.2f}x (whole "
+          "run, CPU seconds on one thread)")
+    print(common.save("topk", result, args))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import common
 
-ORDER = ("precompute", "train", "verify", "gather", "size", "scaling", "modes")  # machine and load lines: these parts
+ORDER = ("precompute", "train", "verify", "gather", "size", "scaling", "modes", "topk", "topk-train")  # machine and load lines: these parts
 
 
 def load(results: Path, device: str) -> dict:
@@ -65,6 +65,17 @@ TARGETS = [  # (key, description, goal text, test)
      lambda v: v <= 0.5),
     ("vocab_precompute_mem", "128k vocabulary, seq 2048: precompute-ref peak RSS above the weights (GiB)",
      "<= 1 GiB", lambda v: v <= 1.0),
+    ("topk_precompute", "precompute-ref --top-k 32 vs 0, whole run (time)", "<= 1.15x", lambda v: v <= 1.15),
+    ("topk_step_kl", "training step with the top-k KL metrics (K=32) vs sigmoid on a plain cache (time)", "<= 1.10x",
+     lambda v: v <= 1.10),
+    ("topk_step_tdpo2", "training step, --loss-type tdpo2 (K=32) vs sigmoid on a plain cache (time)", "<= 1.10x",
+     lambda v: v <= 1.10),
+    ("topk_precompute_cpu", "the same precompute-ref ratio in CPU seconds on one torch thread", "<= 1.15x",
+     lambda v: v <= 1.15),
+    ("topk_step_kl_cpu", "the same KL-metrics step ratio in CPU seconds on one torch thread", "<= 1.10x",
+     lambda v: v <= 1.10),
+    ("topk_step_tdpo2_cpu", "the same tdpo2 step ratio in CPU seconds on one torch thread", "<= 1.10x",
+     lambda v: v <= 1.10),
 ]
 
 
@@ -116,6 +127,20 @@ def measured(R: dict) -> dict:
         m["vocab_train_mem"] = _share(R["vocab"]["ours_vs_trl_precompute"], "128k vocab, seq 2048")
     if "vocab" in R and "precompute_over_weights_mb" in R["vocab"]:
         m["vocab_precompute_mem"] = _share(R["vocab"]["precompute_over_weights_mb"] / 1024, "128k vocab, seq 2048")
+    if "topk" in R:
+        t = R["topk"]["time"]["run_s"]
+        m["topk_precompute"] = _pair(t["32"], t["0"], "data/")
+        cpu = R["topk"]["time"].get("run_cpu_s_one_thread")
+        if cpu:
+            m["topk_precompute_cpu"] = _pair(cpu["32"], cpu["0"], "data/")
+    if "topk-train" in R:
+        T = R["topk-train"]
+        where, runs = f"{T['size']['model']}@{T['size']['seq']}", T["runs"]
+        for mode in ("kl", "tdpo2"):
+            m[f"topk_step_{mode}"] = _pair(runs[mode]["step"], runs["sigmoid"]["step"], where)
+            if T.get("components"):
+                m[f"topk_step_{mode}_cpu"] = {"value": T["components"]["cpu_s"][mode]["vs_sigmoid"], "best": None,
+                                              "where": where, "spread": 1.0}
     return m
 
 
@@ -445,6 +470,22 @@ def render_offload(O: dict) -> list[str]:
                     f"{layout.get('offload_folder_used')}."]
 
 
+def render_ranks(K: dict) -> list[str]:
+    size = K["size"]
+    L = [f"{size['model']} model; {size['shards']} shards of {size['rows_per_shard']} pairs, even shards up to "
+         f"{size['long']} tokens, odd ones up to {size['short']} (data sorted by source); `torchrun --standalone "
+         "--nproc-per-node 2` (gloo, one thread per rank) on the 2 cores, the two ways round-robin; the summary's "
+         f"per-rank scoring wall times (`{K['command']}`, 1-minute load average {K.get('loadavg_start')} -> "
+         f"{K['machine'].get('loadavg_1min')}: other processes share the cores, read the spreads side by side).", ""]
+    L += table("shards dealt | tokens per rank | slowest rank's scoring | spread (max - min) | spread / slowest | job "
+               "wall", [[w.replace("_", "-"), " / ".join(f"{t:,}" for t in r["rank_tokens"]), sec(r["slowest_rank_s"]),
+                         sec(r["spread_s"]), f"{r['spread_share']:.0%}", sec(r["job_wall_s"])]
+                        for w, r in K["ways"].items()])
+    return L + ["", f"Slowest rank, round-robin over by tokens: {x(K['slowest_rank_ratio'])}; both ways wrote the same "
+                    "shards byte for byte. The job's wall time is mostly start-up (imports, model load, the probe) "
+                    "at these sizes; the scoring phase is what the dealing changes."]
+
+
 def gf(v: float) -> str:
     return f"{v / 1e9:,.1f}"
 
@@ -641,7 +682,59 @@ def render_vocab(V: dict) -> list[str]:
     return L + V.get("notes", [])
 
 
-SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memory, offload, flops, vocab and compile run only when asked
+def render_topk(K: dict) -> list[str]:
+    L = table("case | K | bytes per completion token | top-k columns, bytes per token",
+              [[case, k, f"{r['bytes_per_completion_token']:.1f}",
+                ", ".join(f"{c} {v:.2f}" for c, v in r["per_column_per_token"].items()) or "-"]
+               for case, rows in K.items() if isinstance(rows, dict) and "0" in rows for k, r in rows.items()])
+    t = K["time"]
+    L += ["", "Precompute time on data/ (full_forward), K = 32 and K = 0 round-robin:", "",
+          *table("what | K = 0 | K = 32 | K=32 / K=0",
+                 [["whole precompute-ref run (load, probe, score, write)", sec(t["run_s"]["0"]), sec(t["run_s"]["32"]),
+                   x(t["run_ratio_k32_over_k0"], 3)],
+                  ["scoring and shard writing on the loaded model", sec(t["score_and_write_s"]["0"]),
+                   sec(t["score_and_write_s"]["32"]), x(t["score_ratio_k32_over_k0"], 3)]]
+                 + ([["whole run, CPU seconds on one torch thread", sec(t["run_cpu_s_one_thread"]["0"]),
+                      sec(t["run_cpu_s_one_thread"]["32"]), x(t["run_cpu_ratio_k32_over_k0"], 3)]]
+                    if "run_cpu_s_one_thread" in t else []))]
+    return L
+
+
+def render_topk_train(T: dict) -> list[str]:
+    s, base = T["size"], T["runs"]["sigmoid"]
+    L = [f"{s['model']} model ({T['params'] / 1e6:.1f}M parameters), sequences up to {s['seq']} tokens, batch "
+         f"{s['batch']} pairs, {T['pairs']} pairs; top-k cache K = {T['top_k']}; {s['rounds']} rounds x "
+         f"({s['warmup']} warm-up + {s['steps']} timed steps) per configuration, each round a fresh process.", ""]
+    L += table("configuration | step time | vs sigmoid | peak RSS (process, to last step) | steady per-step peak RSS",
+               [[mode, ms(r["step"]), x(common.ratio(r["step"], base["step"]), 3),
+                 f"{mb(r['maxrss_mb'])} ({x(r['maxrss_mb'] / base['maxrss_mb'], 3)})", mb(r["step_peak"]["median"])]
+                for mode, r in T["runs"].items()])
+    L += ["", "Where the time went before (profiles below, commit 07b0f2e): the policy's scores at the reference's ids "
+          "took a masked copy of each chunk's logits, isneginf / all / where passes over it, a second log-sum-exp, and "
+          "in the backward their gradients (each a tensor of the logits' size) summed by autograd. Now "
+          "(runtime/logprobs.py `_Distribution`) the log-probs, the scores at the ids and the tail come from one "
+          "exp(logits - max) with the ids zeroed, and the backward is the closed form in one such tensor; with ids the "
+          "head's elementwise work is below the plain log-softmax's, and what is left of a top-k step's extra is "
+          "collating the [tokens, K] columns and the [tokens, K + 1] KL arithmetic in the loss."]
+    for title, parts in (("this run", T.get("components")), ("before", T.get("components_before"))):
+        if parts:
+            note = f" ({parts['note']})" if "note" in parts else ""
+            L += ["", f"CPU seconds per step on one torch thread, {title}{note}: median of {parts['reps']} steps per "
+                  "configuration, interleaved in one process (collate, forward and loss, backward; no optimizer step):",
+                  "", *table("configuration | collate | forward + loss | backward | total | vs sigmoid",
+                             [[m, *(f"{t[k] * 1000:.1f} ms" for k in ("collate", "forward_loss", "backward", "total")),
+                               x(t["vs_sigmoid"], 3)] for m, t in parts["cpu_s"].items()])]
+    for title, profiles in (("before", T.get("profiles_before")), ("after", T.get("profiles_after")),
+                            ("this run", T.get("profiles"))):
+        for mode, prof in ((profiles or {}).get("tables") or profiles or {}).items():
+            if isinstance(prof, str):
+                note = f" ({profiles['note']})" if "note" in profiles else ""
+                L += ["", f"<details><summary>torch.profiler, {mode}, {title}{note}: 2 steps after a warm-up (top ops "
+                      "by self time)</summary>", "", "```", prof.rstrip(), "```", "</details>"]
+    return L
+
+
+SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on run only when asked
     ("precompute", "1. Precompute throughput", render_precompute),
     ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
     ("train", "2. Training step and peak memory", render_train),
@@ -655,7 +748,10 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memo
     ("offload", "10. A reference split to disk (bench_offload.py)", render_offload),
     ("flops", "11. Useful FLOP/s against the machine's matmul rate (bench_flops.py)", render_flops),
     ("vocab", "12. A 128k vocabulary at sequence 2048 (bench_vocab.py)", render_vocab),
-    ("compile", "13. torch.compile of the scoring forward and the training step (bench_compile.py)", render_compile),
+    ("topk", "13. Top-k cache: size and precompute time (bench_topk.py)", render_topk),
+    ("topk-train", "14. Training step with a top-k cache: KL metrics, TDPO (bench_topk_train.py)", render_topk_train),
+    ("ranks", "15. Shards dealt to 2 ranks by tokens vs round-robin, skewed lengths (bench_ranks.py)", render_ranks),
+    ("compile", "16. torch.compile of the scoring forward and the training step (bench_compile.py)", render_compile),
 ]
 
 

@@ -230,8 +230,9 @@ def _precision_text(note: dict | None) -> str:
     expected = note["loss_at_reference"]
     if expected is None:  # (an RPO term: no data-free value to compare with)
         return text + f" (step 1's mean per-token log-ratio {note['step_1_logratio']:.2e}, not 0)"
-    named = " = ln 2" if abs(expected - math.log(2)) < 1e-7 else ""
-    return text + f": step 1's loss is {note['step_1_loss']:.6f}, not {expected:.6f}{named}"
+    shown = f"{expected:.6f}"
+    named = " = ln 2" if shown == f"{math.log(2):.6f}" else ""  # a label for the digits shown, not a tolerance
+    return text + f": step 1's loss is {note['step_1_loss']:.6f}, not {shown}{named}"
 
 
 @click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

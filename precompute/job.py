@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+import numpy as np
 import torch
 
 from runtime.cli import field_help
 from runtime.hub import origin
 from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype, software_versions
 from runtime.data import Encoded, load_rows, usable_rows
-from runtime.distributed import Dist, distributed
+from runtime.budget import DEFAULT_TOKEN_BUDGET, auto_budget, parse_token_budget
+from runtime.distributed import Dist, balanced_assignment, distributed
 from runtime import locks
 from runtime.errors import JobError
 from runtime.logprobs import verified_head
@@ -61,8 +63,11 @@ class PrecomputeConfig:
         "Split to read: a file or folder named after it (train, test/eval, validation, as datasets.load_dataset "
         "resolves them) or a DatasetDict split.", "Data"))
     encoding: EncodingConfig = field(default_factory=EncodingConfig, metadata={"cli": False})  # its own options
-    token_budget: int = field(default=16384, metadata=field_help(
-        "Padded tokens per forward batch (batch size x longest sequence).", "Computation", min=1))
+    token_budget: int | str = field(default=DEFAULT_TOKEN_BUDGET, metadata=field_help(
+        "Padded tokens per forward batch (batch size x longest sequence), or auto: on CUDA sized from the memory "
+        "free after loading the model and the model's shapes (hidden size, layers, vocabulary, dtype; kv_cache's "
+        f"keys and values), logged and recorded; on CPU auto keeps {DEFAULT_TOKEN_BUDGET}, lowered only when the "
+        "available memory is short.", "Computation", parse=parse_token_budget, metavar="TOKENS|auto"))
     rows_per_shard: int = field(default=2048, metadata=field_help("Pairs per Parquet shard.", "Output", min=1))
     dtype: str = field(default="auto", metadata=field_help(
         "Reference precision; auto is bfloat16 on CUDA and float32 on CPU.", "Computation",
@@ -154,11 +159,12 @@ def run_precompute(cfg: PrecomputeConfig, log=print) -> dict:
 
 def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     t0 = time.perf_counter()
+    rank_log = log if dist.world > 1 else None  # every rank's own progress lines
     log = log if dist.rank == 0 else (lambda _m: None)
     job = _plan(cfg, log, dist)
     with contextlib.ExitStack() as lock:
         resume = dist.share(lambda: _resume(cfg, job, lock, log))  # rank 0 holds the lock for the whole job
-        scored = _score(cfg, job, resume, log, dist, lock)
+        scored = _score(cfg, job, resume, log, dist, lock, rank_log)
         if dist.rank != 0:
             return {"rank": dist.rank, "shards_scored": scored["mine"]}
         entries = _finish(cfg, job, scored)
@@ -168,6 +174,10 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
 def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     """Read and encode the data, compute the stamps and cut the rows into shards; nothing is written yet."""
     out = Path(cfg.out)
+    try:
+        cfg.token_budget = parse_token_budget(cfg.token_budget)
+    except ValueError as e:
+        raise JobError(f"--token-budget: {e}") from None
     origins = {"model": origin(cfg.model, "model")}
     cfg.model = origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
@@ -229,33 +239,61 @@ def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) ->
     return resume
 
 
-def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, stack: contextlib.ExitStack) -> dict:
+def shard_work(encoded: Encoded, shards: list[dict]) -> list[int]:
+    """Tokens each shard runs through the model in the plain forward: [prompt | chosen] and [prompt | rejected] of
+    every pair."""
+    seqs = np.array([2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs],
+                    dtype=np.int64)
+    return [int(seqs[s["start"] : s["stop"]].sum()) for s in shards]
+
+
+def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, stack: contextlib.ExitStack,
+           rank_log=None) -> dict:
     """Load the model (only when this rank has shards to score), check the computation it actually gives against
-    what the kept shards record, and score this rank's shards."""
+    what the kept shards record, and score this rank's shards. Shards are dealt to ranks by their tokens (longest
+    first, each to the least loaded rank) so that ranks finish together; each rank writes its own, so the cache is
+    the same whoever scores a shard."""
     todo = [s for s in job.plan if s["file"] not in resume.done]
-    mine = todo[dist.rank :: dist.world]  # shards go round-robin to ranks; each rank writes its own
-    stats = {"tokens": 0, "processed": 0, "slots": 0, "written": {}, "computation": None}
-    if mine:
+    work = shard_work(job.encoded, todo)
+    dealt = balanced_assignment(work, dist.world)
+    mine = [todo[i] for i in dealt[dist.rank]]
+    stats = {"tokens": 0, "processed": 0, "slots": 0, "written": {}, "computation": None, "wall_s": 0.0}
+    if todo:
         log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
             f"({len(resume.done)} already done) on {dist.world} x {job.device.type} in "
-            f"{str(job.dtype).removeprefix('torch.')}")
-        model, computation, mode, pad_id, budget = _load(cfg, job, log, stack)
+            f"{str(job.dtype).removeprefix('torch.')}" + (
+                "; tokens per rank: " + ", ".join(f"{sum(work[i] for i in r):,}" for r in dealt)
+                if dist.world > 1 else ""))
+    loaded = _load(cfg, job, log, stack) if mine else None
+    if cfg.token_budget == "auto":  # every rank scores with the same budget: the least any rank's memory allows
+        notes = dist.gather(loaded[-1].note() if loaded else None)
+        agreed = min((n for n in notes if n is not None), key=lambda n: n["tokens"], default=None)
+        if agreed is not None:
+            log(f"token budget: auto -> {agreed['tokens']} ({agreed['why']})")
+    if loaded:
+        model, computation, mode, pad_id, budget, _sized = loaded
+        if cfg.token_budget == "auto":
+            computation = {**computation, "token_budget_resolved": agreed}  # a note (COMPUTATION_NOTES)
+            budget = effective_budget(model, agreed["tokens"], _longest(job.encoded))
         if resume.computation is not None:  # compared after load, before any row is scored
             differs = rules.computation_findings(resume.computation, computation, where=str(job.out),
                                                   remedy=COMPUTATION)
             if differs:
                 raise JobError(f"{differs[0].message}; {differs[0].remedy}")
         stats = {**_score_shards(model, job.encoded, mine, job.out, job.stamps, cfg, pad_id, mode, computation,
-                                 dist.rank == 0, budget), "computation": computation}
-    if dist.world > 1:
-        box = [None] * dist.world
-        torch.distributed.all_gather_object(box, stats)  # also the barrier before the manifest
-        made = [b["computation"] for b in box if b["computation"] is not None]
-        stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")},
-                 "computation": made[0] if made else None,
-                 "written": {f: e for b in box for f, e in b["written"].items()}}
-    stats["computation"] = stats["computation"] or resume.computation
+                                 dist.rank == 0, budget, rank_log, dist), "computation": computation}
+    box = dist.gather(stats)  # also the barrier before the manifest
+    made = [b["computation"] for b in box if b["computation"] is not None]
+    stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")},
+             "computation": (made[0] if made else None) or resume.computation,
+             "written": {f: e for b in box for f, e in b["written"].items()},
+             "rank_wall_s": [b["wall_s"] for b in box]}
     return {**stats, "mine": len(mine), "todo": todo}
+
+
+def _longest(encoded: Encoded) -> int:
+    """The job's longest prompt + completion."""
+    return max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in encoded.pairs)
 
 
 def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
@@ -272,7 +310,9 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
     seq = lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
     longest_pair = max(encoded.pairs, key=seq)
     longest = seq(longest_pair)
-    budget = effective_budget(model, cfg.token_budget, longest)
+    # auto: the mode is weighed at the default budget (the same on every rank and machine), the budget sized for it
+    requested = DEFAULT_TOKEN_BUDGET if cfg.token_budget == "auto" else cfg.token_budget
+    budget = effective_budget(model, requested, longest)
     vocab = model.get_output_embeddings().weight.shape[0]
     if cfg.top_k > vocab:
         raise JobError(f"--top-k {cfg.top_k} is more than the model's vocabulary of {vocab} tokens; pass at most "
@@ -282,10 +322,11 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
                    "head": verified_head(model), "batching": REGISTRY[mode].description,
                    **({"layout": layout} if layout else {})}  # a note, not compared on a rerun (COMPUTATION_NOTES)
+    sized = auto_budget(model, mode, computation["head"], longest) if cfg.token_budget == "auto" else None
     if cfg.torch_compile:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
         model, computation["compiled"] = compiled_scorer(
             model, mode, probe_pairs(first, long_pairs=[longest_pair]), pad, cfg.top_k, log)
-    return model, computation, mode, pad, budget
+    return model, computation, mode, pad, budget, sized
 
 
 def _load_dispatched(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
@@ -390,6 +431,7 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
         "mode": scored["computation"]["mode"],
         "wall_s": wall,
         "tokens_per_s": scored["tokens"] / wall if wall else 0.0,
+        "rank_wall_s": scored["rank_wall_s"],  # each rank's scoring wall time (torchrun: spread = max - min)
         "bytes": size,
         "bytes_per_completion_token": size / completion_tokens,
     }
@@ -415,7 +457,8 @@ def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint 
 
 
 def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computation, show_progress: bool,
-                  budget: int) -> dict:
+                  budget: int, rank_log=None, dist: Dist | None = None) -> dict:
+    """Score `todo`'s shards and write them; `rank_log` (under torchrun): this rank's line after each shard."""
     from tqdm.auto import tqdm
 
     total = {"tokens": 0, "processed": 0, "slots": 0, "written": {}}
@@ -428,7 +471,8 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
         bar.update(pairs)
         bar.set_postfix_str(f"{total['live'] / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
 
-    for shard in todo:
+    done = 0
+    for n, shard in enumerate(todo, 1):
         pairs = encoded.pairs[shard["start"] : shard["stop"]]
         chosen, rejected, stats = score_pairs(model, pairs, pad_id, budget, mode, tick, top_k=cfg.top_k)
         table = fmt.shard_table(
@@ -441,7 +485,14 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
             encoding=cfg.encoding, computation=computation)
         for key in stats:
             total[key] += stats[key]
+        done += len(pairs)
+        if rank_log is not None:
+            seconds = time.perf_counter() - t0
+            with tqdm.external_write_mode(file=sys.stderr):  # around rank 0's bar
+                rank_log(f"rank {dist.rank}/{dist.world}: shard {n}/{len(todo)} ({shard['file']}) done, "
+                         f"{done / seconds:,.1f} pairs/s, {total['tokens'] / seconds:,.0f} tokens/s")
     bar.close()
+    total["wall_s"] = time.perf_counter() - t0
     return total
 
 

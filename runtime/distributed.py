@@ -52,6 +52,16 @@ class Dist:
             raise outcome[1]
         return outcome[1]
 
+    def gather(self, value) -> list:
+        """Every rank's `value`, by rank, on every rank (also a barrier); [value] in one process."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed
+
+        box = [None] * self.world
+        torch.distributed.all_gather_object(box, value)
+        return box
+
     def barrier(self):
         if self.world > 1:
             import torch.distributed
@@ -73,3 +83,16 @@ def distributed():
     finally:
         if started:
             torch.distributed.destroy_process_group()
+
+
+def balanced_assignment(work: list[float], world: int) -> list[list[int]]:
+    """Items (indices into `work`, e.g. shards by their tokens) dealt to `world` ranks so that ranks finish together:
+    longest-processing-time first, each item in turn (most work first, ties by index) to the rank with the least
+    work so far (ties: the lowest rank). Deterministic, so every rank computes the same assignment; each item goes to
+    exactly one rank, each rank's items in index order; a rank may get none (fewer items than ranks)."""
+    load, ranks = [0.0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        ranks[r].append(i)
+        load[r] += work[i]
+    return [sorted(r) for r in ranks]

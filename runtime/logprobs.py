@@ -50,27 +50,76 @@ def _project(inner, hidden: torch.Tensor) -> torch.Tensor:
 def _scores(logits: torch.Tensor, targets: torch.Tensor, top_k: int, given: torch.Tensor | None = None) -> tuple:
     """(logps[, ids, their logps, tail]) of one chunk of float32 logits: log_softmax at the targets and, with
     `top_k`, its k largest values with their ids, or with `given` ([n, K] ids per position, e.g. the reference's top
-    k scored under the policy) the values at those ids; the tail is the log of the mass outside the ids, a
-    log-sum-exp over the other tokens themselves (no 1 - sum: no cancellation), -inf where the ids cover the whole
-    vocabulary (with a zero, not NaN, gradient there)."""
+    k scored under the policy) the values at those ids; the tail is the log of the mass outside the ids, a sum over
+    the other tokens themselves (no 1 - sum: no cancellation), -inf where the ids cover the whole vocabulary (with a
+    zero, not NaN, gradient there). See _Distribution."""
     # a model split by a device map (runtime/placement.py) may put its head on another device than its inputs
     targets = targets.to(logits.device)
     given = given.to(logits.device) if given is not None else None
-    norm = torch.logsumexp(logits, dim=-1, keepdim=True)
-    logps = logits.gather(-1, targets[:, None]).squeeze(-1) - norm[:, 0]
     if not top_k and given is None:
-        return (logps,)
-    if given is None:
-        picked, ids = logits.topk(top_k, dim=-1)  # the order of the logits is the log-softmax's
-    else:
-        ids = given
-        picked = logits.gather(-1, ids)
-    # the rest, in place where no gradient needs the logits (the chunk is this function's own copy)
-    rest = logits.scatter_ if not (torch.is_grad_enabled() and logits.requires_grad) else logits.scatter
-    others = rest(-1, ids, float("-inf"))
-    empty = torch.isneginf(others).all(-1)
-    tail = torch.where(empty, float("-inf"), torch.where(empty[:, None], 0.0, others).logsumexp(-1) - norm[:, 0])
-    return logps, ids, picked - norm, tail
+        norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+        return (logits.gather(-1, targets[:, None]).squeeze(-1) - norm[:, 0],)
+    ids = logits.topk(top_k, dim=-1)[1] if given is None else given  # the order of the logits is the log-softmax's
+    logps, picked, tail = _Distribution.apply(logits, targets, ids)
+    return logps, ids, picked, tail
+
+
+# A tail sum below this (relative to the largest logit's term) is recomputed against its own largest term: exp(x - max)
+# would lose it to underflow. Above it, the largest term outside the ids is a normal float32 for any vocabulary below
+# 2**40, so the sum keeps float32's relative precision.
+_TAIL_RESCALE = 2.0**-64
+
+
+class _Distribution(torch.autograd.Function):
+    """logps [n], picked [n, K] and tail [n] of float32 logits [n, V] at `targets` [n] and `ids` [n, K]: x_t - N,
+    x_ids - N and log(sum over v outside ids of exp(x_v)) - N, N = logsumexp(x), from one exp(x - max) per chunk.
+
+    N is torch.logsumexp's own arithmetic (the max, exp(x - max), its sum, log + max: bit for bit, so logps equal
+    the plain path's), and the tail sums the same exp(x - max) with the ids zeroed, so the distribution costs one
+    pass over the vocabulary more than the log-probs alone, not a second masked copy and log-sum-exp. Rows whose
+    tail is too small for that sum (_TAIL_RESCALE; also rows whose ids cover the vocabulary) are recomputed as a
+    log-sum-exp over a masked copy of their own logits. The backward is the closed form, one [n, V] tensor:
+    d/dx_v = [v = t] g_logps + sum_j [v = id_j] g_picked_j + [v not in ids] g_tail q_v - G p_v, with p the softmax,
+    q the softmax over the tokens outside the ids and G = g_logps + sum g_picked + g_tail."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, ids):
+        top = logits.amax(-1, keepdim=True)
+        top = top.masked_fill(top.abs() == float("inf"), 0.0)  # as torch.logsumexp
+        e = (logits - top).exp_()
+        s = e.sum(-1, keepdim=True)
+        norm = s.log() + top
+        logps = logits.gather(-1, targets[:, None]).squeeze(-1) - norm[:, 0]
+        picked = logits.gather(-1, ids) - norm
+        e.scatter_(-1, ids, 0.0)
+        r = e.sum(-1)
+        tail = r.log() + top[:, 0] - norm[:, 0]
+        again = (r < _TAIL_RESCALE).nonzero()[:, 0]
+        others, rest = logits.new_zeros(0, logits.shape[1]), logits.new_zeros(0)
+        if len(again):
+            others = logits[again].scatter(-1, ids[again], float("-inf"))
+            empty = torch.isneginf(others).all(-1)
+            rest = torch.where(empty, float("-inf"), torch.where(empty[:, None], 0.0, others).logsumexp(-1))
+            tail[again] = rest - norm[again, 0]
+        ctx.save_for_backward(e, s, r, picked, targets, ids, again, others, rest)
+        return logps, picked, tail
+
+    @staticmethod
+    def backward(ctx, g_logps, g_picked, g_tail):
+        e, s, r, picked, targets, ids, again, others, rest = ctx.saved_tensors
+        g_logps = torch.zeros_like(r) if g_logps is None else g_logps
+        g_picked = torch.zeros_like(picked) if g_picked is None else g_picked
+        g_tail = torch.zeros_like(r) if g_tail is None else g_tail
+        total = g_logps + g_picked.sum(-1) + g_tail
+        on_tail = torch.where(r > 0, g_tail / r, 0.0).index_fill(0, again, 0.0)
+        grad = e * (on_tail - total / s[:, 0])[:, None]  # outside the ids (e is 0 at them)
+        grad.scatter_(-1, ids, -total[:, None] * picked.exp())  # at the ids: the softmax term alone (ids may repeat)
+        grad.scatter_add_(-1, ids, g_picked)
+        grad.scatter_add_(-1, targets[:, None], g_logps[:, None])
+        if len(again):
+            q = torch.where(torch.isinf(rest)[:, None], 0.0, (others - rest[:, None]).exp())
+            grad[again] += g_tail[again, None] * q
+        return grad, None, None
 
 
 def _chunk_scores(inner, hidden: torch.Tensor, targets: torch.Tensor, top_k: int = 0, given=None) -> tuple:
@@ -136,7 +185,7 @@ def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: in
     head = head or verified_head(model)
     inner = unwrap(model)
     width = _width(top_k, given)
-    # ids under grad hold a masked copy of the chunk's logits beside them: half the positions
+    # with ids, exp(logits - max) is held beside the chunk's logits: half the positions
     step = max(1, chunk_elements // (inner.get_output_embeddings().weight.shape[0] * (2 if width else 1)))
     if head != "hook":
         return _own_logits(model, inputs, rows, sources, targets, step, return_output, head == "logits_to_keep",
@@ -239,7 +288,20 @@ def reference_top_k(model, prompt_ids: list[int], completion_ids: list[int], k: 
     """The truth for a top-k cache, from `reference_log_softmax`: per completion token the k most probable ids
     ([T, k], most probable first), their log-probs ([T, k]) and the tail, the log of the probability mass outside
     them ([T]), as a log-sum-exp over those tokens themselves (no cancellation; -inf when k is the vocabulary)."""
+    return _top_k(reference_log_softmax(model, prompt_ids, completion_ids), k)
+
+
+def reference_scores(model, prompt_ids: list[int], completion_ids: list[int], k: int) -> TokenScores:
+    """`reference_logps` and `reference_top_k` of one completion from one forward (the probe's truth)."""
     logps = reference_log_softmax(model, prompt_ids, completion_ids)
+    return TokenScores(_at_tokens(logps, completion_ids), *_top_k(logps, k))
+
+
+def _at_tokens(logps: torch.Tensor, completion_ids: list[int]) -> torch.Tensor:
+    return logps.gather(-1, torch.as_tensor(list(completion_ids), device=logps.device)[:, None]).squeeze(-1)
+
+
+def _top_k(logps: torch.Tensor, k: int) -> tuple:
     top_logps, top_ids = logps.topk(k, dim=-1)
     rest = logps.scatter(-1, top_ids, float("-inf"))
     return top_ids, top_logps, rest.logsumexp(-1)

@@ -5,9 +5,12 @@ a job records. Nothing here loads or computes on its own: the numbers stay the m
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import JobError
+
+if TYPE_CHECKING:  # torch only where a device is made: audit-ref's report describes a layout without it
+    import torch
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # the strategies from_pretrained takes by name
 
@@ -74,6 +77,8 @@ def main_device(max_memory: dict | None, fallback: torch.device) -> torch.device
     """The device a dispatched model computes on first (accelerate's main device): the CPU when the budget names
     no GPU, else what --device auto gives."""
     if max_memory is not None and all(not isinstance(d, int) for d in max_memory):
+        import torch
+
         return torch.device("cpu")
     return fallback
 
@@ -82,6 +87,8 @@ def input_device(model) -> torch.device:
     """Where a model's input ids go: for a model dispatched by a device map the first accelerator it uses, else
     the CPU (accelerate's hooks move each layer's inputs and weights from there); for any other model, its
     parameters' device."""
+    import torch
+
     placed = getattr(model, "hf_device_map", None)
     if placed:
         on = [d for d in placed.values() if d not in ("cpu", "disk")]

@@ -11,23 +11,16 @@ import torch
 from schemas.encoding import EncodedPair
 from schemas.format import TokenScores
 
-from .logprobs import reference_logps, reference_top_k, unwrap
+from .logprobs import reference_logps, reference_scores, reference_top_k, unwrap
 from .tolerance import probe_tolerance
 
 
 def reference_values(model, pairs: list[EncodedPair], top_k: int = 0) -> list:
     """reference_logps of each pair's chosen, then its rejected completion: [chosen 0, rejected 0, chosen 1, ...];
     with top_k, TokenScores holding reference_top_k's ids, log-probs and tail beside them."""
-    return [reference_scores(model, p.prompt_ids, c, top_k) if top_k else
+    return [reference_scores(model, p.prompt_ids, c, top_k).map(_numpy) if top_k else
             reference_logps(model, p.prompt_ids, c).cpu().numpy()
             for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
-
-
-def reference_scores(model, prompt: list[int], completion: list[int], top_k: int) -> TokenScores:
-    """The truth's TokenScores of one completion (numpy): reference_logps and reference_top_k."""
-    top_ids, top_logps, tail = reference_top_k(model, prompt, completion, top_k)
-    return TokenScores(reference_logps(model, prompt, completion), top_ids, top_logps, tail).map(
-        lambda v: v.cpu().numpy())
 
 
 def top_k_disagreement(model, got: list[TokenScores], truth: list[TokenScores], pairs: list[EncodedPair],

@@ -89,7 +89,9 @@ def _size(rows: int) -> str:
     return next((label for bound, label in SIZES if rows < bound), "1B<n<10B")
 
 
-def _table(values: dict) -> str:
+def _table(values) -> str:
+    if not isinstance(values, dict):  # a manifest read as it is, before any rule judged it: the card says what it holds
+        values = {"(not a mapping)": values}
     lines = ["| key | value |", "|---|---|"]
     cell = lambda v: (v if isinstance(v, str) else json.dumps(v)).replace("|", "\\|")  # a table cell holds no |
     lines += [f"| `{k}` | `{cell(v)}` |" for k, v in sorted(values.items())]

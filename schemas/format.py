@@ -37,9 +37,10 @@ PER_TOKEN = ("logps",)  # per-token scores every cache holds: shard columns f"{s
 TOP_K_COLUMNS = ("top_ids", "top_logps", "tail")  # and those a cache made with --top-k K > 0 holds
 COMPUTATION_DEFAULTS = {"top_k": 0}  # a computation key a cache may leave out, and what its absence means
 # computation keys that say where or how the model ran, not what it computed (precompute-ref --device-map's layout,
-# --torch-compile's compiled): kept in the manifest only, never in a shard's footer, and never compared on a rerun,
-# so a split or compiled model makes the same cache
-COMPUTATION_NOTES = ("layout", "compiled")
+# --torch-compile's compiled, and the number --token-budget auto came to on this machine's memory: the request `auto`
+# itself is compared): kept in the manifest only, never in a shard's footer, and never compared on a rerun, so a split
+# or compiled model makes the same cache
+COMPUTATION_NOTES = ("layout", "token_budget_resolved", "compiled")
 
 
 @dataclass(frozen=True)
@@ -240,8 +241,9 @@ def shard_table(ids, prompt_ids, chosen_ids, rejected_ids, chosen, rejected, top
             tokens = chosen_ids if side == "chosen" else rejected_ids
             if column.nested and any(np.shape(r) != (len(t), top_k) for r, t in zip(rows, tokens)):
                 raise ValueError(f"shard_table: {column.name} must hold {top_k} values per completion token")
-            if column.codec == "logp16":
-                rows = [_code_steps(encode_logps(r)) for r in rows]
+            if column.codec == "logp16" and rows:  # one call over the shard's tokens (codes, steps: per token)
+                codes = _code_steps(encode_logps(np.concatenate([np.asarray(r).reshape(-1, top_k) for r in rows])))
+                rows = np.split(codes, np.cumsum([len(t) for t in tokens])[:-1])
             build = _nested_array if column.nested else _list_array
             values[column.name] = build(rows, column.stored.value_type)
     return pa.Table.from_arrays([values[c.name] for c in columns], schema=shard_schema(top_k))

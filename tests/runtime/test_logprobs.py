@@ -213,6 +213,46 @@ def test_reference_top_k_is_the_plain_forwards_sorted_distribution(model, k):
         assert torch.equal(top_logps[:, 0] >= top_logps[:, -1], torch.ones(len(completion), dtype=torch.bool))
 
 
+@pytest.mark.parametrize("k", [5, 64])
+def test_top_k_scores_and_gradient_with_tails_far_below_the_top(k):
+    """One chunk's scores at the top k and at given ids (logprobs._scores) against float64 autograd, on rows whose
+    tail is hundreds of nats below their top tokens (exp(x - max) underflows there, so those rows take the rescaled
+    path) beside ordinary rows; at k = the vocabulary the tail is -inf with a zero, finite gradient."""
+    from runtime.logprobs import _scores
+
+    vocab, n = 64, 12
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    logits[::3, :4] += 300.0  # every third row: four tokens hold all but ~e^-290 of the mass
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    upstream = [torch.randn(n, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)]
+    # given ids in random order; on the far rows they hold the four top tokens, so their tail is the far one
+    given = torch.stack([torch.randperm(vocab, generator=gen)[:k] if i % 3 else
+                         torch.cat([torch.arange(4), 4 + torch.randperm(vocab - 4, generator=gen)])[:k].flip(0)
+                         for i in range(n)])
+    for ids_in in (None, given):
+        x = logits.clone().requires_grad_()
+        logps, ids, picked, tail = _scores(x, targets, k, ids_in)
+        finite = torch.where(torch.isinf(tail), 0.0, tail)
+        ((logps * upstream[0]).sum() + (picked * upstream[1]).sum() + (finite * upstream[2]).sum()).backward()
+
+        x64 = logits.double().requires_grad_()
+        full = x64.log_softmax(-1)
+        rest = full.scatter(-1, ids, float("-inf")).logsumexp(-1)
+        rest_finite = torch.where(torch.isinf(rest), 0.0, rest)
+        ((full.gather(-1, targets[:, None])[:, 0] * upstream[0]).sum() + (full.gather(-1, ids) * upstream[1]).sum()
+         + (rest_finite * upstream[2]).sum()).backward()
+
+        assert float((logps.detach().double() - full.gather(-1, targets[:, None])[:, 0]).abs().max()) < 1e-4
+        assert float((picked.detach().double() - full.gather(-1, ids)).abs().max()) < 1e-4
+        assert torch.equal(torch.isneginf(tail), torch.isneginf(rest)) and torch.isneginf(tail).all() == (k == vocab)
+        assert float((finite.detach().double() - rest_finite).abs().max() / rest_finite.abs().max().clamp(min=1)) < 1e-6
+        if k < vocab:
+            assert float(tail[::3].max()) < -250  # the far tails are there, not lost to underflow (-inf)
+        assert torch.isfinite(x.grad).all()
+        assert float((x.grad.double() - x64.grad).abs().max()) < TOL * max(1.0, float(x64.grad.abs().max()))
+
+
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="torch.compile on CPU needs g++")
 def test_compiled_model_scores_batches_of_new_shapes_without_recompiling():
     """Under torch.compile (as the Trainer and precompute-ref --torch-compile wrap the model) the chunked head's hook

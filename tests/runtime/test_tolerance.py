@@ -83,7 +83,7 @@ NOT_THE_POLICY = {
     ("schemas/rules.py", "SUM_TOLERANCE"): "a stored float64 sum against the sum of its stored float32 tokens",
     ("schemas/rules.py", "TOP_K_TOLERANCE"): "stored top-k values against each other and the token's own log-prob "
                                              "(the storage's rounding of them, issue 24)",
-    ("dpo/losses.py", "0.5"): "the range of a loss parameter (0 <= label_smoothing < 0.5)",
+    ("dpo/loss_config.py", "0.5"): "the range of a loss parameter (0 <= label_smoothing < 0.5)",
     ("audit/cli.py", "tolerance"): "audit-ref's --tolerance option: the user's override (default None: the policy)",
 }
 
