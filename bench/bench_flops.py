@@ -146,7 +146,8 @@ def child_precompute(a) -> dict:
     return r
 
 
-def child_train(a, layout: str) -> dict:
+def child_train(a, layout: str, **overrides) -> dict:
+    """One train-dpo run (cached reference) in `layout`; `overrides`: further TrainConfig fields (training_args)."""
     import train_steps
     from dpo import layout as L, trainer as T
 
@@ -190,11 +191,12 @@ def child_train(a, layout: str) -> dict:
     from runtime.checkpoint import Checkpoint
 
     shape = model_shape(Checkpoint.open(a.model).load_model(torch.float32, torch.device("cpu"), "sdpa"))
-    train_steps.run_ours(a, "cached", timer, str(Path(a.out) / layout), batch_layout=layout)
+    train_steps.run_ours(a, "cached", timer, str(Path(a.out) / layout), batch_layout=layout, **overrides)
     steps = [forward_flops(shape, np.array(b)) for b in seen[: len(timer.step_s)]]
     table = (profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48)
              if profile is not None else None)
     return {"layout": layout, "shape": shape, "profile": table, "step_s": timer.step_s[a.warmup :], "mm_s": mm_s[a.warmup :],
+            "warmup_step_s": timer.step_s[: a.warmup],
             "step_flops": [3 * f["total"] for f in steps[a.warmup :]],
             "step_flops_head_every_token": [3 * f["head_every_token"] for f in steps[a.warmup :]],
             "maxrss_mb": timer.maxrss_mb}

@@ -565,6 +565,64 @@ def render_flops(F: dict) -> list[str]:
     return L + [""] + F.get("notes", [])
 
 
+def render_compile(C: dict) -> list[str]:
+    L = ["torch.compile (inductor, dynamic shapes) of precompute-ref's scoring forward (`--torch-compile`) and of the "
+         "train-dpo step (TrainingArguments' `--torch-compile`), against the same work eager, with part 11's useful "
+         "FLOPs and matmul rate (shares per process, median over rounds). Compile time is apart: the first compiled "
+         "call (score_pairs) and the warm-up steps (training: a static graph, then a dynamic one at the first new "
+         "shape) are not in the timed figures; precompute-ref end to end is shown whole, compile and probe included.",
+         ""]
+    rows = []
+    for c in C["cases"]:
+        p = c.get("precompute")
+        if p:
+            for k, name in (("score", "score_pairs, eager"), ("score_compiled", "score_pairs, compiled")):
+                rows.append([c["case"], f"{name} ({p['mode']}, {p['pairs']} pairs)", sec(p["times"][k]),
+                             f"**{p['share_of_mm'][k]:.2f}**"])
+        for k, name in (("train", "train-dpo step, eager"), ("train_compiled", "train-dpo step, --torch-compile")):
+            if k in c:
+                rows.append([c["case"], f"{name} (prefix_shared, batch {c['size']['batch']} pairs)", sec(c[k]["step"]),
+                             f"**{c[k]['share_of_mm']:.2f}**"])
+    L += table("case | work | time | useful share of matmul", rows)
+    for c in C["cases"]:
+        p = c.get("precompute")
+        if p:
+            wall = p["refcache_wall_s"][0]
+            L += ["", f"- {c['case']}: compiled score_pairs is **{p['compiled_over_eager']:.2f}x** the eager rate; its "
+                  f"first call (the compile, inductor's cache warm) took {p['compiled_first_call_s'][0]:.0f} s. "
+                  f"precompute-ref end to end: {wall['eager']:.0f} s eager, {wall['torch_compile']:.0f} s with "
+                  f"--torch-compile (compiled: {p['refcache_compiled']}; {' '.join(p['log'])})."]
+        if "train_compiled" in c and "train" in c:
+            warm = c["train_compiled"]["warmup_step_s"][0]
+            L += ["", f"- {c['case']}: the compiled train-dpo step is **{c['train_step_eager_over_compiled']:.2f}x** "
+                  f"the eager step's speed; its warm-up steps took {', '.join(f'{v:.0f}' for v in warm)} s (eager: "
+                  f"{', '.join(f'{v:.1f}' for v in c['train']['warmup_step_s'][0])} s)."]
+        prof = c.get("train_compiled", {}).get("profile")
+        optimizer = _total_share(prof, "Optimizer.step#") if prof else None
+        if optimizer is not None:
+            L += ["", f"- What --torch-compile leaves eager: the optimizer step (AdamW's elementwise mul_/lerp_/sqrt/"
+                  f"addcdiv_ per parameter) is {optimizer:.0%} of the compiled step's time in its profile; the "
+                  "Trainer compiles the model, not the optimizer (`--optim adamw_torch_fused` is the Trainer's fused "
+                  "kernel for it)."]
+        if prof:
+            L += ["", f"<details><summary>torch.profiler, the last timed compiled train-dpo step on {c['case']} (top "
+                  "ops by self time)</summary>", "", "```", prof.rstrip(), "```", "</details>"]
+    loads = "; ".join(f"{c['case']}: " + ", ".join(f"{k} {' '.join(map(str, v))}" for k, v in c.get("loadavg", {}).items())
+                      for c in C["cases"])
+    return L + ["", f"1-minute load average (2 cores) at the start of the part {C.get('loadavg_start')}, at the end of "
+                f"each child: {loads}."] + C.get("notes", [])
+
+
+def _total_share(profile: str, op: str) -> float | None:
+    """The CPU-total share (children included) of the first row of a torch.profiler table whose name starts with
+    `op`."""
+    for line in profile.splitlines():
+        cells = line.split()
+        if len(cells) >= 7 and cells[0].startswith(op) and cells[3].endswith("%"):
+            return float(cells[3].rstrip("%")) / 100
+    return None
+
+
 def _self_share(profile: str, op: str) -> float | None:
     """The self-CPU share of `op` in a torch.profiler table."""
     for line in profile.splitlines():
@@ -676,7 +734,7 @@ def render_topk_train(T: dict) -> list[str]:
     return L
 
 
-SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memory, offload, flops, vocab, topk, topk-train and ranks run only when asked
+SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on run only when asked
     ("precompute", "1. Precompute throughput", render_precompute),
     ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
     ("train", "2. Training step and peak memory", render_train),
@@ -693,6 +751,7 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; sweep, memo
     ("topk", "13. Top-k cache: size and precompute time (bench_topk.py)", render_topk),
     ("topk-train", "14. Training step with a top-k cache: KL metrics, TDPO (bench_topk_train.py)", render_topk_train),
     ("ranks", "15. Shards dealt to 2 ranks by tokens vs round-robin, skewed lengths (bench_ranks.py)", render_ranks),
+    ("compile", "16. torch.compile of the scoring forward and the training step (bench_compile.py)", render_compile),
 ]
 
 

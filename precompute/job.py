@@ -37,7 +37,9 @@ from schemas.encoding import EncodingConfig
 from schemas.files import remove_file
 from schemas.stamps import combined_mask_checksum, ids_checksum, tokenizer_hash, tokenizer_parts
 
+from .compiled import compiled_scorer
 from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score_pairs
+from .modes.choose import probe_pairs
 from .resume import COMPUTATION, Resume, clear_cache_dir, finished_shards, own_files
 
 
@@ -95,6 +97,11 @@ class PrecomputeConfig:
         "the log of the probability mass outside them (the tail), from the same forward: what train-dpo's KL "
         "figures and token-level losses read. 0: only the log-prob of each completion token.", "Computation",
         min=0))
+    torch_compile: bool = field(default=False, metadata=field_help(
+        "Compile the scoring forward with torch.compile (dynamic shapes): used only where it reproduces the model's "
+        "own eager forward on the probe of the job's pairs, else the job scores uncompiled and says why. The "
+        "manifest notes computation.compiled; the cache is the same either way. Needs a C++ compiler on CPU.",
+        "Computation"))
     overwrite: bool = field(default=False, metadata=field_help(
         "Delete the existing cache first (default: resume, keeping finished shards of this same job).", "Output"))
     on_bad_row: str = field(default="error", metadata=field_help(
@@ -316,6 +323,9 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
                    "head": verified_head(model), "batching": REGISTRY[mode].description,
                    **({"layout": layout} if layout else {})}  # a note, not compared on a rerun (COMPUTATION_NOTES)
     sized = auto_budget(model, mode, computation["head"], longest) if cfg.token_budget == "auto" else None
+    if cfg.torch_compile:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
+        model, computation["compiled"] = compiled_scorer(
+            model, mode, probe_pairs(first, long_pairs=[longest_pair]), pad, cfg.top_k, log)
     return model, computation, mode, pad, budget, sized
 
 

@@ -33,6 +33,14 @@ def unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def uncompiled(model):
+    """`model` without torch.compile's wrapper (an OptimizedModule keeps the module it compiles as `_orig_mod`): what
+    the truth runs on, so that a compiled forward is checked against the eager one, never against itself."""
+    while hasattr(model, "_orig_mod"):
+        model = model._orig_mod
+    return model
+
+
 def _project(inner, hidden: torch.Tensor) -> torch.Tensor:
     """The output embeddings applied to hidden states, nothing else: `verified_head` only lets this path run
     on models whose own logits it reproduces (no soft-capping, scaling or other post-processing)."""
@@ -196,6 +204,10 @@ def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: in
             parts.append(checkpoint(_chunk_scores, *chunk, use_reentrant=False) if recompute else _chunk_scores(*chunk))
         captured["scores"] = _joined(parts, width, hidden)
 
+    if model is not uncompiled(model):
+        # Eager under torch.compile: the positions, targets and chunked head stay out of the compiled graph (a new
+        # closure per batch would otherwise be traced and recompiled at every batch); the decoder is what compiles.
+        score = torch.compiler.disable(score)
     handle = inner.base_model.register_forward_hook(score)
     try:
         output = model(**{"use_cache": False, **inputs}, logits_to_keep=1)
@@ -245,7 +257,9 @@ def reference_logits(model, prompt_ids: list[int], completion_ids: list[int]) ->
     """The model's own forward over the unpadded sequence prompt + completion as a batch of one (fresh position
     state), its own `logits` (float32) at the positions that predict each completion token: [completion tokens,
     vocabulary]. The head runs on every position, as `model(ids).logits` does: `logits_to_keep` is one of the head
-    paths checked against this (runtime/head.py), so the definition must not go through it."""
+    paths checked against this (runtime/head.py), so the definition must not go through it; nor through
+    torch.compile (a compiled model is judged by its eager module's forward)."""
+    model = uncompiled(model)
     device = input_device(unwrap(model))
     ids = torch.as_tensor([list(prompt_ids) + list(completion_ids)], device=device)
     reset_position_state(model)
@@ -377,7 +391,9 @@ def effective_budget(model, token_budget: int, longest: int) -> int:
 
 def verified_head(model) -> str:
     """The first of HEADS that reproduces the model's own log-probs (cached on the model; `logits` always does,
-    it is the model's own output)."""
+    it is the model's own output). Probed on the eager module: the head is the model's, compiled or not, and a probe
+    through torch.compile would compile a graph of its own."""
+    model = uncompiled(model)
     inner = unwrap(model)
     found = getattr(inner, "_refcache_head", None)
     if found is not None:

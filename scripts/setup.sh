@@ -15,3 +15,10 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   { apt-get update -qq && apt-get install -y -qq chromium; } >/dev/null 2>&1 \
     || echo "setup.sh: could not install chromium; the HTML view's browser test will be skipped" >&2
 fi
+# torch.compile on CPU (precompute-ref / train-dpo --torch-compile, and their tests) builds its kernels with a C++
+# compiler: Debian's g++, installed when missing and this runs as root (elsewhere: apt-get install g++).
+if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get update -qq && apt-get install -y -qq g++; } >/dev/null 2>&1 \
+    || echo "setup.sh: could not install g++; torch.compile on CPU (--torch-compile) will not work" >&2
+fi

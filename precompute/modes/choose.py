@@ -62,7 +62,7 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
     rejected = []
     for mode in order:
         reason = unsupported(mode, model, longest) or disagreement(
-            model, partial(_mode_values, model, mode, pad_id=pad_id, top_k=top_k), probe, truth=truth)
+            model, partial(mode_values, model, mode, pad_id=pad_id, top_k=top_k), probe, truth=truth)
         if reason is None:
             ratio = (f"; estimated {cost['full_forward'] / cost[mode]:.2f}x less work than full_forward"
                      if mode in cost else "")
@@ -105,7 +105,7 @@ def probe_pairs(sample: list[EncodedPair], prompt_cap: int = 24, completion_cap:
     return probe
 
 
-def _mode_values(model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: int = 0) -> list:
+def mode_values(model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: int = 0) -> list:
     """`mode`'s scores for `pairs` in one batch, in the probe's order (chosen, rejected of each pair)."""
     got_c, got_r, _ = score_pairs(model, pairs, pad_id, 1 << 30, mode, top_k=top_k)
     return [x for pair in zip(got_c, got_r) for x in pair]

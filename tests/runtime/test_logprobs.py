@@ -251,3 +251,32 @@ def test_top_k_scores_and_gradient_with_tails_far_below_the_top(k):
             assert float(tail[::3].max()) < -250  # the far tails are there, not lost to underflow (-inf)
         assert torch.isfinite(x.grad).all()
         assert float((x.grad.double() - x64.grad).abs().max()) < TOL * max(1.0, float(x64.grad.abs().max()))
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="torch.compile on CPU needs g++")
+def test_compiled_model_scores_batches_of_new_shapes_without_recompiling():
+    """Under torch.compile (as the Trainer and precompute-ref --torch-compile wrap the model) the chunked head's hook
+    runs eagerly: batches of new shapes reuse the dynamic graph instead of compiling one per batch, the values are
+    the eager model's within the float32 probe tolerance, and the truth (reference_logps) runs on the eager module."""
+    from torch._dynamo.utils import counters
+
+    model = build_llama(64, seed=4)
+    compiled = torch.compile(model)  # dynamic=None, the Trainer's: static first, dynamic at the first new shape
+    assert logprobs.uncompiled(compiled) is model and unwrap(compiled) is model
+    gen = random.Random(0)
+
+    def batch(n, width):
+        seqs = [[gen.randrange(3, 64) for _ in range(width - i)] for i in range(n)]
+        ids, mask = pad_sequences(seqs, 0)
+        return ids, mask, torch.full((n,), 3), torch.tensor([len(s) - 3 for s in seqs])
+
+    graphs = []
+    with torch.no_grad():
+        for n, width in ((2, 9), (3, 14), (4, 21), (2, 30)):
+            args = batch(n, width)
+            got, want = completion_logps(compiled, *args), completion_logps(model, *args)
+            assert float((got - want).abs().max()) <= 1e-4
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[-1] == graphs[1]  # after the dynamic graph, no new one per batch
+    truth = reference_logps(compiled, [5, 6, 7], [8, 9])
+    assert torch.equal(truth, reference_logps(model, [5, 6, 7], [8, 9]))  # bitwise: the same eager forward

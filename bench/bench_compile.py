@@ -1,0 +1,160 @@
+"""Part 16: torch.compile of the scoring forward (precompute-ref --torch-compile) and of the training step
+(train-dpo --torch-compile, TrainingArguments' option), against the same work uncompiled, side by side.
+
+Useful FLOP/s and the matmul rate are bench_flops.py's (part 11: each prompt once, each completion once, no padding;
+torch.mm 2048^3 in the same process), so the shares compare with its table. Compile time is reported apart:
+  precompute  one child: run_precompute end to end without and with --torch-compile (wall, compile and probe
+              included: what a user waits), then score_pairs in the mode precompute picked, eager and compiled
+              (torch.compile(model, dynamic=True), the model precompute compiles; its first call, the compile, timed
+              apart), interleaved with mm
+  train       train-dpo's step (cached reference, batch_layout prefix_shared), eager
+  train_compiled  the same with torch_compile=True; warm-up steps (where the graphs compile: a static one, then a
+              dynamic one at the first new shape) are reported apart from the timed steps
+
+    .venv/bin/python bench/bench_compile.py [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import bench_flops as F
+import common
+from common import torch
+
+CONFIGS = ("precompute", "train", "train_compiled")
+
+
+def child_precompute(a) -> dict:
+    from precompute.job import PrecomputeConfig, run_precompute, score_pairs
+    from runtime.checkpoint import Checkpoint, load_tokenizer
+    from runtime.data import encode_rows, load_rows
+    from schemas.encoding import EncodingConfig
+
+    dev = common.device()
+    encoding = EncodingConfig(max_length=a.seq) if a.seq else EncodingConfig()
+    tok = load_tokenizer(a.model)
+    pairs = encode_rows(load_rows(a.data, "train"), tok, encoding).pairs
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    budget, per_shard = PrecomputeConfig.token_budget, PrecomputeConfig.rows_per_shard
+    out, logs = Path(a.out) / "cache", []
+
+    def refcache(compiled: bool) -> tuple[float, dict]:
+        shutil.rmtree(out, ignore_errors=True)
+        t = time.perf_counter()
+        s = run_precompute(PrecomputeConfig(model=a.model, data=a.data, out=str(out), encoding=encoding,
+                                            progress=False, torch_compile=compiled), log=logs.append)
+        return time.perf_counter() - t, s
+
+    eager_wall, summary = refcache(False)
+    compiled_wall, _ = refcache(True)
+    made = json.loads((out / "manifest.json").read_text())["computation"]
+    model = Checkpoint.open(a.model).load_model(common.torch_dtype(dev), dev, "sdpa")
+    compiled = torch.compile(model, dynamic=True)
+    mode = summary["mode"]
+
+    def score(m):
+        for s in range(0, len(pairs), per_shard):
+            score_pairs(m, pairs[s : s + per_shard], pad_id, budget, mode)
+
+    with torch.no_grad():
+        t = time.perf_counter()
+        score(compiled)  # compiles (inductor's cache is warm from the run above)
+        first_call = time.perf_counter() - t
+        fns = {"mm": F.mm_fn(common.torch_dtype(dev), dev), "score": lambda: score(model),
+               "score_compiled": lambda: score(compiled)}
+        times = common.interleaved(fns, reps=a.reps, warmup=1)
+    flops = F.forward_flops(F.model_shape(model), F.pair_lengths(pairs))
+    return {"mode": mode, "pairs": len(pairs), "flops": flops, "times": times, "compiled_first_call_s": first_call,
+            "refcache_wall_s": {"eager": eager_wall, "torch_compile": compiled_wall},
+            "refcache_compiled": made.get("compiled"), "log": [m for m in logs if "torch.compile" in m]}
+
+
+def summarize(case: dict, runs: dict) -> dict:
+    out = {"case": case["name"], "size": case, "loadavg": {k: [r["loadavg"] for r in rs] for k, rs in runs.items()}}
+    if runs.get("precompute"):
+        rs = runs["precompute"]
+        flops = rs[0]["flops"]["total"]
+        share = {k: common.statistics.median(flops / r["times"][k]["median"] / (F.MM_FLOPS / r["times"]["mm"]["median"])
+                                             for r in rs) for k in ("score", "score_compiled")}
+        out["precompute"] = {
+            "mode": rs[0]["mode"], "pairs": rs[0]["pairs"], "flops": rs[0]["flops"],
+            "times": {k: common.stats([v for r in rs for v in r["times"][k]["values"]]) for k in rs[0]["times"]},
+            "share_of_mm": share, "compiled_over_eager": share["score_compiled"] / share["score"],
+            "compiled_first_call_s": [r["compiled_first_call_s"] for r in rs],
+            "refcache_wall_s": [r["refcache_wall_s"] for r in rs], "refcache_compiled": rs[0]["refcache_compiled"],
+            "log": rs[0]["log"]}
+    for name in ("train", "train_compiled"):
+        if runs.get(name):
+            rs = runs[name]
+            step_s, flops = [v for r in rs for v in r["step_s"]], [v for r in rs for v in r["step_flops"]]
+            mm_rate = F.MM_FLOPS / common.statistics.median([v for r in rs for v in r["mm_s"]])
+            rate = common.statistics.median([f / s for f, s in zip(flops, step_s)])
+            out[name] = {"step": common.stats(step_s), "warmup_step_s": [r["warmup_step_s"] for r in rs],
+                         "useful_flops_per_s": rate, "share_of_mm": rate / mm_rate,
+                         "maxrss_mb": common.statistics.median(r["maxrss_mb"] for r in rs),
+                         "profile": rs[0].get("profile")}
+    if "train" in out and "train_compiled" in out:
+        out["train_step_eager_over_compiled"] = out["train"]["step"]["median"] / out["train_compiled"]["step"]["median"]
+    return out
+
+
+def cases(quick: bool) -> list[dict]:
+    # warm-up 2: a compiled step's first shapes compile a static graph, the next new shapes a dynamic one
+    return [dict(name="35M long prompt (512 + 128/128)", model="35M", prompt=512, completion=128, pairs=4 if quick else 8,
+                 batch=2, warmup=2, steps=2 if quick else 3, seq=1024, reps=2 if quick else 3)]
+
+
+def main():
+    ap = common.child_parser(__doc__, CONFIGS)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=0)
+    a = ap.parse_args()
+    if a.child:
+        common.quiet()
+        if a.child == "precompute":
+            r = child_precompute(a)
+        else:
+            r = F.child_train(a, "prefix_shared", training_args={"torch_compile": a.child == "train_compiled"})
+        print(json.dumps({"config": a.child, "loadavg": round(common.os.getloadavg()[0], 2), **r}, default=float))
+        return
+    common.quiet()
+    results = []
+    with common.workdir("compile") as work:
+        for case in cases(a.quick):
+            t = time.perf_counter()
+            p = F.prepare(case, work)
+            common.precompute(p["model"], p["train_data"], p["cache"], p["seq"])
+
+            def argv(mode, p=p, case=case):
+                data = p["data"] if mode == "precompute" else p["train_data"]
+                return common.child_argv(__file__, mode, model=p["model"], data=data, cache=p["cache"], seq=p["seq"],
+                                         batch=case["batch"], warmup=case["warmup"], steps=case["steps"],
+                                         out=work / "runs", reps=case["reps"], profile=1)
+
+            runs = common.rounds(1, CONFIGS, argv, show=F.show)
+            r = summarize(case, runs)
+            r["loadavg_end"] = round(common.os.getloadavg()[0], 2)
+            results.append(r)
+            print(f"{case['name']}: {line(r)} [{time.perf_counter() - t:.0f} s]", flush=True)
+    path = common.save("compile", {"cases": results}, a)
+    print(f"wrote {path}")
+
+
+def line(r: dict) -> str:
+    parts = []
+    if "precompute" in r:
+        p = r["precompute"]
+        parts.append("score_pairs share of mm: " + ", ".join(f"{k} {v:.2f}" for k, v in p["share_of_mm"].items())
+                     + f" (first compiled call {p['compiled_first_call_s'][0]:.0f} s)")
+    for name in ("train", "train_compiled"):
+        if name in r:
+            parts.append(f"{name} step {r[name]['step']['median']:.2f} s, share {r[name]['share_of_mm']:.2f}")
+    return "; ".join(parts)
+
+
+if __name__ == "__main__":
+    main()
