@@ -9,6 +9,19 @@ import os
 from .errors import JobError
 
 
+@contextlib.contextmanager
+def _with_the_others(rank: int, what: str):
+    """A collective call: a rank that waits on one that died (kill -9, out of memory, a lost node) gets the backend's
+    connection error; say what it means instead of an unexpected RuntimeError."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.distributed's DistBackendError and the gloo/NCCL transport errors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise JobError(f"rank {rank}: another rank of this job stopped while this one waited for it at {what} "
+                       f"({first}); the log of that rank's node (its torchrun) names it and why. Nothing "
+                       "incomplete was kept: run the same command again to go on from the completed work") from e
+
+
 class Dist:
     """This process's place in a torchrun job (world 1 without torchrun)."""
 
@@ -40,13 +53,15 @@ class Dist:
         if self.world > 1 and every_rank:
             failures = [None] * self.world
             mine = None if outcome[0] == "ok" else f"{type(outcome[1]).__name__}: {outcome[1]}"
-            torch.distributed.all_gather_object(failures, mine)
+            with _with_the_others(self.rank, what or "a shared decision"):
+                torch.distributed.all_gather_object(failures, mine)
             failed = [(r, m) for r, m in enumerate(failures) if m is not None]
             if failed and outcome[0] == "ok":
                 raise JobError(f"rank {failed[0][0]} refused{' ' + what if what else ''}: {failed[0][1]}")
         elif self.world > 1:
             box = [outcome]
-            torch.distributed.broadcast_object_list(box, src=0)
+            with _with_the_others(self.rank, what or "a shared decision"):
+                torch.distributed.broadcast_object_list(box, src=0)
             outcome = box[0]
         if outcome[0] == "error":
             raise outcome[1]
@@ -59,14 +74,16 @@ class Dist:
         import torch.distributed
 
         box = [None] * self.world
-        torch.distributed.all_gather_object(box, value)
+        with _with_the_others(self.rank, "a gather of every rank's results"):
+            torch.distributed.all_gather_object(box, value)
         return box
 
     def barrier(self):
         if self.world > 1:
             import torch.distributed
 
-            torch.distributed.barrier()
+            with _with_the_others(self.rank, "a barrier"):
+                torch.distributed.barrier()
 
 
 @contextlib.contextmanager

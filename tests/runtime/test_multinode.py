@@ -141,6 +141,8 @@ def test_killed_node_stops_the_job_and_the_same_command_again_completes(tmp_path
     assert codes[0] != 0 and codes[1] != 0, codes  # the job stops on both nodes
     killed = [n for n in (0, 1) if f"Signal 9 (SIGKILL) received by PID {pid}" in nodes.log(n)]
     assert len(killed) == 1 and "rank      : 1 (local_rank: 0)" in nodes.log(killed[0])  # that node's error
+    survivor = nodes.log(1 - killed[0])  # the rank left waiting says what happened, not an unexpected crash
+    assert "another rank of this job stopped" in survivor and "unexpected RuntimeError" not in survivor, survivor
     assert not (out / "manifest.json").exists()  # never a manifest over missing shards
     finished = shard_hashes(out)
     assert 0 < len(finished) < 10
