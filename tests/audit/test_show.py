@@ -1,7 +1,7 @@
 """audit-ref --show and --html (audit/show.py): every completion token with its cached reference log-prob, where the
 prompt ends, a run's policy log-ratio against an independent forward, the tokenizer checked before anything is shown,
 unknown rows and misplaced outputs refused, data text escaped, and the page rendered by a real headless browser
-(Debian's chromium; scripts/setup.sh installs it)."""
+(Debian's chromium; scripts/test.sh installs it)."""
 
 from __future__ import annotations
 
@@ -287,7 +287,7 @@ def dom_tokens(dom: str) -> list[tuple[str, list[str]]]:
     return parser.parts
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (scripts/setup.sh installs it as root)")
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (scripts/test.sh installs it as root)")
 def test_html_renders_in_a_headless_browser(hostile_cache, dpo_cache, tokenizer, tmp_path):
     from PIL import Image
 

@@ -17,7 +17,7 @@ from precompute.job import PrecomputeConfig, run_precompute
 from runtime.tolerance import probe_tolerance
 from schemas.stamps import model_hash
 
-# inductor builds its CPU kernels with a C++ compiler (scripts/setup.sh installs g++ as root)
+# inductor builds its CPU kernels with a C++ compiler (scripts/test.sh installs g++ as root)
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs g++")
 
 LR, STEPS = 1e-4, 3

@@ -31,7 +31,7 @@ def assert_same_values(a, b, tol):
         assert got.shape == want.shape and np.abs(got - want).max() <= tol, col
 
 
-# inductor builds its CPU kernels with a C++ compiler (scripts/setup.sh installs g++ as root)
+# inductor builds its CPU kernels with a C++ compiler (scripts/test.sh installs g++ as root)
 @pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs g++")
 def test_compiled_cache_is_the_eager_cache(tmp_path, llama_dir):
     data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(12, seed=7))
