@@ -89,6 +89,12 @@ def _size(rows: int) -> str:
     return next((label for bound, label in SIZES if rows < bound), "1B<n<10B")
 
 
+def _mapping(value) -> dict:
+    """A section of the manifest the rules do not judge (source, its counts): what it says if it is a mapping, else
+    nothing. The card is rendered from whatever manifest.json holds and must not fail on it; audit-ref judges it."""
+    return value if isinstance(value, dict) else {}
+
+
 def _table(values) -> str:
     if not isinstance(values, dict):  # a manifest read as it is, before any rule judged it: the card says what it holds
         values = {"(not a mapping)": values}
@@ -108,11 +114,11 @@ def _use(split: str) -> str:
 def _text(manifest: dict) -> str:
     meta = card_metadata(manifest)["refcache"]
     split, stamps, top_k = split_of(manifest), meta["stamps"], meta["top_k"]
-    source = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
+    source = _mapping(manifest.get("source"))
     counts = {"rows": meta["rows"], "shards": meta["shards"], "bytes": sum(e["bytes"] for e in manifest["shards"])}
     counts |= {k: source[k] for k in ("rows_in", "skipped", "identical_pairs") if k in source}
-    counts |= {f"skipped: {k}": v for k, v in (source.get("skipped_by_reason") or {}).items()}
-    counts |= {f"rows in TRL format {k}": v for k, v in (source.get("formats") or {}).items()}
+    counts |= {f"skipped: {k}": v for k, v in _mapping(source.get("skipped_by_reason")).items()}
+    counts |= {f"rows in TRL format {k}": v for k, v in _mapping(source.get("formats")).items()}
     columns = "\n".join(f"- `{c.name}`: {c.stored}" + (f" (stored form of {c.logical}: read it with "
                                                         "`schemas.format.read_columns`)" if c.physical else "")
                         for c in fmt.shard_columns(top_k))
