@@ -216,7 +216,9 @@ def summary_text(s: dict) -> str:
         + (f"; eval reward accuracy {acc:.3f} (share of eval pairs whose implicit reward beta*log(pi/ref) "
            "ranks chosen above rejected)" if acc is not None else "")
         + f"\n  checkpoint: {out}{kept}{merged}\n  metrics:    {out / 'metrics.jsonl'}{plot}"
-        f"\n  manifest:   {out / 'run-manifest.json'}" + _precision_text(s.get("precision"))
+        f"\n  manifest:   {out / 'run-manifest.json'}"
+        + (f"\n  card:       {out / 'README.md'}" if (out / "README.md").is_file() else "")
+        + _precision_text(s.get("precision"))
     )
 
 

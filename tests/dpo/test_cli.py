@@ -104,10 +104,12 @@ def test_summary_says_only_what_happened(tmp_path):
 
     run = {"eval": {}, "output_dir": str(tmp_path), "steps": 3, "train_s": 1.0, "verify_s": 0.1, "train_loss": 0.5}
     live = summary_text({**run, "reference": "live"})
-    assert "verification" not in live and "plot:" not in live and "manifest:" in live
+    assert "verification" not in live and "plot:" not in live and "manifest:" in live and "card:" not in live
     (tmp_path / "metrics.png").write_bytes(b"\x89PNG")
+    (tmp_path / "README.md").write_text("---\ntags: [refcache]\n---\n")
     cached = summary_text({**run, "reference": "cache"})
     assert "(verification 0.1 s)" in cached and f"plot:       {tmp_path / 'metrics.png'}" in cached
+    assert f"card:       {tmp_path / 'README.md'}" in cached  # the model card, where one was written
 
 
 def _summary_loss(output: str) -> float:
