@@ -160,3 +160,9 @@ def _index(df: pl.DataFrame) -> pl.DataFrame:
                      pl.col("prompt_input_ids").list.len().alias("prompt_tokens"),
                      pl.col("chosen_input_ids").list.len().alias("chosen_tokens"),
                      pl.col("rejected_input_ids").list.len().alias("rejected_tokens")).cast(INDEX_SCHEMA)
+
+
+def shard_rows(path: Path, rows: pl.Series) -> list[dict]:
+    """The given rows of one shard, in shard order, each with its index in the shard as "row"."""
+    table = pl.from_arrow(fmt.read_columns(path).replace_schema_metadata(None))
+    return table.with_row_index("row").filter(pl.col("row").is_in(rows.implode())).to_dicts()

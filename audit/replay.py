@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from schemas import format as fmt
 from schemas.encoding import EncodedPair
 from schemas.format import TokenScores, top_k_of
 from schemas.rules import stamp_findings, top_k_allowance
 from schemas.stamps import tokenizer_hash
 
-from .cache import CacheScan
+from .cache import CacheScan, shard_rows
 from .checks import FAIL, PASS, SKIP, Check
 from .checks import short as _short
 
@@ -91,7 +90,7 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
         t1 = time.perf_counter()
         way = _replay_way(root, model, comp, index[picks], checkpoint.pad_id, top_k.k if top_k else 0)
         for (shard,), group in index[picks].group_by("shard", maintain_order=True):
-            rows = _rows(root / shard, group["row"])
+            rows = shard_rows(root / shard, group["row"])
             scores = way.score([(r["prompt_input_ids"], r[f"{side}_input_ids"]) for r in rows for side in SIDES])
             for n, (r, side) in enumerate((r, side) for r in rows for side in SIDES):
                 found.add(shard, r, side, np.asarray(scores[n].logps, np.float64))
@@ -108,12 +107,6 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
 SIDES = ("chosen", "rejected")
 PROBE_ROWS = 4  # the two longest and the two shortest of the replayed rows
 DEFAULT_TOKEN_BUDGET = 16384  # tokens per padded batch when the manifest records none (precompute-ref's default)
-
-
-def _rows(path: Path, rows: pl.Series) -> list[dict]:
-    """The given rows of one shard, in shard order, each with its index in the shard as "row"."""
-    table = pl.from_arrow(fmt.read_columns(path).replace_schema_metadata(None))
-    return table.with_row_index("row").filter(pl.col("row").is_in(rows.implode())).to_dicts()
 
 
 def _layout(comp: dict) -> tuple[bool, str]:
@@ -153,12 +146,10 @@ class _Way:
 
 def _truth(model, prompt: list[int], completion: list[int], top_k: int) -> TokenScores:
     """The definition's own values of one sequence: reference_logps (and reference_top_k)."""
-    from runtime.logprobs import reference_logps
-    from runtime.probe import reference_scores
+    from runtime.probe import reference_value
 
-    if top_k:
-        return reference_scores(model, prompt, completion, top_k)
-    return TokenScores(reference_logps(model, prompt, completion).cpu().numpy())
+    value = reference_value(model, prompt, completion, top_k)
+    return value if top_k else TokenScores(value)
 
 
 def _replay_way(root: Path, model, comp: dict, picked: pl.DataFrame, pad_id: int, top_k: int) -> _Way:
@@ -183,7 +174,7 @@ def _replay_way(root: Path, model, comp: dict, picked: pl.DataFrame, pad_id: int
     why = shape_dependent(model, longest)
     if why is None:
         probe = picked[probe_at]
-        rows = [r for (shard,), g in probe.group_by("shard", maintain_order=True) for r in _rows(root / shard, g["row"])]
+        rows = [r for (shard,), g in probe.group_by("shard", maintain_order=True) for r in shard_rows(root / shard, g["row"])]
         pairs = [EncodedPair(r["prompt_input_ids"], r["chosen_input_ids"], r["rejected_input_ids"]) for r in rows]
         fast = lambda ps: way.score([(p.prompt_ids, c) for p in ps for c in (p.chosen_ids, p.rejected_ids)])
         why = disagreement(model, fast, pairs, truth=reference_values(model, pairs, top_k))

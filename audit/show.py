@@ -137,11 +137,13 @@ def row_views(root: Path, picks: pl.DataFrame, tokenizer, policy=None) -> list[R
     picked; with `policy` (a model) each completion token's log-ratio."""
     from runtime.logprobs import reference_logps
 
+    from .cache import shard_rows
+
     views = {}
     for (shard,), group in picks.group_by("shard", maintain_order=True):
-        table = pl.from_arrow(fmt.read_columns(root / shard).replace_schema_metadata(None)).with_row_index("row")
-        picked = table.join(group.select("row", "index"), on="row", how="inner")
-        for r in picked.to_dicts():
+        index_of = dict(zip(group["row"].to_list(), group["index"].to_list()))
+        for r in shard_rows(root / shard, group["row"]):
+            r["index"] = index_of[r["row"]]
             parts = {"prompt": Part("prompt", r["prompt_input_ids"], _texts(tokenizer, r["prompt_input_ids"]))}
             for side in fmt.SIDES:
                 ids = r[f"{side}_input_ids"]

@@ -78,7 +78,9 @@ def write_cards(out: Path, manifest: dict) -> list[Path]:
     """README.md in the output dir (the adapter or the full model) and, where the LoRA adapter was merged, in
     merged/; each written atomically, never through a link. Returns the paths written."""
     out = Path(out)
-    records = _records(out / "metrics.jsonl")
+    from .trainer import metrics_records
+
+    records = metrics_records(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
     plot = manifest.get("config", {}).get("plot") and (out / "metrics.png").is_file()
     peft = manifest.get("peft")
     folders = [(out, "adapter" if peft else "model", "metrics.png")]
@@ -128,13 +130,6 @@ def base_license(model_dir: str) -> str | None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # the sections, as markdown
-
-
-def _records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [r for r in (json.loads(line) for line in lines if line.strip()) if isinstance(r, dict)]
 
 
 def _table(header: list[str], rows: list[list]) -> str:

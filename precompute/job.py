@@ -291,9 +291,14 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
     return {**stats, "mine": len(mine), "todo": todo}
 
 
+def _length(pair) -> int:
+    """A pair's longest sequence: prompt + its longer completion."""
+    return len(pair.prompt_ids) + max(len(pair.chosen_ids), len(pair.rejected_ids))
+
+
 def _longest(encoded: Encoded) -> int:
     """The job's longest prompt + completion."""
-    return max(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) for p in encoded.pairs)
+    return max(map(_length, encoded.pairs))
 
 
 def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
@@ -307,9 +312,8 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
     encoded, plan = job.encoded, job.plan
     pad = job.checkpoint.pad_id
     first = encoded.pairs[plan[0]["start"] : plan[0]["stop"]]
-    seq = lambda p: len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))
-    longest_pair = max(encoded.pairs, key=seq)
-    longest = seq(longest_pair)
+    longest_pair = max(encoded.pairs, key=_length)
+    longest = _length(longest_pair)
     # auto: the mode is weighed at the default budget (the same on every rank and machine), the budget sized for it
     requested = DEFAULT_TOKEN_BUDGET if cfg.token_budget == "auto" else cfg.token_budget
     budget = effective_budget(model, requested, longest)

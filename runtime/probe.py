@@ -18,9 +18,14 @@ from .tolerance import probe_tolerance
 def reference_values(model, pairs: list[EncodedPair], top_k: int = 0) -> list:
     """reference_logps of each pair's chosen, then its rejected completion: [chosen 0, rejected 0, chosen 1, ...];
     with top_k, TokenScores holding reference_top_k's ids, log-probs and tail beside them."""
-    return [reference_scores(model, p.prompt_ids, c, top_k).map(_numpy) if top_k else
-            reference_logps(model, p.prompt_ids, c).cpu().numpy()
-            for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+    return [reference_value(model, p.prompt_ids, c, top_k) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+
+
+def reference_value(model, prompt_ids: list[int], completion_ids: list[int], top_k: int = 0):
+    """The definition's values of one sequence, as numpy: reference_logps, or with top_k TokenScores beside it."""
+    if top_k:
+        return reference_scores(model, prompt_ids, completion_ids, top_k).map(_numpy)
+    return reference_logps(model, prompt_ids, completion_ids).cpu().numpy()
 
 
 def top_k_disagreement(model, got: list[TokenScores], truth: list[TokenScores], pairs: list[EncodedPair],
