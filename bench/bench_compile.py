@@ -30,15 +30,10 @@ CONFIGS = ("precompute", "train", "train_compiled")
 
 def child_precompute(a) -> dict:
     from precompute.job import PrecomputeConfig, run_precompute, score_pairs
-    from runtime.checkpoint import Checkpoint, load_tokenizer
-    from runtime.data import encode_rows, load_rows
-    from schemas.encoding import EncodingConfig
+    from runtime.checkpoint import Checkpoint
 
     dev = common.device()
-    encoding = EncodingConfig(max_length=a.seq) if a.seq else EncodingConfig()
-    tok = load_tokenizer(a.model)
-    pairs = encode_rows(load_rows(a.data, "train"), tok, encoding).pairs
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    encoding, pairs, pad_id = F.encoded_pairs(a)
     budget, per_shard = PrecomputeConfig.token_budget, PrecomputeConfig.rows_per_shard
     out, logs = Path(a.out) / "cache", []
 

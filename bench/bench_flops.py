@@ -82,6 +82,18 @@ def pair_lengths(pairs) -> np.ndarray:
     return np.array([[len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)] for p in pairs], dtype=np.int64)
 
 
+def encoded_pairs(a) -> tuple:
+    """The case's train pairs as precompute-ref encodes them: (encoding, pairs, pad id)."""
+    from runtime.checkpoint import load_tokenizer
+    from runtime.data import encode_rows, load_rows
+    from schemas.encoding import EncodingConfig
+
+    encoding = EncodingConfig(max_length=a.seq) if a.seq else EncodingConfig()
+    tok = load_tokenizer(a.model)
+    pairs = encode_rows(load_rows(a.data, "train"), tok, encoding).pairs
+    return encoding, pairs, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
 def mm_fn(dtype, dev):
     a = torch.randn(MM, MM, dtype=dtype, device=dev)
     b = torch.randn(MM, MM, dtype=dtype, device=dev)
@@ -96,17 +108,12 @@ MM_FLOPS = 2 * MM**3
 
 def child_precompute(a) -> dict:
     from precompute.job import PrecomputeConfig, run_precompute, score_pairs
-    from runtime.checkpoint import Checkpoint, load_tokenizer
-    from runtime.data import encode_rows, load_rows
+    from runtime.checkpoint import Checkpoint
     from runtime.logprobs import pad_sequences
     from runtime.packing import length_batches
-    from schemas.encoding import EncodingConfig
 
     dev = common.device()
-    encoding = EncodingConfig(max_length=a.seq) if a.seq else EncodingConfig()
-    tok = load_tokenizer(a.model)
-    pairs = encode_rows(load_rows(a.data, "train"), tok, encoding).pairs
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    encoding, pairs, pad_id = encoded_pairs(a)
     budget, per_shard = PrecomputeConfig.token_budget, PrecomputeConfig.rows_per_shard
     model = Checkpoint.open(a.model).load_model(common.torch_dtype(dev), dev, "sdpa")
     seqs = [p.prompt_ids + c for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
