@@ -72,10 +72,13 @@ def computed_specs(skip) -> list[OptionSpec]:
 
 
 def _read(path: Path) -> list[OptionSpec] | None:
+    from schemas.files import UnsafeDestination, open_nofollow
+
     try:
-        stored = json.loads(path.read_text(encoding="utf-8"))
+        with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as f:  # the table itself, never through a link
+            stored = json.loads(f.read().decode("utf-8"))
         return [OptionSpec.from_json(s) for s in stored["options"]]
-    except (OSError, ValueError, KeyError, TypeError):  # missing, partly written by an older version, damaged
+    except (OSError, ValueError, KeyError, TypeError, UnsafeDestination):  # missing, damaged, a link: computed again
         return None
 
 

@@ -148,3 +148,23 @@ def test_an_unwritable_cache_folder_still_gives_the_options(tmp_path, monkeypatc
         folder.mkdir(mode=0o500)
         monkeypatch.setenv("REFCACHE_HOME", str(folder))
         assert trainer_options.trainer_specs(NOT_TRAINER_OPTIONS) and not list(folder.iterdir())
+
+
+def test_a_table_behind_a_link_is_not_read(tmp_path, monkeypatch):
+    """The stored table is read only as a plain file of its own: a link planted at its name (to a table whose
+    options say otherwise) is not followed; the options are computed from TrainingArguments instead."""
+    import json
+
+    from dpo import trainer_options
+    from dpo.cli import NOT_TRAINER_OPTIONS
+
+    monkeypatch.setenv("REFCACHE_HOME", str(tmp_path / "home"))
+    computed = trainer_options.computed_specs(NOT_TRAINER_OPTIONS)
+    path = trainer_options.cache_folder() / f"train-dpo-options-{trainer_options.table_key(NOT_TRAINER_OPTIONS)}.json"
+    path.parent.mkdir(parents=True)
+    forged = tmp_path / "forged.json"
+    forged.write_text(json.dumps({"format": trainer_options.FORMAT, "options": [computed[0].to_json()]}))
+    path.symlink_to(forged)
+    specs = trainer_options.trainer_specs(NOT_TRAINER_OPTIONS)
+    assert [s.to_json() for s in specs] == [s.to_json() for s in computed] and len(specs) > 1
+    assert path.is_symlink() and json.loads(forged.read_text())["options"] == [computed[0].to_json()]  # untouched
