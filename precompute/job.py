@@ -89,10 +89,10 @@ class PrecomputeConfig:
         click_type=click.Path(file_okay=False)))
     tp_size: int = field(default=1, metadata=field_help(
         "Tensor parallelism under torchrun: each group of N consecutive ranks loads one copy of the model split N "
-        "ways by transformers' tensor-parallel plan for the architecture (refused for one without a plan) and "
-        "scores its shards together; groups share the shards out as ranks do. WORLD_SIZE must be a multiple of N; "
-        "not with --device, --device-map, --adapter or --torch-compile. Batching modes are probed on the split "
-        "model.", "Computation", min=1, metavar="N"))
+        "ways by the tensor-parallel plan transformers has for the architecture (refused for one without a plan) "
+        "and scores its shards together; groups share the shards out as ranks do. WORLD_SIZE must be a multiple "
+        "of N. Not with --device, --adapter, --torch-compile or --device-map. Batching modes are probed on the "
+        "split model.", "Computation", min=1, metavar="N"))
     attn_implementation: str = field(default="auto", metadata=field_help(
         "Attention kernel: auto (what transformers picks for the model), sdpa, eager, flash_attention_2.",
         "Computation"))

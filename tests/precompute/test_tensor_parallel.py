@@ -8,11 +8,13 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 from transformers import GPT2Config, LlamaConfig
 
 from conftest import (TORCHRUN, assert_same_values, audit_ref, manifest_of, pref_rows, run_in_session, scored_now,
                       write_jsonl)
 from conftest import precompute_cli as cli, precompute_ok as ok
+from audit.cli import main as audit_main
 from precompute.cli import summary_text
 from runtime.distributed import Dist
 from runtime.errors import JobError
@@ -78,6 +80,9 @@ def test_two_ranks_split_one_model_and_give_the_one_process_cache(tmp_path, llam
     assert code == 0, output
     assert "split by tensor parallelism over 2 ranks per copy of the model, 1 group" in output
     assert report["made"]["computation"]["layout"]["kind"] == "tensor_parallel"
+    page = tmp_path / "view.html"
+    assert CliRunner().invoke(audit_main, [str(out), "--html", str(page), "--sample", "2"]).exit_code == 0
+    assert "<th>split</th><td><code>tensor parallelism over 2 ranks per copy of the model" in page.read_text()
 
     # a note is never compared: one process keeps every shard of the split run as its own
     assert scored_now(ok(*args(llama_dir, data, out)[:-1])) == (24, 0)
