@@ -275,10 +275,11 @@ def shard_work(encoded: Encoded, shards: list[dict]) -> list[int]:
 
 def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, stack: contextlib.ExitStack,
            rank_log=None) -> dict:
-    """Load the model (only when this rank has shards to score), check the computation it actually gives against
-    what the kept shards record, and score this rank's shards. Shards are dealt to ranks by their tokens (longest
-    first, each to the least loaded rank) so that ranks finish together; each rank writes its own, so the cache is
-    the same whoever scores a shard."""
+    """Load the model (only when this rank has shards to score; under --tp-size on every rank), check the computation
+    it actually gives against what the kept shards record, and score this rank's shards. Shards are dealt to ranks
+    (under --tp-size to groups of ranks, which score theirs together) by their tokens (longest first, each to the
+    least loaded) so that they finish together; each rank (group's first rank) writes its own, so the cache is the
+    same whoever scores a shard."""
     todo = [s for s in job.plan if s["file"] not in resume.done]
     work = shard_work(job.encoded, todo)
     dealt = balanced_assignment(work, dist.groups)  # to tensor-parallel groups: every rank of one scores its shards
