@@ -17,6 +17,7 @@ import numpy as np
 import polars as pl
 
 from runtime.errors import JobError
+from runtime.placement import describe
 from schemas import format as fmt
 from schemas.rules import stamp_findings
 from schemas.stamps import tokenizer_hash
@@ -312,6 +313,7 @@ def _stamps_html(cache, manifest: dict, notes: list[str]) -> str:
     items = [("cache", str(Path(cache).resolve())), *((k, str(v)) for k, v in (manifest.get("stamps") or {}).items()),
              ("reference", str(model.get("name"))), ("computed", f"{comp.get('dtype')} on {comp.get('device_type')}, "
                                                                   f"{comp.get('mode')} batching"),
+             *([("split", describe(comp["layout"]))] if isinstance(comp.get("layout"), dict) else []),
              ("rows", f"{manifest.get('rows')}"), ("made", str(manifest.get("created_at")))]
     table = "<table>" + "".join(f"<tr><th>{e(k)}</th><td><code>{e(v)}</code></td></tr>" for k, v in items) + "</table>"
     return table + "".join(f"<p><strong>{e(note)}</strong></p>" for note in notes)

@@ -21,9 +21,10 @@ def summary_text(s: dict) -> str:
         work = (f"  nothing to score: every pair was in the cache already (batching {s['mode']}); "
                 f"wall: {s['wall_s']:.1f} s")
     ranks = s.get("rank_wall_s") or []
-    if s["rows_scored"] and len(ranks) > 1:  # torchrun: how far apart the ranks finished scoring
+    if s["rows_scored"] and len(ranks) > 1:  # torchrun: how far apart the ranks (tensor-parallel groups) finished
         spread = max(ranks) - min(ranks)
-        work += (f"\n  ranks: {len(ranks)}, scoring wall per rank {min(ranks):.1f}-{max(ranks):.1f} s "
+        unit = "tensor-parallel group" if s.get("tp_size", 1) > 1 else "rank"
+        work += (f"\n  {unit}s: {len(ranks)}, scoring wall per {unit} {min(ranks):.1f}-{max(ranks):.1f} s "
                  f"(spread {spread:.1f} s, {spread / max(ranks) if max(ranks) else 0:.0%} of the slowest)")
     return (
         f"wrote {s['rows']} pairs ({s['rows_scored']} scored now) in {s['shards']} shards to {s['out']}\n"

@@ -87,6 +87,12 @@ class PrecomputeConfig:
         "With --device-map: folder for weights offloaded to disk (a fresh folder is made inside it and removed at the "
         "end); apart from --model, --data and --out. Default: a temporary folder.", "Computation",
         click_type=click.Path(file_okay=False)))
+    tp_size: int = field(default=1, metadata=field_help(
+        "Tensor parallelism under torchrun: each group of N consecutive ranks loads one copy of the model split N "
+        "ways by the tensor-parallel plan transformers has for the architecture (refused for one without a plan) "
+        "and scores its shards together; groups share the shards out as ranks do. WORLD_SIZE must be a multiple "
+        "of N. Not with --device, --adapter, --torch-compile or --device-map. Batching modes are probed on the "
+        "split model.", "Computation", min=1, metavar="N"))
     attn_implementation: str = field(default="auto", metadata=field_help(
         "Attention kernel: auto (what transformers picks for the model), sdpa, eager, flash_attention_2.",
         "Computation"))
@@ -153,7 +159,7 @@ def plan_shards(encoded: Encoded, rows_per_shard: int, encoding: EncodingConfig)
 
 
 def run_precompute(cfg: PrecomputeConfig, log=print) -> dict:
-    with preserved_rng(), distributed() as dist:
+    with preserved_rng(), distributed(cfg.tp_size) as dist:
         return _run(cfg, log, dist)
 
 
@@ -187,6 +193,8 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
         checkpoint.start_hashing()
     check_apart(out, "--out", inputs)
     max_memory = _placement(cfg, inputs, dist)
+    if cfg.tp_size > 1:  # an architecture transformers cannot split is refused before any weight is read
+        _check_tp_plan(cfg, checkpoint)
     device = resolve_device(cfg.device)  # a bad --device is refused before any work
     if cfg.device_map is not None:
         device = placement.main_device(max_memory, device)
@@ -214,11 +222,29 @@ def _placement(cfg: PrecomputeConfig, inputs: dict, dist: Dist) -> dict | None:
         cfg.max_memory = placement.parse_max_memory(cfg.max_memory) if cfg.max_memory is not None else None
     except ValueError as e:
         raise JobError(f"--max-memory {cfg.max_memory}: {e}") from None
+    placement.check_tensor_parallel(cfg.tp_size, dist.world, cfg.device, cfg.device_map, cfg.adapter,
+                                    cfg.torch_compile)
     placement.check_placement(cfg.device_map, cfg.max_memory, cfg.offload_folder, cfg.device, dist.world,
                               cfg.adapter)
     if cfg.offload_folder is not None:
         check_apart(cfg.offload_folder, "--offload-folder", {**inputs, "--out": cfg.out})
     return placement.max_memory_dict(cfg.max_memory)
+
+
+def _check_tp_plan(cfg: PrecomputeConfig, checkpoint: Checkpoint) -> None:
+    """--tp-size on an architecture without a tensor-parallel plan, or heads it cannot share out evenly: refused
+    naming it, from its config alone, before any weight is read."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(checkpoint.path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise JobError(f"{cfg.model}: its config.json cannot be read ({' '.join(str(e).split())[:300]})") from None
+    refused = placement.tensor_parallel_refusal(config, cfg.tp_size)
+    if refused:
+        raise JobError(f"--tp-size {cfg.tp_size}: {refused}, so it cannot be split that way; use --device-map auto "
+                       "(one process, the model split across its devices, then CPU and disk), a --tp-size that "
+                       "divides its heads, or leave --tp-size out")
 
 
 def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) -> Resume:
@@ -249,22 +275,28 @@ def shard_work(encoded: Encoded, shards: list[dict]) -> list[int]:
 
 def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, stack: contextlib.ExitStack,
            rank_log=None) -> dict:
-    """Load the model (only when this rank has shards to score), check the computation it actually gives against
-    what the kept shards record, and score this rank's shards. Shards are dealt to ranks by their tokens (longest
-    first, each to the least loaded rank) so that ranks finish together; each rank writes its own, so the cache is
-    the same whoever scores a shard."""
+    """Load the model (only when this rank has shards to score; under --tp-size on every rank), check the computation
+    it actually gives against what the kept shards record, and score this rank's shards. Shards are dealt to ranks
+    (under --tp-size to groups of ranks, which score theirs together) by their tokens (longest first, each to the
+    least loaded) so that they finish together; each rank (group's first rank) writes its own, so the cache is the
+    same whoever scores a shard."""
     todo = [s for s in job.plan if s["file"] not in resume.done]
     work = shard_work(job.encoded, todo)
-    dealt = balanced_assignment(work, dist.world)
-    mine = [todo[i] for i in dealt[dist.rank]]
+    dealt = balanced_assignment(work, dist.groups)  # to tensor-parallel groups: every rank of one scores its shards
+    mine = [todo[i] for i in dealt[dist.group]]
     stats = {"tokens": 0, "processed": 0, "slots": 0, "written": {}, "computation": None, "wall_s": 0.0}
     if todo:
+        split = (f" (tensor parallel: {dist.groups} group{'s' if dist.groups > 1 else ''} of {dist.tp_size} ranks)"
+                 if dist.tp_size > 1 else "")
         log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
-            f"({len(resume.done)} already done) on {dist.world} x {job.device.type} in "
+            f"({len(resume.done)} already done) on {dist.world} x {job.device.type}{split} in "
             f"{str(job.dtype).removeprefix('torch.')}" + (
-                "; tokens per rank: " + ", ".join(f"{sum(work[i] for i in r):,}" for r in dealt)
-                if dist.world > 1 else ""))
-    loaded = _load(cfg, job, log, stack) if mine else None
+                f"; tokens per {'group' if dist.tp_size > 1 else 'rank'}: "
+                + ", ".join(f"{sum(work[i] for i in r):,}" for r in dealt) if dist.groups > 1 else ""))
+    # Under tensor parallelism loading is collective (the device mesh spans every rank): all ranks load or none.
+    loaded = _load(cfg, job, log, stack, dist) if mine or (todo and dist.tp_size > 1) else None
+    if dist.tp_size > 1 and loaded:
+        _same_in_each_group(loaded[1], dist)
     if cfg.token_budget == "auto":  # every rank scores with the same budget: the least any rank's memory allows
         notes = dist.gather(loaded[-1].note() if loaded else None)
         agreed = min((n for n in notes if n is not None), key=lambda n: n["tokens"], default=None)
@@ -282,13 +314,24 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
                 raise JobError(f"{differs[0].message}; {differs[0].remedy}")
         stats = {**_score_shards(model, job.encoded, mine, job.out, job.stamps, cfg, pad_id, mode, computation,
                                  dist.rank == 0, budget, rank_log, dist), "computation": computation}
-    box = dist.gather(stats)  # also the barrier before the manifest
+    box = dist.gather(stats)[:: dist.tp_size]  # also the barrier before the manifest; one rank of each group
     made = [b["computation"] for b in box if b["computation"] is not None]
     stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")},
              "computation": (made[0] if made else None) or resume.computation,
              "written": {f: e for b in box for f, e in b["written"].items()},
              "rank_wall_s": [b["wall_s"] for b in box]}
-    return {**stats, "mine": len(mine), "todo": todo}
+    return {**stats, "mine": len(mine), "todo": todo, "tp_size": dist.tp_size}
+
+
+def _same_in_each_group(computation: dict, dist: Dist) -> None:
+    """The ranks of a tensor-parallel group must have chosen alike (mode, head, ...): they run every forward
+    together. They do, from the same gathered numbers; a group that did not is refused on every rank."""
+    chosen = dist.gather(computation)
+    for g in range(dist.groups):
+        ranks = chosen[g * dist.tp_size : (g + 1) * dist.tp_size]
+        if any(c != ranks[0] for c in ranks):
+            raise JobError(f"the ranks of tensor-parallel group {g} chose differently how to score ({ranks}); "
+                           "run without --tp-size, or report this")
 
 
 def _length(pair) -> int:
@@ -301,11 +344,16 @@ def _longest(encoded: Encoded) -> int:
     return max(map(_length, encoded.pairs))
 
 
-def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
+def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dist: Dist):
     """The model, and how it scores: the batching mode (probed against the plain forward on the job's first shard and
-    longest pair, not this rank's, so every rank and every resumed run agrees; with --device-map on the split model
-    itself), the head path and the budget. `stack` holds the offload folder for as long as the job runs."""
-    if cfg.device_map is None:
+    longest pair, not this rank's, so every rank and every resumed run agrees; with --device-map or --tp-size on the
+    split model itself), the head path and the budget. `stack` holds the offload folder for as long as the job runs."""
+    if cfg.tp_size > 1:
+        model = load_model_for(cfg, job.dtype, None, job.checkpoint,
+                               distributed_config=placement.distributed_config(cfg.tp_size, dist.world))
+        layout = placement.tensor_parallel_layout(cfg.tp_size, dist.world)
+        log(f"split by {placement.describe(layout)}")
+    elif cfg.device_map is None:
         model, layout = load_model_for(cfg, job.dtype, job.device, job.checkpoint), None
     else:
         model, layout = _load_dispatched(cfg, job, log, stack)
@@ -435,7 +483,8 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
         "mode": scored["computation"]["mode"],
         "wall_s": wall,
         "tokens_per_s": scored["tokens"] / wall if wall else 0.0,
-        "rank_wall_s": scored["rank_wall_s"],  # each rank's scoring wall time (torchrun: spread = max - min)
+        "rank_wall_s": scored["rank_wall_s"],  # each rank's (group's) scoring wall time (torchrun: spread = max - min)
+        "tp_size": scored["tp_size"],
         "bytes": size,
         "bytes_per_completion_token": size / completion_tokens,
     }
@@ -444,13 +493,17 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
 def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint | None = None, **placed):
     """The reference model of `checkpoint` (opened from cfg when None) with the requested attention implementation
     (None: transformers' choice); one that cannot use it is refused naming those it can. `placed`: device_map,
-    max_memory and offload_folder for from_pretrained (device None then)."""
+    max_memory and offload_folder, or distributed_config (--tp-size), for from_pretrained (device None then)."""
     checkpoint = checkpoint or Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
     attn = None if cfg.attn_implementation in (None, "auto") else cfg.attn_implementation
     try:
         return checkpoint.load_model(dtype, device, attn, **placed)
     except (ImportError, ValueError) as e:  # an implementation the model or this install does not have
         detail = " ".join(str(e).split())[:300]
+        if "distributed_config" in placed and attn is None:
+            raise JobError(f"{cfg.model}: transformers cannot split the model with --tp-size {cfg.tp_size} "
+                           f"({detail}); pick a --tp-size that divides its attention heads, or use --device-map "
+                           "auto") from None
         if placed and attn is None:  # then only the split can be what from_pretrained refused
             raise JobError(f"{cfg.model}: the model cannot be split with --device-map {cfg.device_map} "
                            f"--max-memory {cfg.max_memory} ({detail}); give the devices more memory, or an "
@@ -479,6 +532,8 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
     for n, shard in enumerate(todo, 1):
         pairs = encoded.pairs[shard["start"] : shard["stop"]]
         chosen, rejected, stats = score_pairs(model, pairs, pad_id, budget, mode, tick, top_k=cfg.top_k)
+        if dist is not None and not dist.leads:  # a tensor-parallel group's other ranks: same forwards, no file
+            continue
         table = fmt.shard_table(
             encoded.ids[shard["start"] : shard["stop"]],
             [p.prompt_ids for p in pairs], [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs],
@@ -493,7 +548,7 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
         if rank_log is not None:
             seconds = time.perf_counter() - t0
             with tqdm.external_write_mode(file=sys.stderr):  # around rank 0's bar
-                rank_log(f"rank {dist.rank}/{dist.world}: shard {n}/{len(todo)} ({shard['file']}) done, "
+                rank_log(f"{dist.name()}: shard {n}/{len(todo)} ({shard['file']}) done, "
                          f"{done / seconds:,.1f} pairs/s, {total['tokens'] / seconds:,.0f} tokens/s")
     bar.close()
     total["wall_s"] = time.perf_counter() - t0

@@ -1,4 +1,6 @@
-"""This process's place in a torchrun job: rank 0 decides, every rank learns the result or the refusal."""
+"""This process's place in a torchrun job: rank 0 decides, every rank learns the result or the refusal. With tensor
+parallelism (`tp_size` > 1) the ranks form groups of `tp_size` consecutive ranks, each group one copy of the model
+split across its ranks: the group is the unit of data parallelism, its first rank the one that writes."""
 
 from __future__ import annotations
 
@@ -23,11 +25,35 @@ def _with_the_others(rank: int, what: str):
 
 
 class Dist:
-    """This process's place in a torchrun job (world 1 without torchrun)."""
+    """This process's place in a torchrun job (world 1 without torchrun), and in its tensor-parallel group (a group
+    of one rank without tensor parallelism). `tp_size` must divide `world` (runtime.placement refuses it first)."""
 
-    def __init__(self, rank: int | None = None, world: int | None = None):
+    def __init__(self, rank: int | None = None, world: int | None = None, tp_size: int = 1):
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
+        self.tp_size = tp_size
+
+    @property
+    def groups(self) -> int:
+        """Copies of the model: the data-parallel width (the world without tensor parallelism)."""
+        return max(1, self.world // self.tp_size)
+
+    @property
+    def group(self) -> int:
+        """This rank's group: ranks group * tp_size ... group * tp_size + tp_size - 1 (the rank itself without TP)."""
+        return self.rank // self.tp_size
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank writes its group's results: the group's first rank (every rank without TP)."""
+        return self.rank % self.tp_size == 0
+
+    def name(self) -> str:
+        """This rank, or under tensor parallelism its group, as a log line names it."""
+        if self.tp_size == 1:
+            return f"rank {self.rank}/{self.world}"
+        first = self.group * self.tp_size
+        return f"group {self.group}/{self.groups} (ranks {first}-{first + self.tp_size - 1})"
 
     @classmethod
     def joined(cls) -> "Dist":
@@ -87,14 +113,17 @@ class Dist:
 
 
 @contextlib.contextmanager
-def distributed():
-    """Join the torchrun process group for the job's duration (gloo: only small objects cross it)."""
+def distributed(tp_size: int = 1):
+    """Join the torchrun process group for the job's duration: gloo, over which only small objects cross; with
+    tensor parallelism on CUDA also NCCL for the split model's tensors (objects still go over gloo)."""
+    import torch
     import torch.distributed
 
-    dist = Dist()
+    dist = Dist(tp_size=tp_size)
     started = dist.world > 1 and not torch.distributed.is_initialized()
     if started:
-        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=12))
+        backend = "cpu:gloo,cuda:nccl" if tp_size > 1 and torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(hours=12))
     try:
         yield dist
     finally:

@@ -1,7 +1,9 @@
 """Where a reference's layers go when it does not fit one device: accelerate's big-model dispatch as transformers'
 `from_pretrained(device_map=..., max_memory=..., offload_folder=...)` runs it (visible accelerators, then CPU
-memory, then disk), the options that ask for it, the device a dispatched model takes its inputs on, and the layout
-a job records. Nothing here loads or computes on its own: the numbers stay the model's own forward."""
+memory, then disk), or transformers' own tensor parallelism under torchrun (`from_pretrained(distributed_config=
+DistributedConfig(tp_size=N, ...))`: the architecture's tensor-parallel plan, each group of N ranks one copy of the
+model); the options that ask for them, the device a dispatched model takes its inputs on, and the layout a job
+records. Nothing here loads or computes on its own: the numbers stay the model's own forward."""
 
 from __future__ import annotations
 
@@ -73,6 +75,62 @@ def check_placement(device_map: str | None, max_memory: str | None, offload_fold
                        "the merged folder as --model")
 
 
+def check_tensor_parallel(tp_size: int, world: int, device: str, device_map: str | None, adapter: str | None,
+                          torch_compile: bool) -> None:
+    """Refuse a --tp-size that cannot run, before any work: groups of tp_size ranks need torchrun and a world that
+    they divide; the split is transformers' own placement (one accelerator per rank, or the CPU)."""
+    if tp_size == 1:
+        return
+    if world == 1:
+        raise JobError(f"--tp-size {tp_size} splits the model across {tp_size} processes, and this job runs one; "
+                       f"launch it with torchrun (torchrun --nproc-per-node {tp_size} -m precompute.cli ...), or "
+                       "leave --tp-size out (--device-map auto splits a model within one process)")
+    if world % tp_size:
+        raise JobError(f"--tp-size {tp_size} makes groups of {tp_size} consecutive ranks, and this job runs {world} "
+                       f"(torchrun's WORLD_SIZE), not a multiple of {tp_size}; launch a multiple of {tp_size} "
+                       "processes in all or pick a --tp-size that divides it")
+    clash = {"--device-map": (device_map, "another way to split the model; give one of the two"),
+             "--device": (device != "auto", "each rank's part of the model goes where transformers puts it (the "
+                          "accelerator LOCAL_RANK, else the CPU); leave --device at auto"),
+             "--adapter": (adapter, "the weights are loaded split as they are; merge the adapter first (peft "
+                           "merge_and_unload, save_pretrained) and pass the merged folder as --model"),
+             "--torch-compile": (torch_compile, "the split model scores uncompiled; leave --torch-compile out")}
+    for option, (given, why) in clash.items():
+        if given:
+            raise JobError(f"--tp-size {tp_size} with {option}{' ' + device if option == '--device' else ''}: {why}")
+
+
+def tensor_parallel_refusal(config, tp_size: int) -> str | None:
+    """Why transformers cannot split a model of `config` (a transformers PretrainedConfig) into tp_size parts, or
+    None: the plan comes from the config class's base_model_tp_plan (of its text model in a composite one), and the
+    plan cuts attention by heads, so tp_size must divide the query and the key/value heads."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    name = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    if not (getattr(config, "base_model_tp_plan", None) or getattr(text, "base_model_tp_plan", None)):
+        return (f"transformers has no tensor-parallel plan for {name} (model type {config.model_type}: its "
+                f"{type(config).__name__} declares no base_model_tp_plan)")
+    heads = {what: getattr(text, key, None) for what, key in (("attention heads", "num_attention_heads"),
+                                                             ("key/value heads", "num_key_value_heads"))}
+    for what, n in heads.items():
+        if isinstance(n, int) and n % tp_size:
+            return f"{name} has {n} {what}, which {tp_size} ranks cannot share evenly"
+    return None
+
+
+def distributed_config(tp_size: int, world: int):
+    """transformers' DistributedConfig for groups of tp_size ranks over a world of `world`: the architecture's own
+    tensor-parallel plan in each group and, with several groups, one whole copy per group (dp_replicate: transformers
+    then also wraps each copy in FSDP2 with nothing to shard, so the groups never wait on each other in a forward)."""
+    from transformers.distributed import DistributedConfig
+
+    return DistributedConfig(tp_size=tp_size, dp_replicate_size=world // tp_size)
+
+
+def tensor_parallel_layout(tp_size: int, world: int) -> dict:
+    """What a job records of a model split by --tp-size."""
+    return {"kind": "tensor_parallel", "tp_size": tp_size, "groups": world // tp_size}
+
+
 def main_device(max_memory: dict | None, fallback: torch.device) -> torch.device:
     """The device a dispatched model computes on first (accelerate's main device): the CPU when the budget names
     no GPU, else what --device auto gives."""
@@ -108,7 +166,11 @@ def layout(model, device_map: str, max_memory: str | None, offload_used: bool) -
 
 
 def describe(layout_record: dict) -> str:
-    """One line for audit-ref: the device map, budget, and module counts per place."""
+    """One line for audit-ref: the device map, budget, and module counts per place; or the tensor-parallel groups."""
+    if layout_record.get("kind") == "tensor_parallel":
+        groups = layout_record.get("groups")
+        return (f"tensor parallelism over {layout_record.get('tp_size')} ranks per copy of the model, {groups} "
+                f"group{'s' if groups != 1 else ''} (transformers' tensor-parallel plan)")
     modules = layout_record.get("modules") or {}
     where = ", ".join(f"{d}: {len(m)} module{'s' if len(m) != 1 else ''}" for d, m in modules.items())
     used = "written to" if layout_record.get("offload_folder_used") else "not written to"

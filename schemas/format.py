@@ -36,7 +36,7 @@ SIDES = ("chosen", "rejected")
 PER_TOKEN = ("logps",)  # per-token scores every cache holds: shard columns f"{side}_{suffix}"
 TOP_K_COLUMNS = ("top_ids", "top_logps", "tail")  # and those a cache made with --top-k K > 0 holds
 COMPUTATION_DEFAULTS = {"top_k": 0}  # a computation key a cache may leave out, and what its absence means
-# computation keys that say where or how the model ran, not what it computed (precompute-ref --device-map's layout,
+# computation keys that say where or how the model ran, not what it computed (the layout of --device-map or --tp-size,
 # --torch-compile's compiled, and the number --token-budget auto came to on this machine's memory: the request `auto`
 # itself is compared): kept in the manifest only, never in a shard's footer, and never compared on a rerun, so a split
 # or compiled model makes the same cache

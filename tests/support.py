@@ -186,6 +186,21 @@ def read_cache(out: Path):
     return pl.concat([pl.read_parquet(Path(out) / s["file"]) for s in manifest_of(out)["shards"]])
 
 
+def assert_same_values(a, b, tol=1e-5):
+    """Every per-token value and sum of cache b within tol of cache a, row by row (ids and token ids equal): the same
+    cache from a model split another way (device map, tensor parallelism), whose sums may round differently."""
+    import numpy as np
+
+    x, y = read_cache(a), read_cache(b)
+    for col in ("id", "prompt_input_ids", "chosen_input_ids", "rejected_input_ids", "mask_checksum"):
+        assert x[col].to_list() == y[col].to_list(), col
+    for col in ("chosen_logps", "rejected_logps"):
+        got, want = np.concatenate(y[col].to_list()), np.concatenate(x[col].to_list())
+        assert got.shape == want.shape and np.abs(got - want).max() <= tol, col
+    for col in ("chosen_logp", "rejected_logp"):
+        assert np.allclose(y[col].to_numpy(), x[col].to_numpy(), rtol=0, atol=tol * 50), col
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # a train-dpo output folder and run
 

@@ -10,14 +10,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import audit_ref, manifest_of, pref_rows, read_cache, scored_now, shard_hashes, write_jsonl
+from conftest import assert_same_values, audit_ref, manifest_of, pref_rows, read_cache, scored_now, shard_hashes, write_jsonl
 from conftest import precompute_cli as cli, precompute_ok as ok
 from runtime.placement import parse_max_memory
 from schemas import format as fmt
 from schemas.cache import open_cache
-
-VALUES = ("chosen_logps", "rejected_logps")
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
@@ -34,18 +31,6 @@ def in_memory(tmp_path_factory, llama_dir, data):
 
 def weights_bytes(model_dir) -> int:
     return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-
-
-def assert_same_values(a, b, tol=1e-5):
-    """Every per-token value and sum of cache b within tol of cache a, row by row (ids and token ids equal)."""
-    x, y = read_cache(a), read_cache(b)
-    for col in ("id", "prompt_input_ids", "chosen_input_ids", "rejected_input_ids", "mask_checksum"):
-        assert x[col].to_list() == y[col].to_list(), col
-    for col in VALUES:
-        got, want = np.concatenate(y[col].to_list()), np.concatenate(x[col].to_list())
-        assert got.shape == want.shape and np.abs(got - want).max() <= tol, col
-    for col in ("chosen_logp", "rejected_logp"):
-        assert np.allclose(y[col].to_numpy(), x[col].to_numpy(), rtol=0, atol=tol * 50), col
 
 
 def test_disk_offload_gives_the_in_memory_cache(tmp_path, llama_dir, data, in_memory):
