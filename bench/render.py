@@ -481,9 +481,20 @@ def render_ranks(K: dict) -> list[str]:
                "wall", [[w.replace("_", "-"), " / ".join(f"{t:,}" for t in r["rank_tokens"]), sec(r["slowest_rank_s"]),
                          sec(r["spread_s"]), f"{r['spread_share']:.0%}", sec(r["job_wall_s"])]
                         for w, r in K["ways"].items()])
-    return L + ["", f"Slowest rank, round-robin over by tokens: {x(K['slowest_rank_ratio'])}; both ways wrote the same "
-                    "shards byte for byte. The job's wall time is mostly start-up (imports, model load, the probe) "
-                    "at these sizes; the scoring phase is what the dealing changes."]
+    L += ["", f"Slowest rank, round-robin over by tokens: {x(K['slowest_rank_ratio'])}; every way wrote the same "
+              "shards byte for byte. The job's wall time is mostly start-up (imports, model load, the probe) "
+              "at these sizes; the scoring phase is what the dealing changes."]
+    t = K.get("throughput")
+    if not t:  # a result from before the 1-process comparison
+        return L
+    names = {"two_ranks": "2 ranks (torchrun, gloo; shards dealt by tokens)", "one_process": "1 process"}
+    L += ["", f"The same job, 2 ranks against 1 process, in the same rounds ({K['machine'].get('cores')} cores: both "
+              "use the whole machine, so ~1x is what to expect here; the ranks pay off with one device per rank):", ""]
+    L += table("run | processes x threads | tokens/s over the job's wall | tokens/s over the scoring",
+               [[names.get(n, n), f"{r['processes']} x {r['threads']}", f"{r['job_tokens_per_s']['median']:,.0f}",
+                 f"{r['scoring_tokens_per_s']['median']:,.0f}"] for n, r in t["runs"].items()])
+    return L + ["", f"2 ranks over 1 process: {x(t['job_ratio'])} over the job's wall, {x(t['scoring_ratio'])} over "
+                    "the scoring (the slowest rank's)."]
 
 
 def gf(v: float) -> str:
@@ -750,7 +761,8 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on 
     ("vocab", "12. A 128k vocabulary at sequence 2048 (bench_vocab.py)", render_vocab),
     ("topk", "13. Top-k cache: size and precompute time (bench_topk.py)", render_topk),
     ("topk-train", "14. Training step with a top-k cache: KL metrics, TDPO (bench_topk_train.py)", render_topk_train),
-    ("ranks", "15. Shards dealt to 2 ranks by tokens vs round-robin, skewed lengths (bench_ranks.py)", render_ranks),
+    ("ranks", "15. 2 ranks: shards dealt by tokens vs round-robin on skewed lengths, and vs 1 process "
+              "(bench_ranks.py)", render_ranks),
     ("compile", "16. torch.compile of the scoring forward and the training step (bench_compile.py)", render_compile),
 ]
 
