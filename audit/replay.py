@@ -134,16 +134,14 @@ def _placed(split: dict | None, held: contextlib.ExitStack) -> dict:
 def _load_sdpa(checkpoint, dtype, device, split: dict | None, placed: dict):
     """The model with sdpa attention (the recorded one is not available here); a split refused by from_pretrained
     says what to change."""
-    from runtime.errors import JobError
+    from runtime.placement import cannot_split
 
     try:
         return checkpoint.load_model(dtype, device, "sdpa", **placed)
     except ValueError as e:
         if not split:
             raise
-        raise JobError(f"{checkpoint.path}: the model cannot be split with --device-map {split['device_map']} "
-                       f"--max-memory {split.get('max_memory')} ({' '.join(str(e).split())[:300]}); give the devices "
-                       "more memory, or an --offload-folder on a disk with room") from None
+        raise cannot_split(f"--model {checkpoint.path}", split["device_map"], split.get("max_memory"), e) from None
 
 
 SIDES = ("chosen", "rejected")

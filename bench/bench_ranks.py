@@ -5,10 +5,10 @@ wall times; and the tokens/s of those 2 ranks against one process on the same ma
 The data is sorted by source, as real data often is: even shards hold long pairs, odd shards short ones, so
 round-robin gives rank 0 every long shard. Each way runs as `torchrun --standalone --nproc-per-node 2` (gloo, one
 thread per rank), round-robin over reps after a warm-up; the summary's per-rank scoring wall times (rank 0 gathers
-them) are the figures. In the same rounds, one process without torchrun (`one_process`, as many threads as the
-machine has cores, so both sides use the whole machine) scores the same job: its tokens/s beside the 2 ranks' (dealt
-by tokens), over the job's wall and over the scoring alone (the slowest rank's). All ways must write the same shards
-byte for byte.
+them) are the figures. In the same rounds, one process without torchrun scores the same job, with one thread
+(`one_process_1_thread`) and with as many threads as the machine has cores (`one_process_all_cores`: the whole
+machine, as the 2 ranks use it): their tokens/s beside the 2 ranks' (dealt by tokens), over the job's wall and over
+the scoring alone (the slowest rank's). All ways must write the same shards byte for byte.
 
     .venv/bin/python bench/bench_ranks.py [--quick]
 """
@@ -26,7 +26,7 @@ QUICK = dict(model="1M", long=256, short=32, shards=8, rows_per_shard=6, reps=2)
 FULL = dict(model="5M", long=512, short=64, shards=8, rows_per_shard=8, reps=3)
 GPU = FULL
 WAYS = ("round_robin", "by_tokens")  # the 2-rank dealings
-ONE = "one_process"  # the same job, one process
+ONES = ("one_process_1_thread", "one_process_all_cores")  # the same job, one process
 
 
 def round_robin(work, world):
@@ -70,22 +70,24 @@ def shard_tokens(out) -> list[int]:
     return tokens
 
 
-def throughput(runs: dict, cores: int) -> dict:
-    """Tokens/s of the 2 ranks (dealt by tokens) and of one process, per round: over the job's wall time (start-up,
-    planning, load and probe included) and over the scoring (the slowest rank's scoring wall); their ratios, 2 ranks
-    over 1 process, of the medians."""
-    out = {}
-    for name, way, processes, threads in (("two_ranks", "by_tokens", 2, 1), (ONE, ONE, 1, cores)):
-        out[name] = {"processes": processes, "threads": threads,
-                     "job_tokens_per_s": common.stats([r["tokens"] / r["wall_s"] for r in runs[way]]),
-                     "scoring_tokens_per_s": common.stats([r["tokens"] / max(r["rank_wall_s"]) for r in runs[way]])}
-    two, one = out["two_ranks"], out[ONE]
-    return {"runs": out, "job_ratio": common.ratio(two["job_tokens_per_s"], one["job_tokens_per_s"]),
-            "scoring_ratio": common.ratio(two["scoring_tokens_per_s"], one["scoring_tokens_per_s"])}
+def throughput(runs: dict, threads: dict) -> dict:
+    """Tokens/s of the 2 ranks (dealt by tokens) and of one process (each of ONES), per round: over the job's wall time
+    (start-up, planning, load and probe included) and over the scoring (the slowest rank's scoring wall); the ratios
+    of the medians, 2 ranks over each 1-process way."""
+    ways = (("two_ranks", "by_tokens", 2), *((one, one, 1) for one in ONES))
+    out = {name: {"processes": processes, "threads": threads[way],
+                  "job_tokens_per_s": common.stats([r["tokens"] / r["wall_s"] for r in runs[way]]),
+                  "scoring_tokens_per_s": common.stats([r["tokens"] / max(r["rank_wall_s"]) for r in runs[way]])}
+           for name, way, processes in ways}
+    two = out["two_ranks"]
+    return {"runs": out,
+            "job_ratio": {one: common.ratio(two["job_tokens_per_s"], out[one]["job_tokens_per_s"]) for one in ONES},
+            "scoring_ratio": {one: common.ratio(two["scoring_tokens_per_s"], out[one]["scoring_tokens_per_s"])
+                              for one in ONES}}
 
 
 def main():
-    ap = common.child_parser(__doc__, (*WAYS, ONE), ints=("seq", "rows-per-shard"))
+    ap = common.child_parser(__doc__, (*WAYS, *ONES), ints=("seq", "rows-per-shard"))
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -101,15 +103,16 @@ def main():
         def argv(way):
             out = work / f"cache-{way}"
             shutil.rmtree(out, ignore_errors=True)
-            return [*([] if way == ONE else torchrun),
+            return [*([] if way in ONES else torchrun),
                     *common.child_argv(str(common.BENCH / "bench_ranks.py"), way, model=model_dir, data=data, out=out,
                                        seq=size["long"], rows_per_shard=size["rows_per_shard"])]
 
         cores = os.cpu_count() or 1
-        env = {w: {"OMP_NUM_THREADS": "1"} for w in WAYS} | {ONE: {"OMP_NUM_THREADS": str(cores)}}
-        runs = {w: [] for w in (*WAYS, ONE)}
+        threads = {w: 1 for w in WAYS} | {ONES[0]: 1, ONES[1]: cores}
+        env = {w: {"OMP_NUM_THREADS": str(n)} for w, n in threads.items()}
+        runs = {w: [] for w in (*WAYS, *ONES)}
         for i in range(size["reps"] + 1):  # round 0: the warm-up (file cache, imports)
-            for way in (*WAYS, ONE):
+            for way in (*WAYS, *ONES):
                 got = common.run_child(argv(way), env=env[way])
                 walls = got["rank_wall_s"]
                 print(f"round {i} {way:<11} ranks {' / '.join(f'{w:.2f}' for w in walls)} s, spread "
@@ -118,8 +121,8 @@ def main():
                 if i:
                     runs[way].append(got)
         hashes = {w: {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-                      for p in sorted((work / f"cache-{w}").glob("*.parquet"))} for w in (*WAYS, ONE)}
-        assert hashes["round_robin"] == hashes["by_tokens"] == hashes[ONE], "the dealing changed the cache"
+                      for p in sorted((work / f"cache-{w}").glob("*.parquet"))} for w in (*WAYS, *ONES)}
+        assert all(hashes[w] == hashes["by_tokens"] for w in hashes), "the dealing changed the cache"
         tokens = shard_tokens(work / "cache-by_tokens")
     dealt = {"round_robin": round_robin(tokens, 2), "by_tokens": balanced_assignment(tokens, 2)}
     res = {"size": size, "shard_tokens": tokens, "same_cache": True, "ways": {}}
@@ -135,7 +138,7 @@ def main():
         }
     res["slowest_rank_ratio"] = common.ratio(res["ways"]["round_robin"]["slowest_rank_s"],
                                              res["ways"]["by_tokens"]["slowest_rank_s"])
-    res["throughput"] = throughput(runs, cores)
+    res["throughput"] = throughput(runs, threads)
     for way, r in res["ways"].items():
         print(f"{way:>11}: tokens per rank {r['rank_tokens']}, spread {common.fmt_s(r['spread_s'])} "
               f"({r['spread_share']:.0%} of the slowest rank), slowest rank {common.fmt_s(r['slowest_rank_s'])}, "
@@ -145,7 +148,8 @@ def main():
     for name, r in t["runs"].items():
         print(f"{name:>11} ({r['processes']} x {r['threads']} threads): {r['job_tokens_per_s']['median']:,.0f} tokens/s "
               f"over the job's wall, {r['scoring_tokens_per_s']['median']:,.0f} over the scoring")
-    print(f"2 ranks over 1 process: x{t['job_ratio']:.2f} (job wall), x{t['scoring_ratio']:.2f} (scoring)")
+    for one in ONES:
+        print(f"2 ranks over {one}: x{t['job_ratio'][one]:.2f} (job wall), x{t['scoring_ratio'][one]:.2f} (scoring)")
     print(f"wrote {common.save('ranks', res, args)}")
 
 

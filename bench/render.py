@@ -487,14 +487,19 @@ def render_ranks(K: dict) -> list[str]:
     t = K.get("throughput")
     if not t:  # a result from before the 1-process comparison
         return L
-    names = {"two_ranks": "2 ranks (torchrun, gloo; shards dealt by tokens)", "one_process": "1 process"}
-    L += ["", f"The same job, 2 ranks against 1 process, in the same rounds ({K['machine'].get('cores')} cores: both "
-              "use the whole machine, so ~1x is what to expect here; the ranks pay off with one device per rank):", ""]
-    L += table("run | processes x threads | tokens/s over the job's wall | tokens/s over the scoring",
+    names = {"two_ranks": "2 ranks (torchrun, gloo; shards dealt by tokens)", "one_process_1_thread": "1 process",
+             "one_process_all_cores": "1 process, all cores"}
+    L += ["", f"The same job as 2 ranks and as 1 process, in the same rounds ({K['machine'].get('cores')} cores: 2 "
+              "ranks of one thread use the whole machine as 1 process with a thread per core does, so ~1x is what to "
+              "expect; the ranks pay off with one device per rank):", ""]
+    L += table("run | processes x threads | tokens/s over the job's wall | tokens/s over the scoring | 2 ranks over it "
+               "(job / scoring)",
                [[names.get(n, n), f"{r['processes']} x {r['threads']}", f"{r['job_tokens_per_s']['median']:,.0f}",
-                 f"{r['scoring_tokens_per_s']['median']:,.0f}"] for n, r in t["runs"].items()])
-    return L + ["", f"2 ranks over 1 process: {x(t['job_ratio'])} over the job's wall, {x(t['scoring_ratio'])} over "
-                    "the scoring (the slowest rank's)."]
+                 f"{r['scoring_tokens_per_s']['median']:,.0f}",
+                 f"{x(t['job_ratio'][n])} / {x(t['scoring_ratio'][n])}" if n in t["job_ratio"] else ""]
+                for n, r in t["runs"].items()])
+    return L + ["", "Over the scoring: tokens over the slowest rank's scoring wall (one process: its own); over the "
+                    "job's wall: start-up, planning, model load and the probe included."]
 
 
 def gf(v: float) -> str:

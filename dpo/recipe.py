@@ -391,9 +391,8 @@ def _load_split_reference(cfg: TrainConfig, live: Checkpoint, dtype, held: conte
         model = live.load_model(dtype, None, device_map=cfg.ref_device_map,
                                 max_memory=placement.max_memory_dict(cfg.ref_max_memory), offload_folder=str(folder))
     except ValueError as e:  # from_pretrained could not place the model within the budget
-        raise JobError(f"--ref-model {cfg.ref_model}: the reference cannot be split with --ref-device-map "
-                       f"{cfg.ref_device_map} --ref-max-memory {cfg.ref_max_memory} ({' '.join(str(e).split())[:300]}); "
-                       "give the devices more memory, or a --ref-offload-folder on a disk with room") from None
+        raise placement.cannot_split(f"--ref-model {cfg.ref_model}", cfg.ref_device_map, cfg.ref_max_memory, e,
+                                     prefix="ref-") from None
     layout = placement.layout(model, cfg.ref_device_map, cfg.ref_max_memory, any(folder.iterdir()))
     log(f"live reference: {placement.describe(layout)}")
     return model, layout

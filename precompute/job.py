@@ -440,9 +440,7 @@ def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint 
     except (ImportError, ValueError) as e:  # an implementation the model or this install does not have
         detail = " ".join(str(e).split())[:300]
         if placed and attn is None:  # then only the split can be what from_pretrained refused
-            raise JobError(f"{cfg.model}: the model cannot be split with --device-map {cfg.device_map} "
-                           f"--max-memory {cfg.max_memory} ({detail}); give the devices more memory, or an "
-                           "--offload-folder on a disk with room") from None
+            raise placement.cannot_split(cfg.model, cfg.device_map, cfg.max_memory, e) from None
         raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {cfg.attn_implementation} "
                        f"({detail}); it supports: {', '.join(checkpoint.attention_choices())}, "
                        "or leave --attn-implementation at auto") from None

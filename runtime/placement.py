@@ -76,6 +76,15 @@ def check_placement(device_map: str | None, max_memory: str | None, offload_fold
                        "the merged folder as --model")
 
 
+def cannot_split(what: str, device_map: str, max_memory: str | None, error: Exception, prefix: str = "") -> JobError:
+    """The refusal of a model from_pretrained could not place with these options (`what` names the model, e.g.
+    "--model DIR"; `prefix` as in check_placement)."""
+    detail = " ".join(str(error).split())[:300]
+    return JobError(f"{what}: the model cannot be split with --{prefix}device-map {device_map} --{prefix}max-memory "
+                    f"{max_memory} ({detail}); give the devices more memory, or an --{prefix}offload-folder on a disk "
+                    "with room")
+
+
 def offload_dir(parent: str | None, flag: str, stack) -> Path:
     """A fresh folder of this job's own for the weights a device map puts on disk, inside `parent` (the job's
     --offload-folder, `flag`; None: the system's temporary folder), removed when `stack` (an ExitStack held for as
