@@ -474,7 +474,7 @@ def render_ranks(K: dict) -> list[str]:
     size = K["size"]
     L = [f"{size['model']} model; {size['shards']} shards of {size['rows_per_shard']} pairs, even shards up to "
          f"{size['long']} tokens, odd ones up to {size['short']} (data sorted by source); `torchrun --standalone "
-         "--nproc-per-node 2` (gloo, one thread per rank) on the 2 cores, the two ways round-robin; the summary's "
+         "--nproc-per-node 2` (gloo, one thread per rank) on the 2 cores, every way run in turn in each round; the summary's "
          f"per-rank scoring wall times (`{K['command']}`, 1-minute load average {K.get('loadavg_start')} -> "
          f"{K['machine'].get('loadavg_1min')}: other processes share the cores, read the spreads side by side).", ""]
     L += table("shards dealt | tokens per rank | slowest rank's scoring | spread (max - min) | spread / slowest | job "
@@ -499,7 +499,9 @@ def render_ranks(K: dict) -> list[str]:
                  f"{x(t['job_ratio'][n])} / {x(t['scoring_ratio'][n])}" if n in t["job_ratio"] else ""]
                 for n, r in t["runs"].items()])
     return L + ["", "Over the scoring: tokens over the slowest rank's scoring wall (one process: its own); over the "
-                    "job's wall: start-up, planning, model load and the probe included."]
+                    "job's wall: start-up, planning, model load and the probe included. With other processes on the "
+                    "cores (see the load average), one process of 2 torch threads is slowed far more than in "
+                    "proportion whenever one of its threads is descheduled; processes of one thread each are not."]
 
 
 def gf(v: float) -> str:
