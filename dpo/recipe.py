@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import click
+
 from runtime.cli import field_help
 from runtime.disk import writing
 from runtime.distributed import Dist
@@ -71,7 +73,7 @@ class TrainConfig:
     ref_offload_folder: str | None = _f(None, "With --ref-device-map: folder for the reference weights offloaded to "
                                               "disk (a fresh folder is made inside it and removed at the end); apart "
                                               "from the inputs and --output-dir.", "Live reference",
-                                        show_default="a temporary folder")
+                                        show_default="a temporary folder", click_type=click.Path(file_okay=False))
     split: str = _f("train", "Split of --data to train on (datasets' split names: train, test/eval, validation).",
                     "Data")
     eval_data: str | None = _f(None, "Evaluation preference data (needs its own cache: --eval-ref-cache).", "Data")
