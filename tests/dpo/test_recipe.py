@@ -313,13 +313,16 @@ def other_reference(tmp_path_factory, tokenizer) -> Path:
     return save_checkpoint(build_llama(len(tokenizer), seed=11), tokenizer, tmp_path_factory.mktemp("other-ref"))
 
 
+@pytest.mark.parametrize("layout", ["auto", "padded"])
 def test_live_reference_split_with_disk_offload_trains_as_in_memory(tmp_path, llama_dir, dpo_data, other_reference,
-                                                                     dpo_cache):
+                                                                     dpo_cache, layout):
+    """Both batch layouts through the split reference; auto picks prefix_shared only after its probe against the
+    model's own forward passes on the split model itself."""
     weights = sum(p.stat().st_size for p in other_reference.glob("*.safetensors"))
     offload = tmp_path / "offload"
     offload.mkdir()
     (offload / "mine.txt").write_text("the user's\n")  # a folder in use: only the run's own subfolder is removed
-    steps = dict(ref_model=str(other_reference), max_steps=4, batch_layout="auto")
+    steps = dict(ref_model=str(other_reference), max_steps=4, batch_layout=layout)
     in_memory = train(llama_dir, dpo_data, tmp_path / "in-memory", **steps)
     lines = []
     split = run_train(TrainConfig(model=str(llama_dir), data=str(dpo_data), output_dir=str(tmp_path / "split"),
@@ -327,7 +330,6 @@ def test_live_reference_split_with_disk_offload_trains_as_in_memory(tmp_path, ll
                                   ref_offload_folder=str(offload)), log=lines.append)
     said = "\n".join(lines)
     assert "live reference: device map auto" in said and "disk:" in said, said
-    assert "batch layout:" in said  # the layout was chosen with the split reference among the probed models
 
     a, b = step_records(tmp_path / "in-memory"), step_records(tmp_path / "split")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
@@ -336,7 +338,9 @@ def test_live_reference_split_with_disk_offload_trains_as_in_memory(tmp_path, ll
         for key in METRIC_KEYS:
             assert_close(a[step][key], b[step][key], f"step {step} {key}", tol=1e-5)
     assert split["train_loss"] == pytest.approx(in_memory["train_loss"], abs=1e-5)
-    assert split["batch_layout"] == in_memory["batch_layout"]
+    assert split["batch_layout"] == in_memory["batch_layout"] == ("prefix_shared" if layout == "auto" else "padded")
+    if layout == "auto":  # the probe ran with the split reference among the models it checks
+        assert "batch layout: prefix_shared" in said and "matches the plain forward on a probe" in said, said
 
     manifest = json.loads((tmp_path / "split" / "run-manifest.json").read_text())
     live = manifest["reference"]["live_model"]
