@@ -28,6 +28,7 @@ import click
 from runtime.cli import EXIT_FAILED, EXIT_OK, dataclass_options, field_help, given_values, quiet_libraries, run_cli
 from runtime.errors import JobError
 from runtime.paths import check_apart
+from runtime.placement import DEVICE_MAPS, check_placement, parse_max_memory
 from runtime.tolerance import describe_replay
 from schemas.files import atomic_write, check_destination
 
@@ -35,7 +36,7 @@ from .checks import FAIL, PASS, SECTIONS, SKIP, Check
 
 DEFAULT_SAMPLE = 100
 HTML_SAMPLE = 20  # rows on an --html page without --show or --sample
-VIEW_ONLY = ("json", "tolerance")  # audit options a view does not take
+VIEW_ONLY = ("json", "tolerance", "device_map", "max_memory", "offload_folder")  # audit options a view does not take
 
 
 @dataclass
@@ -64,6 +65,18 @@ class AuditOptions:
         "Also write the report as JSON here.", click_type=click.Path(dir_okay=False)))
     trust_remote_code: bool = field(default=False, metadata=field_help(
         "Allow custom model code from the checkpoint folder."))
+    device_map: str | None = field(default=None, metadata=field_help(
+        "With --model: replay through the reference split across the visible GPUs, then CPU memory, then disk "
+        "(accelerate's big-model dispatch, as precompute-ref --device-map): a reference larger than one device.",
+        choices=DEVICE_MAPS))
+    max_memory: str | None = field(default=None, metadata=field_help(
+        "With --device-map: the memory each device may hold, DEVICE=SIZE,... (e.g. 0=20GiB,cpu=60GiB), or one SIZE "
+        "for the CPU; what does not fit goes to disk.", parse=parse_max_memory, metavar="DEVICE=SIZE,...",
+        show_default="what accelerate finds free"))
+    offload_folder: str | None = field(default=None, metadata=field_help(
+        "With --device-map: folder for weights offloaded to disk (a fresh folder is made inside it and removed at the "
+        "end); apart from CACHE and the other inputs.", click_type=click.Path(file_okay=False),
+        show_default="a temporary folder"))
     show: list[str] | None = field(default=None, metadata=field_help(
         "Instead of the audit, print these rows token by token: each token's text and reference log-prob, where the "
         "prompt ends, and with --run the policy's log-ratio. A row is an id (the cache's `id` column) or an index; "
@@ -79,8 +92,9 @@ class AuditOptions:
 
 
 def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMPLE, seed=0, tolerance=None,
-              trust_remote_code=False) -> dict:
-    """The whole audit as a JSON-ready report. A missing or unreadable manifest raises CacheError."""
+              trust_remote_code=False, split: dict | None = None) -> dict:
+    """The whole audit as a JSON-ready report. A missing or unreadable manifest raises CacheError. `split`: the
+    replay's device_map, max_memory and offload_folder (audit-ref --device-map ...)."""
     # imported here, not at the top: `audit-ref --help` and a refused command line need no polars nor pyarrow
     from schemas import format as fmt
 
@@ -100,7 +114,8 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
     if model:
         t = time.perf_counter()
         more, tokenizer, tokenizer_ok = audit_model(root, manifest, scan, model, sample=sample, seed=seed,
-                                                    tolerance=tolerance, trust_remote_code=trust_remote_code)
+                                                    tolerance=tolerance, trust_remote_code=trust_remote_code,
+                                                    split=split)
         checks += more
         timing["model_s"] = time.perf_counter() - t
     else:
@@ -150,7 +165,7 @@ def main(cache, debug, **options):
         raise click.UsageError("give --sample N or --all, not both")
     opts = AuditOptions(**given)
     if opts.show or opts.html:
-        mixed = [f"--{k}" for k in VIEW_ONLY if k in given]
+        mixed = [f"--{k.replace('_', '-')}" for k in VIEW_ONLY if k in given]
         if mixed:
             raise click.UsageError(f"--show/--html are views of the cache, not the audit: run the audit "
                                    f"({', '.join(mixed)}) without them")
@@ -158,6 +173,9 @@ def main(cache, debug, **options):
         raise click.UsageError("--tokenizer is for --show/--html (the audit takes the tokenizer from --model)")
     if opts.data and not opts.model and not (opts.show or opts.html):
         raise click.UsageError("--data needs --model: the rows are re-encoded with the cache's tokenizer")
+    if opts.device_map and not opts.model:
+        raise click.UsageError(f"--device-map {opts.device_map} splits the reference the replay runs: add --model")
+    split = {"device_map": opts.device_map, "max_memory": opts.max_memory, "offload_folder": opts.offload_folder}
     json_path = opts.json or opts.html
     label = "--json" if opts.json else "--html"
 
@@ -166,6 +184,11 @@ def main(cache, debug, **options):
 
     def body():
         from .report import _jsonable, render
+
+        check_placement(opts.device_map, opts.max_memory, opts.offload_folder, "auto", 1, None)
+        if opts.offload_folder:  # an output: apart from every input
+            check_apart(opts.offload_folder, "--offload-folder", {
+                "CACHE": cache, "--model": opts.model, "--data": opts.data, "--run": opts.run, label: json_path})
 
         if json_path:  # the report is an output like any other: apart from every input, the cache's files included
             check_apart(json_path, label, {"CACHE": cache, "--model": opts.model, "--data": opts.data,
@@ -179,7 +202,7 @@ def main(cache, debug, **options):
             quiet_libraries()
         report = run_audit(cache, model=opts.model, data=opts.data, run=opts.run,
                            sample=None if opts.all else opts.sample, seed=opts.seed, tolerance=opts.tolerance,
-                           trust_remote_code=opts.trust_remote_code)
+                           trust_remote_code=opts.trust_remote_code, split=split if opts.device_map else None)
         click.echo(render(report))
         if json_path:
             text = json.dumps(_jsonable(report), indent=2) + "\n"

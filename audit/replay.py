@@ -4,12 +4,14 @@ rows, else one sequence at a time with reference_logps itself."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
+from runtime.placement import describe
 from schemas.encoding import EncodedPair
 from schemas.format import TokenScores, top_k_of
 from schemas.rules import stamp_findings, top_k_allowance
@@ -21,8 +23,10 @@ from .checks import short as _short
 
 
 def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, sample: int | None, seed: int,
-                tolerance: float | None, trust_remote_code: bool):
-    """Model and tokenizer hash checks and the replay; returns (checks, tokenizer, tokenizer_ok)."""
+                tolerance: float | None, trust_remote_code: bool, split: dict | None = None):
+    """Model and tokenizer hash checks and the replay; returns (checks, tokenizer, tokenizer_ok). `split`: the
+    replay's device_map, max_memory and offload_folder (runtime/placement.py), None for the whole model on one
+    device."""
     from runtime.checkpoint import Checkpoint
 
     checkpoint = Checkpoint.open(model_dir, trust_remote_code)
@@ -42,7 +46,8 @@ def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, 
     if skip:
         checks += [Check("replay", SKIP, skip), Check("replay_top_k", SKIP, _top_k(manifest)[1] or skip)]
     else:
-        checks += replay(root, manifest, scan.index, checkpoint, sample=sample, seed=seed, tolerance=tolerance)
+        checks += replay(root, manifest, scan.index, checkpoint, sample=sample, seed=seed, tolerance=tolerance,
+                         split=split)
     return checks, tokenizer, "tokenizer_hash" not in differ
 
 
@@ -56,7 +61,8 @@ def _top_k(manifest: dict) -> tuple[int, str | None]:
     return k, None
 
 
-def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sample, seed, tolerance) -> list[Check]:
+def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sample, seed, tolerance,
+           split: dict | None = None) -> list[Check]:
     """Score a seeded sample of cached rows again, in the recorded dtype on this machine's device, and compare per
     token with the cached values; with top-k columns, also those (check replay_top_k). `checkpoint`: a
     runtime.checkpoint.Checkpoint; `sample=None` replays every row.
@@ -65,7 +71,9 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
     once that layout reproduces the definition of a reference log-prob (`runtime.logprobs.reference_logps`: the
     unpadded sequence alone through the model's own forward) on a probe of the sampled rows, the longest included,
     at the tolerance of runtime/tolerance.py; otherwise (or for a model whose numbers depend on the batch's shape)
-    one sequence at a time with reference_logps itself, the reason in the check's info."""
+    one sequence at a time with reference_logps itself, the reason in the check's info. With `split` the model is
+    dispatched by its device map (runtime/placement.py): probe, truth and batches all run on the split model."""
+    from runtime import placement
     from runtime.checkpoint import preserved_rng, resolve_device, resolve_dtype
     from runtime.tolerance import replay_tolerance
 
@@ -73,17 +81,24 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
     comp = manifest.get("computation") or {}
     dtype = comp.get("dtype", "float32")
     device = resolve_device("auto")
+    if split:
+        device = placement.main_device(placement.max_memory_dict(split.get("max_memory")), device)
     tol = tolerance if tolerance is not None else replay_tolerance(dtype, comp.get("device_type"), device.type)
     count = index.height if sample is None else min(sample, index.height)
     picks = np.sort(np.random.default_rng(seed).choice(index.height, size=count, replace=False))
     found = Differences(tol)
     k, no_top_k = _top_k(manifest)
     top_k = TopKDifferences(tol, k) if k else None
-    with preserved_rng():
+    with preserved_rng(), contextlib.ExitStack() as held:  # held: a split model's offload folder
+        placed = _placed(split, held)
         try:
-            model = checkpoint.load_model(resolve_dtype(dtype, device), device, comp.get("attn_implementation"))
+            model = checkpoint.load_model(resolve_dtype(dtype, device), None if split else device,
+                                          comp.get("attn_implementation"), **placed)
         except (ImportError, ValueError):  # e.g. flash_attention_2 recorded, not installed here
-            model = checkpoint.load_model(resolve_dtype(dtype, device), device, "sdpa")
+            model = _load_sdpa(checkpoint, resolve_dtype(dtype, device), None if split else device, split, placed)
+        if split:
+            layout = placement.layout(model, split["device_map"], split.get("max_memory"),
+                                      any(Path(placed["offload_folder"]).iterdir()))
         vocab = model.get_output_embeddings().weight.shape[0]
         if top_k and top_k.k > vocab:  # top_k_shape reports the lists
             top_k, no_top_k = None, f"computation.top_k is {k}, more than the model's {vocab} tokens"
@@ -98,10 +113,35 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
                     top_k.add(shard, r, side, scores[n].top_ids, scores[n].top_logps, scores[n].tail, model)
     scoring = time.perf_counter() - t1
     info = {"rows": count, "dtype": dtype, "device": str(device), "recorded_device_type": comp.get("device_type"),
-            "tolerance": tol, "seed": seed, "sampled": index[picks]["id"].to_list(), **way.info(count, scoring)}
+            "tolerance": tol, "seed": seed, "sampled": index[picks]["id"].to_list(), **way.info(count, scoring),
+            **({"split": layout} if split else {})}
     seconds = time.perf_counter() - t0
     return [found.check(info, seconds),
             top_k.check(info) if top_k else Check("replay_top_k", SKIP, no_top_k)]
+
+
+def _placed(split: dict | None, held: contextlib.ExitStack) -> dict:
+    """from_pretrained's device_map, max_memory and offload_folder (a fresh folder held by `held`), or {}."""
+    from runtime import placement
+
+    if not split:
+        return {}
+    folder = placement.offload_dir(split.get("offload_folder"), "--offload-folder", held)
+    return {"device_map": split["device_map"], "max_memory": placement.max_memory_dict(split.get("max_memory")),
+            "offload_folder": str(folder)}
+
+
+def _load_sdpa(checkpoint, dtype, device, split: dict | None, placed: dict):
+    """The model with sdpa attention (the recorded one is not available here); a split refused by from_pretrained
+    says what to change."""
+    from runtime.placement import cannot_split
+
+    try:
+        return checkpoint.load_model(dtype, device, "sdpa", **placed)
+    except ValueError as e:
+        if not split:
+            raise
+        raise cannot_split(f"--model {checkpoint.path}", split["device_map"], split.get("max_memory"), e) from None
 
 
 SIDES = ("chosen", "rejected")
@@ -222,7 +262,7 @@ class Differences:
                    f"{info['rows_per_s'] or 0:,.1f} rows/s through {info['layout']}: per token "
                    f"max {info['token_max_abs_diff']:.1e} mean {info['token_mean_abs_diff']:.1e}, per sequence max "
                    f"{info['sequence_max_abs_diff']:.1e} mean {info['sequence_mean_abs_diff']:.1e}; tolerance "
-                   f"{self.tol:.0e}")
+                   f"{self.tol:.0e}" + (f"; the model split by {describe(info['split'])}" if info.get("split") else ""))
         return _outcome("replay", self.first, self.beyond, summary, info)
 
 

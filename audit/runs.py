@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 import polars as pl
 
+from runtime.placement import describe
 from schemas import run_manifest
 from schemas.encoding import EncodingConfig
 from schemas.rules import stamp_findings
@@ -55,7 +56,7 @@ def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
         raise click.BadParameter(str(e), param_hint="--run")
     role, problems = run_manifest.run_cache_findings(run, root, manifest["stamps"])
     if problems:
-        checks = [Check("run_cache", FAIL, f"{run_dir}: {problems[0].message}")]
+        checks = [Check("run_cache", FAIL, f"{run_dir}: {problems[0].message}{_live_split(run)}")]
     else:
         checks = [Check("run_cache", PASS, f"{run_dir}: trained on this cache as its "
                         f"{'train' if role == 'cache' else 'eval'} cache (its content, cache_id, and stamps match)")]
@@ -74,6 +75,13 @@ def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
         checks.append(Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} hashes to {_short(final)}, the run "
                             f"recorded {_short(recorded)}"))
     return checks
+
+
+def _live_split(run: dict) -> str:
+    """How a live reference was split (train-dpo --ref-device-map), as the run manifest recorded it, or ""."""
+    live = (run.get("reference") or {}).get("live_model")
+    layout = live.get("layout") if isinstance(live, dict) else None
+    return f" ({live.get('path')}, split by {describe(layout)})" if isinstance(layout, dict) else ""
 
 
 def _audit_peft(run_dir: str, peft: dict, manifest: dict) -> Check:

@@ -474,16 +474,34 @@ def render_ranks(K: dict) -> list[str]:
     size = K["size"]
     L = [f"{size['model']} model; {size['shards']} shards of {size['rows_per_shard']} pairs, even shards up to "
          f"{size['long']} tokens, odd ones up to {size['short']} (data sorted by source); `torchrun --standalone "
-         "--nproc-per-node 2` (gloo, one thread per rank) on the 2 cores, the two ways round-robin; the summary's "
+         "--nproc-per-node 2` (gloo, one thread per rank) on the 2 cores, every way run in turn in each round; the summary's "
          f"per-rank scoring wall times (`{K['command']}`, 1-minute load average {K.get('loadavg_start')} -> "
          f"{K['machine'].get('loadavg_1min')}: other processes share the cores, read the spreads side by side).", ""]
     L += table("shards dealt | tokens per rank | slowest rank's scoring | spread (max - min) | spread / slowest | job "
                "wall", [[w.replace("_", "-"), " / ".join(f"{t:,}" for t in r["rank_tokens"]), sec(r["slowest_rank_s"]),
                          sec(r["spread_s"]), f"{r['spread_share']:.0%}", sec(r["job_wall_s"])]
                         for w, r in K["ways"].items()])
-    return L + ["", f"Slowest rank, round-robin over by tokens: {x(K['slowest_rank_ratio'])}; both ways wrote the same "
-                    "shards byte for byte. The job's wall time is mostly start-up (imports, model load, the probe) "
-                    "at these sizes; the scoring phase is what the dealing changes."]
+    L += ["", f"Slowest rank, round-robin over by tokens: {x(K['slowest_rank_ratio'])}; every way wrote the same "
+              "shards byte for byte. The job's wall time is mostly start-up (imports, model load, the probe) "
+              "at these sizes; the scoring phase is what the dealing changes."]
+    t = K.get("throughput")
+    if not t:  # a result from before the 1-process comparison
+        return L
+    names = {"two_ranks": "2 ranks (torchrun, gloo; shards dealt by tokens)", "one_process_1_thread": "1 process",
+             "one_process_all_cores": "1 process, all cores"}
+    L += ["", f"The same job as 2 ranks and as 1 process, in the same rounds ({K['machine'].get('cores')} cores: 2 "
+              "ranks of one thread use the whole machine as 1 process with a thread per core does, so ~1x is what to "
+              "expect; the ranks pay off with one device per rank):", ""]
+    L += table("run | processes x threads | tokens/s over the job's wall | tokens/s over the scoring | 2 ranks over it "
+               "(job / scoring)",
+               [[names.get(n, n), f"{r['processes']} x {r['threads']}", f"{r['job_tokens_per_s']['median']:,.0f}",
+                 f"{r['scoring_tokens_per_s']['median']:,.0f}",
+                 f"{x(t['job_ratio'][n])} / {x(t['scoring_ratio'][n])}" if n in t["job_ratio"] else ""]
+                for n, r in t["runs"].items()])
+    return L + ["", "Over the scoring: tokens over the slowest rank's scoring wall (one process: its own); over the "
+                    "job's wall: start-up, planning, model load and the probe included. With other processes on the "
+                    "cores (see the load average), one process of 2 torch threads is slowed far more than in "
+                    "proportion whenever one of its threads is descheduled; processes of one thread each are not."]
 
 
 def gf(v: float) -> str:
@@ -750,7 +768,8 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on 
     ("vocab", "12. A 128k vocabulary at sequence 2048 (bench_vocab.py)", render_vocab),
     ("topk", "13. Top-k cache: size and precompute time (bench_topk.py)", render_topk),
     ("topk-train", "14. Training step with a top-k cache: KL metrics, TDPO (bench_topk_train.py)", render_topk_train),
-    ("ranks", "15. Shards dealt to 2 ranks by tokens vs round-robin, skewed lengths (bench_ranks.py)", render_ranks),
+    ("ranks", "15. 2 ranks: shards dealt by tokens vs round-robin on skewed lengths, and vs 1 process "
+              "(bench_ranks.py)", render_ranks),
     ("compile", "16. torch.compile of the scoring forward and the training step (bench_compile.py)", render_compile),
 ]
 

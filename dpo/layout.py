@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from runtime import cost
-from runtime.logprobs import completion_logps, token_logps
+from runtime.logprobs import completion_logps, token_logps, unwrap
 from runtime.architecture import tree_mask_unsupported
 from runtime.packing import additive_mask, pack_rows, tree_inputs
+from runtime.placement import input_device
 from runtime.probe import disagreement
 from schemas.encoding import EncodedPair
 
@@ -138,7 +139,7 @@ def probe_pairs(table, lengths: np.ndarray) -> list[EncodedPair]:
 def prefix_shared_logps(model, pairs: list[EncodedPair], pad_id: int) -> list[torch.Tensor]:
     """Per-token log-probs of `pairs` from one prefix_shared batch, in the probe's order (chosen, rejected of each
     pair)."""
-    device = next(model.parameters()).device
+    device = input_device(unwrap(model))  # a reference split by --ref-device-map: where its inputs go
     rows = [{"prompt_ids": p.prompt_ids, "chosen_ids": p.chosen_ids, "rejected_ids": p.rejected_ids} for p in pairs]
     batch = {k: v.to(device) for k, v in PrefixSharedCollator(pad_id)(rows).items()}
     lens = [len(p.chosen_ids) for p in pairs] + [len(p.rejected_ids) for p in pairs]
@@ -153,7 +154,7 @@ def probe_reasons(models: list, sample: list[EncodedPair], pad_id: int, autocast
     for dtype in [None] + ([autocast] if autocast is not None else []):
         where = f" under {str(dtype).removeprefix('torch.')} autocast" if dtype else ""
         for m in models:  # a live reference under --bf16 is loaded in bf16, the policy in float32
-            device = next(m.parameters()).device.type
+            device = input_device(unwrap(m)).type
             with torch.autocast(device, dtype=dtype) if dtype else contextlib.nullcontext():
                 reason = disagreement(m, partial(prefix_shared_logps, m, pad_id=pad_id), sample, dtype=dtype,
                                       where=where)

@@ -21,6 +21,7 @@ def check_reference_options(cfg, log=print) -> None:
         raise JobError("give --ref-cache DIR (cached reference) or --ref-model PATH (live reference)")
     if cfg.ref_model_hash and cfg.ref_cache is None:
         raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
+    check_reference_split(cfg)
     rows = check_evaluation(cfg, log)
     same_rows = (cfg.eval_data, cfg.eval_split) == (cfg.data, cfg.split)  # then the training cache holds them
     if cfg.eval_data and cfg.ref_cache is not None and cfg.eval_ref_cache is None and not same_rows:
@@ -30,6 +31,32 @@ def check_reference_options(cfg, log=print) -> None:
             "(same encoding options as the training cache) and pass --eval-ref-cache EVAL_CACHE"
             + ("" if cfg.evaluation_strategy() == "no" else ", or pass --eval-strategy no to train without evaluation"))
     check_trackers(cfg.trackers())
+
+
+def check_reference_split(cfg) -> None:
+    """--ref-device-map / --ref-max-memory / --ref-offload-folder place a live reference model of its own: refused
+    where there is none (a cache; --use-peft, whose reference is the policy with its adapter disabled) and where
+    precompute-ref refuses its own (runtime/placement.py)."""
+    from runtime import placement
+
+    given = [f"--ref-{name.replace('_', '-')}" for name in ("device_map", "max_memory", "offload_folder")
+             if getattr(cfg, f"ref_{name}") is not None]
+    if not given:
+        return
+    if cfg.ref_cache is not None:
+        raise JobError(f"{', '.join(given)}: with --ref-cache no reference model is loaded (its log-probs are read "
+                       "from the cache), so there is nothing to split; drop them, or give --ref-model without "
+                       "--ref-cache for a live reference (precompute-ref takes --device-map to make the cache)")
+    if cfg.lora.use_peft:
+        raise JobError(f"{', '.join(given)} with --use-peft: the live reference is the policy itself with its adapter "
+                       "disabled (one model, placed with the policy), so there is no separate reference to split; drop "
+                       "them, or train against a --ref-cache made by precompute-ref --device-map")
+    try:
+        cfg.ref_max_memory = None if cfg.ref_max_memory is None else placement.parse_max_memory(cfg.ref_max_memory)
+    except ValueError as e:
+        raise JobError(f"--ref-max-memory {cfg.ref_max_memory}: {e}") from None
+    placement.check_placement(cfg.ref_device_map, cfg.ref_max_memory, cfg.ref_offload_folder, "auto", Dist().world,
+                              None, prefix="ref-")
 
 
 def check_evaluation(cfg, log) -> str:

@@ -43,13 +43,15 @@ def record_in(folder: Path, record: dict) -> None:
 
 
 def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, summary: dict, *,
-                       final_model_hash: str | None, **sections) -> dict:
-    """`final_model_hash`: of the saved model (None: a LoRA run that wrote no merged model); `sections`: further
-    sections (e.g. `peft`). A model or data set given as a hub id is recorded as its snapshot's path with `hub_id` and
-    `revision` beside it (cfg.origins; the data's resolved here)."""
+                       final_model_hash: str | None, live_layout: dict | None = None, **sections) -> dict:
+    """`final_model_hash`: of the saved model (None: a LoRA run that wrote no merged model); `live_layout`: where a
+    live reference split by --ref-device-map went (runtime.placement.layout); `sections`: further sections (e.g.
+    `peft`). A model or data set given as a hub id is recorded as its snapshot's path with `hub_id` and `revision`
+    beside it (cfg.origins; the data's resolved here)."""
     reference = record | {"verification": train.report}
-    if record["live_model"] and "ref_model" in cfg.origins:  # not in the checkpoints' record, which a resume compares
-        reference["live_model"] = record["live_model"] | _hub(cfg.origins["ref_model"])
+    if record["live_model"]:  # hub fields and layout: not in the checkpoints' record, which a resume compares
+        reference["live_model"] = (record["live_model"] | _hub(cfg.origins.get("ref_model", {}))
+                                   | ({"layout": live_layout} if live_layout else {}))
     manifest = rm.build_run_manifest(
         reference=reference,
         initial_model={"path": cfg.model, "model_hash": initial_hash} | _hub(cfg.origins.get("model", {})),

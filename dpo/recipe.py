@@ -10,11 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import click
+
 from runtime.cli import field_help
 from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
+from runtime import placement
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig, column_mapping
 from schemas.stamps import model_hash
 
@@ -54,6 +57,23 @@ class TrainConfig:
                                      "without, live-reference mode.", "Reference cache")
     ref_model_hash: str | None = _f(None, "Model hash the cache must carry, when the reference differs from --model "
                                           "and is not at hand.", "Reference cache")
+    # a live reference split by accelerate's dispatch: precompute-ref's --device-map/--max-memory/--offload-folder
+    # for --ref-model (older TRL's DPOConfig.ref_model_init_kwargs, passed to the reference's from_pretrained; TRL
+    # 1.16 loads its reference with the policy's model_init_kwargs)
+    ref_device_map: str | None = _f(None, "Live reference (--ref-model, no --ref-cache): split it across the visible "
+                                          "GPUs, then CPU memory, then disk (accelerate's big-model dispatch, as "
+                                          "precompute-ref --device-map); one process, not with --use-peft. The batch "
+                                          "layout is probed on the split model.", "Live reference",
+                                    choices=placement.DEVICE_MAPS)
+    ref_max_memory: str | None = _f(None, "With --ref-device-map: the memory each device may hold for the reference, "
+                                          "DEVICE=SIZE,... (e.g. 0=20GiB,1=20GiB,cpu=60GiB), or one SIZE for the CPU; "
+                                          "what does not fit goes to disk.", "Live reference",
+                                    parse=placement.parse_max_memory, metavar="DEVICE=SIZE,...",
+                                    show_default="what accelerate finds free")
+    ref_offload_folder: str | None = _f(None, "With --ref-device-map: folder for the reference weights offloaded to "
+                                              "disk (a fresh folder is made inside it and removed at the end); apart "
+                                              "from the inputs and --output-dir.", "Live reference",
+                                        show_default="a temporary folder", click_type=click.Path(file_okay=False))
     split: str = _f("train", "Split of --data to train on (datasets' split names: train, test/eval, validation).",
                     "Data")
     eval_data: str | None = _f(None, "Evaluation preference data (needs its own cache: --eval-ref-cache).", "Data")
@@ -195,6 +215,7 @@ class Run:
     evaluation: Verified | EncodedOnly | None
     record: dict
     verify_s: float
+    ref_layout: dict | None = None  # where a live reference split by --ref-device-map went (runtime/placement.py)
 
 
 def run_train(cfg: TrainConfig, log=print) -> dict:
@@ -211,9 +232,9 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     run = _verify(cfg, policy, log)
     check_top_k(cfg, run)
     timer.mark("verify")
-    model, ref_model = _load_models(cfg, run, args)
-    timer.mark("load")
-    with contextlib.ExitStack() as held:
+    with contextlib.ExitStack() as held:  # the lock of --output-dir, and a split reference's offload folder
+        model, ref_model = _load_models(cfg, run, args, held, log)
+        timer.mark("load")
         _take_output_dir(cfg, held)
         trainer, layout = _build_trainer(cfg, args, run, model, ref_model, log, timer)
         timer.mark("setup")
@@ -243,6 +264,12 @@ def _open_policy(cfg: TrainConfig, log) -> Checkpoint:
     cfg.origins = {name: origin(getattr(cfg, name), "model") for name in ("model", "ref_model") if getattr(cfg, name)}
     cfg.model = cfg.origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     cfg.ref_model = cfg.origins["ref_model"]["path"] if cfg.ref_model else None
+    if cfg.ref_offload_folder is not None:  # an output: apart from every input and from --output-dir
+        from runtime.paths import check_apart
+
+        check_apart(cfg.ref_offload_folder, "--ref-offload-folder",
+                    {"--model": cfg.model, "--ref-model": cfg.ref_model, "--data": cfg.data,
+                     "--eval-data": cfg.eval_data, "--output-dir": cfg.output_dir})
     policy = Checkpoint.open(cfg.model, cfg.trust_remote_code, lora.init_adapter(cfg.lora))
     policy.start_hashing()  # while the tokenizer loads and the cache's files are hashed
     lora.check_options(cfg.lora)
@@ -334,8 +361,9 @@ def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None
                        on_bad_row=cfg.on_bad_row)
 
 
-def _load_models(cfg: TrainConfig, run: Run, args):
-    """The policy (LoRA-wrapped with --use-peft) and the live reference model (None with a cache)."""
+def _load_models(cfg: TrainConfig, run: Run, args, held: contextlib.ExitStack, log):
+    """The policy (LoRA-wrapped with --use-peft) and the live reference model (None with a cache), split by
+    --ref-device-map where asked (its offload folder held by `held`)."""
     import torch
 
     from .trainer import disable_dropout
@@ -350,9 +378,26 @@ def _load_models(cfg: TrainConfig, run: Run, args):
     if cfg.lora.use_peft:
         policy = lora.wrap_policy(policy, cfg.lora, cfg.gradient_checkpointing, cfg.seed, cfg.origins["model"])
         ref_model = lora.AdapterDisabled(policy) if cfg.ref_cache is None else None
+    elif cfg.ref_cache is None and cfg.ref_device_map is not None:
+        ref_model, run.ref_layout = _load_split_reference(cfg, run.live, dtype, held, log)
     elif cfg.ref_cache is None:
         ref_model = run.live.load_model(dtype, args.device)
     return policy, ref_model
+
+
+def _load_split_reference(cfg: TrainConfig, live: Checkpoint, dtype, held: contextlib.ExitStack, log):
+    """The live reference dispatched by --ref-device-map (runtime/placement.py, as precompute-ref does), and its
+    layout."""
+    folder = placement.offload_dir(cfg.ref_offload_folder, "--ref-offload-folder", held)
+    try:
+        model = live.load_model(dtype, None, device_map=cfg.ref_device_map,
+                                max_memory=placement.max_memory_dict(cfg.ref_max_memory), offload_folder=str(folder))
+    except ValueError as e:  # from_pretrained could not place the model within the budget
+        raise placement.cannot_split(f"--ref-model {cfg.ref_model}", cfg.ref_device_map, cfg.ref_max_memory, e,
+                                     prefix="ref-") from None
+    layout = placement.layout(model, cfg.ref_device_map, cfg.ref_max_memory, any(folder.iterdir()))
+    log(f"live reference: {placement.describe(layout)}")
+    return model, layout
 
 
 def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, timer: PhaseTimer):
@@ -451,7 +496,7 @@ def _finish(cfg, out: Path, run: Run, summary: dict, timer: PhaseTimer) -> None:
         sections = {"final_model_hash": model_hash(out)}
     timer.mark("final_hash")
     manifest = write_run_manifest(cfg, out, run.record, run.train, run.policy.base_hash, summary, run_id=cfg.run_id,
-                                  **sections)
+                                  live_layout=run.ref_layout, **sections)
     summary["final_model_hash"] = manifest["final_model_hash"]
     write_cards(out, manifest)
     timer.mark("manifest")  # in the summary only: the manifest is written by then

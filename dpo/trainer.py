@@ -93,7 +93,7 @@ class DPOTrainer(Trainer):
             policy = pair_logps(model, inputs)
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = pair_logps(self.ref_model, inputs)
+                ref = pair_logps(self.ref_model, inputs).to(policy.device)  # split: its head may be elsewhere
         else:
             ref = inputs["ref_logps"]
         loss, metrics = dpo_loss(policy, ref, lengths, self.loss_config, top_k)

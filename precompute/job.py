@@ -384,19 +384,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
 def _load_dispatched(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
     """The model split by accelerate's dispatch (--device-map), and its layout. Weights offloaded to disk go to a
     fresh folder of this job's own inside --offload-folder (or the system's temporary folder), removed at the end."""
-    import tempfile
-
-    parent = None
-    if cfg.offload_folder is not None:
-        parent = Path(cfg.offload_folder).resolve()
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise JobError(f"--offload-folder {cfg.offload_folder}: cannot make it ({e.strerror or e})") from None
-    try:
-        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="refcache-offload-", dir=parent)))
-    except OSError as e:
-        raise JobError(f"--offload-folder {cfg.offload_folder}: cannot write there ({e.strerror or e})") from None
+    folder = placement.offload_dir(cfg.offload_folder, "--offload-folder", stack)
     model = load_model_for(cfg, job.dtype, None, job.checkpoint, device_map=cfg.device_map,
                            max_memory=job.max_memory, offload_folder=str(folder))
     layout = placement.layout(model, cfg.device_map, cfg.max_memory, any(folder.iterdir()))
@@ -505,9 +493,7 @@ def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint 
                            f"({detail}); pick a --tp-size that divides its attention heads, or use --device-map "
                            "auto") from None
         if placed and attn is None:  # then only the split can be what from_pretrained refused
-            raise JobError(f"{cfg.model}: the model cannot be split with --device-map {cfg.device_map} "
-                           f"--max-memory {cfg.max_memory} ({detail}); give the devices more memory, or an "
-                           "--offload-folder on a disk with room") from None
+            raise placement.cannot_split(cfg.model, cfg.device_map, cfg.max_memory, e) from None
         raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {cfg.attn_implementation} "
                        f"({detail}); it supports: {', '.join(checkpoint.attention_choices())}, "
                        "or leave --attn-implementation at auto") from None

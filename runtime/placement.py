@@ -7,6 +7,7 @@ records. Nothing here loads or computes on its own: the numbers stay the model's
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import JobError
@@ -55,22 +56,24 @@ def max_memory_dict(parsed: str | None) -> dict | None:
 
 
 def check_placement(device_map: str | None, max_memory: str | None, offload_folder: str | None, device: str,
-                    world: int, adapter: str | None) -> None:
-    """Refuse options that cannot go together, before any work."""
+                    world: int, adapter: str | None, prefix: str = "") -> None:
+    """Refuse options that cannot go together, before any work. `prefix`: how the job names these options
+    (train-dpo's live reference: "ref-", as in --ref-device-map)."""
+    flag = lambda name: f"--{prefix}{name}"
     if device_map is None:
-        given = [name for name, v in (("--max-memory", max_memory), ("--offload-folder", offload_folder)) if v]
+        given = [flag(name) for name, v in (("max-memory", max_memory), ("offload-folder", offload_folder)) if v]
         if given:
-            raise JobError(f"{' and '.join(given)} place a model split by --device-map; add --device-map auto (or "
-                           f"leave {' and '.join(given)} out)")
+            raise JobError(f"{' and '.join(given)} place a model split by {flag('device-map')}; add "
+                           f"{flag('device-map')} auto (or leave {' and '.join(given)} out)")
         return
     if device != "auto":
-        raise JobError(f"--device {device} and --device-map {device_map} both say where the model goes; give one "
-                       "(--max-memory cpu=SIZE keeps a device map on the CPU)")
+        raise JobError(f"--device {device} and {flag('device-map')} {device_map} both say where the model goes; give "
+                       f"one ({flag('max-memory')} cpu=SIZE keeps a device map on the CPU)")
     if world > 1:
-        raise JobError(f"--device-map {device_map} splits one model over this process's devices, and this job runs "
-                       f"{world} processes (torchrun) that would each take all of them; run it as one process")
+        raise JobError(f"{flag('device-map')} {device_map} splits one model over this process's devices, and this job "
+                       f"runs {world} processes (torchrun) that would each take all of them; run it as one process")
     if adapter is not None:
-        raise JobError(f"--adapter with --device-map {device_map}: the adapter is merged into weights that are "
+        raise JobError(f"--adapter with {flag('device-map')} {device_map}: the adapter is merged into weights that are "
                        "only loaded as they run; merge it first (peft merge_and_unload, save_pretrained) and pass "
                        "the merged folder as --model")
 
@@ -129,6 +132,33 @@ def distributed_config(tp_size: int, world: int):
 def tensor_parallel_layout(tp_size: int, world: int) -> dict:
     """What a job records of a model split by --tp-size."""
     return {"kind": "tensor_parallel", "tp_size": tp_size, "groups": world // tp_size}
+
+
+def cannot_split(what: str, device_map: str, max_memory: str | None, error: Exception, prefix: str = "") -> JobError:
+    """The refusal of a model from_pretrained could not place with these options (`what` names the model, e.g.
+    "--model DIR"; `prefix` as in check_placement)."""
+    detail = " ".join(str(error).split())[:300]
+    return JobError(f"{what}: the model cannot be split with --{prefix}device-map {device_map} --{prefix}max-memory "
+                    f"{max_memory} ({detail}); give the devices more memory, or an --{prefix}offload-folder on a disk "
+                    "with room")
+
+
+def offload_dir(parent: str | None, flag: str, stack) -> Path:
+    """A fresh folder of this job's own for the weights a device map puts on disk, inside `parent` (the job's
+    --offload-folder, `flag`; None: the system's temporary folder), removed when `stack` (an ExitStack held for as
+    long as the model runs) closes: a folder already in use keeps everything else in it."""
+    import tempfile
+
+    if parent is not None:
+        try:
+            Path(parent).resolve().mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JobError(f"{flag} {parent}: cannot make it ({e.strerror or e})") from None
+    try:
+        return Path(stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="refcache-offload-", dir=None if parent is None else Path(parent).resolve())))
+    except OSError as e:
+        raise JobError(f"{flag} {parent}: cannot write there ({e.strerror or e})") from None
 
 
 def main_device(max_memory: dict | None, fallback: torch.device) -> torch.device:

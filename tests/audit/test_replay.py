@@ -177,3 +177,56 @@ def test_a_batched_layout_that_differs_from_the_reference_is_not_trusted(data_ca
     replay = check(report, "replay")
     assert code == 1 and (replay["shard"], replay["row"]) == ("shard-00000.parquet", 17), output
     assert "chosen token 2:" in replay["detail"] and replay["info"]["fallback"].startswith("differs")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the replay through a reference split by --device-map (issue 27): CPU memory below the weights, the rest on disk
+
+
+def test_the_replay_through_a_split_model_agrees_with_the_cache_and_finds_a_change(data_cache, tmp_path):
+    cache = Path(shutil.copytree(data_cache, tmp_path / "cache"))
+    weights = (DATA / "sft-model" / "model.safetensors").stat().st_size
+    offload = tmp_path / "offload"
+    split = ["--device-map", "auto", "--max-memory", str(weights // 2), "--offload-folder", offload]
+    code, report, output = audit(cache, "--model", DATA / "sft-model", "--all", *split)
+    assert code == 0, output
+    info = check(report, "replay")["info"]
+    assert info["rows"] == 40 and info["token_max_abs_diff"] <= 1e-5 and info["tokens_beyond_tolerance"] == 0
+    layout = info["split"]
+    assert layout["device_map"] == "auto" and layout["max_memory"] == f"cpu={weights // 2}"
+    assert set(layout["modules"]) == {"cpu", "disk"} and layout["modules"]["disk"]  # part of it on disk
+    assert "the model split by device map auto" in " ".join(output.split())
+    assert list(offload.iterdir()) == []  # the replay's own offload folder is gone
+
+    def edit(rows):  # the split replay is no rubber stamp: one token moved by 1e-3 is found
+        values = rows[5]["rejected_logps"]
+        values[1] -= 1e-3
+        rows[5]["rejected_logp"] = float32_sum(values)
+
+    rewrite_shard(cache, "shard-00000.parquet", edit)
+    code, report, output = audit(cache, "--model", DATA / "sft-model", "--all", *split)
+    assert code == 1 and report["failed"] == ["replay"], output
+    replay = check(report, "replay")
+    assert (replay["shard"], replay["row"]) == ("shard-00000.parquet", 5) and "rejected token 1" in replay["detail"]
+    assert replay["info"]["tokens_beyond_tolerance"] == 1
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--device-map", "auto"], "--device-map auto splits the reference the replay runs: add --model"),
+    (["--model", "{model}", "--max-memory", "1GiB"], "--max-memory place a model split by --device-map; add "
+                                                      "--device-map auto"),
+    (["--model", "{model}", "--device-map", "auto", "--offload-folder", "{cache}/offload"],
+     "--offload-folder {cache}/offload is inside CACHE"),
+    (["--show", "0", "--device-map", "auto"], "--show/--html are views of the cache, not the audit: run the audit "
+                                              "(--device-map)"),
+])
+def test_a_split_replay_is_refused_where_it_does_not_apply(data_cache, options, message):
+    from click.testing import CliRunner
+
+    from audit.cli import main
+
+    fill = lambda s: s.format(model=DATA / "sft-model", cache=data_cache)
+    result = CliRunner().invoke(main, [str(data_cache), *map(fill, options)], catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert fill(message) in " ".join(result.output.split()), result.output
+    assert not (data_cache / "offload").exists()

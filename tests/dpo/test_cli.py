@@ -361,3 +361,48 @@ def test_columns_neighbours_a_bad_mapping_is_a_usage_error_and_a_missing_column_
     cfg.write_text("columns: prompt=a,chosen=a\n")
     with pytest.raises(Exception, match=r"run\.yaml: columns: column 'a' is mapped twice"):
         load_config_file(str(cfg))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --ref-device-map / --ref-max-memory / --ref-offload-folder: refused where no live reference model of its own is
+# loaded, and where precompute-ref's own would be (runtime/placement.py); before anything is written
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--ref-cache", "{cache}", "--ref-device-map", "auto"], "--ref-device-map: with --ref-cache no reference model "
+                                                             "is loaded"),
+    (["--ref-model", "{model}", "--use-peft", "--ref-device-map", "auto", "--ref-max-memory", "1GiB"],
+     "--ref-device-map, --ref-max-memory with --use-peft: the live reference is the policy itself"),
+    (["--ref-model", "{model}", "--ref-max-memory", "1GiB"], "--ref-max-memory place a model split by "
+                                                             "--ref-device-map; add --ref-device-map auto"),
+    (["--ref-model", "{model}", "--ref-offload-folder", "{tmp}/off"], "add --ref-device-map auto"),
+    (["--ref-model", "{model}", "--ref-device-map", "auto", "--ref-max-memory", "lots"],
+     "'--ref-max-memory' / '--ref_max_memory': 'lots' is not a memory size"),
+    (["--ref-model", "{model}", "--ref-device-map", "auto", "--ref-offload-folder", "{out}/offload"],
+     "--ref-offload-folder {out}/offload is inside --output-dir"),
+    (["--ref-model", "{model}", "--ref-device-map", "auto", "--ref-offload-folder", "{model}/offload"],
+     "is inside --model"),
+])
+def test_a_live_reference_split_is_refused_where_it_does_not_apply(tmp_path, llama_dir, dpo_data, dpo_cache, options,
+                                                                   message):
+    out = tmp_path / "out"
+    fill = lambda s: s.format(tmp=tmp_path, out=out, model=llama_dir, cache=dpo_cache)
+    before = sorted(p.name for p in llama_dir.iterdir())
+    result = _cli(["--model", llama_dir, "--data", dpo_data, "--output-dir", out, *TRAIN, *map(fill, options)])
+    assert result.exit_code == 2, result.output
+    assert fill(message) in " ".join(result.output.split()), result.output
+    assert not out.exists() and not (tmp_path / "off").exists()
+    assert sorted(p.name for p in llama_dir.iterdir()) == before  # nothing written anywhere
+
+
+def test_a_live_reference_split_under_torchrun_is_refused(tmp_path, llama_dir, dpo_data, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    from dpo.preflight import check_reference_split
+    from dpo.recipe import TrainConfig
+    from runtime.errors import JobError
+
+    cfg = TrainConfig(model=str(llama_dir), data=str(dpo_data), output_dir=str(tmp_path / "out"),
+                      ref_model=str(llama_dir), ref_device_map="auto")
+    with pytest.raises(JobError, match="--ref-device-map auto splits one model over this process's devices, and this "
+                                       "job runs 2 processes"):
+        check_reference_split(cfg)

@@ -298,3 +298,64 @@ def test_missing_tracker_is_refused_first(tmp_path):
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert "tensorboard" in extras["project"]["optional-dependencies"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a live reference split by --ref-device-map (issue 27): accelerate's dispatch, CPU memory then disk
+
+
+@pytest.fixture(scope="module")
+def other_reference(tmp_path_factory, tokenizer) -> Path:
+    """A reference that is not the policy (another seed, the same tokenizer): step 1's loss is not ln 2, so the
+    reference's own values decide every metric."""
+    from conftest import build_llama, save_checkpoint
+
+    return save_checkpoint(build_llama(len(tokenizer), seed=11), tokenizer, tmp_path_factory.mktemp("other-ref"))
+
+
+@pytest.mark.parametrize("layout", ["auto", "padded"])
+def test_live_reference_split_with_disk_offload_trains_as_in_memory(tmp_path, llama_dir, dpo_data, other_reference,
+                                                                     dpo_cache, layout):
+    """Both batch layouts through the split reference; auto picks prefix_shared only after its probe against the
+    model's own forward passes on the split model itself."""
+    weights = sum(p.stat().st_size for p in other_reference.glob("*.safetensors"))
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    (offload / "mine.txt").write_text("the user's\n")  # a folder in use: only the run's own subfolder is removed
+    steps = dict(ref_model=str(other_reference), max_steps=4, batch_layout=layout)
+    in_memory = train(llama_dir, dpo_data, tmp_path / "in-memory", **steps)
+    lines = []
+    split = run_train(TrainConfig(model=str(llama_dir), data=str(dpo_data), output_dir=str(tmp_path / "split"),
+                                  **{**BASE, **steps}, ref_device_map="auto", ref_max_memory=str(weights * 2 // 3),
+                                  ref_offload_folder=str(offload)), log=lines.append)
+    said = "\n".join(lines)
+    assert "live reference: device map auto" in said and "disk:" in said, said
+
+    a, b = step_records(tmp_path / "in-memory"), step_records(tmp_path / "split")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert abs(a[1]["loss"] - LN2) > 1e-3  # the reference is not the policy: its values shape every metric
+    for step in a:
+        for key in METRIC_KEYS:
+            assert_close(a[step][key], b[step][key], f"step {step} {key}", tol=1e-5)
+    assert split["train_loss"] == pytest.approx(in_memory["train_loss"], abs=1e-5)
+    assert split["batch_layout"] == in_memory["batch_layout"] == ("prefix_shared" if layout == "auto" else "padded")
+    if layout == "auto":  # the probe ran with the split reference among the models it checks
+        assert "batch layout: prefix_shared" in said and "matches the plain forward on a probe" in said, said
+
+    manifest = json.loads((tmp_path / "split" / "run-manifest.json").read_text())
+    live = manifest["reference"]["live_model"]
+    assert live["path"] == str(other_reference) and live["model_hash"] == model_hash(other_reference)
+    layout = live["layout"]
+    assert layout["device_map"] == "auto" and layout["max_memory"] == f"cpu={weights * 2 // 3}"
+    assert set(layout["modules"]) == {"cpu", "disk"} and layout["modules"]["disk"]  # split between memory and disk
+    assert "layout" not in json.loads((tmp_path / "in-memory" / "run-manifest.json").read_text())["reference"][
+        "live_model"]
+    assert manifest["config"]["ref_device_map"] == "auto"
+    assert [p.name for p in offload.iterdir()] == ["mine.txt"]  # the run's own offload folder is gone, nothing else
+
+    # audit-ref --run names the split of the live reference the run was trained against
+    from conftest import audit_ref
+
+    code, report, output = audit_ref(dpo_cache, "--run", tmp_path / "split", json_path=tmp_path / "audit.json")
+    assert code == 1 and "live reference" in output, output
+    assert "split by device map auto" in " ".join(output.split()) and "disk: " in output, output
