@@ -87,13 +87,16 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
     from .cache import audit_cache
     from .replay import audit_model
     from .report import token_stats
-    from .runs import audit_data, audit_run
+    from .runs import audit_data, audit_run, run_version
 
     t0 = time.perf_counter()
     root = Path(cache_dir)
     manifest = fmt.read_manifest(root)
+    version = None
+    if run:  # a run trained on an earlier version of an updated cache is audited against that version
+        manifest, version = run_version(root, manifest, run)
     timing = {}
-    scan = audit_cache(root, manifest)
+    scan = audit_cache(root, manifest, current=not version or version["file"] == fmt.MANIFEST)
     checks = list(scan.checks)
     timing["cache_s"] = time.perf_counter() - t0
     tokenizer, tokenizer_ok = None, False
@@ -117,7 +120,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
         timing["data_s"] = time.perf_counter() - t
     if run:
         t = time.perf_counter()
-        checks += audit_run(root, manifest, run)
+        checks += audit_run(root, manifest, run, version)
         timing["run_s"] = time.perf_counter() - t
     else:
         checks += [Check(n, SKIP, "not requested (--run)") for n in SECTIONS["run"]]
@@ -132,6 +135,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
                   "tokens": token_stats(scan.index), "logprobs_per_shard": scan.logprob_stats},
         "made": {k: manifest.get(k) for k in ("created_at", "software", "model", "tokenizer", "computation", "source")}
         | {"encoding": manifest["encoding"], "stamps": manifest["stamps"]},
+        "version": version,  # with --run: the version of the cache the run used (precompute-ref --update)
         "options": {"model": model, "data": data, "run": run, "sample": sample, "seed": seed, "tolerance": tolerance},
         "timing": {k: round(v, 3) for k, v in timing.items()},
     }
