@@ -35,11 +35,12 @@ from schemas import rules
 from schemas.card import write_card
 from schemas.encoding import EncodingConfig
 from schemas.files import remove_file
-from schemas.stamps import combined_mask_checksum, ids_checksum, tokenizer_hash, tokenizer_parts
+from schemas.stamps import combined_mask_checksum, tokenizer_hash, tokenizer_parts
 
 from .compiled import compiled_scorer
 from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score_pairs
 from .modes.choose import probe_pairs
+from .plan import plan_shards
 from .resume import COMPUTATION, Resume, clear_cache_dir, finished_shards, own_files
 
 
@@ -150,17 +151,6 @@ class Job:
                 "token_budget": cfg.token_budget, "rows_per_shard": cfg.rows_per_shard,
                 "requested_attn_implementation": cfg.attn_implementation, "requested_batching": cfg.batching,
                 **({"top_k": cfg.top_k} if cfg.top_k else {})}  # a cache without top-k records none (format.py)
-
-
-def plan_shards(encoded: Encoded, rows_per_shard: int, encoding: EncodingConfig) -> list[dict]:
-    checks = [p.mask_checksum for p in encoded.pairs]
-    plan = []
-    for n, start in enumerate(range(0, len(checks), rows_per_shard)):
-        stop = min(start + rows_per_shard, len(checks))
-        plan.append({"file": f"shard-{n:05d}.parquet", "start": start, "stop": stop,
-                     "mask_checksum": combined_mask_checksum(checks[start:stop], encoding.to_json()),
-                     "ids_checksum": ids_checksum(encoded.ids[start:stop])})
-    return plan
 
 
 def run_precompute(cfg: PrecomputeConfig, log=print) -> dict:

@@ -27,6 +27,7 @@ from schemas import history, rules
 from schemas.files import atomic_write
 from schemas.stamps import combined_mask_checksum, file_sha256, tokenizer_parts
 
+from .plan import plan_shards
 from .resume import Resume, finished_shards
 
 NEW_CACHE = ("an update scores new rows exactly as the cache's were scored: make a new cache for this model, tokenizer, "
@@ -138,8 +139,6 @@ def _copy(source: Path, dest: Path, rows: list[int], base: dict, cfg) -> dict:
 
 def _plan(job, change: Change, cfg, first: int) -> list[dict]:
     """The rows to score cut into new shards (precompute-ref's plan over them alone), named after the version."""
-    from .job import plan_shards
-
     plan = plan_shards(_rows(job.encoded, change.score), cfg.rows_per_shard, cfg.encoding)
     return [{**s, "file": _name(change.version, first + n)} for n, s in enumerate(plan)]
 
