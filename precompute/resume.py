@@ -120,7 +120,8 @@ def own_files(out: Path) -> list[Path]:
     only into an empty folder or one holding its own cache. The one rule for a resume and for --overwrite.
 
     A cache is there when manifest.json is a refcache manifest or a shard carries a refcache footer; then its
-    manifest.json, its shard-NNNNN.parquet files (a damaged one is scored again), its skipped.jsonl (JSON Lines of
+    manifest.json, its earlier versions (manifest-NNNNN.json holding a refcache manifest: --update, schemas/history.py),
+    its shard-NNNNN.parquet and shard-vNNNNN-MMMMM.parquet files (a damaged one is scored again), its skipped.jsonl (JSON Lines of
     skipped rows, agreeing with the manifest's counts when there is one) and its README.md (a dataset card with
     refcache metadata, of the manifest's stamps when there is one) are its own. Other .parquet files are its
     own only with a refcache footer; temporary files of atomic writes always are."""

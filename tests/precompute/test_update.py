@@ -304,3 +304,29 @@ def test_train_dpo_on_a_subset_of_the_cache_rows(llama_dir, rows, base, tmp_path
         run_train(TrainConfig(model=str(llama_dir), data=str(outside), output_dir=str(tmp_path / "run-2"),
                               ref_cache=str(base), use_cpu=True, max_steps=1, plot=False), log=lambda m: None)
     assert "1 of 3 data rows are not in" in str(e.value) and rows[ROWS]["id"] in str(e.value)
+
+
+def test_two_updates_keep_both_earlier_versions_and_overwrite_clears_them(llama_dir, rows, base, tmp_path):
+    run = fake_run(tmp_path / "run", llama_dir, base)  # trained on version 1
+    v2 = write_jsonl(tmp_path / "v2.jsonl", rows[2:42])
+    v3 = write_jsonl(tmp_path / "v3.jsonl", rows[5:44])
+    assert update(llama_dir, v2, base).exit_code == 0
+    assert update(llama_dir, v3, base).exit_code == 0
+    manifest = manifest_of(base)
+    assert manifest["version"] == 3 and [h["file"] for h in manifest["history"]] == ["manifest-00001.json",
+                                                                                      "manifest-00002.json"]
+    assert manifest["update"] == {"from_version": 2, "added": [rows[42]["id"], rows[43]["id"]],
+                                  "removed": [r["id"] for r in rows[2:5]], "replaced": []}
+    assert by_id(base)["id"].to_list() == [r["id"] for r in rows[5:44]]
+    for old in ("manifest-00001.json", "manifest-00002.json"):  # every file a version names is still there
+        assert all((base / s["file"]).is_file() for s in json.loads((base / old).read_text())["shards"])
+    code, report, output = audit_ref(base, "--run", run)
+    assert code == 0 and report["version"] == {"version": 1, "file": "manifest-00001.json", "current": 3}, output
+    # a version file whose bytes are not the recorded ones is not taken for that version
+    (base / "manifest-00001.json").write_text((base / "manifest-00001.json").read_text().replace('"rows"', '"rows" '))
+    code, report, _ = audit_ref(base, "--run", run)
+    assert code == 1 and check_of(report, "run_cache")["status"] == "FAIL"
+    # --overwrite starts over: the versions go with the rest
+    ok("--model", llama_dir, "--data", v3, "--out", base, "--rows-per-shard", PER_SHARD, "--overwrite")
+    assert not list(base.glob("manifest-*.json")) and "version" not in manifest_of(base)
+    assert cli("--model", llama_dir, "--data", v3, "--out", base, "--replace-changed").exit_code != 0
