@@ -200,12 +200,16 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
 
     from . import show
     from .cache import audit_cache
-    from .runs import audit_data
+    from .runs import audit_data, run_version
 
     root = Path(cache)
     manifest = fmt.read_manifest(root)
+    version = None
+    if opts.run:  # the rows of the version of the cache the run trained on (precompute-ref --update)
+        manifest, version = run_version(root, manifest, opts.run)
     tokenizer = show.verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
-    scan = audit_cache(root, manifest)  # rows are shown from the shards that pass shard_files only
+    # rows are shown from the shards that pass shard_files only
+    scan = audit_cache(root, manifest, current=not version or version["file"] == fmt.MANIFEST)
     failed = [c.name for c in scan.checks if c.status == FAIL]
     notes = [f"this cache fails {', '.join(failed)}: run audit-ref {cache} for the details"] if failed else []
     if opts.data:  # the data re-encoded as the audit does: do the cached rows still say what the data says?
@@ -221,7 +225,8 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
             recorded = run_manifest.read_run_manifest(opts.run)
         except run_manifest.RunManifestError as e:
             raise click.BadParameter(str(e), param_hint="--run")
-        _, problems = run_manifest.run_cache_findings(recorded, root, manifest["stamps"])
+        _, problems = run_manifest.run_cache_findings(recorded, root, manifest["stamps"],
+                                                      version["file"] if version else fmt.MANIFEST)
         if problems:  # a log-ratio against a reference the run did not train with means nothing
             raise JobError(f"--run {opts.run}: {problems[0].message}")
         policy = show.load_policy(opts.run, opts.model, manifest, opts.trust_remote_code)

@@ -330,3 +330,22 @@ def test_two_updates_keep_both_earlier_versions_and_overwrite_clears_them(llama_
     ok("--model", llama_dir, "--data", v3, "--out", base, "--rows-per-shard", PER_SHARD, "--overwrite")
     assert not list(base.glob("manifest-*.json")) and "version" not in manifest_of(base)
     assert cli("--model", llama_dir, "--data", v3, "--out", base, "--replace-changed").exit_code != 0
+
+
+def test_a_top_k_cache_updates_to_the_cache_made_from_scratch(llama_dir, rows, tmp_path):
+    top = ["--rows-per-shard", PER_SHARD, "--top-k", 4]
+    out = tmp_path / "cache"
+    ok("--model", llama_dir, "--data", write_jsonl(tmp_path / "v1.jsonl", rows[:ROWS]), "--out", out, *top)
+    grown = write_jsonl(tmp_path / "v2.jsonl", rows[1:])  # one row removed (shard 0 copied), 4 added
+    result = cli("--model", llama_dir, "--data", grown, "--out", out, "--update", *top)
+    assert result.exit_code == 0, result.output
+    assert scored_now(result) == (43, 4)
+    scratch = tmp_path / "scratch"
+    ok("--model", llama_dir, "--data", grown, "--out", scratch, *top)
+    a, b = by_id(out), by_id(scratch)
+    assert_same_rows(a, b)
+    for column in ("chosen_top_ids", "rejected_top_ids"):
+        assert a[column].to_list() == b[column].to_list(), column
+    for column in ("chosen_top_logps", "rejected_top_logps", "chosen_tail", "rejected_tail"):
+        x, y = (np.concatenate([np.asarray(v, np.float64).ravel() for v in f[column].to_list()]) for f in (a, b))
+        assert np.allclose(x, y, rtol=0, atol=2.5e-4), column  # the stored 16-bit codes' step apart at most
