@@ -42,6 +42,7 @@ from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score
 from .modes.choose import probe_pairs
 from .plan import plan_shards
 from .resume import COMPUTATION, Resume, clear_cache_dir, finished_shards, own_files
+from . import update
 
 
 @dataclass
@@ -166,9 +167,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     with contextlib.ExitStack() as lock:
         resume, change = dist.share(lambda: _resume(cfg, job, lock, log))  # rank 0 holds the lock for the whole job
         if change is not None:  # --update: only the new rows, into new shards
-            from .update import applied
-
-            job = applied(job, change, cfg)
+            job = update.applied(job, change, cfg)
         scored = _score(cfg, job, resume, log, dist, lock, rank_log)
         if dist.rank != 0:
             return {"rank": dist.rank, "shards_scored": scored["mine"]}
@@ -244,9 +243,7 @@ def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) ->
         clear_cache_dir(job.out)
     change = None
     if cfg.update:
-        from .update import prepare
-
-        resume, change = prepare(job.out, job, cfg, job.claimed(cfg), log)
+        resume, change = update.prepare(job.out, job, cfg, job.claimed(cfg), log)
     else:
         resume = finished_shards(job.out, job.plan, job.stamps, cfg.encoding, job.claimed(cfg))
     for name, reason in resume.rescore:
@@ -407,9 +404,7 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if job.change is not None:  # --update: the new version (precompute/update.py)
-        from .update import versioned
-
-        manifest, entries = versioned(out, manifest, entries, job, cfg)
+        manifest, entries = update.versioned(out, manifest, entries, job, cfg)
     if not _says_the_same(out, manifest):
         fmt.write_manifest(out, manifest)
     write_card(out, fmt.read_manifest(out))  # the card of the manifest that stays (kept or just written)
@@ -441,13 +436,9 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
     encoded = job.encoded
     size = sum(e["bytes"] for e in entries)
     completion_tokens = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs)
-    update = {}
-    if job.change is not None:
-        from .update import summary
-
-        update = {"update": summary(job.change)}
+    versioned = {"update": update.summary(job.change)} if job.change is not None else {}
     return {
-        **update,
+        **versioned,
         "out": str(job.out.resolve()),
         "rows": sum(e["rows"] for e in entries),
         "rows_scored": sum(s["stop"] - s["start"] for s in scored["todo"]),
@@ -463,7 +454,7 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
         "rank_wall_s": scored["rank_wall_s"],  # each rank's scoring wall time (torchrun: spread = max - min)
         "bytes": size,
         # (an update knows the tokens of the rows it scored only)
-        "bytes_per_completion_token": size / completion_tokens if completion_tokens and not update else None,
+        "bytes_per_completion_token": size / completion_tokens if completion_tokens and not versioned else None,
     }
 
 

@@ -106,7 +106,8 @@ def test_appending_10_percent_scores_only_the_new_rows_and_equals_a_cache_made_f
     new_ids = [r["id"] for r in rows[ROWS:]]
     assert counted.scored == fresh_scored and len(counted.scored) == 4  # the 4 new pairs, nothing else
     # The model ran over the new rows and the batching probe (of new rows too) only: as many sequences as a fresh
-    # cache of the 4 new rows, far fewer than the 44 rows' 88 sequences.
+    # cache of the 4 new rows (15 here: the mode's batches and the probe's reference forwards), far fewer than the
+    # 44 rows' 88 sequences.
     assert counted.sequences == fresh_sequences < 2 * 44, (counted.sequences, fresh_sequences)
     manifest = manifest_of(base)
     assert manifest["version"] == 2 and manifest["update"] == {"from_version": 1, "added": new_ids, "removed": [],
