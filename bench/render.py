@@ -491,7 +491,8 @@ def render_update(U: dict) -> list[str]:
     L = [f"{size['model']} model; a cache of {size['pairs']} pairs of up to {size['seq']} tokens "
          f"({size['rows_per_shard']} per shard) and {size['added']} rows appended (10%); run_precompute end to end, "
          "the three ways round-robin after a warm-up (the cache copied back before each update, untimed). `new rows "
-         "only`: a fresh cache of the appended rows alone, the same forwards without a cache to verify and keep "
+         "only`: a fresh cache of the appended rows alone, without a cache to verify and keep (its batching is its own "
+         "choice on those rows; the update scores with the cache's mode) "
          f"(`{U['command']}`, 1-minute load average {U.get('loadavg_start')} -> {U['machine'].get('loadavg_1min')}: "
          "other processes share the cores, read the ratios).", ""]
     L += table("run | wall | rows scored / rows in the cache | vs full precompute | batching",

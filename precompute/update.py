@@ -66,10 +66,9 @@ def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
                        "with --overwrite") from None
     _same_identity(out, base, job, cfg, claimed)
     read = {}
-    for f in rules.cache_findings(out, base, read=read):
-        if f.kind != "shard_unlisted":  # this update's own shards, written before a kill, are judged below
-            raise JobError(f"--update: the cache in {out} does not verify: {f.message}; audit-ref it, or make a new "
-                           "cache with --overwrite")
+    for f in rules.cache_findings(out, base, read=read):  # (this update's shards, written before a kill: below)
+        raise JobError(f"--update: the cache in {out} does not verify: {f.message}; audit-ref it, or make a new "
+                       "cache with --overwrite")
     cached = pa.concat_tables([read[e["file"]] for e in base["shards"]]) if base["shards"] else None
     encoded = job.encoded
     changes = history.row_changes(cached.column("id").to_pylist() if cached else [],

@@ -17,6 +17,7 @@ import polars as pl
 from .stamps import cache_id, file_sha256
 
 VERSION_FILE = re.compile(r"^manifest-(\d{5})\.json$")
+UPDATE_SHARD = re.compile(r"^shard-v\d{5}-\d{5}\.parquet$")  # a shard an update wrote (precompute/update.py)
 CURRENT = "manifest.json"  # format.MANIFEST (not imported: format imports the rules that import this)
 
 
@@ -59,6 +60,17 @@ def named_shards(root: Path) -> set[str]:
         manifest = _json(path) if path.is_file() else None
         names |= {e.get("file") for e in (manifest or {}).get("shards", []) if isinstance(e, dict)}
     return {n for n in names if isinstance(n, str)}
+
+
+def pending_shards(root: Path) -> set[str]:
+    """The shards of an update to the version after manifest.json's, running or killed (shard-vNNNNN-MMMMM.parquet
+    with NNNNN that next version): not stray while the current version stands (a reader of it does not read them),
+    and judged by the update when it is run again."""
+    manifest = _json(Path(root) / CURRENT)
+    if manifest is None:
+        return set()
+    prefix = f"shard-v{version_of(manifest) + 1:05d}-"
+    return {p.name for p in Path(root).glob(f"{prefix}*.parquet") if UPDATE_SHARD.match(p.name)}
 
 
 def versions(root: Path, manifest: dict) -> list[tuple[int, str, dict]]:

@@ -129,8 +129,9 @@ def shard_footer_findings(path: Path, want: dict, rows: int) -> tuple[dict, list
 
 def unlisted_findings(root: Path, listed) -> list[Finding]:
     """Shard files in `root` that neither this manifest (`listed`) nor any version of the cache (manifest.json and
-    its manifest-NNNNN.json history, schemas/history.py) names: an update keeps every file an earlier version names."""
-    listed = set(listed) | history.named_shards(root)
+    its manifest-NNNNN.json history, schemas/history.py) names: an update keeps every file an earlier version names,
+    and the shards of an update to the next version (running, or killed before its manifest) are not stray either."""
+    listed = set(listed) | history.named_shards(root) | history.pending_shards(root)
     unlisted = sorted(p.name for p in root.glob("*.parquet") if p.name not in listed)
     if not unlisted:
         return []

@@ -244,6 +244,7 @@ def test_update_killed_mid_shard_then_rerun_gives_the_uninterrupted_result(llama
             proc.kill()
             proc.wait()
     assert (base / "shard-v00002-00001.parquet").is_file() and not (base / "shard-v00002-00002.parquet").exists()
+    assert open_cache(base).manifest.get("version") is None  # version 1 still reads, the update's shards aside
     result = update(llama_dir, grown, base)
     assert result.exit_code == 0, result.output
     assert scored_now(result) == (58, 12), result.output  # shard 1 (8 rows) kept from before the kill: 8 + 4 left to score
@@ -350,3 +351,22 @@ def test_a_top_k_cache_updates_to_the_cache_made_from_scratch(llama_dir, rows, t
     for column in ("chosen_top_logps", "rejected_top_logps", "chosen_tail", "rejected_tail"):
         x, y = (np.concatenate([np.asarray(v, np.float64).ravel() for v in f[column].to_list()]) for f in (a, b))
         assert np.allclose(x, y, rtol=0, atol=2.5e-4), column  # the stored 16-bit codes' step apart at most
+
+
+def test_an_update_killed_after_keeping_the_old_manifest_finishes_and_a_foreign_version_file_is_refused(
+        llama_dir, rows, base, tmp_path):
+    shrunk = write_jsonl(tmp_path / "v2.jsonl", rows[1:ROWS])
+    kept = (base / fmt.MANIFEST).read_bytes()
+    (base / "manifest-00001.json").write_bytes(kept)  # where a kill just before manifest.json leaves it
+    assert update(llama_dir, shrunk, base).exit_code == 0
+    assert (base / "manifest-00001.json").read_bytes() == kept and manifest_of(base)["version"] == 2
+
+    other = tmp_path / "other"
+    ok("--model", llama_dir, "--data", write_jsonl(tmp_path / "o.jsonl", rows[:ROWS]), "--out", other,
+       "--rows-per-shard", PER_SHARD)
+    edited = json.loads((other / fmt.MANIFEST).read_text())
+    edited["created_at"] = "1999-01-01T00:00:00+00:00"
+    (other / "manifest-00001.json").write_text(json.dumps(edited))
+    result = update(llama_dir, shrunk, other)
+    assert result.exit_code != 0 and "is not the manifest it would keep" in result.output
+    assert "version" not in manifest_of(other)
