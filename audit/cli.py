@@ -101,13 +101,16 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
     from .cache import audit_cache
     from .replay import audit_model
     from .report import token_stats
-    from .runs import audit_data, audit_run
+    from .runs import audit_data, audit_run, run_version
 
     t0 = time.perf_counter()
     root = Path(cache_dir)
     manifest = fmt.read_manifest(root)
+    version = None
+    if run:  # a run trained on an earlier version of an updated cache is audited against that version
+        manifest, version = run_version(root, manifest, run)
     timing = {}
-    scan = audit_cache(root, manifest)
+    scan = audit_cache(root, manifest, current=not version or version["file"] == fmt.MANIFEST)
     checks = list(scan.checks)
     timing["cache_s"] = time.perf_counter() - t0
     tokenizer, tokenizer_ok = None, False
@@ -132,7 +135,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
         timing["data_s"] = time.perf_counter() - t
     if run:
         t = time.perf_counter()
-        checks += audit_run(root, manifest, run)
+        checks += audit_run(root, manifest, run, version)
         timing["run_s"] = time.perf_counter() - t
     else:
         checks += [Check(n, SKIP, "not requested (--run)") for n in SECTIONS["run"]]
@@ -147,6 +150,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
                   "tokens": token_stats(scan.index), "logprobs_per_shard": scan.logprob_stats},
         "made": {k: manifest.get(k) for k in ("created_at", "software", "model", "tokenizer", "computation", "source")}
         | {"encoding": manifest["encoding"], "stamps": manifest["stamps"]},
+        "version": version,  # with --run: the version of the cache the run used (precompute-ref --update)
         "options": {"model": model, "data": data, "run": run, "sample": sample, "seed": seed, "tolerance": tolerance},
         "timing": {k: round(v, 3) for k, v in timing.items()},
     }
@@ -219,12 +223,16 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
 
     from . import show
     from .cache import audit_cache
-    from .runs import audit_data
+    from .runs import audit_data, run_version
 
     root = Path(cache)
     manifest = fmt.read_manifest(root)
+    version = None
+    if opts.run:  # the rows of the version of the cache the run trained on (precompute-ref --update)
+        manifest, version = run_version(root, manifest, opts.run)
     tokenizer = show.verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
-    scan = audit_cache(root, manifest)  # rows are shown from the shards that pass shard_files only
+    # rows are shown from the shards that pass shard_files only
+    scan = audit_cache(root, manifest, current=not version or version["file"] == fmt.MANIFEST)
     failed = [c.name for c in scan.checks if c.status == FAIL]
     notes = [f"this cache fails {', '.join(failed)}: run audit-ref {cache} for the details"] if failed else []
     if opts.data:  # the data re-encoded as the audit does: do the cached rows still say what the data says?
@@ -240,7 +248,8 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
             recorded = run_manifest.read_run_manifest(opts.run)
         except run_manifest.RunManifestError as e:
             raise click.BadParameter(str(e), param_hint="--run")
-        _, problems = run_manifest.run_cache_findings(recorded, root, manifest["stamps"])
+        _, problems = run_manifest.run_cache_findings(recorded, root, manifest["stamps"],
+                                                      version["file"] if version else fmt.MANIFEST)
         if problems:  # a log-ratio against a reference the run did not train with means nothing
             raise JobError(f"--run {opts.run}: {problems[0].message}")
         policy = show.load_policy(opts.run, opts.model, manifest, opts.trust_remote_code)

@@ -69,7 +69,10 @@ def render(report: dict) -> str:
            f"({comp.get('attn_implementation')} attention, {comp.get('mode')} batching); data {src.get('data')} split "
            f"{src.get('split')}; "
            f"{report['stats']['rows']:,} rows, {report['stats']['bytes'] / 2**20:.2f} MiB",
-           *([f"  split by {describe(comp['layout'])}"] if isinstance(comp.get("layout"), dict) else []), ""]
+           *([f"  split by {describe(comp['layout'])}"] if isinstance(comp.get("layout"), dict) else []),
+           *([f"  audited as version {v['version']} of the cache ({v['file']}; current version {v['current']}), "
+              "the one the --run trained on"] if (v := report.get("version")) and v["file"] != "manifest.json"
+             else []), ""]
     by_name = {c["name"]: c for c in report["checks"]}
     titles = {"cache": "Cache integrity", "model": "Reference model (--model)", "data": "Data (--data)",
               "run": "Training run (--run)"}

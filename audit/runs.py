@@ -9,7 +9,7 @@ import click
 import polars as pl
 
 from runtime.placement import describe
-from schemas import run_manifest
+from schemas import history, run_manifest
 from schemas.encoding import EncodingConfig
 from schemas.rules import stamp_findings
 from schemas.stamps import (WeightsError, adapter_config_fingerprint, adapter_fields, adapter_hash, merged_model_hash,
@@ -21,45 +21,86 @@ from .checks import short as _short
 
 
 def audit_data(manifest: dict, scan: CacheScan, data: str, tokenizer) -> Check:
-    """Re-encode the data with the recorded encoding and compare every row's mask checksum with the cached one."""
+    """Re-encode the data with the recorded encoding and compare every row's mask checksum with the cached one. A
+    cache made by precompute-ref --update also says which rows its version added and removed (the manifest's
+    `update`); data that differs by exactly those rows is the previous version's data, and the check says so."""
     from runtime.data import encode_rows, load_rows
 
     source = load_rows(data, (manifest.get("source") or {}).get("split", "train"))
     encoded = encode_rows(source, tokenizer, EncodingConfig.from_dict(manifest["encoding"]), on_bad_row="skip")
-    now = pl.DataFrame({"id": encoded.ids, "now": [p.mask_checksum for p in encoded.pairs]},
-                       schema={"id": pl.String, "now": pl.String})
-    joined = scan.index.select("id", "shard", "row", "mask_checksum").join(now, on="id", how="full", coalesce=True)
-    added = joined.filter(pl.col("mask_checksum").is_null())
-    removed = joined.filter(pl.col("now").is_null())
-    changed = joined.filter(pl.col("mask_checksum").is_not_null() & pl.col("now").is_not_null()
-                            & (pl.col("mask_checksum") != pl.col("now")))
+    index = scan.index.select("id", "shard", "row", "mask_checksum")
+    diff = history.row_changes(index["id"].to_list(), index["mask_checksum"].to_list(), encoded.ids,
+                               [p.mask_checksum for p in encoded.pairs])
     skipped_now = {s["id"]: s["reason"] for s in encoded.skipped}
+    update = history.update_record(manifest)
     info = {"rows_encoded": len(encoded.ids), "rows_skipped": len(encoded.skipped),
             "fingerprint_matches": source.fingerprint == (manifest.get("source") or {}).get("fingerprint"),
-            "added": added["id"].to_list(), "removed": removed["id"].to_list(), "changed": changed["id"].to_list(),
-            "removed_now_skipped": {i: skipped_now[i] for i in removed["id"].to_list() if i in skipped_now}}
-    if not (added.height or removed.height or changed.height):
+            **diff, "removed_now_skipped": {i: skipped_now[i] for i in diff["removed"] if i in skipped_now},
+            "version": history.version_of(manifest)}
+    since = ""
+    if update is not None:
+        info["update"] = {k: update.get(k) for k in ("from_version", "added", "removed", "replaced")}
+        since = (f"; version {info['version']} of the cache: {len(update.get('added') or [])} rows added, "
+                 f"{len(update.get('removed') or [])} removed and {len(update.get('replaced') or [])} replaced since "
+                 f"version {update.get('from_version')}, as its manifest lists")
+    if not (diff["added"] or diff["removed"] or diff["changed"]):
         return Check("data_rows", PASS, f"{len(encoded.ids):,} rows re-encoded with the cache's encoding: all match "
-                     f"({len(encoded.skipped)} skipped as at precompute)", info=info)
+                     f"({len(encoded.skipped)} skipped as at precompute){since}", info=info)
     listing = "; ".join(f"{kind} {len(ids)}: {', '.join(map(repr, ids[:5]))}{' …' if len(ids) > 5 else ''}"
                         for kind, ids in (("changed", info["changed"]), ("removed", info["removed"]),
                                           ("added", info["added"])) if ids)
-    where = (changed if changed.height else removed).row(0, named=True) if changed.height or removed.height else {}
+    if update is not None and _undoes(diff, update):
+        listing += (f" (exactly what the update to version {info['version']} changed: this is the data of version "
+                    f"{update.get('from_version')}, kept as {history.version_name(update.get('from_version') or 1)})")
+    first = next(iter(diff["changed"] or diff["removed"]), None)
+    where = index.filter(pl.col("id") == first).row(0, named=True) if first is not None else {}
     return Check("data_rows", FAIL, f"the data differs from the cached rows: {listing}", where.get("shard"),
                  where.get("row"), info)
 
 
-def audit_run(root: Path, manifest: dict, run_dir: str) -> list[Check]:
+def _undoes(diff: dict, update: dict) -> bool:
+    """The data differs from the cache by the rows its update added, removed and replaced, the other way round."""
+    return (set(diff["removed"]) == set(update.get("added") or [])
+            and set(diff["added"]) == set(update.get("removed") or [])
+            and set(diff["changed"]) == set(update.get("replaced") or []))
+
+
+def run_version(root: Path, manifest: dict, run_dir: str) -> tuple[dict, dict | None]:
+    """The version of the cache a run was trained on (schemas/history.py): its manifest and {"version", "file",
+    "current"}; the current manifest and None when the run names none of them (audit_run says why)."""
+    try:
+        run = run_manifest.read_run_manifest(run_dir)
+    except run_manifest.RunManifestError:
+        return manifest, None  # audit_run refuses it
+    ref = run.get("reference") or {}
+    found = history.version_for(root, manifest, [r for r in (ref.get("cache"), ref.get("eval_cache"))
+                                                 if isinstance(r, dict)])
+    if found is None:
+        return manifest, None
+    version, name, used = found
+    return used, {"version": version, "file": name, "current": history.version_of(manifest)}
+
+
+def audit_run(root: Path, manifest: dict, run_dir: str, version: dict | None = None) -> list[Check]:
+    """`version`: run_version's, the version of the cache the run names (None: the current one)."""
     try:
         run = run_manifest.read_run_manifest(run_dir)
     except run_manifest.RunManifestError as e:
         raise click.BadParameter(str(e), param_hint="--run")
-    role, problems = run_manifest.run_cache_findings(run, root, manifest["stamps"])
+    name = version["file"] if version else run_manifest.CACHE_MANIFEST
+    role, problems = run_manifest.run_cache_findings(run, root, manifest["stamps"], name)
     if problems:
         checks = [Check("run_cache", FAIL, f"{run_dir}: {problems[0].message}{_live_split(run)}")]
     else:
+        which = ""
+        if version and version["file"] != run_manifest.CACHE_MANIFEST:
+            which = (f"; version {version['version']} of the cache ({version['file']}), the cache now being at "
+                     f"version {version['current']}: audited against that version")
+        elif version and version["current"] > 1:
+            which = f"; version {version['version']} of the cache, its current one"
         checks = [Check("run_cache", PASS, f"{run_dir}: trained on this cache as its "
-                        f"{'train' if role == 'cache' else 'eval'} cache (its content, cache_id, and stamps match)")]
+                        f"{'train' if role == 'cache' else 'eval'} cache (its content, cache_id, and stamps "
+                        f"match){which}", info={"version": version} if version else {})]
     if run.get("peft"):  # the checkpoint is an adapter (train-dpo --use-peft)
         return checks + [_audit_peft(run_dir, run["peft"], manifest)]
     recorded = run.get("final_model_hash")

@@ -504,6 +504,27 @@ def render_ranks(K: dict) -> list[str]:
                     "proportion whenever one of its threads is descheduled; processes of one thread each are not."]
 
 
+def render_update(U: dict) -> list[str]:
+    size = U["size"]
+    L = [f"{size['model']} model; a cache of {size['pairs']} pairs of up to {size['seq']} tokens "
+         f"({size['rows_per_shard']} per shard) and {size['added']} rows appended (10%); run_precompute end to end, "
+         "the three ways round-robin after a warm-up (the cache copied back before each update, untimed). `new rows "
+         "only`: a fresh cache of the appended rows alone, without a cache to verify and keep (its batching is its own "
+         "choice on those rows; the update scores with the cache's mode) "
+         f"(`{U['command']}`, 1-minute load average {U.get('loadavg_start')} -> {U['machine'].get('loadavg_1min')}: "
+         "other processes share the cores, read the ratios).", ""]
+    L += table("run | wall | rows scored / rows in the cache | vs full precompute | batching",
+               [[n, sec(U["wall"][n]), f"{U['rows_scored'][n]} / {U['rows'][n]}", x(U["ratio_vs_full"][n], 3),
+                 U["mode"][n]] for n in U["wall"]])
+    ok = U["ratio_vs_full"]["update"] <= U.get("target", 0.2)
+    return L + ["", f"Target: update <= {U.get('target', 0.2)}x the full precompute: "
+                    f"**{x(U['ratio_vs_full']['update'], 3)}** ({'met' if ok else 'missed'}). The updated cache and the "
+                    f"full one agree value by value (max abs difference per token {U['max_abs_diff_vs_full']:.1e}, "
+                    "rows matched by id). What an update costs beyond the new rows' forwards: the batching probe (on "
+                    "new rows), the model load and hash, encoding the whole data set to find the new rows, and "
+                    "the sha256 of the kept shards."]
+
+
 def gf(v: float) -> str:
     return f"{v / 1e9:,.1f}"
 
@@ -771,6 +792,7 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on 
     ("ranks", "15. 2 ranks: shards dealt by tokens vs round-robin on skewed lengths, and vs 1 process "
               "(bench_ranks.py)", render_ranks),
     ("compile", "16. torch.compile of the scoring forward and the training step (bench_compile.py)", render_compile),
+    ("update", "17. precompute-ref --update adding 10% rows vs a full rerun (bench_update.py)", render_update),
 ]
 
 

@@ -26,11 +26,16 @@ def summary_text(s: dict) -> str:
         unit = "tensor-parallel group" if s.get("tp_size", 1) > 1 else "rank"
         work += (f"\n  {unit}s: {len(ranks)}, scoring wall per {unit} {min(ranks):.1f}-{max(ranks):.1f} s "
                  f"(spread {spread:.1f} s, {spread / max(ranks) if max(ranks) else 0:.0%} of the slowest)")
+    per_token = s["bytes_per_completion_token"]
+    u = s.get("update")
+    version = (f"  update: version {u['version']}: {u['added']} rows added, {u['removed']} removed, {u['replaced']} "
+               f"replaced; {u['kept_shards']} shards kept, {u['copied_shards']} copied without removed rows\n"
+               if u else "")
     return (
-        f"wrote {s['rows']} pairs ({s['rows_scored']} scored now) in {s['shards']} shards to {s['out']}\n"
+        f"wrote {s['rows']} pairs ({s['rows_scored']} scored now) in {s['shards']} shards to {s['out']}\n{version}"
         f"  skipped rows: {s['skipped']} ({skipped}); identical chosen/rejected: {s['identical_pairs']}\n{work}\n"
-        f"  cache size: {s['bytes'] / 2**20:.2f} MiB ({s['bytes_per_completion_token']:.1f} bytes per "
-        f"completion token)"
+        f"  cache size: {s['bytes'] / 2**20:.2f} MiB"
+        + (f" ({per_token:.1f} bytes per completion token)" if per_token is not None else "")
     )
 
 

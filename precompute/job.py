@@ -35,12 +35,14 @@ from schemas import rules
 from schemas.card import write_card
 from schemas.encoding import EncodingConfig
 from schemas.files import remove_file
-from schemas.stamps import combined_mask_checksum, ids_checksum, tokenizer_hash, tokenizer_parts
+from schemas.stamps import combined_mask_checksum, tokenizer_hash, tokenizer_parts
 
 from .compiled import compiled_scorer
 from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score_pairs
 from .modes.choose import probe_pairs
+from .plan import plan_shards
 from .resume import COMPUTATION, Resume, clear_cache_dir, finished_shards, own_files
+from . import update
 
 
 @dataclass
@@ -110,6 +112,15 @@ class PrecomputeConfig:
         "Computation"))
     overwrite: bool = field(default=False, metadata=field_help(
         "Delete the existing cache first (default: resume, keeping finished shards of this same job).", "Output"))
+    update: bool = field(default=False, metadata=field_help(
+        "Bring the finished cache in --out to this --data (grown, shrunk or changed), with the cache's model, "
+        "tokenizer, encoding and settings: keep the shards whose rows are unchanged, score only the new rows, and "
+        "write a new manifest version listing the rows added and removed (the previous manifest is kept as "
+        "manifest-NNNNN.json, so runs trained on it still audit). Rows whose content changed under the same id are "
+        "refused unless --replace-changed.", "Output"))
+    replace_changed: bool = field(default=False, metadata=field_help(
+        "With --update: score again the rows whose content changed under an id the cache holds, replacing them.",
+        "Output"))
     on_bad_row: str = field(default="error", metadata=field_help(
         "error: stop at the first bad row (exit 2). skip: leave it out and list it in skipped.jsonl.", "Data",
         choices=("error", "skip")))
@@ -136,6 +147,8 @@ class Job:
     dtype: torch.dtype
     origins: dict = field(default_factory=dict)  # {"model", "data"}: runtime.hub.origin, hub ids beside the paths
     max_memory: dict | None = None  # --max-memory as from_pretrained takes it
+    change: object = None  # --update: what the update does (precompute/update.py Change)
+    batching: str | None = None  # --update: the batching mode that scored the cache, asked for by name
 
     def claimed(self, cfg: PrecomputeConfig) -> dict:
         """The computation values known before loading: what a resume compares first."""
@@ -145,17 +158,6 @@ class Job:
                 "token_budget": cfg.token_budget, "rows_per_shard": cfg.rows_per_shard,
                 "requested_attn_implementation": cfg.attn_implementation, "requested_batching": cfg.batching,
                 **({"top_k": cfg.top_k} if cfg.top_k else {})}  # a cache without top-k records none (format.py)
-
-
-def plan_shards(encoded: Encoded, rows_per_shard: int, encoding: EncodingConfig) -> list[dict]:
-    checks = [p.mask_checksum for p in encoded.pairs]
-    plan = []
-    for n, start in enumerate(range(0, len(checks), rows_per_shard)):
-        stop = min(start + rows_per_shard, len(checks))
-        plan.append({"file": f"shard-{n:05d}.parquet", "start": start, "stop": stop,
-                     "mask_checksum": combined_mask_checksum(checks[start:stop], encoding.to_json()),
-                     "ids_checksum": ids_checksum(encoded.ids[start:stop])})
-    return plan
 
 
 def run_precompute(cfg: PrecomputeConfig, log=print) -> dict:
@@ -169,7 +171,9 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     log = log if dist.rank == 0 else (lambda _m: None)
     job = _plan(cfg, log, dist)
     with contextlib.ExitStack() as lock:
-        resume = dist.share(lambda: _resume(cfg, job, lock, log))  # rank 0 holds the lock for the whole job
+        resume, change = dist.share(lambda: _resume(cfg, job, lock, log))  # rank 0 holds the lock for the whole job
+        if change is not None:  # --update: only the new rows, into new shards
+            job = update.applied(job, change, cfg)
         scored = _score(cfg, job, resume, log, dist, lock, rank_log)
         if dist.rank != 0:
             return {"rank": dist.rank, "shards_scored": scored["mine"]}
@@ -180,6 +184,10 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
 def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     """Read and encode the data, compute the stamps and cut the rows into shards; nothing is written yet."""
     out = Path(cfg.out)
+    if cfg.update and cfg.overwrite:
+        raise JobError("--update keeps the cache's rows and --overwrite deletes them: pass one of them")
+    if cfg.replace_changed and not cfg.update:
+        raise JobError("--replace-changed is an option of --update: pass both")
     try:
         cfg.token_budget = parse_token_budget(cfg.token_budget)
     except ValueError as e:
@@ -259,10 +267,14 @@ def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) ->
         raise JobError(f"--out {job.out}: cannot write the cache directory there ({e.strerror or e})") from None
     if cfg.overwrite:
         clear_cache_dir(job.out)
-    resume = finished_shards(job.out, job.plan, job.stamps, cfg.encoding, job.claimed(cfg))
+    change = None
+    if cfg.update:
+        resume, change = update.prepare(job.out, job, cfg, job.claimed(cfg), log)
+    else:
+        resume = finished_shards(job.out, job.plan, job.stamps, cfg.encoding, job.claimed(cfg))
     for name, reason in resume.rescore:
         log(f"{name} is damaged ({reason}); scoring it again")
-    return resume
+    return resume, change
 
 
 def shard_work(encoded: Encoded, shards: list[dict]) -> list[int]:
@@ -369,7 +381,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     if cfg.top_k > vocab:
         raise JobError(f"--top-k {cfg.top_k} is more than the model's vocabulary of {vocab} tokens; pass at most "
                        f"{vocab} (--top-k {vocab} stores the whole distribution)")
-    mode = choose_mode(model, cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair],
+    mode = choose_mode(model, job.batching or cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair],
                        top_k=cfg.top_k)
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
                    "head": verified_head(model), "batching": REGISTRY[mode].description,
@@ -427,6 +439,8 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
         "shards": entries,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if job.change is not None:  # --update: the new version (precompute/update.py)
+        manifest, entries = update.versioned(out, manifest, entries, job, cfg)
     if not _says_the_same(out, manifest):
         fmt.write_manifest(out, manifest)
     write_card(out, fmt.read_manifest(out))  # the card of the manifest that stays (kept or just written)
@@ -458,9 +472,11 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
     encoded = job.encoded
     size = sum(e["bytes"] for e in entries)
     completion_tokens = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs)
+    versioned = {"update": update.summary(job.change)} if job.change is not None else {}
     return {
+        **versioned,
         "out": str(job.out.resolve()),
-        "rows": len(encoded.pairs),
+        "rows": sum(e["rows"] for e in entries),
         "rows_scored": sum(s["stop"] - s["start"] for s in scored["todo"]),
         "skipped": len(encoded.skipped),
         "skipped_by_reason": encoded.skipped_by_reason,
@@ -474,7 +490,8 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
         "rank_wall_s": scored["rank_wall_s"],  # each rank's (group's) scoring wall time (torchrun: spread = max - min)
         "tp_size": scored["tp_size"],
         "bytes": size,
-        "bytes_per_completion_token": size / completion_tokens,
+        # (an update knows the tokens of the rows it scored only)
+        "bytes_per_completion_token": size / completion_tokens if completion_tokens and not versioned else None,
     }
 
 

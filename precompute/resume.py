@@ -19,13 +19,15 @@ from pathlib import Path
 from runtime.errors import JobError
 from runtime.locks import is_lock_file
 from schemas import format as fmt
-from schemas import rules
+from schemas import history, rules
 from schemas.card import read_card_metadata
 from schemas.encoding import EncodingConfig
 from schemas.files import TEMP, remove_file
 
-SHARD = re.compile(r"^shard-\d{5}\.parquet$")  # plan_shards' names
+SHARD = re.compile(r"^shard-(v\d{5}-)?\d{5}\.parquet$")  # plan_shards' names (and --update's: precompute/update.py)
 OVERWRITE = "use --overwrite to replace it, or choose another --out"
+UPDATE = ("to bring it to this data (keeping its rows, scoring only new ones, with the same model and settings) pass "
+          "--update; else " + OVERWRITE)  # the remedy when only the data differs
 COMPUTATION = "run with the recorded settings to resume, or pass --overwrite to start over"  # the remedy of a resume
 
 
@@ -45,7 +47,8 @@ def _previous_manifest(out: Path, stamps: dict, encoding: EncodingConfig) -> dic
         raise JobError(f"{out} holds an unreadable cache ({e.message}); {OVERWRITE}") from None
     recorded = {**manifest["stamps"], "encoding": manifest["encoding"]}
     for f in rules.stamp_findings(recorded, {**{k: stamps[k] for k in fmt.STAMPS}, "encoding": encoding.to_dict()}):
-        raise JobError(f"{out} already holds a different cache; {OVERWRITE}\n  {f.kind}: existing {f.found}, "
+        remedy = UPDATE if f.kind == "mask_checksum" else OVERWRITE
+        raise JobError(f"{out} already holds a different cache; {remedy}\n  {f.kind}: existing {f.found}, "
                        f"this job {f.expected}")
     return manifest
 
@@ -57,20 +60,24 @@ def _refuse(findings, what: str):
     raise JobError(f"{what}; {OVERWRITE}\n  {f.message}\n  this job: {f.expected}\n  found:    {f.found}")
 
 
-def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: EncodingConfig, claimed: dict) -> Resume:
+def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: EncodingConfig, claimed: dict, *,
+                    keep: set | None = None) -> Resume:
     """Shards already written by an earlier run of this same job with these settings (`claimed`: the computation
-    values known before the model is loaded)."""
+    values known before the model is loaded). `keep` (precompute-ref --update, precompute/update.py): the shards of
+    the cache's versions, which are not this run's to judge; the manifest is then the update's to judge."""
     for path in own_files(out):
         if TEMP.match(path.name):
             remove_file(path)
-    previous = _previous_manifest(out, stamps, encoding)
+    previous = _previous_manifest(out, stamps, encoding) if keep is None else None
     listed = {e["file"]: e for e in previous["shards"]} if previous else {}
     planned = {s["file"]: s for s in plan}
     done, computations, rescore = set(), {}, []
     for path in sorted(out.glob("*.parquet")):
+        if keep is not None and path.name in keep:
+            continue
         want = planned.get(path.name)
         if want is None:
-            raise JobError(f"{out} already holds a different cache; {OVERWRITE}\n  {path.name} is not a shard of this "
+            raise JobError(f"{out} already holds a different cache; {UPDATE}\n  {path.name} is not a shard of this "
                            "job (other data or --rows-per-shard?)")
         entry = listed.get(path.name)
         damage = rules.shard_file_findings(out, entry)[1] if entry else []
@@ -113,7 +120,8 @@ def own_files(out: Path) -> list[Path]:
     only into an empty folder or one holding its own cache. The one rule for a resume and for --overwrite.
 
     A cache is there when manifest.json is a refcache manifest or a shard carries a refcache footer; then its
-    manifest.json, its shard-NNNNN.parquet files (a damaged one is scored again), its skipped.jsonl (JSON Lines of
+    manifest.json, its earlier versions (manifest-NNNNN.json holding a refcache manifest: --update, schemas/history.py),
+    its shard-NNNNN.parquet and shard-vNNNNN-MMMMM.parquet files (a damaged one is scored again), its skipped.jsonl (JSON Lines of
     skipped rows, agreeing with the manifest's counts when there is one) and its README.md (a dataset card with
     refcache metadata, of the manifest's stamps when there is one) are its own. Other .parquet files are its
     own only with a refcache footer; temporary files of atomic writes always are."""
@@ -157,6 +165,8 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
         return None
     if p.name == fmt.MANIFEST:
         return None if cache else "not a refcache manifest"
+    if history.VERSION_FILE.match(p.name):  # an earlier version of the manifest (precompute-ref --update)
+        return None if cache and _manifest_json(p) is not None else "not a refcache manifest version"
     if p.suffix == ".parquet":
         return None if p in footers or (cache and SHARD.match(p.name)) else "no refcache footer"
     if p.name == fmt.SKIPPED:

@@ -344,6 +344,18 @@ def read_columns(path: Path, columns=None) -> pa.Table:
     return table
 
 
+def stored_rows(path: Path, rows) -> pa.Table:
+    """Rows of a shard (`rows`: their indices, in the order wanted) as stored, without decoding or re-encoding
+    anything: what a writer copies into a new shard (precompute-ref --update), so the copied values are the cached
+    ones bit for bit."""
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise CacheError("shard_unreadable", f"shard {path.name} is not a readable Parquet file ({e})", remedy=RERUN,
+                         shard=path.name) from None
+    return table.take(pa.array(rows, pa.int64())).replace_schema_metadata(None)
+
+
 def _logical(chunks: pa.ChunkedArray, column: Column, k: int) -> pa.ChunkedArray:
     """A stored column in its logical type: values decoded or cast back, K per token regrouped into per-token
     lists."""

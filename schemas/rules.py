@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import format as fmt
+from . import history
 from .card import DEFINED, card_metadata, read_card_metadata
 from .format import TOP_K_COLUMNS
 from .encoding import EncodingConfig, row_mask_checksum
@@ -127,7 +128,11 @@ def shard_footer_findings(path: Path, want: dict, rows: int) -> tuple[dict, list
 
 
 def unlisted_findings(root: Path, listed) -> list[Finding]:
-    unlisted = sorted(p.name for p in root.glob("*.parquet") if p.name not in set(listed))
+    """Shard files in `root` that neither this manifest (`listed`) nor any version of the cache (manifest.json and
+    its manifest-NNNNN.json history, schemas/history.py) names: an update keeps every file an earlier version names,
+    and the shards of an update to the next version (running, or killed before its manifest) are not stray either."""
+    listed = set(listed) | history.named_shards(root) | history.pending_shards(root)
+    unlisted = sorted(p.name for p in root.glob("*.parquet") if p.name not in listed)
     if not unlisted:
         return []
     return [Finding("shard_files", "shard_unlisted", f"{root} holds shard files the manifest does not list: "

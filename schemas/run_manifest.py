@@ -23,10 +23,11 @@ class RunManifestError(ValueError):
     """A run manifest or checkpoint record that is missing or malformed."""
 
 
-def cache_record(cache_dir, stamps: dict) -> dict:
+def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -> dict:
     """How a run names a cache: its path, its `cache_id` and stamps (what is compared), and the sha256 of its
-    manifest.json as it was (recorded only; the identity of runs recorded before cache_id)."""
-    path = Path(cache_dir) / CACHE_MANIFEST
+    manifest.json as it was (recorded only; the identity of runs recorded before cache_id). `manifest_file`: an
+    earlier version's manifest (manifest-NNNNN.json, schemas/history.py) to name that version instead."""
+    path = Path(cache_dir) / manifest_file
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -130,14 +131,15 @@ def reference_findings(recorded: dict, now: dict) -> list[Finding]:
     return out
 
 
-def run_cache_findings(run: dict, cache_root, stamps: dict) -> tuple[str | None, list[Finding]]:
-    """audit-ref --run: the run names this cache (as its train or its eval cache): same_cache.
-    Returns (which role it had, findings)."""
+def run_cache_findings(run: dict, cache_root, stamps: dict,
+                       manifest_file: str = CACHE_MANIFEST) -> tuple[str | None, list[Finding]]:
+    """audit-ref --run: the run names this cache (as its train or its eval cache): same_cache. `manifest_file`: the
+    version of the cache to compare (cache_record). Returns (which role it had, findings)."""
     ref = run.get("reference") or {}
     roles = {k: ref.get(k) for k in ("cache", "eval_cache") if isinstance(ref.get(k), dict)}
     if not roles:
         return None, [Finding("run_cache", "run", "the run was trained against a live reference, not a cache")]
-    this = cache_record(cache_root, stamps)
+    this = cache_record(cache_root, stamps, manifest_file)
     for role, record in roles.items():
         if same_cache(record, this):
             return role, []

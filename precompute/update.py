@@ -1,0 +1,196 @@
+"""precompute-ref --update: bring a finished cache to a data set that has grown, shrunk or changed, scoring only the
+rows it does not hold.
+
+A row is the same when its id and mask checksum (its token ids) are. The update keeps every shard whose rows are all
+still in the data, copies the remaining rows of a shard that lost some into a new shard (the stored values, no
+forward: shards are never edited), scores the new rows (and, with --replace-changed, the rows whose content changed
+under the same id) into new shards, and writes a new manifest version that lists the rows added, removed and
+replaced; the manifest it replaces is kept as manifest-NNNNN.json (schemas/history.py). No file a version names is
+edited or deleted. Model, tokenizer, encoding and computation must be the cache's (the rules of schemas/rules.py).
+
+The plan depends only on the cache and the data, so an update killed at any point and run again ends in the same
+files: copied shards are written again byte for byte, scored shards are judged and kept by precompute/resume.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from runtime.data import Encoded
+from runtime.errors import JobError
+from schemas import format as fmt
+from schemas import history, rules
+from schemas.files import atomic_write
+from schemas.stamps import combined_mask_checksum, file_sha256, tokenizer_parts
+
+from .plan import plan_shards
+from .resume import Resume, finished_shards
+
+NEW_CACHE = ("an update scores new rows exactly as the cache's were scored: make a new cache for this model, tokenizer, "
+             "encoding or these settings with another --out (precompute-ref without --update)")
+SHOWN = 5  # ids named in a refusal
+
+
+@dataclass
+class Change:
+    """What an update does, decided under the lock before any model is loaded (the same on every rank)."""
+
+    version: int  # the version it writes
+    base_sha256: str  # manifest.json as the update found it (kept as version_name(version - 1))
+    layout: list[dict]  # the new version's shards in order: {"file", "kind": kept|copied|scored, "entry"?, "checks"?}
+    score: list[int]  # rows of the data (indices of the job's Encoded) to score
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
+    mode: str | None = None  # the batching mode that scored the cache
+
+    @property
+    def nothing(self) -> bool:
+        return not (self.added or self.removed or self.replaced)
+
+
+def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
+    """Judge the cache against this job (refusing another model, tokenizer, encoding or computation, and changed rows
+    unless --replace-changed), copy the kept rows of shards that lost some, and plan the rows to score."""
+    if not (out / fmt.MANIFEST).is_file():
+        raise JobError(f"--update: {out} holds no finished cache (no {fmt.MANIFEST}); run precompute-ref without "
+                       "--update to make it (or to finish an interrupted first run)")
+    try:
+        base = fmt.read_manifest(out)
+    except fmt.CacheError as e:
+        raise JobError(f"--update: {out} holds an unreadable cache ({e.message}); audit-ref it, or make a new cache "
+                       "with --overwrite") from None
+    _same_identity(out, base, job, cfg, claimed)
+    read = {}
+    for f in rules.cache_findings(out, base, read=read):  # (this update's shards, written before a kill: below)
+        raise JobError(f"--update: the cache in {out} does not verify: {f.message}; audit-ref it, or make a new "
+                       "cache with --overwrite")
+    cached = pa.concat_tables([read[e["file"]] for e in base["shards"]]) if base["shards"] else None
+    encoded = job.encoded
+    changes = history.row_changes(cached.column("id").to_pylist() if cached else [],
+                                  cached.column("mask_checksum").to_pylist() if cached else [], encoded.ids,
+                                  [p.mask_checksum for p in encoded.pairs])
+    if changes["changed"] and not cfg.replace_changed:
+        ids = changes["changed"]
+        raise JobError(f"--update: {len(ids)} row(s) of --data changed content under an id the cache holds (their "
+                       f"token ids differ from the cached ones): {', '.join(map(repr, ids[:SHOWN]))}"
+                       f"{' …' if len(ids) > SHOWN else ''}; pass --replace-changed to score them again and replace "
+                       "them, or give the new rows new ids")
+    version = history.version_of(base) + 1
+    drop = pa.array(changes["removed"] + changes["changed"], pa.string())
+    layout, copied = [], 0
+    for entry in base["shards"]:
+        table = read[entry["file"]]
+        rows = pc.indices_nonzero(pc.invert(pc.is_in(table.column("id"), value_set=drop))).to_pylist()
+        checks = table.column("mask_checksum").take(rows).to_pylist()
+        if len(rows) == entry["rows"]:
+            layout.append({"file": entry["file"], "kind": "kept", "entry": entry, "checks": checks})
+        elif rows:
+            name = _name(version, copied)
+            copied += 1
+            layout.append({"file": name, "kind": "copied", "entry": _copy(out / entry["file"], out / name, rows, base,
+                                                                          cfg), "checks": checks})
+    new = set(changes["added"]) | set(changes["changed"])
+    score = [n for n, rid in enumerate(encoded.ids) if rid in new]
+    change = Change(version, file_sha256(out / fmt.MANIFEST), layout, score, changes["added"], changes["removed"],
+                    changes["changed"], (base.get("computation") or {}).get("mode"))
+    plan = _plan(job, change, cfg, first=copied)
+    layout += [{"file": s["file"], "kind": "scored"} for s in plan]
+    resume = finished_shards(out, plan, job.stamps, cfg.encoding, claimed,
+                             keep=history.named_shards(out) | {s["file"] for s in layout if s["kind"] == "copied"})
+    resume.computation = base.get("computation") if isinstance(base.get("computation"), dict) else resume.computation
+    log(f"update to version {version}: {len(change.added)} rows added, {len(change.removed)} removed, "
+        f"{len(change.replaced)} replaced; {sum(s['kind'] == 'kept' for s in layout)} shards kept, {copied} copied "
+        f"without their removed rows, {len(score)} rows to score")
+    return resume, change
+
+
+def _same_identity(out: Path, base: dict, job, cfg, claimed: dict) -> None:
+    """Model, tokenizer and encoding (the stamps' rule) and the computation known before loading (the computation
+    rule) must be the cache's."""
+    stamps = {k: job.stamps[k] for k in ("model_hash", "tokenizer_hash")}
+    recorded = {**base["stamps"], "encoding": base["encoding"], "tokenizer": base.get("tokenizer")}
+    where = f"the cache {out}"
+    for f in rules.stamp_findings(recorded, {**stamps, "encoding": cfg.encoding.to_dict()}, where=where,
+                                  tokenizer_parts=tokenizer_parts(job.checkpoint.tokenizer)):
+        raise JobError(f"--update: {f.message}\n  the cache: {f.found}\n  this run:  {f.expected}\n  remedy:    "
+                       f"{NEW_CACHE}")
+    computation = base.get("computation") if isinstance(base.get("computation"), dict) else {}
+    for f in rules.computation_findings(computation, claimed, partial=True, where=where, remedy=NEW_CACHE):
+        raise JobError(f"--update: {f.message}; {f.remedy}")
+
+
+def _name(version: int, n: int) -> str:
+    return f"shard-v{version:05d}-{n:05d}.parquet"
+
+
+def _copy(source: Path, dest: Path, rows: list[int], base: dict, cfg) -> dict:
+    """The kept rows of a shard that lost some, into a new shard: the stored values as they are."""
+    table = fmt.stored_rows(source, rows)
+    return fmt.write_shard(dest, table, model_hash=base["stamps"]["model_hash"],
+                           tokenizer_hash=base["stamps"]["tokenizer_hash"], encoding=cfg.encoding,
+                           computation=base.get("computation") or {})
+
+
+def _plan(job, change: Change, cfg, first: int) -> list[dict]:
+    """The rows to score cut into new shards (precompute-ref's plan over them alone), named after the version."""
+    plan = plan_shards(_rows(job.encoded, change.score), cfg.rows_per_shard, cfg.encoding)
+    return [{**s, "file": _name(change.version, first + n)} for n, s in enumerate(plan)]
+
+
+def _rows(encoded: Encoded, picked: list[int]) -> Encoded:
+    """The picked rows of `encoded`; what was skipped, identical and the formats stay the whole data's."""
+    return replace(encoded, ids=[encoded.ids[i] for i in picked], pairs=[encoded.pairs[i] for i in picked])
+
+
+def applied(job, change: Change, cfg):
+    """The job as the update runs it: only the rows to score, cut into the new shards, scored by the cache's mode."""
+    plan = _plan(job, change, cfg, first=sum(s["kind"] == "copied" for s in change.layout))
+    return replace(job, encoded=_rows(job.encoded, change.score), plan=plan, change=change, batching=change.mode)
+
+
+def versioned(out: Path, manifest: dict, entries: list[dict], job, cfg) -> tuple[dict, list[dict]]:
+    """The new version's manifest from the one precompute-ref would write for the scored rows alone (`manifest`,
+    `entries`): every shard of the layout in order, the stamps' mask checksum over their rows, the rows added,
+    removed and replaced, and the history. The manifest it replaces is kept first as manifest-NNNNN.json. An update
+    that changes nothing keeps the cache's manifest as it is."""
+    change: Change = job.change
+    base = fmt.read_manifest(out)
+    if change.nothing:
+        return base, base["shards"]
+    if file_sha256(out / fmt.MANIFEST) != change.base_sha256:
+        raise JobError(f"--update: {out / fmt.MANIFEST} changed while the update ran; run the update again")
+    scored = {e["file"]: e for e in entries}
+    checks = {s["file"]: [p.mask_checksum for p in job.encoded.pairs[s["start"]:s["stop"]]] for s in job.plan}
+    shards = [s["entry"] if s["kind"] != "scored" else scored[s["file"]] for s in change.layout]
+    every = [c for s in change.layout for c in (s["checks"] if s["kind"] != "scored" else checks[s["file"]])]
+    _keep_version(out, base)
+    return {**manifest,
+            "stamps": {**manifest["stamps"], "mask_checksum": combined_mask_checksum(every, cfg.encoding.to_json())},
+            "rows": sum(e["rows"] for e in shards), "shards": shards, "version": change.version,
+            "history": [*(base.get("history") or []), history.history_entry(out, base)],
+            "update": {"from_version": change.version - 1, "added": change.added, "removed": change.removed,
+                       "replaced": change.replaced}}, shards
+
+
+def _keep_version(out: Path, base: dict) -> None:
+    """manifest.json as it is, as manifest-NNNNN.json: written once; one already there must be the same bytes (an
+    update killed after writing it), anything else is refused."""
+    data = (out / fmt.MANIFEST).read_bytes()
+    path = out / history.version_name(history.version_of(base))
+    if path.exists():
+        if path.is_symlink() or not path.is_file() or path.read_bytes() != data:
+            raise JobError(f"--update: {path} is already there and is not the manifest it would keep (version "
+                           f"{history.version_of(base)}); move it away and run the update again")
+        return
+    atomic_write(path, lambda f: f.write(data))
+
+
+def summary(change: Change) -> dict:
+    return {"version": change.version, "added": len(change.added), "removed": len(change.removed),
+            "replaced": len(change.replaced), "kept_shards": sum(s["kind"] == "kept" for s in change.layout),
+            "copied_shards": sum(s["kind"] == "copied" for s in change.layout)}
