@@ -10,7 +10,6 @@ and the computation that scored it against this run's. A damaged shard is scored
 from __future__ import annotations
 
 import json
-import os
 import re
 import stat
 from dataclasses import dataclass
@@ -20,9 +19,10 @@ from runtime.errors import JobError
 from runtime.locks import is_lock_file
 from schemas import format as fmt
 from schemas import rules
+from schemas import store
 from schemas.card import read_card_metadata
 from schemas.encoding import EncodingConfig
-from schemas.files import TEMP, remove_file
+from schemas.files import TEMP
 
 SHARD = re.compile(r"^shard-\d{5}\.parquet$")  # plan_shards' names
 OVERWRITE = "use --overwrite to replace it, or choose another --out"
@@ -62,7 +62,7 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
     values known before the model is loaded)."""
     for path in own_files(out):
         if TEMP.match(path.name):
-            remove_file(path)
+            store.remove(path)
     previous = _previous_manifest(out, stamps, encoding)
     listed = {e["file"]: e for e in previous["shards"]} if previous else {}
     planned = {s["file"]: s for s in plan}
@@ -120,7 +120,7 @@ def own_files(out: Path) -> list[Path]:
     entries = {}
     for p in sorted(out.iterdir()):
         try:
-            entries[p] = os.lstat(p)
+            entries[p] = store.lstat(p)  # an object on a store: a plain file (a prefix below: a folder)
         except FileNotFoundError:  # a temporary file another writer has just renamed (it holds the lock)
             continue
     plain = {p for p, st in entries.items() if stat.S_ISREG(st.st_mode)}
@@ -202,7 +202,7 @@ def clear_cache_dir(out: Path) -> None:
     own = own_files(out)
     own.sort(key=lambda p: p.name != fmt.MANIFEST)  # the manifest first: from then on the directory reads incomplete
     for p in own:
-        remove_file(p)
+        store.remove(p)
 
 
 def _has_refcache_footer(path: Path) -> bool:

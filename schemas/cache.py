@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from . import format as fmt
+from . import store
 from .encoding import EncodingConfig
 from .findings import CacheError
 from .rules import cache_findings
@@ -20,7 +21,7 @@ INDEX = ("id", "mask_checksum")  # the columns open_cache reads (the checksum ru
 
 @dataclass
 class Cache:
-    root: Path
+    root: Path  # or a store.StorePath
     manifest: dict
     index: pa.Table  # id, mask_checksum, shard, row of every cached row, in manifest order
 
@@ -51,8 +52,8 @@ class Cache:
 def open_cache(root, *, verify_files: bool = True) -> Cache:
     """Open a cache and check it against its own manifest (schemas/rules.py, `cache_findings`); raise the first
     finding as a CacheError. verify_files=False skips the shards' sha256 (--fast-verify)."""
-    root = Path(root)
-    if not root.is_dir():
+    root = store.location(root)
+    if not store.is_remote(root) and not root.is_dir():  # a prefix without a manifest is refused below
         raise CacheError("incomplete", f"{root} is not a directory", remedy="pass the --out directory of precompute-ref")
     manifest = fmt.read_manifest(root)
     read: dict[str, pa.Table] = {}
@@ -75,4 +76,9 @@ def read_cache(root, *, verify_files: bool = True):
     import polars as pl
 
     cache = open_cache(root, verify_files=verify_files)
+    if store.is_remote(cache.root):  # pyarrow's reader on the store: only the columns the query selects are fetched
+        import pyarrow.dataset as ds
+
+        return pl.scan_pyarrow_dataset(ds.dataset([p.key for p in cache.shard_paths], format="parquet",
+                                                  filesystem=cache.root.fs))
     return pl.scan_parquet([str(p) for p in cache.shard_paths])

@@ -26,13 +26,15 @@ class RunManifestError(ValueError):
 def cache_record(cache_dir, stamps: dict) -> dict:
     """How a run names a cache: its path, its `cache_id` and stamps (what is compared), and the sha256 of its
     manifest.json as it was (recorded only; the identity of runs recorded before cache_id)."""
-    path = Path(cache_dir) / CACHE_MANIFEST
+    from .store import location, sha256
+
+    path = location(cache_dir) / CACHE_MANIFEST
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         manifest = None
     return {"path": str(cache_dir), "cache_id": cache_id(manifest) if isinstance(manifest, dict) else None,
-            "manifest_sha256": file_sha256(path), "stamps": dict(stamps)}
+            "manifest_sha256": sha256(path), "stamps": dict(stamps)}
 
 
 def reference_record(*, train_cache: dict | None, eval_cache: dict | None, live_model: str | None,
