@@ -71,8 +71,9 @@ def open_cache(root, *, verify_files: bool = True) -> Cache:
 
 def read_cache(root, *, verify_files: bool = True):
     """The cache's rows as a polars LazyFrame over its shards in manifest order, after the manifest, shard sizes,
-    sha256s and stamps have been verified (open_cache). Reading the folder directly needs a glob, because manifest.json
-    sits beside the shards: pl.scan_parquet(f"{root}/*.parquet")."""
+    sha256s and stamps have been verified (open_cache). `root`: a folder or an object-store URL (schemas/store.py).
+    Reading the folder directly needs a glob, because manifest.json sits beside the shards:
+    pl.scan_parquet(f"{root}/*.parquet")."""
     import polars as pl
 
     cache = open_cache(root, verify_files=verify_files)

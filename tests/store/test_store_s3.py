@@ -175,6 +175,38 @@ def test_hashed_reads_each_object_once(s3, job, prefix):
     assert sorted(shards) == [f"shard-{i:05d}.parquet" for i in range(4)], gets  # one open per shard
 
 
+def test_scan_fetches_only_the_columns_asked_for(s3, job, prefix, tmp_path, llama_dir):
+    """After the open, a column is read by ranged requests for its chunks: a small column costs a small part of the
+    shards' bytes (with --fast-verify nothing is fetched whole). One shard larger than the 64 KiB pyarrow reads for
+    a footer."""
+    import s3fs
+
+    big = tmp_path / "big"
+    data = write_jsonl(tmp_path / "big.jsonl", pref_rows(1400, seed=5))
+    r = precompute("--model", llama_dir, "--data", data, "--rows-per-shard", 1400, "--out", big)
+    assert r.exit_code == 0, r.output
+    upload(s3, big, prefix)
+    total = sum(e["bytes"] for e in fmt.read_manifest(big)["shards"])
+    assert total > 3 * 2**16
+    fetched = []
+    real = s3fs.core.S3File._fetch_range
+
+    def counting(self, start, end):
+        data = real(self, start, end)
+        fetched.append(len(data))
+        return data
+
+    cache = open_cache(prefix, verify_files=False)
+    s3fs.core.S3File._fetch_range = counting
+    try:
+        table = cache.scan(["chosen_logp"])
+    finally:
+        s3fs.core.S3File._fetch_range = real
+    assert table.column("chosen_logp").to_pylist() == open_cache(big).scan(
+        ["chosen_logp"]).column("chosen_logp").to_pylist()
+    assert 0 < sum(fetched) < total / 2, (sum(fetched), total)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # what a reader refuses
 
