@@ -369,15 +369,32 @@ def _alive(holder: dict) -> bool:
     if holder["expires"] <= time.time():
         return False
     if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-        if holder["pid"] == os.getpid():
-            return True
-        try:
-            os.kill(holder["pid"], 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+        return _pid_alive(holder["pid"])
     return True
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+UPLOAD = re.compile(r"^refcache-upload-(\d+)-")  # write_whole's local temporary files: refcache-upload-<pid>-...
+
+
+def sweep_uploads() -> None:
+    """Remove the local temporary upload files that writers killed mid-shard left (their process has ended)."""
+    for path in Path(tempfile.gettempdir()).glob("refcache-upload-*"):
+        m = UPLOAD.match(path.name)
+        if m and not _pid_alive(int(m.group(1))):
+            with contextlib.suppress(OSError, UnsafeDestination):  # another user's, or not a plain file: left alone
+                remove_file(path)
 
 
 class _Lease:
@@ -454,6 +471,7 @@ def lease(root: StorePath, name: str):
     expired is taken over only if unchanged meanwhile (If-Match). Another writer's live lease raises LeaseHeld."""
     held = _Lease(root / name)
     held.take()
+    sweep_uploads()
     root._s.lease = held
     thread = threading.Thread(target=held.refresh_until_stopped, name="refcache-lease", daemon=True)
     thread.start()

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -274,10 +276,21 @@ def test_writer_killed_then_resumed(s3, job, prefix, tmp_path, at):
     with pytest.raises(CacheError) as e:
         open_cache(prefix)
     assert e.value.kind == "incomplete"
+    left = list(Path(tempfile.gettempdir()).glob(f"refcache-upload-{killed.pid}-*"))
+    assert [p.name.endswith("shard-00001.parquet") for p in left] == ([True] if at == "shard_write" else [])
     r = precompute(*job["args"], "--out", prefix)
     assert r.exit_code == 0, r.output
+    assert not any(p.exists() for p in left)  # the killed writer's temporary file, removed by the next writer
     assert f"({ROWS - PER_SHARD * len(done[at])} scored now)" in r.output, r.output
     assert shard_entries(fmt.read_manifest(store.location(prefix))) == shard_entries(fmt.read_manifest(job["clean"]))
+    same_values(prefix, job["clean"])
+
+
+def test_overwrite_on_s3(s3, job, prefix):
+    """--overwrite deletes the cache's own objects (the manifest first) and writes the cache again."""
+    assert precompute(*job["args"], "--out", prefix).exit_code == 0
+    r = precompute(*job["args"], "--out", prefix, "--overwrite")
+    assert r.exit_code == 0 and f"({ROWS} scored now)" in r.output, r.output
     same_values(prefix, job["clean"])
 
 
@@ -302,6 +315,25 @@ def test_live_lease_of_another_host_refused_and_expired_one_taken_over(s3, prefi
         assert held["pid"] == os.getpid() and held["expires"] > time.time()
     s3.invalidate_cache()
     assert not s3.exists(lock)  # released
+
+
+def test_writer_that_lost_its_lease_writes_no_manifest(s3, job, prefix, monkeypatch):
+    """A writer whose lease was taken over (it stalled past the term) finds out at its next refresh and then writes no
+    manifest."""
+    monkeypatch.setattr(store, "LEASE_S", 0.2)  # refreshed every 0.05 s
+    root = store.location(prefix)
+    lock = f"{prefix.removeprefix('s3://')}/{fmt.LOCK}"
+    with store.lease(root, fmt.LOCK) as held:
+        s3.pipe_file(lock, json.dumps({"host": "elsewhere", "pid": 7, "expires": time.time() + 600}).encode())
+        deadline = time.monotonic() + 10
+        while held.lost is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert held.lost is not None
+        with pytest.raises(store.StoreConflict, match="lost its lease"):
+            fmt.write_manifest(root, fmt.read_manifest(job["clean"]))
+    assert json.loads(s3.cat_file(lock))["host"] == "elsewhere"  # the other writer's lease is not released by us
+    s3.invalidate_cache()
+    assert not s3.exists(f"{prefix.removeprefix('s3://')}/{fmt.MANIFEST}")
 
 
 def test_manifest_written_only_if_unchanged_since_read(s3, job, prefix):
