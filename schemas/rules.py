@@ -483,21 +483,24 @@ def footer_computation(meta: dict) -> dict | None:
 # a whole cache
 
 
-def cache_findings(root: Path, manifest: dict, *, hash_files: bool = True, read: dict | None = None):
+def cache_findings(root: Path, manifest: dict, *, hash_files: bool = True, read: dict | None = None, keep=()):
     """Every rule open_cache applies, lazily in order (so a reader can stop at the first): manifest, each shard's
     file and footer, unlisted files, shard checksums and ids, unique ids, the cache checksum. Values are checked by
     the reader on the rows it uses (VALUE_RULES). `read` (shard name -> table) receives the id and mask_checksum
-    columns read here, so the reader does not read them again."""
+    columns read here, so the reader does not read them again; and, for a shard on an object store whose bytes were
+    hashed, the `keep` columns read from those bytes too."""
     yield from manifest_findings(manifest)
     encoding = EncodingConfig.from_dict(manifest["encoding"])
     sound, held = [], {}
+    names = fmt.shard_schema(fmt.top_k_of(manifest.get("computation"))).names
+    columns = ["id", "mask_checksum", *[c for c in keep if c in names and c not in ("id", "mask_checksum")]]
     for entry in manifest["shards"]:
         path, found = shard_file_findings(root, entry, hash_files=hash_files)
         if not found:
             want = expected_footer(manifest["stamps"], encoding, entry, manifest.get("computation"))
             found = shard_footer_findings(path, want, entry["rows"])[1]
             if not found and getattr(path, "content", None) is not None:  # an object's verified bytes, read now
-                held[entry["file"]] = fmt.read_columns(path, ["id", "mask_checksum"])
+                held[entry["file"]] = fmt.read_columns(path, columns)
         yield from found
         sound += [entry] if not found else []
     yield from unlisted_findings(root, [e["file"] for e in manifest["shards"]])

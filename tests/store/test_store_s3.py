@@ -158,23 +158,30 @@ def audit_on(url, tmp_path, *args):
 
 
 def test_hashed_reads_each_object_once(s3, job, prefix):
-    """open_cache streams a shard once: its sha256 over the bytes as they arrive, the footer and the index columns
-    from those bytes (no second fetch)."""
+    """open_cache streams a shard once: its sha256 over the bytes as they arrive, the footer, the index columns and
+    the columns train-dpo will scan (keep=) from those bytes; the scan then fetches nothing."""
+    from dpo.verify import scanned_columns
+
     upload(s3, job["clean"], prefix)
-    gets = []
+    opened = []
     real = s3.__class__.open
 
     def counting(self, path, mode="rb", **kw):
-        gets.append(path.rsplit("/", 1)[-1])
+        opened.append(path.rsplit("/", 1)[-1])
         return real(self, path, mode, **kw)
 
     s3.__class__.open = counting
     try:
-        open_cache(prefix)
+        cache = open_cache(prefix, keep=scanned_columns)
+        shards = sorted(g for g in opened if g.endswith(".parquet"))
+        assert shards == [f"shard-{i:05d}.parquet" for i in range(4)], opened  # one open per shard
+        opened.clear()
+        table = cache.scan(scanned_columns(cache.manifest))
+        assert opened == []  # from the verified bytes
     finally:
         s3.__class__.open = real
-    shards = [g for g in gets if g.endswith(".parquet")]
-    assert sorted(shards) == [f"shard-{i:05d}.parquet" for i in range(4)], gets  # one open per shard
+    local = open_cache(job["clean"])
+    assert table.equals(local.scan(scanned_columns(local.manifest)))
 
 
 def test_scan_fetches_only_the_columns_asked_for(s3, job, prefix, tmp_path, llama_dir):
