@@ -268,27 +268,36 @@ def test_second_writer_is_refused_naming_the_holder(s3, job, prefix, tmp_path):
     same_values(prefix, job["clean"])
 
 
-@pytest.mark.parametrize("at", ["shard_write", "shard_renamed"])
+SHARDS = [f"shard-{i:05d}.parquet" for i in range(ROWS // PER_SHARD)]
+# fault (tests/helpers/fault_launcher.py) -> (shard objects complete when killed, the object being written or None)
+KILLS = {
+    "shard_write": (SHARDS[:1], "shard-00001.parquet"),  # half of shard 1 in the local temporary file
+    "shard_renamed": (SHARDS[:2], None),  # shard 1 uploaded, nothing after it
+    "manifest_write": (SHARDS, "manifest.json"),  # every shard uploaded, half the manifest in the temporary file
+}
+
+
+@pytest.mark.parametrize("at", list(KILLS))
 def test_writer_killed_then_resumed(s3, job, prefix, tmp_path, at):
-    """kill -9 inside shard 1's write (half of it in the local temporary file, nothing uploaded) or right after its
-    upload: nothing a reader accepts, the lease of the dead writer left behind; the same command takes the lease
-    over, keeps the finished shards and ends with the clean cache."""
+    """kill -9 inside a shard's write, right after a shard's upload, or inside the manifest's write: nothing a reader
+    accepts, the lease of the dead writer left behind; the same command takes the lease over, keeps the finished
+    shards and ends with the clean cache."""
+    done, writing = KILLS[at]
     killed = launch("precompute-ref", [*job["args"], "--out", prefix, "--no-progress"], at=at, shard=1)
     killed.wait(timeout=300)
     assert killed.returncode == -9, killed.stderr.read()
-    done = {"shard_write": ["shard-00000.parquet"], "shard_renamed": ["shard-00000.parquet", "shard-00001.parquet"]}
-    assert keys(s3, prefix) == {*done[at], fmt.LOCK}  # no partial shard object, no manifest
+    assert keys(s3, prefix) == {*done, fmt.LOCK}  # no partial object, no manifest
     holder = json.loads(s3.cat_file(f"{prefix.removeprefix('s3://')}/{fmt.LOCK}"))
     assert holder["pid"] == killed.pid and holder["host"] == socket.gethostname()
     with pytest.raises(CacheError) as e:
         open_cache(prefix)
     assert e.value.kind == "incomplete"
     left = list(Path(tempfile.gettempdir()).glob(f"refcache-upload-{killed.pid}-*"))
-    assert [p.name.endswith("shard-00001.parquet") for p in left] == ([True] if at == "shard_write" else [])
+    assert [p.name.rsplit("-", 1)[-1] for p in left] == ([writing.rsplit("-", 1)[-1]] if writing else [])
     r = precompute(*job["args"], "--out", prefix)
     assert r.exit_code == 0, r.output
     assert not any(p.exists() for p in left)  # the killed writer's temporary file, removed by the next writer
-    assert f"({ROWS - PER_SHARD * len(done[at])} scored now)" in r.output, r.output
+    assert f"({ROWS - PER_SHARD * len(done)} scored now)" in r.output, r.output
     assert shard_entries(fmt.read_manifest(store.location(prefix))) == shard_entries(fmt.read_manifest(job["clean"]))
     same_values(prefix, job["clean"])
 
