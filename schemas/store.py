@@ -179,7 +179,7 @@ class StorePath:
             return self.content
         with self.fs.open(self.key, "rb") as f:
             data = f.read()
-            self._s.seen.setdefault(self.key, etag(getattr(f, "details", None)))
+            self._s.seen.setdefault(self.key, etag(getattr(f, "details", None) or self.info()))
         return data
 
     def read_text(self, encoding: str = "utf-8") -> str:
@@ -199,7 +199,15 @@ class StorePath:
 
 
 def etag(info) -> str | None:
-    return (info.get("ETag") or info.get("etag")) if info else None
+    """The version of an object as its listing entry gives it (None: no object): its ETag, else (a driver that
+    reports none) its size and times."""
+    if not info:
+        return None
+    tag = info.get("ETag") or info.get("etag")
+    if tag:
+        return tag
+    when = [str(info[k]) for k in ("generation", "mtime", "LastModified", "last_modified", "created") if k in info]
+    return f"size={info.get('size')};" + ";".join(when)
 
 
 def lstat(path) -> os.stat_result:
@@ -419,7 +427,7 @@ class _Lease:
         fs.invalidate_cache(key)
         try:
             with fs.open(key, "rb") as f:
-                raw, tag = f.read(), etag(f.details)
+                raw, tag = f.read(), etag(getattr(f, "details", None) or self.path.info())
         except FileNotFoundError:  # released meanwhile: one more try
             try:
                 self._put(None)
