@@ -525,6 +525,21 @@ def render_update(U: dict) -> list[str]:
                     "the sha256 of the kept shards."]
 
 
+def render_store(S: dict) -> list[str]:
+    size = S["size"]
+    L = [f"{size['model']} model, {size['pairs']} pairs of up to {size['seq']} tokens in {S['shards']} shards "
+         f"({S['cache_bytes'] / 2**20:.2f} MiB); the same cache on local disk and on s3:// (a moto S3 server on "
+         "127.0.0.1 in the bench's own process, sharing its cores: no network, the storage layer's own cost), "
+         f"round-robin (`{S['command']}`, 1-minute load average {S.get('loadavg_start')} -> "
+         f"{S['machine'].get('loadavg_1min')}).", ""]
+    what = {"precompute": "run_precompute --out", "verify": "open_cache (sha256 of every shard, footers, index)",
+            "train": f"run_train --ref-cache, {size['steps']} steps"}
+    L += table("step | local disk | s3:// | s3 / local",
+               [[what[w], sec(S["wall"][f"{w}-local"]), sec(S["wall"][f"{w}-s3"]), x(S["ratio_s3_vs_local"][w])]
+                for w in what])
+    return L + ["", f"Values equal between the two caches: {S['same_values']}."]
+
+
 def gf(v: float) -> str:
     return f"{v / 1e9:,.1f}"
 
@@ -793,6 +808,7 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on 
               "(bench_ranks.py)", render_ranks),
     ("compile", "16. torch.compile of the scoring forward and the training step (bench_compile.py)", render_compile),
     ("update", "17. precompute-ref --update adding 10% rows vs a full rerun (bench_update.py)", render_update),
+    ("store", "18. A cache on an object store (local S3 server) vs local disk (bench_store.py)", render_store),
 ]
 
 

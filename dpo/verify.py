@@ -78,6 +78,11 @@ def cached_columns(cache: Cache) -> list[str]:
     return per_token_columns(top_k_of(cache.manifest.get("computation")))
 
 
+def scanned_columns(manifest: dict) -> list[str]:
+    """Every column check_values reads: what the value rules read, and the per-token columns joined."""
+    return list(dict.fromkeys([*TRAINED_ON, *per_token_columns(top_k_of(manifest.get("computation")))]))
+
+
 def option_name(key: str) -> str:
     return f"--{key.replace('_', '-')}"
 
@@ -91,8 +96,7 @@ def check_values(cache: Cache, ids: list[str]) -> pa.Table:
     # Read with pyarrow (Cache.scan), which refuses a damaged file (one behind a forged manifest: the file hash
     # matched) with a CacheError; polars' own reader, and polars given metadata that is not UTF-8, can panic on one.
     columns = cached_columns(cache)
-    read = list(dict.fromkeys([*TRAINED_ON, *columns]))
-    values = pl.from_arrow(cache.scan(read)).join(want, on="id", how="inner").sort("order")
+    values = pl.from_arrow(cache.scan(scanned_columns(cache.manifest))).join(want, on="id", how="inner").sort("order")
     k = top_k_of(cache.manifest.get("computation"))
     tokenizer = cache.manifest.get("tokenizer") or {}
     found = value_findings(values)  # the value rules of schemas/rules.py; the first one found is raised
@@ -152,7 +156,7 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
                     expected_model_hash=None,
                     encoding_request=None, on_bad_row="error", verify_files=True, log=print) -> Verified:
     t0 = time.perf_counter()
-    cache = open_cache(cache_dir, verify_files=verify_files)
+    cache = open_cache(cache_dir, verify_files=verify_files, keep=scanned_columns)  # one fetch per shard on a store
     t_files = time.perf_counter() - t0
     expected_model = expected_model_hash or reference_hash(model_dir, ref_model, ref_model_hash)
     found = {}

@@ -32,9 +32,9 @@ from runtime.paths import check_apart
 from runtime import placement
 from schemas import format as fmt
 from schemas import rules
+from schemas import store
 from schemas.card import write_card
 from schemas.encoding import EncodingConfig
-from schemas.files import remove_file
 from schemas.stamps import combined_mask_checksum, tokenizer_hash, tokenizer_parts
 
 from .compiled import compiled_scorer
@@ -183,7 +183,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
 
 def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     """Read and encode the data, compute the stamps and cut the rows into shards; nothing is written yet."""
-    out = Path(cfg.out)
+    out = store.location(cfg.out)  # a folder, or a prefix on an object store (schemas/store.py)
     if cfg.update and cfg.overwrite:
         raise JobError("--update keeps the cache's rows and --overwrite deletes them: pass one of them")
     if cfg.replace_changed and not cfg.update:
@@ -561,7 +561,7 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
 def _write_skipped(out: Path, encoded: Encoded) -> None:
     path = out / fmt.SKIPPED
     if not encoded.skipped:
-        remove_file(path)
+        store.remove(path)
         return
     data = "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in encoded.skipped).encode("utf-8")
-    fmt.atomic_write(path, lambda f: f.write(data))
+    fmt.write_whole(path, lambda f: f.write(data))

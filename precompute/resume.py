@@ -10,7 +10,6 @@ and the computation that scored it against this run's. A damaged shard is scored
 from __future__ import annotations
 
 import json
-import os
 import re
 import stat
 from dataclasses import dataclass
@@ -20,9 +19,10 @@ from runtime.errors import JobError
 from runtime.locks import is_lock_file
 from schemas import format as fmt
 from schemas import history, rules
+from schemas import store
 from schemas.card import read_card_metadata
 from schemas.encoding import EncodingConfig
-from schemas.files import TEMP, remove_file
+from schemas.files import TEMP
 
 SHARD = re.compile(r"^shard-(v\d{5}-)?\d{5}\.parquet$")  # plan_shards' names (and --update's: precompute/update.py)
 OVERWRITE = "use --overwrite to replace it, or choose another --out"
@@ -67,7 +67,7 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
     the cache's versions, which are not this run's to judge; the manifest is then the update's to judge."""
     for path in own_files(out):
         if TEMP.match(path.name):
-            remove_file(path)
+            store.remove(path)
     previous = _previous_manifest(out, stamps, encoding) if keep is None else None
     listed = {e["file"]: e for e in previous["shards"]} if previous else {}
     planned = {s["file"]: s for s in plan}
@@ -128,7 +128,7 @@ def own_files(out: Path) -> list[Path]:
     entries = {}
     for p in sorted(out.iterdir()):
         try:
-            entries[p] = os.lstat(p)
+            entries[p] = store.lstat(p)  # an object on a store: a plain file (a prefix below: a folder)
         except FileNotFoundError:  # a temporary file another writer has just renamed (it holds the lock)
             continue
     plain = {p for p, st in entries.items() if stat.S_ISREG(st.st_mode)}
@@ -212,7 +212,7 @@ def clear_cache_dir(out: Path) -> None:
     own = own_files(out)
     own.sort(key=lambda p: p.name != fmt.MANIFEST)  # the manifest first: from then on the directory reads incomplete
     for p in own:
-        remove_file(p)
+        store.remove(p)
 
 
 def _has_refcache_footer(path: Path) -> bool:

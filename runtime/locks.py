@@ -1,6 +1,7 @@
 """One writer per output folder: precompute-ref's --out and train-dpo's --output-dir are held, for the whole job, by
 an exclusive lock on the folder's lock file (`.refcache.lock`, holding the writer's pid). The OS drops the lock when
-the process ends, however it ends; the file itself stays and is not a sign of use."""
+the process ends, however it ends; the file itself stays and is not a sign of use. On an object store the lock is a
+lease object of that name (schemas/store.py: host, pid and expiry, refreshed while the job runs)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import stat
 from pathlib import Path
 
+from schemas import store
 from schemas.files import open_nofollow
 from schemas.format import LOCK
 
@@ -19,7 +21,7 @@ from .errors import JobError
 def is_lock_file(path: Path) -> bool:
     """The lock file of a folder: the name, and a plain file (a symlink of that name is not one)."""
     try:
-        return path.name == LOCK and stat.S_ISREG(os.lstat(path).st_mode)
+        return path.name == LOCK and stat.S_ISREG(store.lstat(path).st_mode)
     except FileNotFoundError:
         return False
 
@@ -29,6 +31,16 @@ def exclusive(folder, command: str, option: str):
     """Hold `folder`'s lock until the block ends, or refuse naming the process that holds it. The lock file is
     opened without following a symlink (schemas.files.open_nofollow), so a link planted there is refused, never
     truncated through."""
+    if store.is_remote(folder):
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(store.lease(folder, LOCK))
+            except store.LeaseHeld as e:
+                raise JobError(f"{folder} is being written by another {command} process ({store.describe(e.holder)});"
+                               f" wait for it to finish or choose another {option} (a lease whose process ended on "
+                               "this host, or that expired, is taken over)") from None
+            yield
+        return
     fd = open_nofollow(Path(folder) / LOCK, os.O_RDWR | os.O_CREAT)
     with os.fdopen(fd, "r+", encoding="utf-8") as f:
         try:
@@ -42,3 +54,4 @@ def exclusive(folder, command: str, option: str):
         f.write(str(os.getpid()))
         f.flush()
         yield
+

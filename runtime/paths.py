@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from schemas import store
+
 from .errors import JobError
 
 
@@ -22,12 +24,28 @@ def _related(a: Path, b: Path) -> str | None:
 
 def check_apart(out, label: str, inputs: dict) -> None:
     """Refuse an output (folder or file) that is, contains or is inside any of `inputs` ({option: path}, None
-    skipped). Paths are resolved first, so a symlink or a `..` on the way does not hide the relation."""
+    skipped). Paths are resolved first, so a symlink or a `..` on the way does not hide the relation. An object-store
+    URL is compared with the inputs that are URLs too, by prefix."""
+    if store.is_remote(out):
+        _check_apart_urls(out, label, inputs)
+        return
     target = Path(out).resolve()
     for option, path in inputs.items():
-        if path is None:
+        if path is None or store.is_remote(path):  # a store prefix is never a local folder
             continue
         relation = _related(target, Path(path).resolve())
+        if relation:
+            raise JobError(f"{label} {out} {relation} {option} {path}: writing there could overwrite or delete an "
+                           f"input; choose an {label} apart from it")
+
+
+def _check_apart_urls(out, label: str, inputs: dict) -> None:
+    key = lambda p: str(p).rstrip("/") + "/"
+    for option, path in inputs.items():
+        if path is None or not store.is_remote(path):
+            continue  # a local path and a store prefix never overlap
+        a, b = key(out), key(path)
+        relation = "is" if a == b else "is inside" if a.startswith(b) else "contains" if b.startswith(a) else None
         if relation:
             raise JobError(f"{label} {out} {relation} {option} {path}: writing there could overwrite or delete an "
                            f"input; choose an {label} apart from it")

@@ -1,4 +1,5 @@
-"""The cache contract. `read_cache(dir)`: a verified cache as a polars LazyFrame."""
+"""The cache contract. `read_cache(dir_or_url)`: a verified cache (a folder, or s3://, gs://, az://: schemas/store.py)
+as a polars LazyFrame."""
 
 
 def __getattr__(name):

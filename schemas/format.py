@@ -18,9 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .encoding import EncodingConfig, row_mask_checksum
+from . import store
 from .files import atomic_write
 from .findings import RERUN, CacheError, StampMismatch  # noqa: F401  (re-exported)
-from .stamps import canonical_json, combined_mask_checksum, file_sha256, ids_checksum
+from .stamps import canonical_json, combined_mask_checksum, ids_checksum
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -277,19 +278,31 @@ def write_shard(path: Path, table: pa.Table, *, model_hash, tokenizer_hash, enco
     split = {f"{c.name}.list.element": "BYTE_STREAM_SPLIT" for c in columns if c.split}
     levels = {f"{c.name}.list.element": c.level for c in columns if c.level}
     options = ({"column_encoding": split} if split else {}) | ({"compression_level": levels} if levels else {})
-    atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd", use_dictionary=ids, **options))
-    return shard_entry(path, table.num_rows, checksum, ids_sum)
+    written = write_whole(path, lambda f: pq.write_table(table, f, compression="zstd", use_dictionary=ids,
+                                                               **options))
+    return shard_entry(path, table.num_rows, checksum, ids_sum, measured=written)
 
 
-def shard_entry(path: Path, rows: int, mask_checksum: str, ids_sum: str) -> dict:
-    """A shard's line in the manifest."""
-    return {"file": path.name, "rows": rows, "bytes": path.stat().st_size, "sha256": file_sha256(path),
-            "mask_checksum": mask_checksum, "ids_checksum": ids_sum}
+def shard_entry(path: Path, rows: int, mask_checksum: str, ids_sum: str, measured: tuple | None = None) -> dict:
+    """A shard's line in the manifest; `measured`: its (size, sha256) when known (an upload's), else read."""
+    size, digest = measured or store.measure(path)
+    return {"file": path.name, "rows": rows, "bytes": size, "sha256": digest, "mask_checksum": mask_checksum,
+            "ids_checksum": ids_sum}
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
+    """Locally atomic; on a store written only if absent or unchanged since this writer read it (store.write_whole)."""
     data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    atomic_write(Path(root) / MANIFEST, lambda f: f.write(data))
+    write_whole(store.location(root) / MANIFEST, lambda f: f.write(data), conditional=True)
+
+
+def write_whole(path, write, *, conditional: bool = False) -> tuple[int, str] | None:
+    """Locally atomic_write (looked up in this module, where the fault kit replaces it); on a store
+    store.write_whole, which returns the (size, sha256) it uploaded."""
+    if store.is_remote(path):
+        return store.write_whole(path, write, conditional=conditional)
+    atomic_write(path, write)
+    return None
 
 
 @dataclass
@@ -304,7 +317,7 @@ class Footer:
 def read_footer(path: Path) -> Footer:
     """A shard's footer, read once (the one reader of Parquet footers). Raises what pyarrow raises on a damaged
     file (pa.ArrowException, OSError, ValueError)."""
-    with pq.ParquetFile(path) as file:
+    with store.source(path) as src, pq.ParquetFile(src) as file:
         # the Arrow schema's metadata (what pq.read_table and other readers see), not the Parquet key-value list
         # beside it: a damaged footer can make the two differ
         schema, rows = file.schema_arrow, file.metadata.num_rows
@@ -323,7 +336,8 @@ def read_columns(path: Path, columns=None) -> pa.Table:
     int32, whatever their storage). A file that passed its size and sha256 checks can still be damaged where the
     manifest was forged to match it; that is a CacheError like any other damage."""
     try:
-        table = pq.read_table(path, columns=columns)
+        with store.source(path) as src:
+            table = pq.read_table(src, columns=columns)
     except (pa.ArrowException, OSError, ValueError) as e:
         raise CacheError("shard_unreadable", f"shard {path.name} is not a readable Parquet file ({e})", remedy=RERUN,
                          shard=path.name) from None

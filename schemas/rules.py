@@ -25,11 +25,12 @@ import pyarrow.compute as pc
 
 from . import format as fmt
 from . import history
+from . import store
 from .card import DEFINED, card_metadata, read_card_metadata
 from .format import TOP_K_COLUMNS
 from .encoding import EncodingConfig, row_mask_checksum
 from .findings import RERUN, CacheError, Finding
-from .stamps import canonical_json, combined_mask_checksum, file_sha256, ids_checksum
+from .stamps import canonical_json, combined_mask_checksum, ids_checksum
 
 SUM_TOLERANCE = 1e-6  # a stored float64 sum vs the float64 sum of the stored float32 values
 
@@ -59,7 +60,8 @@ def manifest_findings(manifest: dict) -> list[Finding]:
 
 def shard_file_findings(root: Path, entry: dict, *, hash_files: bool = True) -> tuple[Path | None, list[Finding]]:
     """A listed shard's file: a plain name inside the cache, present, its size and (unless hash_files=False) its
-    sha256 equal to the entry's. Returns the path when the name is acceptable."""
+    sha256 equal to the entry's. Returns the path when the name is acceptable (an object on a store: holding the
+    bytes that were hashed, so the footer and columns are read from them: schemas/store.py)."""
     name = entry["file"]
     try:
         path = fmt.shard_path(root, name)
@@ -73,7 +75,7 @@ def shard_file_findings(root: Path, entry: dict, *, hash_files: bool = True) -> 
         return path, [Finding("shard_files", "shard_size", f"shard {name} has the wrong size", expected=entry["bytes"],
                               found=size, shard=name)]
     if hash_files:
-        digest = file_sha256(path)
+        digest, path = store.hashed(path)
         if digest != entry["sha256"]:
             return path, [Finding("shard_files", "shard_hash", f"shard {name} content differs from the manifest "
                                   "(file sha256)", expected=entry["sha256"], found=digest, shard=name)]
@@ -486,19 +488,24 @@ def footer_computation(meta: dict) -> dict | None:
 # a whole cache
 
 
-def cache_findings(root: Path, manifest: dict, *, hash_files: bool = True, read: dict | None = None):
+def cache_findings(root: Path, manifest: dict, *, hash_files: bool = True, read: dict | None = None, keep=()):
     """Every rule open_cache applies, lazily in order (so a reader can stop at the first): manifest, each shard's
     file and footer, unlisted files, shard checksums and ids, unique ids, the cache checksum. Values are checked by
     the reader on the rows it uses (VALUE_RULES). `read` (shard name -> table) receives the id and mask_checksum
-    columns read here, so the reader does not read them again."""
+    columns read here, so the reader does not read them again; and, for a shard on an object store whose bytes were
+    hashed, the `keep` columns read from those bytes too."""
     yield from manifest_findings(manifest)
     encoding = EncodingConfig.from_dict(manifest["encoding"])
-    sound = []
+    sound, held = [], {}
+    names = fmt.shard_schema(fmt.top_k_of(manifest.get("computation"))).names
+    columns = ["id", "mask_checksum", *[c for c in keep if c in names and c not in ("id", "mask_checksum")]]
     for entry in manifest["shards"]:
         path, found = shard_file_findings(root, entry, hash_files=hash_files)
         if not found:
             want = expected_footer(manifest["stamps"], encoding, entry, manifest.get("computation"))
             found = shard_footer_findings(path, want, entry["rows"])[1]
+            if not found and getattr(path, "content", None) is not None:  # an object's verified bytes, read now
+                held[entry["file"]] = fmt.read_columns(path, columns)
         yield from found
         sound += [entry] if not found else []
     yield from unlisted_findings(root, [e["file"] for e in manifest["shards"]])
@@ -506,7 +513,8 @@ def cache_findings(root: Path, manifest: dict, *, hash_files: bool = True, read:
         return  # the checksums below need every shard
     every, ids_by_shard = [], []
     for entry in manifest["shards"]:
-        table = fmt.read_columns(root / entry["file"], ["id", "mask_checksum"])
+        name = entry["file"]
+        table = held.pop(name) if name in held else fmt.read_columns(root / name, ["id", "mask_checksum"])
         if read is not None:
             read[entry["file"]] = table
         checks, ids = table.column("mask_checksum").to_pylist(), table.column("id").to_pylist()
@@ -551,7 +559,7 @@ def card_findings(root: Path, manifest: dict) -> tuple[bool, list[Finding]]:
     metadata refcache defines (`configs`: the shards, `refcache`: the identity) must be what the manifest gives; the
     rest of the metadata and the text are not compared. No card is no finding (caches made before cards)."""
     path = root / fmt.CARD
-    if not os.path.lexists(path):
+    if not (path.exists() if store.is_remote(path) else os.path.lexists(path)):
         return False, []
     meta = read_card_metadata(path) if path.is_file() and not path.is_symlink() else None
     if meta is None:

@@ -27,13 +27,15 @@ def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -
     """How a run names a cache: its path, its `cache_id` and stamps (what is compared), and the sha256 of its
     manifest.json as it was (recorded only; the identity of runs recorded before cache_id). `manifest_file`: an
     earlier version's manifest (manifest-NNNNN.json, schemas/history.py) to name that version instead."""
-    path = Path(cache_dir) / manifest_file
+    from .store import location, sha256
+
+    path = location(cache_dir) / manifest_file
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         manifest = None
     return {"path": str(cache_dir), "cache_id": cache_id(manifest) if isinstance(manifest, dict) else None,
-            "manifest_sha256": file_sha256(path), "stamps": dict(stamps)}
+            "manifest_sha256": sha256(path), "stamps": dict(stamps)}
 
 
 def reference_record(*, train_cache: dict | None, eval_cache: dict | None, live_model: str | None,

@@ -12,8 +12,9 @@ Environment (everything else about the run is the real command):
   FAULT_AT      where to stop:
                   first_shard     precompute-ref: the first shard is scored, nothing written yet
                   shard_write     inside the write of shard FAULT_SHARD: half its bytes in the temp file, not renamed
+                                  (on an object store: not uploaded)
                   shard_renamed   shard FAULT_SHARD's temp file renamed into place, before the directory fsync and
-                                  anything after it (the manifest)
+                                  anything after it (the manifest); on an object store: the shard uploaded
                   manifest_write  inside the manifest write: half its bytes in the temp file, not renamed
                   checkpoint      train-dpo: checkpoint-FAULT_STEP completely saved, before the next step
                   checkpoint_write  train-dpo: inside the save of checkpoint-FAULT_STEP: weights and optimizer
@@ -99,6 +100,26 @@ def patch_precompute():
 
         fmt.atomic_write = half_then_fault  # write_shard and write_manifest look it up in the module
 
+        from schemas import store  # on an object store: half the bytes in the local temporary file, nothing uploaded
+
+        write_whole = store.write_whole
+
+        def remote_half_then_fault(path, write, **kwargs):
+            wanted = fmt.MANIFEST if AT == "manifest_write" else target_shard()
+            if path.name != wanted:
+                return write_whole(path, write, **kwargs)
+
+            def write_in_two(f):
+                buf = io.BytesIO()
+                write(buf)
+                f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+                f.flush()
+                fault()
+
+            return write_whole(path, write_in_two, **kwargs)
+
+        store.write_whole = remote_half_then_fault  # format.write_whole looks it up in the module
+
     if AT == "shard_renamed":
         replace = os.replace
 
@@ -108,6 +129,18 @@ def patch_precompute():
                 fault()
 
         os.replace = replace_then_fault  # schemas.format calls os.replace
+
+        from schemas import store  # on an object store: the shard uploaded, nothing after it
+
+        write_whole = store.write_whole
+
+        def upload_then_fault(path, write, **kwargs):
+            written = write_whole(path, write, **kwargs)
+            if path.name == target_shard():
+                fault()
+            return written
+
+        store.write_whole = upload_then_fault
 
 
 def patch_train():

@@ -1,0 +1,73 @@
+"""A cache on a store whose fsspec driver exposes no conditional write (what gcsfs and adlfs are to refcache), played
+by fsspec's in-memory filesystem (`memory://`, this process only): the same commands and rules, the manifest and the
+lease checked just before each write (schemas/store.py `put_if`; FORMAT.md, "Object storage")."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import pref_rows, write_jsonl
+from faultkit import precompute
+from schemas import format as fmt
+from schemas import store
+from schemas.cache import open_cache, read_cache
+from schemas.findings import CacheError
+
+ROWS, PER_SHARD = 12, 5
+
+
+@pytest.fixture()
+def memory():
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    yield fs
+    fs.store.clear()
+    fs.pseudo_dirs[:] = [""]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, llama_dir):
+    base = tmp_path_factory.mktemp("generic")
+    data = write_jsonl(base / "prefs.jsonl", pref_rows(ROWS, seed=47))
+    args = ["--model", llama_dir, "--data", data, "--rows-per-shard", PER_SHARD]
+    assert precompute(*args, "--out", base / "clean").exit_code == 0
+    return {"args": args, "clean": base / "clean"}
+
+
+def test_precompute_and_read_without_conditional_writes(memory, job):
+    url = "memory://bucket/cache"
+    r = precompute(*job["args"], "--out", url)
+    assert r.exit_code == 0, r.output
+    assert store.location(url)._s.protocol not in store.CONDITIONAL
+    a, b = read_cache(url).collect(), read_cache(job["clean"]).collect()
+    assert a.height == ROWS and a.equals(b)
+    assert not memory.exists("/bucket/cache/" + fmt.LOCK)  # the lease released
+    again = precompute(*job["args"], "--out", url)
+    assert again.exit_code == 0 and "0 scored now" in again.output, again.output
+
+    memory.pipe_file("/bucket/cache/shard-00001.parquet", b"PAR1 not this shard")
+    with pytest.raises(CacheError) as e:
+        open_cache(url)
+    assert e.value.kind in ("shard_size", "shard_hash")
+
+
+def test_lease_and_manifest_checked_before_writing(memory, job):
+    url = "memory://bucket/other"
+    lock = "/bucket/other/" + fmt.LOCK
+    memory.pipe_file(lock, json.dumps({"host": "elsewhere", "pid": 3, "expires": time.time() + 600}).encode())
+    r = precompute(*job["args"], "--out", url)
+    assert r.exit_code == 2 and "pid 3 on elsewhere" in r.output, r.output
+    memory.pipe_file(lock, json.dumps({"host": "elsewhere", "pid": 3, "expires": time.time() - 1}).encode())
+    with store.lease(store.location(url), fmt.LOCK):  # expired: taken over
+        assert json.loads(memory.cat_file(lock))["host"] != "elsewhere"
+
+    root = store.location(url)
+    assert not (root / fmt.MANIFEST).exists()
+    memory.pipe_file("/bucket/other/" + fmt.MANIFEST, b"{}")  # another writer's, after this one looked
+    with pytest.raises(store.StoreConflict):
+        fmt.write_manifest(root, fmt.read_manifest(job["clean"]))
+    assert memory.cat_file("/bucket/other/" + fmt.MANIFEST) == b"{}"
