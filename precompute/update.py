@@ -24,8 +24,8 @@ from runtime.data import Encoded
 from runtime.errors import JobError
 from schemas import format as fmt
 from schemas import history, rules
-from schemas.files import atomic_write
-from schemas.stamps import combined_mask_checksum, file_sha256, tokenizer_parts
+from schemas import store
+from schemas.stamps import combined_mask_checksum, tokenizer_parts
 
 from .plan import plan_shards
 from .resume import Resume, finished_shards
@@ -96,7 +96,7 @@ def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
                                                                           cfg), "checks": checks})
     new = set(changes["added"]) | set(changes["changed"])
     score = [n for n, rid in enumerate(encoded.ids) if rid in new]
-    change = Change(version, file_sha256(out / fmt.MANIFEST), layout, score, changes["added"], changes["removed"],
+    change = Change(version, store.sha256(out / fmt.MANIFEST), layout, score, changes["added"], changes["removed"],
                     changes["changed"], (base.get("computation") or {}).get("mode"))
     plan = _plan(job, change, cfg, first=copied)
     layout += [{"file": s["file"], "kind": "scored"} for s in plan]
@@ -162,7 +162,7 @@ def versioned(out: Path, manifest: dict, entries: list[dict], job, cfg) -> tuple
     base = fmt.read_manifest(out)
     if change.nothing:
         return base, base["shards"]
-    if file_sha256(out / fmt.MANIFEST) != change.base_sha256:
+    if store.sha256(out / fmt.MANIFEST) != change.base_sha256:
         raise JobError(f"--update: {out / fmt.MANIFEST} changed while the update ran; run the update again")
     scored = {e["file"]: e for e in entries}
     checks = {s["file"]: [p.mask_checksum for p in job.encoded.pairs[s["start"]:s["stop"]]] for s in job.plan}
@@ -187,7 +187,7 @@ def _keep_version(out: Path, base: dict) -> None:
             raise JobError(f"--update: {path} is already there and is not the manifest it would keep (version "
                            f"{history.version_of(base)}); move it away and run the update again")
         return
-    atomic_write(path, lambda f: f.write(data))
+    store.write_whole(path, lambda f: f.write(data))
 
 
 def summary(change: Change) -> dict:

@@ -363,7 +363,8 @@ def stored_rows(path: Path, rows) -> pa.Table:
     anything: what a writer copies into a new shard (precompute-ref --update), so the copied values are the cached
     ones bit for bit."""
     try:
-        table = pq.read_table(path)
+        with store.source(path) as src:
+            table = pq.read_table(src)
     except (pa.ArrowException, OSError, ValueError) as e:
         raise CacheError("shard_unreadable", f"shard {path.name} is not a readable Parquet file ({e})", remedy=RERUN,
                          shard=path.name) from None

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import polars as pl
 
-from .stamps import cache_id, file_sha256
+from . import store
+from .stamps import cache_id
 
 VERSION_FILE = re.compile(r"^manifest-(\d{5})\.json$")
 UPDATE_SHARD = re.compile(r"^shard-v\d{5}-\d{5}\.parquet$")  # a shard an update wrote (precompute/update.py)
@@ -34,7 +35,7 @@ def version_of(manifest: dict) -> int:
 def history_entry(root: Path, manifest: dict) -> dict:
     """The line an update records for the version it replaces (kept as version_name(version))."""
     name = version_name(version_of(manifest))
-    return {"version": version_of(manifest), "file": name, "sha256": file_sha256(Path(root) / name),
+    return {"version": version_of(manifest), "file": name, "sha256": store.sha256(store.location(root) / name),
             "cache_id": cache_id(manifest), "rows": manifest.get("rows")}
 
 
@@ -48,7 +49,7 @@ def _json(path: Path) -> dict | None:
 
 def version_files(root: Path) -> list[Path]:
     """The version files beside manifest.json, oldest first."""
-    return sorted(p for p in Path(root).iterdir() if VERSION_FILE.match(p.name) and p.is_file()
+    return sorted(p for p in store.location(root).iterdir() if VERSION_FILE.match(p.name) and p.is_file()
                   and not p.is_symlink())
 
 
@@ -56,7 +57,7 @@ def named_shards(root: Path) -> set[str]:
     """Every shard file a version of the cache in `root` names (manifest.json and each manifest-NNNNN.json): the
     files a cache keeps for its versions, none of them stray."""
     names = set()
-    for path in [Path(root) / CURRENT, *version_files(root)]:
+    for path in [store.location(root) / CURRENT, *version_files(root)]:
         manifest = _json(path) if path.is_file() else None
         names |= {e.get("file") for e in (manifest or {}).get("shards", []) if isinstance(e, dict)}
     return {n for n in names if isinstance(n, str)}
@@ -66,11 +67,11 @@ def pending_shards(root: Path) -> set[str]:
     """The shards of an update to the version after manifest.json's, running or killed (shard-vNNNNN-MMMMM.parquet
     with NNNNN that next version): not stray while the current version stands (a reader of it does not read them),
     and judged by the update when it is run again."""
-    manifest = _json(Path(root) / CURRENT)
+    manifest = _json(store.location(root) / CURRENT)
     if manifest is None:
         return set()
     prefix = f"shard-v{version_of(manifest) + 1:05d}-"
-    return {p.name for p in Path(root).glob(f"{prefix}*.parquet") if UPDATE_SHARD.match(p.name)}
+    return {p.name for p in store.location(root).glob(f"{prefix}*.parquet") if UPDATE_SHARD.match(p.name)}
 
 
 def versions(root: Path, manifest: dict) -> list[tuple[int, str, dict]]:
@@ -81,8 +82,8 @@ def versions(root: Path, manifest: dict) -> list[tuple[int, str, dict]]:
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) \
                 or not VERSION_FILE.match(entry["file"]):
             continue
-        path = Path(root) / entry["file"]
-        if path.is_file() and not path.is_symlink() and file_sha256(path) == entry.get("sha256"):
+        path = store.location(root) / entry["file"]
+        if path.is_file() and not path.is_symlink() and store.sha256(path) == entry.get("sha256"):
             old = _json(path)
             if old is not None:
                 out.append((version_of(old), entry["file"], old))
@@ -93,7 +94,7 @@ def version_for(root: Path, manifest: dict, records: list[dict]) -> tuple[int, s
     """The version a run's cache records (`records`: schemas.run_manifest.cache_record's) name, by cache_id (or,
     for a record made before cache_id, the manifest's sha256); None when none of the versions is theirs."""
     for version, name, m in versions(root, manifest):
-        sha = file_sha256(Path(root) / name)
+        sha = store.sha256(store.location(root) / name)
         for record in records:
             if record.get("cache_id") == cache_id(m) or (not record.get("cache_id")
                                                          and record.get("manifest_sha256") == sha):

@@ -371,3 +371,27 @@ def test_manifest_written_only_if_unchanged_since_read(s3, job, prefix):
     s3.pipe_file(f"{prefix.removeprefix('s3://')}/{fmt.MANIFEST}", b'{"changed": 1}')
     with pytest.raises(store.StoreConflict, match="changed by another writer"):
         fmt.write_manifest(reader, {**manifest, "rows": 0})
+
+
+def test_update_on_s3_equals_the_same_update_on_a_folder(s3, job, prefix, tmp_path):
+    """precompute-ref --update on s3:// (issue 28's incremental caches on a store): the grown data's new rows scored
+    into new objects, the old manifest kept as a version object, and the same manifest and values as the same
+    update of a local copy of the cache."""
+    import shutil
+
+    local = tmp_path / "local"
+    shutil.copytree(job["clean"], local)
+    upload(s3, job["clean"], prefix)
+    grown = write_jsonl(tmp_path / "grown.jsonl", pref_rows(ROWS + 3, seed=43))
+    args = [a if a != job["data"] else grown for a in job["args"]]
+    for out in (local, prefix):
+        r = precompute(*args, "--out", out, "--update")
+        assert r.exit_code == 0, r.output
+        assert "3 scored now" in r.output, r.output
+    there = json.loads(s3.cat_file(f"{prefix.removeprefix('s3://')}/manifest.json"))
+    here = fmt.read_manifest(local)
+    assert there["version"] == here["version"] == 2
+    assert there["update"] == here["update"] and len(here["update"]["added"]) == 3
+    assert shard_entries(there) == shard_entries(here)
+    assert "manifest-00001.json" in keys(s3, prefix)
+    assert read_cache(prefix).collect().equals(read_cache(local).collect())
