@@ -286,7 +286,8 @@ JOB_ARG_CASES = {  # refusals of ours (exit 2, "error: ...")
     "device_cuda_without_cuda": (["--device", "cuda"], ["error: --device cuda: CUDA is not available on this machine"]),
     "attn_implementation_unknown": (["--attn-implementation", "bogus"],
                                     ["the model cannot be loaded with --attn-implementation bogus"]),
-    "other_cache_in_out": ({"--out": "{cache}"}, ["already holds a different cache; use --overwrite to replace it"]),
+    "other_cache_in_out": ({"--out": "{cache}"}, ["already holds a different cache; to bring it to this data",
+                                                   "pass --update; else use --overwrite to replace it"]),
 }
 
 
