@@ -511,22 +511,35 @@ def render_flops(F: dict) -> list[str]:
             for k, name in names.items():
                 rows.append([c["case"], name, f"{gf(p['flops']['total'])} ({p['pairs']} pairs)", sec(p["times"][k]),
                              gf(p["useful_flops_per_s"][k]), gf(p["mm_flops_per_s"]), f"**{p['share_of_mm'][k]:.2f}**",
+                             _cpu_share(p.get("share_of_mm_cpu", {}).get(k)),
                              f"{p['share_of_mm_head_every_token'][k]:.2f}"])
         for layout, name in (("train", "train-dpo step, prefix_shared"), ("train_padded", "train-dpo step, padded")):
             if layout in c:
                 t = c[layout]
                 rows.append([c["case"], f"{name} (batch {c['size']['batch']} pairs)",
                              f"{gf(t['step_flops']['median'])} per step", ms(t["step"]), gf(t["useful_flops_per_s"]),
-                             gf(t["mm_flops_per_s"]), f"**{t['share_of_mm']:.2f}**",
+                             gf(t["mm_flops_per_s"]), f"**{t['share_of_mm']:.2f}**", _cpu_share(t.get("share_of_mm_cpu")),
                              f"{t['share_of_mm_head_every_token']:.2f}"])
-    L += table("case | work | useful GFLOPs | time | useful GFLOP/s | matmul GFLOP/s | share of matmul | share, head at "
-               "every token", rows)
+    threads = F.get("threads")
+    if threads:
+        L += [f"Torch threads in every child: {threads}" + (" (the matmul on one thread too: the share is against "
+              "one core's matmul rate)." if threads == 1 else ".") + " The share in CPU seconds divides each side's "
+              "FLOPs by its own process CPU seconds (all threads), which other processes on the machine inflate far "
+              "less than wall time.", ""]
+    L += table("case | work | useful GFLOPs | time | useful GFLOP/s | matmul GFLOP/s | share of matmul | share in CPU "
+               "seconds | share, head at every token", rows)
     loads = "; ".join(f"{c['case']}: " + ", ".join(f"{k} {' '.join(map(str, v))}" for k, v in c.get("loadavg", {}).items())
                       for c in F["cases"])
     L += ["", f"1-minute load average (2 cores) at the start of the part {F.get('loadavg_start')}, at the end of "
           f"each child: {loads or 'not recorded'}. Under load both the work and the matmul slow down; the share is "
           "their ratio within one process, so it is the figure to read, the absolute GFLOP/s are not."]
     for c in F["cases"]:
+        L += _render_phases(c) + _render_segments(c)
+    for c in F["cases"]:
+        shapes = c.get("precompute", {}).get("profile_shapes")
+        if shapes:
+            L += ["", f"<details><summary>torch.profiler, score_pairs on {c['case']}, top ops by self time and input "
+                  "shapes (the scoring forwards by shape)</summary>", "", "```", shapes.rstrip(), "```", "</details>"]
         for part, what in (("precompute", "score_pairs"), ("train", "the last timed train-dpo step (prefix_shared)"),
                            ("train_padded", "the last timed train-dpo step (padded)")):
             prof = c.get(part, {}).get("profile")
@@ -554,8 +567,8 @@ def render_flops(F: dict) -> list[str]:
               "do too little work per call for any kernel to reach the 2048^3 rate, and per-call overhead (Python, "
               "dispatch, the Trainer's step) dominates; its share is reported for completeness, not as a target."]
     L += ["", "- precompute-ref end to end adds its fixed costs to the scoring (loading, hashing, the batching-mode "
-          "probe, which scores the probe pairs twice and the reference forward once, writing the shards): on a handful "
-          "of pairs they outweigh the scoring (issue 26 item 4)."]
+          "probe: the reference forward over every probe sequence and the mode's own forward of the probe pairs, "
+          "writing the shards): on a handful of pairs they weigh as much as the scoring (the phase tables above)."]
     checks = [c["precompute"]["matmul_check"] for c in F["cases"] if c.get("precompute", {}).get("matmul_check")]
     if checks:
         L += ["", "Check of the count: torch.utils.flop_counter.FlopCounterMode on a forward over one unpadded "
@@ -563,6 +576,81 @@ def render_flops(F: dict) -> list[str]:
               "this count's body + head at every token gives " + ", ".join(f"{k['ours']:,.0f}" for k in checks) +
               " (attention is counted by formula: the counter does not count torch's CPU attention kernel)."]
     return L + [""] + F.get("notes", [])
+
+
+def _cpu_share(v) -> str:
+    return f"{v:.2f}" if v is not None else "-"
+
+
+PHASE_NOTES = {
+    "probe: reference forwards": "overhead: runtime.logprobs.reference_logps, the whole forward over each probe "
+                                 "sequence (every position's logits), the truth the mode is checked against",
+    "probe: mode forwards": "overhead: the mode's own scoring of the probe pairs, one batch",
+    "model forwards": "the decoder's forward (scored work)",
+    "head (projection + log-softmax)": "output projection and log-softmax of the scored positions, in chunks",
+    "score_pairs": "batching, padding, splitting the values (Python, per batch)",
+    "model hash (background thread)": "overlaps the phases above (not in the total)",
+}
+
+
+def _render_phases(c: dict) -> list[str]:
+    """run_precompute's phase table (bench_flops.phase_profile)."""
+    phases = c.get("precompute", {}).get("phases")
+    if not phases:
+        return []
+    total = phases["total"]
+    rows = []
+    for path, v in sorted(((k, v) for k, v in phases.items() if k != "total"),
+                          key=lambda kv: (bool(kv[1].get("background")), -kv[1]["wall"])):
+        if v["wall"] < 0.0005 and not v.get("background"):
+            continue
+        leaf = path.split(" / ")[-1]
+        share = "" if v.get("background") else f" ({v['wall'] / total['wall']:.0%})"
+        cpu_share = "" if v.get("background") else f" ({v['cpu'] / total['cpu']:.0%})"
+        rows.append([path, f"{v['wall']:.3f} s{share}", f"{v['cpu']:.3f} s{cpu_share}", PHASE_NOTES.get(leaf, "")])
+    rows.append(["**total**", f"{total['wall']:.3f} s", f"{total['cpu']:.3f} s", ""])
+    p = c["precompute"]
+    score = p["times"]["score"]["median"]
+    probe = sum(v["cpu"] for k, v in phases.items() if k.startswith("mode choice"))
+    scoring = sum(v["cpu"] for k, v in phases.items() if k.startswith("score_pairs"))
+    L = ["", f"Where precompute-ref's time goes, {c['case']} ({p['pairs']} pairs, mode {p['mode']}, "
+         f"{p.get('threads', '?')} torch thread(s)): one run_precompute after the timed ones, each phase's own "
+         "seconds (a nested phase's time is its own: `A / B` is B called inside A). score_pairs alone, timed "
+         f"above, took {score:.3f} s (median); a plain padded HF forward of the same pairs "
+         f"{p['times']['padded_hf']['median']:.3f} s.", ""] + table("phase | wall | CPU | what", rows)
+    body = p.get("body_matmuls")
+    if body:
+        L += ["", f"The body's own matmuls at their own shapes ({body['tokens']} rows x " + ", ".join(
+              f"{k} ({v['layers']} layers, {v['share_of_mm']:.2f})" for k, v in body["shapes"].items()) +
+              f", CPU seconds) run at **{body['share_of_mm']:.2f}** of the 2048^3 matmul's rate: the ceiling of this "
+              "model's forward on this machine if attention and the elementwise work (norms, rotary embeddings, "
+              "SiLU, residual adds) were free."]
+    if scoring:
+        L += ["", f"The batching-mode probe (its reference forwards and the mode's own forwards of the probe pairs) "
+              f"took {probe:.2f} CPU s, {probe / total['cpu']:.0%} of the run and {probe / scoring:.2f}x the scoring "
+              f"of the job's {p['pairs']} pairs ({scoring:.2f} CPU s): a cost per job, about "
+              f"{probe / scoring * p['pairs']:.1f} pairs' worth of scoring at these lengths, whatever the number of "
+              "pairs; the end-to-end share above is the scoring's diluted by it and the other fixed costs."]
+    return L
+
+
+SEGMENTS = {"start>step_begin": "batch fetch and collation, the Trainer's loop",
+            "step_begin>pre_optimizer_step": "forward + backward (loss, gather) + gradient clipping",
+            "pre_optimizer_step>optimizer_step": "optimizer step (AdamW)",
+            "optimizer_step>end": "scheduler, zeroing the gradients"}
+
+
+def _render_segments(c: dict) -> list[str]:
+    t = c.get("train")
+    if not t or not t.get("segments"):
+        return []
+    seg = t["segments"]
+    total_w, total_c = sum(v["wall"] for v in seg.values()), sum(v["cpu"] for v in seg.values())
+    rows = [[SEGMENTS.get(k, k), f"{v['wall'] * 1e3:,.0f} ms ({v['wall'] / total_w:.0%})",
+             f"{v['cpu'] * 1e3:,.0f} ms ({v['cpu'] / total_c:.0%})"] for k, v in seg.items()]
+    return ["", f"Where a train-dpo step's time goes, {c['case']} (cached reference, prefix_shared, batch "
+            f"{c['size']['batch']} pairs, {t.get('threads', '?')} torch thread(s)), median per timed step, split at "
+            "the Trainer's callbacks:", ""] + table("part of the step | wall | CPU", rows)
 
 
 def render_compile(C: dict) -> list[str]:
