@@ -61,6 +61,10 @@ TARGETS = [  # (key, description, goal text, test)
      "matmul rate", ">= 0.70", lambda v: v >= 0.70),
     ("flops_train", "train-dpo step (cached, prefix_shared) useful FLOP/s, share of the matmul rate", ">= 0.60",
      lambda v: v >= 0.60),
+    ("flops_precompute_cpu", "the same end-to-end share in CPU seconds (each side's own process CPU time)",
+     ">= 0.70", lambda v: v >= 0.70),
+    ("flops_score_cpu", "the same scoring-alone share in CPU seconds", ">= 0.70", lambda v: v >= 0.70),
+    ("flops_train_cpu", "the same train-dpo step share in CPU seconds", ">= 0.60", lambda v: v >= 0.60),
     ("vocab_train_mem", "128k vocabulary, seq 2048: train-dpo peak RSS vs TRL precompute_ref_log_probs", "<= 0.5x",
      lambda v: v <= 0.5),
     ("vocab_precompute_mem", "128k vocabulary, seq 2048: precompute-ref peak RSS above the weights (GiB)",
@@ -118,11 +122,20 @@ def measured(R: dict) -> dict:
                                        higher_is_faster=True)
     if "flops" in R:
         long = next((c for c in R["flops"]["cases"] if c["size"]["model"] != "data"), None)
+        threads = R["flops"].get("threads")
+        where = f"{long['case']}, {threads} torch thread{'s' if threads != 1 else ''}" if long and threads else (
+            long and long["case"])
         if long and "precompute" in long:
-            m["flops_precompute"] = _share(long["precompute"]["share_of_mm"]["refcache"], long["case"])
-            m["flops_score"] = _share(long["precompute"]["share_of_mm"]["score"], long["case"])
+            p = long["precompute"]
+            m["flops_precompute"] = _share(p["share_of_mm"]["refcache"], where)
+            m["flops_score"] = _share(p["share_of_mm"]["score"], where)
+            if "share_of_mm_cpu" in p:
+                m["flops_precompute_cpu"] = _share(p["share_of_mm_cpu"]["refcache"], where)
+                m["flops_score_cpu"] = _share(p["share_of_mm_cpu"]["score"], where)
         if long and "train" in long:
-            m["flops_train"] = _share(long["train"]["share_of_mm"], long["case"])
+            m["flops_train"] = _share(long["train"]["share_of_mm"], where)
+            if "share_of_mm_cpu" in long["train"]:
+                m["flops_train_cpu"] = _share(long["train"]["share_of_mm_cpu"], where)
     if "vocab" in R and "ours_vs_trl_precompute" in R["vocab"]:
         m["vocab_train_mem"] = _share(R["vocab"]["ours_vs_trl_precompute"], "128k vocab, seq 2048")
     if "vocab" in R and "precompute_over_weights_mb" in R["vocab"]:
@@ -605,9 +618,13 @@ def _render_phases(c: dict) -> list[str]:
         if v["wall"] < 0.0005 and not v.get("background"):
             continue
         leaf = path.split(" / ")[-1]
+        note = PHASE_NOTES.get(leaf, "")
+        if path.startswith(("mode choice /", "head check /")) and not leaf.startswith("probe"):
+            note = "overhead: " + ("the batching-mode probe's" if path.startswith("mode") else "the head check's (24 "
+                                   "tokens)") + f" {leaf}"
         share = "" if v.get("background") else f" ({v['wall'] / total['wall']:.0%})"
         cpu_share = "" if v.get("background") else f" ({v['cpu'] / total['cpu']:.0%})"
-        rows.append([path, f"{v['wall']:.3f} s{share}", f"{v['cpu']:.3f} s{cpu_share}", PHASE_NOTES.get(leaf, "")])
+        rows.append([path, f"{v['wall']:.3f} s{share}", f"{v['cpu']:.3f} s{cpu_share}", note])
     rows.append(["**total**", f"{total['wall']:.3f} s", f"{total['cpu']:.3f} s", ""])
     p = c["precompute"]
     score = p["times"]["score"]["median"]
@@ -822,6 +839,24 @@ def render_topk_train(T: dict) -> list[str]:
     return L
 
 
+def render_probe(P: dict) -> list[str]:
+    cpu, wall = P["cpu_times"], P["times"]
+    rows = [[name, f"{cpu[k]['median']:.3f} s ({cpu[k]['min']:.3f}-{cpu[k]['max']:.3f})", sec(wall[k]),
+             f"{cpu[k]['median'] / cpu['score']['median']:.2f}x"]
+            for k, name in (("before", f"probe before: {len(P['probe_before'])} pairs {P['probe_before']}, one batch"),
+                            ("now", f"probe now: {len(P['probe_now'])} pairs {P['probe_now']}, the mode's "
+                                    "probe_budget"),
+                            ("score", f"score_pairs of the job's {P['pairs']} pairs ({P['mode']['now']})"))]
+    return [f"{P['case']}, choose_mode(auto) (the probe: reference forwards of its pairs, then the cheapest mode's "
+            "forwards of them) before and after issue 26, and the job's scoring, interleaved in one process on one "
+            "torch thread (`python bench/bench_probe.py`; what `before` was: the script's docstring). Mode chosen: "
+            f"{P['mode']}.", ""] + table("work | CPU seconds | wall | vs scoring the job", rows) + [
+            "", f"The probe now costs **{P['now_over_before_cpu']:.2f}x** its CPU time before; it is a cost per job, "
+            f"here {cpu['now']['median'] / cpu['score']['median'] * P['pairs']:.1f} pairs' worth of scoring (before "
+            f"{cpu['before']['median'] / cpu['score']['median'] * P['pairs']:.1f}). 1-minute load average at the end: "
+            f"{P.get('loadavg_end')}."]
+
+
 SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on run only when asked
     ("precompute", "1. Precompute throughput", render_precompute),
     ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
@@ -840,6 +875,7 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on 
     ("topk-train", "14. Training step with a top-k cache: KL metrics, TDPO (bench_topk_train.py)", render_topk_train),
     ("ranks", "15. Shards dealt to 2 ranks by tokens vs round-robin, skewed lengths (bench_ranks.py)", render_ranks),
     ("compile", "16. torch.compile of the scoring forward and the training step (bench_compile.py)", render_compile),
+    ("probe", "17. The batching-mode probe's cost, before and after issue 26 (bench_probe.py)", render_probe),
 ]
 
 
