@@ -566,11 +566,15 @@ def render_flops(F: dict) -> list[str]:
             if mm is None:
                 continue
             share = share["score"] if isinstance(share, dict) else share
+            flops = c.get("precompute", {}).get("flops")
+            attention = (f"{flops['attention'] / flops['total']:.0%} of the useful FLOPs of these pairs" if flops
+                         else "a small part of the useful FLOPs")
             L += ["", f"- {c['case']}, {'score_pairs' if part == 'precompute' else 'train-dpo step'}: useful share "
                   f"{share:.2f} of the matmul rate; in its profile the matrix multiplies (aten::mm) take {mm:.0%} of "
-                  f"the time, so (nearly all useful FLOPs being matmuls) they run at about {share / mm:.2f}x the 2048^3 rate "
-                  "and the rest of the time goes to "
-                  "memory-bound elementwise work that does no counted FLOP (RMSNorm's pow/mean/mul, rotary "
+                  f"the time, so (nearly all useful FLOPs being matmuls) they run at about {share / mm:.2f}x the 2048^3 rate; "
+                  f"torch's CPU attention kernels take {_prefix_share(prof, 'aten::_scaled_dot_product'):.0%} "
+                  f"({attention}, at a far lower rate than the matmuls), and the rest "
+                  "goes to memory-bound elementwise work that does no counted FLOP (RMSNorm's pow/mean/mul, rotary "
                   "embeddings' neg/cat/mul/add, SiLU x up-projection, the key/value cache's cat in kv_cache mode, "
                   "the head's log-softmax; in training also AdamW's elementwise update and zeroing the gradients). "
                   "Without fusing those (torch.compile, issue 26 item 2) the share cannot pass the matmul share of "
@@ -726,6 +730,12 @@ def _total_share(profile: str, op: str) -> float | None:
         if len(cells) >= 7 and cells[0].startswith(op) and cells[3].endswith("%"):
             return float(cells[3].rstrip("%")) / 100
     return None
+
+
+def _prefix_share(profile: str, prefix: str) -> float:
+    """The self-CPU share of every row of a torch.profiler table whose name starts with `prefix`."""
+    return sum(float(cells[-6].rstrip("%")) / 100 for cells in (line.split() for line in profile.splitlines())
+               if len(cells) >= 7 and cells[0].startswith(prefix) and cells[-6].endswith("%"))
 
 
 def _self_share(profile: str, op: str) -> float | None:
