@@ -411,11 +411,52 @@ def render_analysis(R: dict) -> list[str]:
                  "allocator pool from the verification read; see the per-step steady peak in the table above."]
     if "verify" in R and not ok.get("hash_vs_sha256sum", True):
         L += ["", "**Model hashing.** See bench/bench_hash.py's output below."]
+    L += _flops_analysis(R, ok)
     profiles = R.get("train", {}).get("profiles") or {}
     for mode, table in profiles.items():
         if table:
             L += ["", f"<details><summary>torch.profiler, {mode}, 2 steps after a warm-up (top ops by self time)"
                   "</summary>", "", "```", table.rstrip(), "```", "</details>"]
+    return L
+
+
+def _flops_analysis(R: dict, ok: dict) -> list[str]:
+    """Why the useful-FLOP/s shares (part 11) miss, from its phase table, profiles and the body matmuls' own rate."""
+    long = next((c for c in R.get("flops", {}).get("cases", []) if c["size"]["model"] != "data"), None)
+    missed = [k for k in ("flops_precompute", "flops_score", "flops_train") if not ok.get(k, True)]
+    if not long or not missed or "precompute" not in long or not long["precompute"].get("phases"):
+        return []
+    p, ph = long["precompute"], long["precompute"]["phases"]
+    total = ph["total"]["cpu"]
+    probe = sum(v["cpu"] for k, v in ph.items() if k.startswith("mode choice"))
+    forwards = sum(v["cpu"] for k, v in ph.items() if k.startswith("score_pairs"))
+    mm = _self_share(p["profile"], "aten::mm") if p.get("profile") else None
+    attention = _prefix_share(p["profile"], "aten::_scaled_dot_product") if p.get("profile") else None
+    body = (p.get("body_matmuls") or {}).get("share_of_mm")
+    L = ["", f"**Useful FLOP/s ({long['case']}, part 11).** End to end, run_precompute's CPU time is the scoring "
+         f"{forwards / total:.0%}, the batching-mode probe {probe / total:.0%} (reference forwards over the probe's "
+         f"sequences, the truth, and the mode's own forwards of them: a cost per job, about "
+         f"{probe / forwards * p['pairs']:.1f} pairs' worth here) and the rest {1 - (forwards + probe) / total:.0%} "
+         "(load, encode, head check, shard table, Parquet write and hash, manifest): on a job of "
+         f"{p['pairs']} pairs the end-to-end share is about {forwards / total:.2f}x the scoring's; on thousands of "
+         "pairs it is the scoring's."]
+    if mm is not None and attention is not None:
+        L += ["", f"The scoring itself (score_pairs: the model's own forward, then the chunked head) is "
+                 f"{mm:.0%} matrix multiplies, {attention:.0%} torch's CPU attention kernels and the rest elementwise "
+                 "work (norms, rotary embeddings, SiLU, residual adds, the head's log-softmax) in its profile"
+                 + (f"; the body's matmuls at their own shapes run at {body:.2f} of the 2048^3 rate" if body else "")
+                 + ". What is ours in it (batching, padding, splitting the values, the head) is a few percent (the "
+                 "phase table); the rest is the Hugging Face forward's own, which only fusing (torch.compile: part 16, "
+                 "1.49x on the scoring, but a cold compile costs more than such a job) or faster attention kernels "
+                 "would move."]
+    t = long.get("train", {}).get("segments")
+    if t:
+        tot = sum(v["cpu"] for v in t.values())
+        opt = t.get("pre_optimizer_step>optimizer_step", {}).get("cpu", 0.0)
+        L += ["", f"The train-dpo step: forward + backward {t['step_begin>pre_optimizer_step']['cpu'] / tot:.0%} of "
+                 f"its CPU time, the optimizer step {opt / tot:.0%} (AdamW's per-parameter loop, `--optim adamw_torch`; "
+                 "transformers' own default, `adamw_torch_fused`, is its fused kernel), collation and the Trainer's "
+                 "loop under 1%."]
     return L
 
 
