@@ -20,7 +20,20 @@ long-prompt case (prompt 512, completions 128/128, the shape of bench_modes' lon
   train         train-dpo's step (cached reference, batch_layout prefix_shared), step time as in train_steps
   train_padded  the same with batch_layout padded (every prompt twice, padding)
 
-    .venv/bin/python bench/bench_flops.py [--quick]
+Every contender is also timed in CPU seconds of its process (time.process_time, all its threads), beside the wall
+time: on a shared machine other processes inflate wall time far more than CPU time, so the share in CPU seconds
+(work and matmul each in their own CPU seconds) is the steadier figure. `--threads 1` runs every child on one torch
+thread (the matmul too), the setting where CPU seconds are least disturbed by the other processes.
+
+Where the time goes (`profile`, on the 35M case): one more run_precompute after the timed ones, its wall and CPU
+seconds split by phase (each phase's own time, nested phases taken out: load, encode, model load, the head check,
+the batching-mode probe's reference forwards and its mode forwards, the scoring's model forwards, the head
+(projection + log-softmax), score_pairs' own Python, the shard table, the Parquet write and its hash, the manifest),
+the model hash beside it (a background thread that overlaps the phases), torch.profiler's top ops of score_pairs by
+self time and by input shape; for training the step split by the Trainer's callbacks (batch fetch and collation,
+forward + backward + gradient clipping, optimizer step, scheduler and zeroing the gradients).
+
+    .venv/bin/python bench/bench_flops.py [--quick] [--threads 1]
 """
 
 from __future__ import annotations
@@ -104,6 +117,138 @@ MM_FLOPS = 2 * MM**3
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# where run_precompute's time goes
+
+PHASES = {  # label -> the (module, attribute) names it is called through; nested calls are their own phases
+    "load rows": [("precompute.job", "load_rows")],
+    "encode rows": [("precompute.job", "usable_rows")],
+    "load model": [("runtime.checkpoint", "Checkpoint.load_model")],
+    "head check": [("precompute.job", "verified_head"), ("runtime.logprobs", "verified_head")],
+    "mode choice": [("precompute.job", "choose_mode")],
+    "probe: reference forwards": [("precompute.modes.choose", "reference_values")],
+    "probe: mode forwards": [("precompute.modes.choose", "mode_values")],
+    "score_pairs": [("precompute.job", "score_pairs"), ("precompute.modes.choose", "score_pairs")],
+    "model forwards": [("runtime.logprobs", "token_scores"), ("precompute.modes.kv_cache", "token_scores"),
+                       ("precompute.modes.shared_prompt", "token_scores"), ("precompute.modes.varlen", "token_scores")],
+    "head (projection + log-softmax)": [("runtime.logprobs", "_chunk_scores")],
+    "shard table": [("schemas.format", "shard_table")],
+    "Parquet write": [("schemas.format", "write_shard")],
+    "shard hash": [("schemas.format", "shard_entry")],
+    "manifest, card": [("precompute.job", "_finish")],
+}
+BACKGROUND = {"model hash (background thread)": ("runtime.checkpoint", "model_hash")}
+
+
+def _owner(mod_name: str, path: str):
+    import importlib
+
+    owner = importlib.import_module(mod_name)
+    *parents, attr = path.split(".")
+    for name in parents:
+        owner = getattr(owner, name)
+    return owner, attr
+
+
+def phase_profile(run) -> dict:
+    """run() under a timer of PHASES: {path: {"wall", "cpu"}} of each phase's own seconds (what its nested phases
+    took is theirs; a path joins the enclosing phases with " / "), "other" (no phase), "total", and BACKGROUND's
+    seconds (another thread, overlapping the rest)."""
+    import threading
+
+    main, stack, out, saved = threading.main_thread(), [], {}, []
+
+    def timed(label, fn):
+        def call(*a, **kw):
+            if threading.current_thread() is not main:
+                return fn(*a, **kw)
+            stack.append([label, 0.0, 0.0])
+            t, c = time.perf_counter(), time.process_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                wall, cpu = time.perf_counter() - t, time.process_time() - c
+                path = " / ".join(f[0] for f in stack)
+                _, wall_in, cpu_in = stack.pop()
+                got = out.setdefault(path, {"wall": 0.0, "cpu": 0.0, "calls": 0})
+                got["wall"] += wall - wall_in
+                got["cpu"] += cpu - cpu_in
+                got["calls"] += 1
+                if stack:
+                    stack[-1][1] += wall
+                    stack[-1][2] += cpu
+        return call
+
+    def background(label, fn):
+        def call(*a, **kw):
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                out[label] = {"wall": time.perf_counter() - t, "cpu": time.thread_time() - c, "background": True}
+        return call
+
+    for label, names in PHASES.items():
+        for mod_name, path in names:
+            owner, attr = _owner(mod_name, path)
+            saved.append((owner, attr, getattr(owner, attr)))
+            setattr(owner, attr, timed(label, getattr(owner, attr)))
+    for label, (mod_name, path) in BACKGROUND.items():
+        owner, attr = _owner(mod_name, path)
+        saved.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, background(label, getattr(owner, attr)))
+    t, c = time.perf_counter(), time.process_time()
+    try:
+        run()
+    finally:
+        for owner, attr, fn in reversed(saved):
+            setattr(owner, attr, fn)
+    total = {"wall": time.perf_counter() - t, "cpu": time.process_time() - c}
+    named = [v for v in out.values() if not v.get("background")]
+    out["other"] = {k: max(0.0, total[k] - sum(v[k] for v in named)) for k in ("wall", "cpu")}
+    out["total"] = total
+    return out
+
+
+@torch.no_grad()
+def body_matmul_rate(model, tokens: int = 4096, reps: int = 3) -> dict:
+    """The rate of the body's own matrix multiplies at their own shapes (each distinct weight of every layer's
+    linear layers, applied to `tokens` rows, weighted by how many layers have it) against the 2048^3 matmul's, timed
+    in CPU seconds side by side: the ceiling a forward of this model could reach if everything but its matmuls were
+    free (attention and the elementwise work are what lies between it and the share measured)."""
+    emb = {model.get_input_embeddings().weight.data_ptr(), model.get_output_embeddings().weight.data_ptr()}
+    shapes = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.data_ptr() not in emb:
+            shapes[tuple(module.weight.shape)] = shapes.get(tuple(module.weight.shape), 0) + 1
+    dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    mm = mm_fn(dtype, dev)
+    fns = {"mm": mm}
+    for (out_f, in_f) in shapes:
+        x, w = torch.randn(tokens, in_f, dtype=dtype, device=dev), torch.randn(out_f, in_f, dtype=dtype, device=dev)
+        fns[f"{in_f}x{out_f}"] = lambda x=x, w=w: torch.nn.functional.linear(x, w)
+    cpu = {}
+    common.interleaved(fns, reps=reps, warmup=1, cpu=cpu)
+    mm_rate = MM_FLOPS / cpu["mm"]["median"]
+    flops = {f"{i}x{o}": 2 * tokens * i * o * n for (o, i), n in shapes.items()}
+    seconds = sum(f / (2 * tokens * int(k.split("x")[0]) * int(k.split("x")[1]) / cpu[k]["median"])
+                  for k, f in flops.items())
+    return {"tokens": tokens, "shapes": {k: {"layers": n, "share_of_mm": 2 * tokens * i * o / cpu[k]["median"] / mm_rate}
+                                          for k, n, (o, i) in ((f"{i}x{o}", n, (o, i)) for (o, i), n in shapes.items())},
+            "share_of_mm": sum(flops.values()) / seconds / mm_rate}
+
+
+def profile_tables(fn) -> dict:
+    """torch.profiler's top ops of fn() by self time, and by input shape."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, torch.no_grad():
+        fn()
+    return {"ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48),
+            "shapes": prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_cpu_time_total", row_limit=24, max_name_column_width=36, max_shapes_column_width=72)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the children
 
 def child_precompute(a) -> dict:
@@ -136,20 +281,21 @@ def child_precompute(a) -> dict:
 
     refcache()  # warm-up; tells the mode
     fns = {"mm": mm_fn(common.torch_dtype(dev), dev), "refcache": refcache, "score": score, "padded_hf": padded_hf}
+    cpu = {}
     with torch.no_grad():
-        times = common.interleaved(fns, reps=a.reps, warmup=1)
+        times = common.interleaved(fns, reps=a.reps, warmup=1, cpu=cpu)
     shape = model_shape(model)
     flops = forward_flops(shape, pair_lengths(pairs))
     tokens = sum(int(m.sum()) for _, m in batches)
     slots = sum(m.numel() for _, m in batches)
-    r = {"matmul_check": matmul_check(model, pairs[0]), "mode": last["mode"], "pairs": len(pairs), "shape": shape, "flops": flops, "times": times,
+    r = {"matmul_check": matmul_check(model, pairs[0]), "mode": last["mode"], "pairs": len(pairs), "shape": shape,
+         "flops": flops, "times": times, "cpu_times": cpu, "threads": torch.get_num_threads(),
          "padded_hf_padding_fraction": 1 - tokens / slots, "refcache_padding_fraction": last.get("padding_fraction")}
     if a.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
-            score()
-        r["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48)
+        r["body_matmuls"] = body_matmul_rate(model)
+        r["phases"] = phase_profile(refcache)
+        tables = profile_tables(score)
+        r["profile"], r["profile_shapes"] = tables["ops"], tables["shapes"]
     return r
 
 
@@ -168,7 +314,8 @@ def child_train(a, layout: str, **overrides) -> dict:
 
         cls.__call__ = call
     dev = common.device()
-    mm, mm_s = mm_fn(common.torch_dtype(dev), dev), []
+    mm, mm_s, mm_cpu, step_cpu = mm_fn(common.torch_dtype(dev), dev), [], [], []
+    marks, segments = [], []  # (event, wall, cpu) within the current step; each step's segments
     profile = None
     if a.profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -177,22 +324,34 @@ def child_train(a, layout: str, **overrides) -> dict:
     timer = train_steps.step_timer(profile, a.steps + a.warmup - 1)  # the last step only: the others stay unprofiled
     timed_end = timer.on_step_end
 
+    def mark(event):
+        common.sync()
+        marks.append((event, time.perf_counter(), time.process_time()))
+
     def on_step_end(args, state, control, **kw):
+        mark("end")
         timed_end(args, state, control, **kw)
+        step_cpu.append(marks[-1][2] - marks[0][2])
+        segments.append({f"{a[0]}>{b[0]}": (b[1] - a[1], b[2] - a[2]) for a, b in zip(marks, marks[1:])})
         mm()  # one unrecorded call, then the timed one
         common.sync()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         mm()
         common.sync()
         mm_s.append(time.perf_counter() - t)
+        mm_cpu.append(time.process_time() - c)
         timer.last = time.perf_counter()  # the next step's time starts after the matmul
+        marks[:] = [("start", timer.last, time.process_time())]
 
     timer.on_step_end = on_step_end
+    for event in ("step_begin", "pre_optimizer_step", "optimizer_step"):
+        setattr(timer, f"on_{event}", lambda args, state, control, _e=event, **kw: mark(_e))
     begin = timer.on_train_begin
 
     def on_train_begin(*args, **kw):
         seen.clear()  # the layout probe collates a batch of its own before training
         begin(*args, **kw)
+        marks[:] = [("start", timer.last, time.process_time())]
 
     timer.on_train_begin = on_train_begin
     from runtime.checkpoint import Checkpoint
@@ -203,7 +362,8 @@ def child_train(a, layout: str, **overrides) -> dict:
     table = (profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48)
              if profile is not None else None)
     return {"layout": layout, "shape": shape, "profile": table, "step_s": timer.step_s[a.warmup :], "mm_s": mm_s[a.warmup :],
-            "warmup_step_s": timer.step_s[: a.warmup],
+            "step_cpu_s": step_cpu[a.warmup :], "mm_cpu_s": mm_cpu[a.warmup :], "segments": segments[a.warmup :],
+            "threads": torch.get_num_threads(), "warmup_step_s": timer.step_s[: a.warmup],
             "step_flops": [3 * f["total"] for f in steps[a.warmup :]],
             "step_flops_head_every_token": [3 * f["head_every_token"] for f in steps[a.warmup :]],
             "maxrss_mb": timer.maxrss_mb}
@@ -253,7 +413,15 @@ def summarize(case: dict, runs: dict) -> dict:
         # per round: each contender's share of that process's own matmul rate, then the median over rounds
         share = {k: common.statistics.median(flops["total"] / r["times"][k]["median"] / (MM_FLOPS / r["times"]["mm"]["median"])
                                              for r in rs) for k in rate}
+        cpu_share = {k: common.statistics.median(flops["total"] / r["cpu_times"][k]["median"]
+                                                 / (MM_FLOPS / r["cpu_times"]["mm"]["median"]) for r in rs)
+                     for k in rate}
         out["precompute"] = {"matmul_check": rs[0].get("matmul_check"), "mode": rs[0]["mode"], "pairs": rs[0]["pairs"], "shape": rs[0]["shape"], "flops": flops,
+                             "threads": rs[0]["threads"], "share_of_mm_cpu": cpu_share,
+                             "cpu_times": {k: common.stats([v for r in rs for v in r["cpu_times"][k]["values"]])
+                                           for k in pooled},
+                             "phases": rs[0].get("phases"), "profile_shapes": rs[0].get("profile_shapes"),
+                             "body_matmuls": rs[0].get("body_matmuls"),
                              "times": {k: common.stats(v) for k, v in pooled.items()}, "mm_flops_per_s": mm_rate,
                              "useful_flops_per_s": rate, "share_of_mm": share,
                              "share_of_mm_head_every_token": {k: v * flops["head_every_token"] / flops["total"]
@@ -270,6 +438,10 @@ def summarize(case: dict, runs: dict) -> dict:
             mm_s = [v for r in rs for v in r["mm_s"]]
             mm_rate = MM_FLOPS / common.statistics.median(mm_s)
             rates = [f / s for f, s in zip(flops, step_s)]
+            step_cpu = [v for r in rs for v in r["step_cpu_s"]]
+            mm_cpu = [v for r in rs for v in r["mm_cpu_s"]]
+            segments = [seg for r in rs for seg in r["segments"]]
+            names = list(segments[0]) if segments else []
             out[layout] = {"layout": rs[0]["layout"], "shape": rs[0]["shape"], "step": common.stats(step_s),
                            "mm": common.stats(mm_s), "mm_flops_per_s": mm_rate, "step_flops": common.stats(flops),
                            "useful_flops_per_s": common.statistics.median(rates),
@@ -277,6 +449,12 @@ def summarize(case: dict, runs: dict) -> dict:
                            "share_of_mm_head_every_token": common.statistics.median(
                                [f / s for f, s in zip(every, step_s)]) / mm_rate,
                            "maxrss_mb": common.statistics.median(r["maxrss_mb"] for r in rs),
+                           "threads": rs[0]["threads"], "step_cpu": common.stats(step_cpu), "mm_cpu": common.stats(mm_cpu),
+                           "share_of_mm_cpu": common.statistics.median([f / c for f, c in zip(flops, step_cpu)])
+                           / (MM_FLOPS / common.statistics.median(mm_cpu)),
+                           "segments": {n: {"wall": common.statistics.median(g[n][0] for g in segments if n in g),
+                                            "cpu": common.statistics.median(g[n][1] for g in segments if n in g)}
+                                        for n in names},
                            "profile": rs[0].get("profile")}
     return out
 
@@ -285,9 +463,12 @@ def main():
     ap = common.child_parser(__doc__, CONFIGS)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads in every child (default: torch's own)")
     a = ap.parse_args()
     if a.child:
         common.quiet()
+        if a.threads:
+            torch.set_num_threads(a.threads)
         r = child_precompute(a) if a.child == "precompute" else child_train(a, {"train": "prefix_shared",
                                                                                 "train_padded": "padded"}[a.child])
         print(json.dumps({"config": a.child, "loadavg": round(common.os.getloadavg()[0], 2), **r}, default=float))
@@ -305,14 +486,15 @@ def main():
                 data = p["data"] if mode == "precompute" else p["train_data"]
                 return common.child_argv(__file__, mode, model=p["model"], data=data, cache=p["cache"], seq=p["seq"],
                                          batch=case["batch"], warmup=case["warmup"], steps=case["steps"],
-                                         out=work / "runs", reps=case["reps"], profile=int(case["model"] != "data"))
+                                         out=work / "runs", reps=case["reps"], profile=int(case["model"] != "data"),
+                                         threads=a.threads or None)
 
             runs = common.rounds(1 if a.quick else 2, configs, argv, show=show)
             r = summarize(case, runs)
             r["loadavg_end"] = round(common.os.getloadavg()[0], 2)
             results.append(r)
             print(f"{case['name']}: {line(r)} [{time.perf_counter() - t:.0f} s]", flush=True)
-    path = common.save("flops", {"cases": results}, a)
+    path = common.save("flops", {"cases": results, "threads": a.threads or torch.get_num_threads()}, a)
     print(f"wrote {path}")
 
 
@@ -328,9 +510,11 @@ def line(r: dict) -> str:
     if "precompute" in r:
         parts.append("precompute share of mm: " + ", ".join(f"{k} {v:.2f}" for k, v in r["precompute"]["share_of_mm"]
                                                               .items()))
+        parts.append("in CPU seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in r["precompute"]["share_of_mm_cpu"]
+                                                      .items()))
     for layout in ("train", "train_padded"):
         if layout in r:
-            parts.append(f"{layout} step {r[layout]['share_of_mm']:.2f}")
+            parts.append(f"{layout} step {r[layout]['share_of_mm']:.2f} (CPU seconds {r[layout]['share_of_mm_cpu']:.2f})")
     return "; ".join(parts)
 
 

@@ -215,22 +215,26 @@ def timeit(fn, reps: int = 3, warmup: int = 1) -> dict:
     return stats(times)
 
 
-def interleaved(fns: dict, reps: int = 3, warmup: int = 1) -> dict:
+def interleaved(fns: dict, reps: int = 3, warmup: int = 1, cpu: dict | None = None) -> dict:
     """Like timeit for several functions, run round-robin (a, b, c, a, b, c, ...) so that load from other
-    processes on a shared machine falls on all of them alike."""
+    processes on a shared machine falls on all of them alike. `cpu`, a dict: filled with the same statistics of
+    the process's CPU seconds (all its threads) per call, which other processes inflate far less than wall time."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
             sync()
-    times = {k: [] for k in fns}
+    times, cpus = {k: [] for k in fns}, {k: [] for k in fns}
     for _ in range(reps):
         for k, fn in fns.items():
             gc.collect()
             sync()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn()
             sync()
             times[k].append(time.perf_counter() - t)
+            cpus[k].append(time.process_time() - c)
+    if cpu is not None:
+        cpu.update({k: stats(v) for k, v in cpus.items()})
     return {k: stats(v) for k, v in times.items()}
 
 

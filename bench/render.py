@@ -61,6 +61,10 @@ TARGETS = [  # (key, description, goal text, test)
      "matmul rate", ">= 0.70", lambda v: v >= 0.70),
     ("flops_train", "train-dpo step (cached, prefix_shared) useful FLOP/s, share of the matmul rate", ">= 0.60",
      lambda v: v >= 0.60),
+    ("flops_precompute_cpu", "the same end-to-end share in CPU seconds (each side's own process CPU time)",
+     ">= 0.70", lambda v: v >= 0.70),
+    ("flops_score_cpu", "the same scoring-alone share in CPU seconds", ">= 0.70", lambda v: v >= 0.70),
+    ("flops_train_cpu", "the same train-dpo step share in CPU seconds", ">= 0.60", lambda v: v >= 0.60),
     ("vocab_train_mem", "128k vocabulary, seq 2048: train-dpo peak RSS vs TRL precompute_ref_log_probs", "<= 0.5x",
      lambda v: v <= 0.5),
     ("vocab_precompute_mem", "128k vocabulary, seq 2048: precompute-ref peak RSS above the weights (GiB)",
@@ -118,11 +122,20 @@ def measured(R: dict) -> dict:
                                        higher_is_faster=True)
     if "flops" in R:
         long = next((c for c in R["flops"]["cases"] if c["size"]["model"] != "data"), None)
+        threads = R["flops"].get("threads")
+        where = f"{long['case']}, {threads} torch thread{'s' if threads != 1 else ''}" if long and threads else (
+            long and long["case"])
         if long and "precompute" in long:
-            m["flops_precompute"] = _share(long["precompute"]["share_of_mm"]["refcache"], long["case"])
-            m["flops_score"] = _share(long["precompute"]["share_of_mm"]["score"], long["case"])
+            p = long["precompute"]
+            m["flops_precompute"] = _share(p["share_of_mm"]["refcache"], where)
+            m["flops_score"] = _share(p["share_of_mm"]["score"], where)
+            if "share_of_mm_cpu" in p:
+                m["flops_precompute_cpu"] = _share(p["share_of_mm_cpu"]["refcache"], where)
+                m["flops_score_cpu"] = _share(p["share_of_mm_cpu"]["score"], where)
         if long and "train" in long:
-            m["flops_train"] = _share(long["train"]["share_of_mm"], long["case"])
+            m["flops_train"] = _share(long["train"]["share_of_mm"], where)
+            if "share_of_mm_cpu" in long["train"]:
+                m["flops_train_cpu"] = _share(long["train"]["share_of_mm_cpu"], where)
     if "vocab" in R and "ours_vs_trl_precompute" in R["vocab"]:
         m["vocab_train_mem"] = _share(R["vocab"]["ours_vs_trl_precompute"], "128k vocab, seq 2048")
     if "vocab" in R and "precompute_over_weights_mb" in R["vocab"]:
@@ -398,11 +411,52 @@ def render_analysis(R: dict) -> list[str]:
                  "allocator pool from the verification read; see the per-step steady peak in the table above."]
     if "verify" in R and not ok.get("hash_vs_sha256sum", True):
         L += ["", "**Model hashing.** See bench/bench_hash.py's output below."]
+    L += _flops_analysis(R, ok)
     profiles = R.get("train", {}).get("profiles") or {}
     for mode, table in profiles.items():
         if table:
             L += ["", f"<details><summary>torch.profiler, {mode}, 2 steps after a warm-up (top ops by self time)"
                   "</summary>", "", "```", table.rstrip(), "```", "</details>"]
+    return L
+
+
+def _flops_analysis(R: dict, ok: dict) -> list[str]:
+    """Why the useful-FLOP/s shares (part 11) miss, from its phase table, profiles and the body matmuls' own rate."""
+    long = next((c for c in R.get("flops", {}).get("cases", []) if c["size"]["model"] != "data"), None)
+    missed = [k for k in ("flops_precompute", "flops_score", "flops_train") if not ok.get(k, True)]
+    if not long or not missed or "precompute" not in long or not long["precompute"].get("phases"):
+        return []
+    p, ph = long["precompute"], long["precompute"]["phases"]
+    total = ph["total"]["cpu"]
+    probe = sum(v["cpu"] for k, v in ph.items() if k.startswith("mode choice"))
+    forwards = sum(v["cpu"] for k, v in ph.items() if k.startswith("score_pairs"))
+    mm = _self_share(p["profile"], "aten::mm") if p.get("profile") else None
+    attention = _prefix_share(p["profile"], "aten::_scaled_dot_product") if p.get("profile") else None
+    body = (p.get("body_matmuls") or {}).get("share_of_mm")
+    L = ["", f"**Useful FLOP/s ({long['case']}, part 11).** End to end, run_precompute's CPU time is the scoring "
+         f"{forwards / total:.0%}, the batching-mode probe {probe / total:.0%} (reference forwards over the probe's "
+         f"sequences, the truth, and the mode's own forwards of them: a cost per job, about "
+         f"{probe / forwards * p['pairs']:.1f} pairs' worth here) and the rest {1 - (forwards + probe) / total:.0%} "
+         "(load, encode, head check, shard table, Parquet write and hash, manifest): on a job of "
+         f"{p['pairs']} pairs the end-to-end share is about {forwards / total:.2f}x the scoring's; on thousands of "
+         "pairs it is the scoring's."]
+    if mm is not None and attention is not None:
+        L += ["", f"The scoring itself (score_pairs: the model's own forward, then the chunked head) is "
+                 f"{mm:.0%} matrix multiplies, {attention:.0%} torch's CPU attention kernels and the rest elementwise "
+                 "work (norms, rotary embeddings, SiLU, residual adds, the head's log-softmax) in its profile"
+                 + (f"; the body's matmuls at their own shapes run at {body:.2f} of the 2048^3 rate" if body else "")
+                 + ". What is ours in it (batching, padding, splitting the values, the head) is a few percent (the "
+                 "phase table); the rest is the Hugging Face forward's own, which only fusing (torch.compile: part 16, "
+                 "1.49x on the scoring, but a cold compile costs more than such a job) or faster attention kernels "
+                 "would move."]
+    t = long.get("train", {}).get("segments")
+    if t:
+        tot = sum(v["cpu"] for v in t.values())
+        opt = t.get("pre_optimizer_step>optimizer_step", {}).get("cpu", 0.0)
+        L += ["", f"The train-dpo step: forward + backward {t['step_begin>pre_optimizer_step']['cpu'] / tot:.0%} of "
+                 f"its CPU time, the optimizer step {opt / tot:.0%} (AdamW's per-parameter loop, `--optim adamw_torch`; "
+                 "transformers' own default, `adamw_torch_fused`, is its fused kernel), collation and the Trainer's "
+                 "loop under 1%."]
     return L
 
 
@@ -565,22 +619,35 @@ def render_flops(F: dict) -> list[str]:
             for k, name in names.items():
                 rows.append([c["case"], name, f"{gf(p['flops']['total'])} ({p['pairs']} pairs)", sec(p["times"][k]),
                              gf(p["useful_flops_per_s"][k]), gf(p["mm_flops_per_s"]), f"**{p['share_of_mm'][k]:.2f}**",
+                             _cpu_share(p.get("share_of_mm_cpu", {}).get(k)),
                              f"{p['share_of_mm_head_every_token'][k]:.2f}"])
         for layout, name in (("train", "train-dpo step, prefix_shared"), ("train_padded", "train-dpo step, padded")):
             if layout in c:
                 t = c[layout]
                 rows.append([c["case"], f"{name} (batch {c['size']['batch']} pairs)",
                              f"{gf(t['step_flops']['median'])} per step", ms(t["step"]), gf(t["useful_flops_per_s"]),
-                             gf(t["mm_flops_per_s"]), f"**{t['share_of_mm']:.2f}**",
+                             gf(t["mm_flops_per_s"]), f"**{t['share_of_mm']:.2f}**", _cpu_share(t.get("share_of_mm_cpu")),
                              f"{t['share_of_mm_head_every_token']:.2f}"])
-    L += table("case | work | useful GFLOPs | time | useful GFLOP/s | matmul GFLOP/s | share of matmul | share, head at "
-               "every token", rows)
+    threads = F.get("threads")
+    if threads:
+        L += [f"Torch threads in every child: {threads}" + (" (the matmul on one thread too: the share is against "
+              "one core's matmul rate)." if threads == 1 else ".") + " The share in CPU seconds divides each side's "
+              "FLOPs by its own process CPU seconds (all threads), which other processes on the machine inflate far "
+              "less than wall time.", ""]
+    L += table("case | work | useful GFLOPs | time | useful GFLOP/s | matmul GFLOP/s | share of matmul | share in CPU "
+               "seconds | share, head at every token", rows)
     loads = "; ".join(f"{c['case']}: " + ", ".join(f"{k} {' '.join(map(str, v))}" for k, v in c.get("loadavg", {}).items())
                       for c in F["cases"])
     L += ["", f"1-minute load average (2 cores) at the start of the part {F.get('loadavg_start')}, at the end of "
           f"each child: {loads or 'not recorded'}. Under load both the work and the matmul slow down; the share is "
           "their ratio within one process, so it is the figure to read, the absolute GFLOP/s are not."]
     for c in F["cases"]:
+        L += _render_phases(c) + _render_segments(c)
+    for c in F["cases"]:
+        shapes = c.get("precompute", {}).get("profile_shapes")
+        if shapes:
+            L += ["", f"<details><summary>torch.profiler, score_pairs on {c['case']}, top ops by self time and input "
+                  "shapes (the scoring forwards by shape)</summary>", "", "```", shapes.rstrip(), "```", "</details>"]
         for part, what in (("precompute", "score_pairs"), ("train", "the last timed train-dpo step (prefix_shared)"),
                            ("train_padded", "the last timed train-dpo step (padded)")):
             prof = c.get(part, {}).get("profile")
@@ -594,11 +661,15 @@ def render_flops(F: dict) -> list[str]:
             if mm is None:
                 continue
             share = share["score"] if isinstance(share, dict) else share
+            flops = c.get("precompute", {}).get("flops")
+            attention = (f"{flops['attention'] / flops['total']:.0%} of the useful FLOPs of these pairs" if flops
+                         else "a small part of the useful FLOPs")
             L += ["", f"- {c['case']}, {'score_pairs' if part == 'precompute' else 'train-dpo step'}: useful share "
                   f"{share:.2f} of the matmul rate; in its profile the matrix multiplies (aten::mm) take {mm:.0%} of "
-                  f"the time, so (nearly all useful FLOPs being matmuls) they run at about {share / mm:.2f}x the 2048^3 rate "
-                  "and the rest of the time goes to "
-                  "memory-bound elementwise work that does no counted FLOP (RMSNorm's pow/mean/mul, rotary "
+                  f"the time, so (nearly all useful FLOPs being matmuls) they run at about {share / mm:.2f}x the 2048^3 rate; "
+                  f"torch's CPU attention kernels take {_prefix_share(prof, 'aten::_scaled_dot_product'):.0%} "
+                  f"({attention}, at a far lower rate than the matmuls), and the rest "
+                  "goes to memory-bound elementwise work that does no counted FLOP (RMSNorm's pow/mean/mul, rotary "
                   "embeddings' neg/cat/mul/add, SiLU x up-projection, the key/value cache's cat in kv_cache mode, "
                   "the head's log-softmax; in training also AdamW's elementwise update and zeroing the gradients). "
                   "Without fusing those (torch.compile, issue 26 item 2) the share cannot pass the matmul share of "
@@ -608,8 +679,8 @@ def render_flops(F: dict) -> list[str]:
               "do too little work per call for any kernel to reach the 2048^3 rate, and per-call overhead (Python, "
               "dispatch, the Trainer's step) dominates; its share is reported for completeness, not as a target."]
     L += ["", "- precompute-ref end to end adds its fixed costs to the scoring (loading, hashing, the batching-mode "
-          "probe, which scores the probe pairs twice and the reference forward once, writing the shards): on a handful "
-          "of pairs they outweigh the scoring (issue 26 item 4)."]
+          "probe: the reference forward over every probe sequence and the mode's own forward of the probe pairs, "
+          "writing the shards): on a handful of pairs they weigh as much as the scoring (the phase tables above)."]
     checks = [c["precompute"]["matmul_check"] for c in F["cases"] if c.get("precompute", {}).get("matmul_check")]
     if checks:
         L += ["", "Check of the count: torch.utils.flop_counter.FlopCounterMode on a forward over one unpadded "
@@ -617,6 +688,85 @@ def render_flops(F: dict) -> list[str]:
               "this count's body + head at every token gives " + ", ".join(f"{k['ours']:,.0f}" for k in checks) +
               " (attention is counted by formula: the counter does not count torch's CPU attention kernel)."]
     return L + [""] + F.get("notes", [])
+
+
+def _cpu_share(v) -> str:
+    return f"{v:.2f}" if v is not None else "-"
+
+
+PHASE_NOTES = {
+    "probe: reference forwards": "overhead: runtime.logprobs.reference_logps, the whole forward over each probe "
+                                 "sequence (every position's logits), the truth the mode is checked against",
+    "probe: mode forwards": "overhead: the mode's own scoring of the probe pairs, one batch",
+    "model forwards": "the decoder's forward (scored work)",
+    "head (projection + log-softmax)": "output projection and log-softmax of the scored positions, in chunks",
+    "score_pairs": "batching, padding, splitting the values (Python, per batch)",
+    "model hash (background thread)": "overlaps the phases above (not in the total)",
+}
+
+
+def _render_phases(c: dict) -> list[str]:
+    """run_precompute's phase table (bench_flops.phase_profile)."""
+    phases = c.get("precompute", {}).get("phases")
+    if not phases:
+        return []
+    total = phases["total"]
+    rows = []
+    for path, v in sorted(((k, v) for k, v in phases.items() if k != "total"),
+                          key=lambda kv: (bool(kv[1].get("background")), -kv[1]["wall"])):
+        if v["wall"] < 0.0005 and not v.get("background"):
+            continue
+        leaf = path.split(" / ")[-1]
+        note = PHASE_NOTES.get(leaf, "")
+        if path.startswith(("mode choice /", "head check /")) and not leaf.startswith("probe"):
+            note = "overhead: " + ("the batching-mode probe's" if path.startswith("mode") else "the head check's (24 "
+                                   "tokens)") + f" {leaf}"
+        share = "" if v.get("background") else f" ({v['wall'] / total['wall']:.0%})"
+        cpu_share = "" if v.get("background") else f" ({v['cpu'] / total['cpu']:.0%})"
+        rows.append([path, f"{v['wall']:.3f} s{share}", f"{v['cpu']:.3f} s{cpu_share}", note])
+    rows.append(["**total**", f"{total['wall']:.3f} s", f"{total['cpu']:.3f} s", ""])
+    p = c["precompute"]
+    score = p["times"]["score"]["median"]
+    probe = sum(v["cpu"] for k, v in phases.items() if k.startswith("mode choice"))
+    scoring = sum(v["cpu"] for k, v in phases.items() if k.startswith("score_pairs"))
+    L = ["", f"Where precompute-ref's time goes, {c['case']} ({p['pairs']} pairs, mode {p['mode']}, "
+         f"{p.get('threads', '?')} torch thread(s)): one run_precompute after the timed ones, each phase's own "
+         "seconds (a nested phase's time is its own: `A / B` is B called inside A). score_pairs alone, timed "
+         f"above, took {score:.3f} s (median); a plain padded HF forward of the same pairs "
+         f"{p['times']['padded_hf']['median']:.3f} s.", ""] + table("phase | wall | CPU | what", rows)
+    body = p.get("body_matmuls")
+    if body:
+        L += ["", f"The body's own matmuls at their own shapes ({body['tokens']} rows x " + ", ".join(
+              f"{k} ({v['layers']} layers, {v['share_of_mm']:.2f})" for k, v in body["shapes"].items()) +
+              f", CPU seconds) run at **{body['share_of_mm']:.2f}** of the 2048^3 matmul's rate: the ceiling of this "
+              "model's forward on this machine if attention and the elementwise work (norms, rotary embeddings, "
+              "SiLU, residual adds) were free."]
+    if scoring:
+        L += ["", f"The batching-mode probe (its reference forwards and the mode's own forwards of the probe pairs) "
+              f"took {probe:.2f} CPU s, {probe / total['cpu']:.0%} of the run and {probe / scoring:.2f}x the scoring "
+              f"of the job's {p['pairs']} pairs ({scoring:.2f} CPU s): a cost per job, about "
+              f"{probe / scoring * p['pairs']:.1f} pairs' worth of scoring at these lengths, whatever the number of "
+              "pairs; the end-to-end share above is the scoring's diluted by it and the other fixed costs."]
+    return L
+
+
+SEGMENTS = {"start>step_begin": "batch fetch and collation, the Trainer's loop",
+            "step_begin>pre_optimizer_step": "forward + backward (loss, gather) + gradient clipping",
+            "pre_optimizer_step>optimizer_step": "optimizer step (AdamW)",
+            "optimizer_step>end": "scheduler, zeroing the gradients"}
+
+
+def _render_segments(c: dict) -> list[str]:
+    t = c.get("train")
+    if not t or not t.get("segments"):
+        return []
+    seg = t["segments"]
+    total_w, total_c = sum(v["wall"] for v in seg.values()), sum(v["cpu"] for v in seg.values())
+    rows = [[SEGMENTS.get(k, k), f"{v['wall'] * 1e3:,.0f} ms ({v['wall'] / total_w:.0%})",
+             f"{v['cpu'] * 1e3:,.0f} ms ({v['cpu'] / total_c:.0%})"] for k, v in seg.items()]
+    return ["", f"Where a train-dpo step's time goes, {c['case']} (cached reference, prefix_shared, batch "
+            f"{c['size']['batch']} pairs, {t.get('threads', '?')} torch thread(s)), median per timed step, split at "
+            "the Trainer's callbacks:", ""] + table("part of the step | wall | CPU", rows)
 
 
 def render_compile(C: dict) -> list[str]:
@@ -675,6 +825,12 @@ def _total_share(profile: str, op: str) -> float | None:
         if len(cells) >= 7 and cells[0].startswith(op) and cells[3].endswith("%"):
             return float(cells[3].rstrip("%")) / 100
     return None
+
+
+def _prefix_share(profile: str, prefix: str) -> float:
+    """The self-CPU share of every row of a torch.profiler table whose name starts with `prefix`."""
+    return sum(float(cells[-6].rstrip("%")) / 100 for cells in (line.split() for line in profile.splitlines())
+               if len(cells) >= 7 and cells[0].startswith(prefix) and cells[-6].endswith("%"))
 
 
 def _self_share(profile: str, op: str) -> float | None:
@@ -788,6 +944,24 @@ def render_topk_train(T: dict) -> list[str]:
     return L
 
 
+def render_probe(P: dict) -> list[str]:
+    cpu, wall = P["cpu_times"], P["times"]
+    rows = [[name, f"{cpu[k]['median']:.3f} s ({cpu[k]['min']:.3f}-{cpu[k]['max']:.3f})", sec(wall[k]),
+             f"{cpu[k]['median'] / cpu['score']['median']:.2f}x"]
+            for k, name in (("before", f"probe before: {len(P['probe_before'])} pairs {P['probe_before']}, one batch"),
+                            ("now", f"probe now: {len(P['probe_now'])} pairs {P['probe_now']}, the mode's "
+                                    "probe_budget"),
+                            ("score", f"score_pairs of the job's {P['pairs']} pairs ({P['mode']['now']})"))]
+    return [f"{P['case']}, choose_mode(auto) (the probe: reference forwards of its pairs, then the cheapest mode's "
+            "forwards of them) before and after issue 26, and the job's scoring, interleaved in one process on one "
+            "torch thread (`python bench/bench_probe.py`; what `before` was: the script's docstring). Mode chosen: "
+            f"{P['mode']}.", ""] + table("work | CPU seconds | wall | vs scoring the job", rows) + [
+            "", f"The probe now costs **{P['now_over_before_cpu']:.2f}x** its CPU time before; it is a cost per job, "
+            f"here {cpu['now']['median'] / cpu['score']['median'] * P['pairs']:.1f} pairs' worth of scoring (before "
+            f"{cpu['before']['median'] / cpu['score']['median'] * P['pairs']:.1f}). 1-minute load average at the end: "
+            f"{P.get('loadavg_end')}."]
+
+
 SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on run only when asked
     ("precompute", "1. Precompute throughput", render_precompute),
     ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
@@ -809,6 +983,7 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on 
     ("compile", "16. torch.compile of the scoring forward and the training step (bench_compile.py)", render_compile),
     ("update", "17. precompute-ref --update adding 10% rows vs a full rerun (bench_update.py)", render_update),
     ("store", "18. A cache on an object store (local S3 server) vs local disk (bench_store.py)", render_store),
+    ("probe", "19. The batching-mode probe's cost, before and after issue 26 (bench_probe.py)", render_probe),
 ]
 
 

@@ -42,6 +42,14 @@ class BatchingMode:
         {"processed": real tokens through the model, "slots": tokens including padding}."""
         raise NotImplementedError
 
+    def probe_budget(self, pairs: list[EncodedPair]) -> int:
+        """The token budget the batching-mode probe (choose.mode_values) scores its pairs with: by default all in
+        one batch, so that a packing mode also packs the short probe pairs into the long pair's row and pads rows
+        against it. A padded layout lowers it (`long_alone`): the long pair's sequences run alone and the short
+        probe pairs form a padded batch of their own, instead of being padded to the long pair's length (which
+        costs the long pair's forward once more for each of them and shows nothing the short padding does not)."""
+        return 1 << 30
+
     def batch_cost(self, lengths: Lengths, batch) -> tuple[float, float]:
         """(slots, attention scores) the kernel computes for one batch (runtime/cost.py has one per layout)."""
         raise NotImplementedError
@@ -68,6 +76,14 @@ class BatchingMode:
     def warning(self, attn: str) -> str | None:
         """A line logged when this mode is asked for by name with attention `attn` (it runs, but badly)."""
         return None
+
+
+def long_alone(widths: list[int]) -> int:
+    """A token budget for batches cut at batch size x widest <= budget: just under two of the narrowest width that is
+    more than half the widest, so each of those runs alone while any two widths under half the widest still fit
+    one batch."""
+    top = max(widths)
+    return 2 * min(w for w in widths if 2 * w > top) - 1
 
 
 @dataclass

@@ -78,7 +78,9 @@ def probe_pairs(sample: list[EncodedPair], prompt_cap: int = 24, completion_cap:
                 long_pairs: list[EncodedPair] = ()) -> list[EncodedPair]:
     """Real pairs: the shortest, and the shortest whose prompt length differs from it, both cut to a few tokens
     (cut to differ still) so the probe also runs a padded batch of prompts and of completions; then, whole, the
-    longest pair of `sample` and any `long_pairs` (the job's longest), where length effects show."""
+    longest pair of `sample` and any `long_pairs` (the job's longest), where length effects show. A long pair of
+    the same lengths (prompt, chosen, rejected) as one already taken is left out: it would show the same length
+    effects again at the cost of two more reference forwards over the job's longest sequences."""
     def total(p):
         return len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)
 
@@ -100,12 +102,18 @@ def probe_pairs(sample: list[EncodedPair], prompt_cap: int = 24, completion_cap:
             n -= 1
         probe.append(cut(other, n))
     for pair in [by_length[-1], *long_pairs]:
-        if all(pair != p for p in probe):
+        if all(_shape(pair) != _shape(p) for p in probe):
             probe.append(pair)
     return probe
 
 
+def _shape(pair: EncodedPair) -> tuple[int, int, int]:
+    return len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
+
+
 def mode_values(model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: int = 0) -> list:
-    """`mode`'s scores for `pairs` in one batch, in the probe's order (chosen, rejected of each pair)."""
-    got_c, got_r, _ = score_pairs(model, pairs, pad_id, 1 << 30, mode, top_k=top_k)
+    """`mode`'s scores for `pairs`, in the probe's order (chosen, rejected of each pair), batched as the mode's
+    `probe_budget` allows (all in one batch, or for a padded layout each long pair alone and the short ones
+    together)."""
+    got_c, got_r, _ = score_pairs(model, pairs, pad_id, lookup(mode).probe_budget(pairs), mode, top_k=top_k)
     return [x for pair in zip(got_c, got_r) for x in pair]

@@ -7,7 +7,7 @@ from runtime.cost import padded_rows
 from runtime.logprobs import padded_scores
 from runtime.packing import length_batches
 
-from .base import BatchingMode, sequence, sequence_lengths
+from .base import BatchingMode, long_alone, sequence, sequence_lengths
 
 
 class FullForward(BatchingMode):
@@ -21,6 +21,9 @@ class FullForward(BatchingMode):
     def score(self, model, pairs, batch, pad_id, top_k=0):
         scores, counts = padded_scores(model, [sequence(pairs, i) for i in batch], pad_id, top_k)
         return batch, scores, counts
+
+    def probe_budget(self, pairs):
+        return long_alone(sequence_lengths(pairs))  # length_batches' slots per sequence
 
     def batch_cost(self, lengths, batch):
         return padded_rows(lengths.seqs[batch])

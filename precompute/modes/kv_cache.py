@@ -20,7 +20,7 @@ from runtime.cost import causal
 from runtime.logprobs import pad_sequences, split_scores, token_scores, unwrap
 from runtime.placement import input_device
 
-from .base import BatchingMode
+from .base import BatchingMode, long_alone
 from runtime.architecture import state_layers, window_too_short
 
 
@@ -100,6 +100,9 @@ class KvCache(BatchingMode):
     def score(self, model, pairs, batch, pad_id, top_k=0):
         values, counts = kv_cache_batch(model, pairs, batch, pad_id, top_k)
         return [2 * i + k for i in batch for k in (0, 1)], values, counts
+
+    def probe_budget(self, pairs):
+        return long_alone([len(p.prompt_ids) + 2 * _completion(p) for p in pairs])  # kv_batches' slots per pair
 
     def batch_cost(self, lengths, batch):
         P, C, R = lengths.P, lengths.C, lengths.R

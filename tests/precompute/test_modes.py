@@ -231,10 +231,40 @@ def test_probe_includes_a_padded_prompt_and_recurrent_layers_refuse_the_cache(sc
     assert [(len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)) for p in probe] == [(24, 8, 7), (23, 8, 7),
                                                                                              (399, 90, 70)]
     assert probe[0].prompt_ids == long[1].prompt_ids[:24]
+    # the job's longest pair (`long_pairs`) joins the probe unless one of its lengths is already there
+    twin = EncodedPair(list(range(2, 401)), [7] * 90, [8] * 70)  # other tokens, the same lengths as long[0]
+    other = EncodedPair(list(range(2, 401)), [7] * 91, [8] * 70)
+    assert modes.probe_pairs(long, long_pairs=[twin])[-1] is long[0]
+    assert len(modes.probe_pairs(long, long_pairs=[twin])) == 3
+    assert modes.probe_pairs(long, long_pairs=[other])[-2:] == [long[0], other]
     monkeypatch.setattr(model.config, "layer_types", ["full_attention", "linear_attention"], raising=False)
     assert "linear_attention" in modes.unsupported("kv_cache", model, 10)
     assert "carry state across a packed row" in modes.unsupported("varlen", model, 10)
     assert modes.unsupported("full_forward", model, 10) is None
+
+
+def test_probe_batches_pad_short_pairs_apart_from_the_long_one(scored):
+    """The padded layouts probe the long pair alone and the short ones as a padded batch of their own; packed still
+    packs the short pairs into one row beside the long one. Every layout's probe values are the plain forward's."""
+    model, pairs, pad = scored
+    long = max(pairs, key=lambda p: len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids))
+    probe = modes.probe_pairs(pairs, prompt_cap=3, completion_cap=3, long_pairs=[long])
+    short = [i for i, p in enumerate(probe) if p is not long]
+    assert len(short) == 2 and probe[-1] is long
+    kv = REGISTRY["kv_cache"].plan(probe, REGISTRY["kv_cache"].probe_budget(probe))
+    assert kv == [[len(probe) - 1], short]
+    full = REGISTRY["full_forward"].plan(probe, REGISTRY["full_forward"].probe_budget(probe))
+    long_seqs = {2 * (len(probe) - 1), 2 * len(probe) - 1}  # [prompt | chosen], [prompt | rejected] of the long pair
+    assert sorted(b for b in full if long_seqs & set(b)) == [[s] for s in sorted(long_seqs)]
+    assert sorted(i for b in full if not long_seqs & set(b) for i in b) == list(range(2 * len(short)))
+    assert any(len(b) > 1 for b in full)  # the short sequences padded together
+    packed = REGISTRY["packed"].plan(probe, REGISTRY["packed"].probe_budget(probe))
+    assert len(packed) == 1 and sorted(i for row in packed[0] for i in row) == list(range(len(probe)))
+    assert any(len(row) > 1 for row in packed[0])  # the short pairs share a row
+    for mode in ("kv_cache", "full_forward", "packed"):
+        got = modes.choose.mode_values(model, mode, probe, pad)
+        want = [v for p in probe for v in plain_logps(model, p)]
+        np.testing.assert_allclose(np.concatenate([v.logps for v in got]), np.concatenate(want), atol=2e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
