@@ -119,6 +119,8 @@ def run_trl(a, timer, out: str, live_reference: bool = True, data: str | None = 
         seed=cfg.seed, data_seed=cfg.seed, use_cpu=not cuda, bf16=cuda, fp16=False, gradient_checkpointing=False,
         report_to="none", save_strategy="no", logging_steps=1000, disable_tqdm=True, dataloader_pin_memory=cuda,
     )
+    if options["optim"] is None:  # train-dpo's default: the Trainer's own, which DPOConfig has too
+        del options["optim"]
     args = DPOConfig(**{**options, **overrides})
     load = lambda: AutoModelForCausalLM.from_pretrained(
         a.model, dtype=torch.bfloat16 if args.bf16 else torch.float32, use_safetensors=True)

@@ -97,6 +97,8 @@ def check_training_options(cfg):
         args = cfg.training_arguments()
     except ValueError as e:  # transformers' own checks of the training options
         raise JobError(training_options_error(cfg, e)) from None
+    if cfg.optim is None:  # the Trainer's default, what TRL users get: recorded as what it resolved to
+        cfg.optim = str(getattr(args.optim, "value", args.optim))
     check_one_job(args.world_size)
     latest = cfg.resume_from_checkpoint is not None and cfg.resume_from_checkpoint.strip().lower() in TRUE
     cfg.resume_from_checkpoint = latest_checkpoint(cfg.resume_from_checkpoint, Path(cfg.output_dir))

@@ -113,7 +113,8 @@ class TrainConfig:
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", "Training")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.", "Training")
     weight_decay: float = _f(0.0, "AdamW weight decay.", "Training")
-    optim: str = _f("adamw_torch", "Optimizer (transformers OptimizerNames).", "Training")
+    optim: str | None = _f(None, "Optimizer (transformers OptimizerNames); default: the Trainer's own, as in TRL "
+                           "(adamw_torch_fused on torch >= 2.8, else adamw_torch), recorded as resolved.", "Training")
     seed: int = _f(42, "Seed of the run (model init, sampler; data_seed defaults to it).", "Training")
     bf16: bool = _f(False, "bf16 mixed precision: fp32 master weights, bf16 autocast (the Trainer's meaning). On CPU "
                            "add --use-cpu.", "Training")
@@ -173,7 +174,7 @@ class TrainConfig:
         fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
         ours = {f.name for f in dataclasses.fields(self)} - {"resume_from_checkpoint", "report_to",
                                                               "gradient_checkpointing", "eval_strategy", "eval_on_start"}
-        kwargs = {n: getattr(self, n) for n in sorted(ours & fields)}
+        kwargs = {n: getattr(self, n) for n in sorted(ours & fields) if not (n == "optim" and self.optim is None)}
         checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
         strategy = self.evaluation_strategy()
         kwargs.update({
