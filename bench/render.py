@@ -69,6 +69,8 @@ TARGETS = [  # (key, description, goal text, test)
      lambda v: v <= 0.5),
     ("vocab_precompute_mem", "128k vocabulary, seq 2048: precompute-ref peak RSS above the weights (GiB)",
      "<= 1 GiB", lambda v: v <= 1.0),
+    ("sweep_vs_trl", "the whole sweep (precompute + 3 train-dpo runs) vs TRL's fastest mode (wall)", "<= 0.45x",
+     lambda v: v <= 0.45),
     ("topk_precompute", "precompute-ref --top-k 32 vs 0, whole run (time)", "<= 1.15x", lambda v: v <= 1.15),
     ("topk_step_kl", "training step with the top-k KL metrics (K=32) vs sigmoid on a plain cache (time)", "<= 1.10x",
      lambda v: v <= 1.10),
@@ -138,6 +140,9 @@ def measured(R: dict) -> dict:
                 m["flops_train_cpu"] = _share(long["train"]["share_of_mm_cpu"], where)
     if "vocab" in R and "ours_vs_trl_precompute" in R["vocab"]:
         m["vocab_train_mem"] = _share(R["vocab"]["ours_vs_trl_precompute"], "128k vocab, seq 2048")
+    if "sweep" in R:
+        S = R["sweep"]
+        m["sweep_vs_trl"] = _share(S["ratio_wall"], f"{S['size']['model']}, {S['size']['pairs']} pairs")
     if "vocab" in R and "precompute_over_weights_mb" in R["vocab"]:
         m["vocab_precompute_mem"] = _share(R["vocab"]["precompute_over_weights_mb"] / 1024, "128k vocab, seq 2048")
     if "topk" in R:
@@ -393,6 +398,19 @@ def render_analysis(R: dict) -> list[str]:
         if head and head.get("profile"):
             L += [f"<details><summary>torch.profiler, one run_precompute on {head['case']} (top ops by self "
                   "time)</summary>", "", "```", head["profile"].rstrip(), "```", "</details>"]
+    if "sweep" in R and not ok.get("sweep_vs_trl", True):
+        S = R["sweep"]
+        ours, trl = S["refcache"], S["trl"]
+        mean = lambda runs, k: sum(r["fixed"]["wall_s"].get(k, 0) for r in runs) / len(runs)
+        L += ["", f"**The whole sweep (part 8).** {S['ratio_wall']:.3f}x TRL's wall: the train loops alone are "
+                 f"{S['ratio_loop']:.3f}x (train-dpo's cached step, batch layout auto, against TRL's padded one, both without a "
+                 f"reference forward), and each of the 3 train-dpo processes pays {S['fixed_mean_s']['refcache']:.1f} s "
+                 f"of fixed cost, of which {mean(ours, 'start-up/imports'):.1f} s is the interpreter's start and the "
+                 f"imports (torch, transformers, datasets: TRL's start-up is {mean(trl, 'start-up/imports'):.1f} s, the "
+                 f"same libraries) and {mean(ours, 'plot'):.1f} s the plot; precompute-ref once is "
+                 f"{S['precompute']['wall_s']:.1f} s against TRL's reference pass of about "
+                 f"{mean(trl, 'data + TRL reference precompute'):.1f} s in every run. Reaching 0.45x would need the "
+                 "loop itself faster than 0.45x TRL's, or the libraries' start-up cut, which is not ours."]
     if "train" in R and not ok.get("step_vs_live", True):
         T = R["train"]
         c, l, p = (T["runs"][k]["step"]["median"] for k in ("cached", "live", "policy"))
@@ -454,9 +472,8 @@ def _flops_analysis(R: dict, ok: dict) -> list[str]:
         tot = sum(v["cpu"] for v in t.values())
         opt = t.get("pre_optimizer_step>optimizer_step", {}).get("cpu", 0.0)
         L += ["", f"The train-dpo step: forward + backward {t['step_begin>pre_optimizer_step']['cpu'] / tot:.0%} of "
-                 f"its CPU time, the optimizer step {opt / tot:.0%} (AdamW's per-parameter loop, `--optim adamw_torch`; "
-                 "transformers' own default, `adamw_torch_fused`, is its fused kernel), collation and the Trainer's "
-                 "loop under 1%."]
+                 f"its CPU time, the optimizer step {opt / tot:.0%} (AdamW; train-dpo's default is the Trainer's own, "
+                 "`adamw_torch_fused` on this torch, since this issue), collation and the Trainer's loop under 1%."]
     return L
 
 
@@ -476,7 +493,7 @@ def render_sweep(S: dict) -> list[str]:
          "DPOTrainer with precompute_ref_log_probs=True and no ref_model (its faster mode; the reference log-probs "
          "are recomputed in every run).", "",
          f"- total wall: refcache **{S['total_wall_s']['refcache']:.1f} s** (precompute {pre['wall_s']:.1f} s + 3 "
-         f"train-dpo), TRL **{S['total_wall_s']['trl']:.1f} s**: **{S['ratio_wall']:.3f}x** (goal <= 0.70x); "
+         f"train-dpo), TRL **{S['total_wall_s']['trl']:.1f} s**: **{S['ratio_wall']:.3f}x** (goal <= 0.45x, issue 26; <= 0.70x before); "
          f"train loops alone {S['ratio_loop']:.3f}x; process CPU {S['ratio_cpu']:.3f}x",
          f"- fixed cost per run (process wall minus loop), mean: refcache {S['fixed_mean_s']['refcache']:.1f} s, "
          f"TRL {S['fixed_mean_s']['trl']:.1f} s", "",

@@ -208,6 +208,10 @@ def _reference(reference: dict, peft: dict | None) -> str:
     if not caches:
         live = reference["live_model"]
         what = "; with `--use-peft` it is the policy itself with its adapter disabled" if peft else ""
+        if isinstance(live.get("layout"), dict):  # --ref-device-map: the reference was split across devices
+            from runtime.placement import describe
+
+            what += f"; split by {describe(live['layout'])}"
         return (f"A live reference model, no cache: {_named(live)}, model hash `{live.get('model_hash')}`, scored "
                 f"beside the policy at every step{what}.")
     rows = [["path"] + [_code(c.get("path")) for _, c in caches],

@@ -352,6 +352,9 @@ def test_live_reference_split_with_disk_offload_trains_as_in_memory(tmp_path, ll
         "live_model"]
     assert manifest["config"]["ref_device_map"] == "auto"
     assert [p.name for p in offload.iterdir()] == ["mine.txt"]  # the run's own offload folder is gone, nothing else
+    card = " ".join((tmp_path / "split" / "README.md").read_text().split())  # the model card says so too
+    assert "A live reference model, no cache" in card and "split by device map auto" in card, card
+    assert "split by" not in (tmp_path / "in-memory" / "README.md").read_text()
 
     # audit-ref --run names the split of the live reference the run was trained against
     from conftest import audit_ref
