@@ -7,11 +7,10 @@ import copy
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import manifest_of, pref_rows, read_cache, scored_now, shard_hashes, write_jsonl
+from conftest import assert_same_values, manifest_of, pref_rows, scored_now, shard_hashes, write_jsonl
 from conftest import precompute_ok as ok
 from runtime.tolerance import probe_tolerance
 from schemas import format as fmt
@@ -20,15 +19,6 @@ import precompute.compiled
 
 ARGS = ("--rows-per-shard", 8, "--batching", "full_forward")
 
-
-def assert_same_values(a, b, tol):
-    """Cache b holds cache a's rows and token ids, and each per-token log-prob within tol of a's."""
-    x, y = read_cache(a), read_cache(b)
-    for col in ("id", "prompt_input_ids", "chosen_input_ids", "rejected_input_ids", "mask_checksum"):
-        assert x[col].to_list() == y[col].to_list(), col
-    for col in ("chosen_logps", "rejected_logps"):
-        got, want = np.concatenate(y[col].to_list()), np.concatenate(x[col].to_list())
-        assert got.shape == want.shape and np.abs(got - want).max() <= tol, col
 
 
 # inductor builds its CPU kernels with a C++ compiler (scripts/test.sh installs g++ as root)
