@@ -27,7 +27,7 @@ def check_output_dir(cfg) -> None:
         raise JobError(f"--output-dir {out}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise JobError(f"--output-dir {out}: {existing} is not writable")
-    check_apart(out, "--output-dir", inputs(cfg))
+    check_apart(cfg.output_dir, "--output-dir", inputs(cfg))  # as given: a URL is refused, not read as a folder
     used = sorted(p.name for p in out.iterdir() if not is_lock_file(p)) if out.is_dir() else []  # the lock: no use
     if used and not cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
         raise JobError(f"--output-dir {out} already holds files ({', '.join(used[:5])}{' …' if len(used) > 5 else ''})"

@@ -199,7 +199,7 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     inputs = {"--model": cfg.model, "--data": origins["data"]["path"], "--adapter": cfg.adapter}
     if dist.rank == 0:  # the one rank that hashes it (stamps below): while the tokenizer loads and the rows encode
         checkpoint.start_hashing()
-    check_apart(out, "--out", inputs)
+    check_apart(out, "--out", inputs, on_store=True)
     max_memory = _placement(cfg, inputs, dist)
     if cfg.tp_size > 1:  # an architecture transformers cannot split is refused before any weight is read
         _check_tp_plan(cfg, checkpoint)

@@ -22,11 +22,16 @@ def _related(a: Path, b: Path) -> str | None:
     return None
 
 
-def check_apart(out, label: str, inputs: dict) -> None:
+def check_apart(out, label: str, inputs: dict, *, on_store: bool = False) -> None:
     """Refuse an output (folder or file) that is, contains or is inside any of `inputs` ({option: path}, None
     skipped). Paths are resolved first, so a symlink or a `..` on the way does not hide the relation. An object-store
-    URL is compared with the inputs that are URLs too, by prefix."""
+    URL is an output only where the job writes a cache (`on_store`: precompute-ref --out), compared with the inputs
+    that are URLs too, by prefix; anywhere else it is refused, never taken for a local folder named `s3:`."""
     if store.is_remote(out):
+        if not on_store:
+            raise JobError(f"{label} {out}: an object-store URL is taken where refcache writes or reads a cache "
+                           "(precompute-ref --out, train-dpo --ref-cache / --eval-ref-cache, audit-ref CACHE), not "
+                           f"here; give {label} a local path (and copy the result to the store with its own tools)")
         _check_apart_urls(out, label, inputs)
         return
     target = Path(out).resolve()
