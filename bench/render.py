@@ -526,13 +526,17 @@ def render_memory(M: dict) -> list[str]:
     return L
 
 
+def ran(R: dict) -> str:
+    """How a part was run: its command and the 1-minute load average at its start and end."""
+    return f"`{R['command']}`, 1-minute load average {R.get('loadavg_start')} -> {R['machine'].get('loadavg_1min')}"
+
+
 def render_offload(O: dict) -> list[str]:
     size = O["size"]
     L = [f"{size['model']} model ({size['weights_bytes'] / 2**20:.1f} MiB of weights), {size['pairs']} pairs of up to "
          f"{size['seq']} tokens; run_precompute end to end, round-robin. offload: --device-map auto --max-memory half "
          "the weights (the rest read from disk at every forward); fits: --device-map auto with room for all "
-         f"(`{O['command']}`, 1-minute load average {O.get('loadavg_start')} -> {O['machine'].get('loadavg_1min')}: "
-         "on a loaded machine only the ratio is worth reading).", ""]
+         f"({ran(O)}: on a loaded machine only the ratio is worth reading).", ""]
     L += table("run | wall | tokens/s | vs in-memory | max abs diff vs in-memory | batching",
                [[n, sec(O["wall"][n]), f"{O['tokens'] / O['wall'][n]['median']:,.0f}", x(O["ratio_vs_in_memory"][n]),
                  f"{O['max_abs_diff_vs_in_memory'][n]:.1e}", O["mode"][n]] for n in O["wall"]])
@@ -546,8 +550,7 @@ def render_ranks(K: dict) -> list[str]:
     L = [f"{size['model']} model; {size['shards']} shards of {size['rows_per_shard']} pairs, even shards up to "
          f"{size['long']} tokens, odd ones up to {size['short']} (data sorted by source); `torchrun --standalone "
          "--nproc-per-node 2` (gloo, one thread per rank) on the 2 cores, every way run in turn in each round; the summary's "
-         f"per-rank scoring wall times (`{K['command']}`, 1-minute load average {K.get('loadavg_start')} -> "
-         f"{K['machine'].get('loadavg_1min')}: other processes share the cores, read the spreads side by side).", ""]
+         f"per-rank scoring wall times ({ran(K)}: other processes share the cores, read the spreads side by side).", ""]
     L += table("shards dealt | tokens per rank | slowest rank's scoring | spread (max - min) | spread / slowest | job "
                "wall", [[w.replace("_", "-"), " / ".join(f"{t:,}" for t in r["rank_tokens"]), sec(r["slowest_rank_s"]),
                          sec(r["spread_s"]), f"{r['spread_share']:.0%}", sec(r["job_wall_s"])]
@@ -582,8 +585,7 @@ def render_update(U: dict) -> list[str]:
          "the three ways round-robin after a warm-up (the cache copied back before each update, untimed). `new rows "
          "only`: a fresh cache of the appended rows alone, without a cache to verify and keep (its batching is its own "
          "choice on those rows; the update scores with the cache's mode) "
-         f"(`{U['command']}`, 1-minute load average {U.get('loadavg_start')} -> {U['machine'].get('loadavg_1min')}: "
-         "other processes share the cores, read the ratios).", ""]
+         f"({ran(U)}: other processes share the cores, read the ratios).", ""]
     L += table("run | wall | rows scored / rows in the cache | vs full precompute | batching",
                [[n, sec(U["wall"][n]), f"{U['rows_scored'][n]} / {U['rows'][n]}", x(U["ratio_vs_full"][n], 3),
                  U["mode"][n]] for n in U["wall"]])
@@ -601,8 +603,7 @@ def render_store(S: dict) -> list[str]:
     L = [f"{size['model']} model, {size['pairs']} pairs of up to {size['seq']} tokens in {S['shards']} shards "
          f"({S['cache_bytes'] / 2**20:.2f} MiB); the same cache on local disk and on s3:// (a moto S3 server on "
          "127.0.0.1 in the bench's own process, sharing its cores: no network, the storage layer's own cost), "
-         f"round-robin (`{S['command']}`, 1-minute load average {S.get('loadavg_start')} -> "
-         f"{S['machine'].get('loadavg_1min')}).", ""]
+         f"round-robin ({ran(S)}).", ""]
     what = {"precompute": "run_precompute --out", "verify": "open_cache (sha256 of every shard, footers, index)",
             "train": f"run_train --ref-cache, {size['steps']} steps"}
     L += table("step | local disk | s3:// | s3 / local",

@@ -173,7 +173,7 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     with contextlib.ExitStack() as lock:
         resume, change = dist.share(lambda: _resume(cfg, job, lock, log))  # rank 0 holds the lock for the whole job
         if change is not None:  # --update: only the new rows, into new shards
-            job = update.applied(job, change, cfg)
+            job = update.applied(job, change)
         scored = _score(cfg, job, resume, log, dist, lock, rank_log)
         if dist.rank != 0:
             return {"rank": dist.rank, "shards_scored": scored["mine"]}

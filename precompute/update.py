@@ -47,6 +47,7 @@ class Change:
     removed: list[str] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)
     mode: str | None = None  # the batching mode that scored the cache
+    plan: list[dict] = field(default_factory=list)  # the rows to score cut into the new shards (_plan)
 
     @property
     def nothing(self) -> bool:
@@ -98,7 +99,7 @@ def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
     score = [n for n, rid in enumerate(encoded.ids) if rid in new]
     change = Change(version, store.sha256(out / fmt.MANIFEST), layout, score, changes["added"], changes["removed"],
                     changes["changed"], (base.get("computation") or {}).get("mode"))
-    plan = _plan(job, change, cfg, first=copied)
+    change.plan = plan = _plan(job, change, cfg, first=copied)
     layout += [{"file": s["file"], "kind": "scored"} for s in plan]
     resume = finished_shards(out, plan, job.stamps, cfg.encoding, claimed,
                              keep=history.named_shards(out) | {s["file"] for s in layout if s["kind"] == "copied"})
@@ -147,10 +148,9 @@ def _rows(encoded: Encoded, picked: list[int]) -> Encoded:
     return replace(encoded, ids=[encoded.ids[i] for i in picked], pairs=[encoded.pairs[i] for i in picked])
 
 
-def applied(job, change: Change, cfg):
+def applied(job, change: Change):
     """The job as the update runs it: only the rows to score, cut into the new shards, scored by the cache's mode."""
-    plan = _plan(job, change, cfg, first=sum(s["kind"] == "copied" for s in change.layout))
-    return replace(job, encoded=_rows(job.encoded, change.score), plan=plan, change=change, batching=change.mode)
+    return replace(job, encoded=_rows(job.encoded, change.score), plan=change.plan, change=change, batching=change.mode)
 
 
 def versioned(out: Path, manifest: dict, entries: list[dict], job, cfg) -> tuple[dict, list[dict]]:

@@ -433,8 +433,7 @@ class _Lease:
                 self._put(None)
                 return
             except _Refused:
-                raise LeaseHeld(self.path.parent.url, {"host": "another writer", "pid": "?",
-                                                       "expires": time.time() + LEASE_S}) from None
+                raise self._raced() from None
         try:
             holder = json.loads(raw)
         except ValueError:
@@ -444,8 +443,11 @@ class _Lease:
         try:  # the dead or expired holder's lease, taken over only if no one else did meanwhile
             self._put(tag)
         except _Refused:
-            raise LeaseHeld(self.path.parent.url, {"host": "another writer", "pid": "?",
-                                                   "expires": time.time() + LEASE_S}) from None
+            raise self._raced() from None
+
+    def _raced(self) -> LeaseHeld:
+        """Another writer took the lease between this one's read and its conditional write."""
+        return LeaseHeld(self.path.parent.url, {"host": "another writer", "pid": "?", "expires": time.time() + LEASE_S})
 
     def refresh_until_stopped(self) -> None:
         while not self._stop.wait(LEASE_S / 4):

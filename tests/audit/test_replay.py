@@ -27,6 +27,17 @@ def data_cache(tmp_path_factory) -> Path:
     return precompute(DATA / "sft-model", base / "train.jsonl", base / "cache", rows_per_shard=2048)
 
 
+def nudge_token(cache, *, row: int, side: str, token: int, by: float = 1e-3) -> None:
+    """Move one cached log-prob of shard-00000 by `by`, its sequence sum kept consistent: a change the replay must
+    find and locate."""
+    def edit(rows):
+        values = rows[row][f"{side}_logps"]
+        values[token] -= by
+        rows[row][f"{side}_logp"] = float32_sum(values)
+
+    rewrite_shard(cache, "shard-00000.parquet", edit)
+
+
 def test_replay_on_data_passes_in_float32_and_finds_a_1e_3_change(data_cache, tmp_path):
     cache = Path(shutil.copytree(data_cache, tmp_path / "cache"))
     code, report, output = audit(cache, "--model", DATA / "sft-model", "--all")
@@ -35,12 +46,7 @@ def test_replay_on_data_passes_in_float32_and_finds_a_1e_3_change(data_cache, tm
     assert (info["rows"], info["dtype"], info["tolerance"]) == (40, "float32", 1e-4)
     assert info["token_max_abs_diff"] <= 1e-5
 
-    def edit(rows):
-        values = rows[17]["chosen_logps"]
-        values[2] -= 1e-3
-        rows[17]["chosen_logp"] = float32_sum(values)
-
-    rewrite_shard(cache, "shard-00000.parquet", edit)
+    nudge_token(cache, row=17, side="chosen", token=2)
     code, report, output = audit(cache, "--model", DATA / "sft-model", "--all")
     assert code == 1, output
     assert report["failed"] == ["replay"]
@@ -167,12 +173,7 @@ def test_a_batched_layout_that_differs_from_the_reference_is_not_trusted(data_ca
                                                    r["rejected_input_ids"]) for r in cached_rows(cache)))
     assert len(probed) == 4 and max(size(p) for p in probed) == longest
 
-    def edit(rows):
-        values = rows[17]["chosen_logps"]
-        values[2] -= 1e-3
-        rows[17]["chosen_logp"] = float32_sum(values)
-
-    rewrite_shard(cache, "shard-00000.parquet", edit)
+    nudge_token(cache, row=17, side="chosen", token=2)
     code, report, output = audit(cache, "--model", DATA / "sft-model", "--all")
     replay = check(report, "replay")
     assert code == 1 and (replay["shard"], replay["row"]) == ("shard-00000.parquet", 17), output
@@ -198,12 +199,7 @@ def test_the_replay_through_a_split_model_agrees_with_the_cache_and_finds_a_chan
     assert "the model split by device map auto" in " ".join(output.split())
     assert list(offload.iterdir()) == []  # the replay's own offload folder is gone
 
-    def edit(rows):  # the split replay is no rubber stamp: one token moved by 1e-3 is found
-        values = rows[5]["rejected_logps"]
-        values[1] -= 1e-3
-        rows[5]["rejected_logp"] = float32_sum(values)
-
-    rewrite_shard(cache, "shard-00000.parquet", edit)
+    nudge_token(cache, row=5, side="rejected", token=1)  # the split replay is no rubber stamp: 1e-3 is found
     code, report, output = audit(cache, "--model", DATA / "sft-model", "--all", *split)
     assert code == 1 and report["failed"] == ["replay"], output
     replay = check(report, "replay")
