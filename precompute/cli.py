@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+
 import click
 
-from precompute.job import PrecomputeConfig
+from precompute.config import PrecomputeConfig, checked_inputs
 from runtime.cli import (ENCODING_OPTIONS, GroupedCommand, dataclass_options, encoding_from, encoding_options,
                          exit_without_teardown, given_values, quiet_libraries, run_cli)
 
@@ -49,12 +50,13 @@ def main(debug, **options):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     def body():
-        from .job import run_precompute
-
-        quiet_libraries()
         given = given_values(options)
         encoding = {k: given.pop(k, None) for k in ENCODING_OPTIONS}
         cfg = PrecomputeConfig(**given, encoding=encoding_from(**encoding))
+        checked_inputs(cfg)  # a command line refused by its options alone imports no model library
+        from .job import run_precompute
+
+        quiet_libraries()
         s = run_precompute(cfg, log=lambda m: click.echo(m, err=True))
         if "rank" in s:  # torchrun: rank 0 prints the summary
             return

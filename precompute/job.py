@@ -15,15 +15,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import click
 import numpy as np
 import torch
 
-from runtime.cli import field_help
-from runtime.hub import origin
 from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype, software_versions
 from runtime.data import Encoded, load_rows, usable_rows
-from runtime.budget import DEFAULT_TOKEN_BUDGET, auto_budget, parse_token_budget
+from runtime.budget import DEFAULT_TOKEN_BUDGET, auto_budget
 from runtime.distributed import Dist, balanced_assignment, distributed
 from runtime import locks
 from runtime.errors import JobError
@@ -34,99 +31,15 @@ from schemas import format as fmt
 from schemas import rules
 from schemas import store
 from schemas.card import write_card
-from schemas.encoding import EncodingConfig
 from schemas.stamps import combined_mask_checksum, tokenizer_hash, tokenizer_parts
 
 from .compiled import compiled_scorer
-from .modes import REGISTRY, batching_help, choose_mode, effective_budget, score_pairs
+from .config import PrecomputeConfig, checked_inputs
+from .modes import REGISTRY, choose_mode, effective_budget, score_pairs
 from .modes.choose import probe_pairs
 from .plan import plan_shards
 from .resume import COMPUTATION, Resume, clear_cache_dir, finished_shards, own_files
 from . import update
-
-
-@dataclass
-class PrecomputeConfig:
-    """Every field is a precompute-ref option (precompute/cli.py generates them); the metadata is its --help text."""
-
-    model: str = field(metadata=field_help(
-        "Reference checkpoint: a folder (safetensors weights, config.json, tokenizer) or a hub id in the local "
-        "Hugging Face cache.", "Model", required=True))
-    data: str = field(metadata=field_help(
-        "Preference data: a .jsonl/.json/.parquet/.csv file, a folder of them, a save_to_disk folder, or a hub "
-        "data set id in the local Hugging Face cache.", "Data", required=True))
-    out: str = field(default="ref-cache", metadata=field_help("Cache directory to write.", "Output",
-                                                              click_type=click.Path(file_okay=False)))
-    adapter: str | None = field(default=None, metadata=field_help(
-        "peft LoRA adapter folder merged into --model: the reference is base + adapter (e.g. an SFT LoRA that "
-        "train-dpo --init-adapter starts from); the model hash covers both.", "Model",
-        click_type=click.Path(exists=True, file_okay=False)))
-    split: str = field(default="train", metadata=field_help(
-        "Split to read: a file or folder named after it (train, test/eval, validation, as datasets.load_dataset "
-        "resolves them) or a DatasetDict split.", "Data"))
-    encoding: EncodingConfig = field(default_factory=EncodingConfig, metadata={"cli": False})  # its own options
-    token_budget: int | str = field(default=DEFAULT_TOKEN_BUDGET, metadata=field_help(
-        "Padded tokens per forward batch (batch size x longest sequence), or auto: on CUDA sized from the memory "
-        "free after loading the model and the model's shapes (hidden size, layers, vocabulary, dtype; kv_cache's "
-        f"keys and values), logged and recorded; on CPU auto keeps {DEFAULT_TOKEN_BUDGET}, lowered only when the "
-        "available memory is short.", "Computation", parse=parse_token_budget, metavar="TOKENS|auto"))
-    rows_per_shard: int = field(default=2048, metadata=field_help("Pairs per Parquet shard.", "Output", min=1))
-    dtype: str = field(default="auto", metadata=field_help(
-        "Reference precision; auto is bfloat16 on CUDA and float32 on CPU.", "Computation",
-        choices=("auto", "float32", "bfloat16", "float16")))
-    device: str = field(default="auto", metadata=field_help(
-        "auto (CUDA device LOCAL_RANK if present, else CPU), cpu, cuda, cuda:N.", "Computation"))
-    device_map: str | None = field(default=None, metadata=field_help(
-        "Split a reference larger than one device across the visible GPUs, then CPU memory, then disk (accelerate's "
-        "big-model dispatch through transformers' from_pretrained(device_map=...)); one process, not with --device. "
-        "The numbers are the model's own: batching modes are probed on the split model.", "Computation",
-        choices=placement.DEVICE_MAPS))
-    max_memory: str | None = field(default=None, metadata=field_help(
-        "With --device-map: the memory each device may hold, DEVICE=SIZE,... (e.g. 0=20GiB,1=20GiB,cpu=60GiB), or "
-        "one SIZE for the CPU; what does not fit goes to disk. Default: what accelerate finds free.", "Computation",
-        parse=placement.parse_max_memory, metavar="DEVICE=SIZE,..."))
-    offload_folder: str | None = field(default=None, metadata=field_help(
-        "With --device-map: folder for weights offloaded to disk (a fresh folder is made inside it and removed at the "
-        "end); apart from --model, --data and --out. Default: a temporary folder.", "Computation",
-        click_type=click.Path(file_okay=False)))
-    tp_size: int = field(default=1, metadata=field_help(
-        "Tensor parallelism under torchrun: each group of N consecutive ranks loads one copy of the model split N "
-        "ways by the tensor-parallel plan transformers has for the architecture (refused for one without a plan) "
-        "and scores its shards together; groups share the shards out as ranks do. WORLD_SIZE must be a multiple "
-        "of N. Not with --device, --adapter, --torch-compile or --device-map. Batching modes are probed on the "
-        "split model.", "Computation", min=1, metavar="N"))
-    attn_implementation: str = field(default="auto", metadata=field_help(
-        "Attention kernel: auto (what transformers picks for the model), sdpa, eager, flash_attention_2.",
-        "Computation"))
-    batching: str = field(default="auto", metadata=field_help(batching_help(), "Computation",
-                                                          choices=("auto", *REGISTRY)))
-    top_k: int = field(default=0, metadata=field_help(
-        "Also store, for every completion token, the reference's K most probable token ids, their log-probs and "
-        "the log of the probability mass outside them (the tail), from the same forward: what train-dpo's KL "
-        "figures and token-level losses read. 0: only the log-prob of each completion token.", "Computation",
-        min=0))
-    torch_compile: bool = field(default=False, metadata=field_help(
-        "Compile the scoring forward with torch.compile (dynamic shapes): used only where it reproduces the model's "
-        "own eager forward on the probe of the job's pairs, else the job scores uncompiled and says why. The "
-        "manifest notes computation.compiled; the cache is the same either way. Needs a C++ compiler on CPU.",
-        "Computation"))
-    overwrite: bool = field(default=False, metadata=field_help(
-        "Delete the existing cache first (default: resume, keeping finished shards of this same job).", "Output"))
-    update: bool = field(default=False, metadata=field_help(
-        "Bring the finished cache in --out to this --data (grown, shrunk or changed), with the cache's model, "
-        "tokenizer, encoding and settings: keep the shards whose rows are unchanged, score only the new rows, and "
-        "write a new manifest version listing the rows added and removed (the previous manifest is kept as "
-        "manifest-NNNNN.json, so runs trained on it still audit). Rows whose content changed under the same id are "
-        "refused unless --replace-changed.", "Output"))
-    replace_changed: bool = field(default=False, metadata=field_help(
-        "With --update: score again the rows whose content changed under an id the cache holds, replacing them.",
-        "Output"))
-    on_bad_row: str = field(default="error", metadata=field_help(
-        "error: stop at the first bad row (exit 2). skip: leave it out and list it in skipped.jsonl.", "Data",
-        choices=("error", "skip")))
-    trust_remote_code: bool = field(default=False, metadata=field_help(
-        "Allow custom model code from the checkpoint folder.", "Model"))
-    progress: bool = field(default=True, metadata=field_help("Show the progress bar.", "Output"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -183,23 +96,11 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
 
 def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     """Read and encode the data, compute the stamps and cut the rows into shards; nothing is written yet."""
-    out = store.location(cfg.out)  # a folder, or a prefix on an object store (schemas/store.py)
-    if cfg.update and cfg.overwrite:
-        raise JobError("--update keeps the cache's rows and --overwrite deletes them: pass one of them")
-    if cfg.replace_changed and not cfg.update:
-        raise JobError("--replace-changed is an option of --update: pass both")
-    try:
-        cfg.token_budget = parse_token_budget(cfg.token_budget)
-    except ValueError as e:
-        raise JobError(f"--token-budget: {e}") from None
-    origins = {"model": origin(cfg.model, "model")}
+    out, origins, inputs = checked_inputs(cfg)
     cfg.model = origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
-    origins["data"] = origin(cfg.data, "dataset")
-    inputs = {"--model": cfg.model, "--data": origins["data"]["path"], "--adapter": cfg.adapter}
     if dist.rank == 0:  # the one rank that hashes it (stamps below): while the tokenizer loads and the rows encode
         checkpoint.start_hashing()
-    check_apart(out, "--out", inputs, on_store=True)
     max_memory = _placement(cfg, inputs, dist)
     if cfg.tp_size > 1:  # an architecture transformers cannot split is refused before any weight is read
         _check_tp_plan(cfg, checkpoint)

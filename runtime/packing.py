@@ -14,10 +14,14 @@ modes.choose_mode checks the equality on real pairs and falls back to the plain 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from schemas.encoding import EncodedPair
+
+if TYPE_CHECKING:  # torch only where a batch is made: the plans (pack_rows, length_batches) need none
+    import torch
 
 
 def pack_rows(lengths: list[int], pack: bool) -> list[list[int]]:
@@ -82,6 +86,8 @@ def tree_inputs(pairs: list[EncodedPair], rows: list[list[int]], pad_id: int, de
     """Token ids, restarted positions, the boolean tree mask [rows, width, width] (True: may attend) and the
     scoring indices (row, source position, target id) for a batch of rows of pairs. Scoring order: row by row,
     pair by pair, chosen tokens then rejected tokens."""
+    import torch
+
     width = max(sum(len(pairs[i].prompt_ids) + len(pairs[i].chosen_ids) + len(pairs[i].rejected_ids) for i in r)
                 for r in rows)
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
@@ -111,6 +117,8 @@ def tree_inputs(pairs: list[EncodedPair], rows: list[list[int]], pad_id: int, de
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The 4-D additive mask [rows, 1, width, width] the model takes, from a boolean tree mask."""
+    import torch
+
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 

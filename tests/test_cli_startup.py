@@ -74,16 +74,35 @@ def test_audit_ref_help_refusals_and_a_failing_cache_import_no_torch(tmp_path, d
     assert heavy(modules) == []  # the cache's own checks need no model library
 
 
-def test_precompute_ref_help_and_a_refusal_import_no_model_library(tmp_path):
-    """precompute-ref's --batching choices and help come from its batching modes, which import torch; transformers
-    and datasets wait for a run."""
+def test_precompute_ref_help_and_refusals_import_no_model_library(tmp_path):
+    """--help lists every batching mode of the registry (the modes import torch only where they score), and what
+    click and the options alone refuse (precompute.config.checked_inputs) is refused before precompute.job is
+    imported: no torch, transformers or datasets."""
+    from precompute.modes import REGISTRY
+
     home = tmp_path / "home"
     helped, modules = run_cli("precompute.cli", ["--help"], home, tmp_path)
-    assert helped.returncode == 0 and "--batching" in helped.stdout
-    assert heavy(modules, ("transformers", "datasets", "peft")) == []
-    bad, modules = run_cli("precompute.cli", ["--model", "m", "--data", "d", "--token-budget", "0"], home, tmp_path)
-    assert bad.returncode == 2 and "--token-budget" in bad.stderr
-    assert heavy(modules, ("transformers", "datasets", "peft")) == []
+    assert helped.returncode == 0, helped.stderr[-2000:]
+    unwrapped = lambda text: "".join(text.split())  # click wraps lines at spaces and hyphens
+    assert unwrapped(f"[{'|'.join(('auto', *REGISTRY))}]") in unwrapped(helped.stdout)
+    for name, mode in REGISTRY.items():
+        assert unwrapped(f"{name}: {mode.description}.") in unwrapped(helped.stdout), name
+    assert heavy(modules, HEAVY + ("polars", "pyarrow")) == [] and "precompute.job" not in modules
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    refusals = [  # (arguments, what stderr says)
+        (["--data", data], "Missing option '--model'"),
+        (["--model", "m", "--data", data, "--batching", "bogus"], "'bogus' is not one of 'auto', 'full_forward'"),
+        (["--model", "m", "--data", data, "--token-budget", "0"], "--token-budget"),
+        (["--model", "m", "--data", data, "--out", data / "cache"], f"--out {data / 'cache'} is inside --data {data}"),
+        (["--model", "m", "--data", data, "--update", "--overwrite"], "--update keeps the cache's rows"),
+    ]
+    for args, says in refusals:
+        refused, modules = run_cli("precompute.cli", [str(a) for a in args], home, tmp_path)
+        assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr[-2000:])
+        assert heavy(modules) == [] and "precompute.job" not in modules, args
+    assert not (data / "cache").exists() and [p.name for p in data.iterdir()] == ["train.jsonl"]
 
 
 def test_stored_trainer_options_are_the_computed_ones(tmp_path, monkeypatch):

@@ -10,14 +10,17 @@ the mode and the head path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from schemas.encoding import EncodedPair
-from schemas.format import TokenScores
 
 from runtime.architecture import shape_dependent
 from runtime.cost import work
+
+if TYPE_CHECKING:  # pyarrow only where scores are made: the registry is read by --help
+    from schemas.format import TokenScores
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 

@@ -4,7 +4,6 @@ plain forward every other tool runs; the fall-back of every other mode)."""
 from __future__ import annotations
 
 from runtime.cost import padded_rows
-from runtime.logprobs import padded_scores
 from runtime.packing import length_batches
 
 from .base import BatchingMode, long_alone, sequence, sequence_lengths
@@ -19,6 +18,8 @@ class FullForward(BatchingMode):
         return length_batches(sequence_lengths(pairs), token_budget)
 
     def score(self, model, pairs, batch, pad_id, top_k=0):
+        from runtime.logprobs import padded_scores
+
         scores, counts = padded_scores(model, [sequence(pairs, i) for i in batch], pad_id, top_k)
         return batch, scores, counts
 

@@ -9,19 +9,20 @@ its fast path for the prompts, and any attention implementation that supports a 
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from schemas.encoding import EncodedPair
-from schemas.format import TokenScores
 
 from runtime.cost import causal
-from runtime.logprobs import pad_sequences, split_scores, token_scores, unwrap
 from runtime.placement import input_device
 
 from .base import BatchingMode, long_alone
 from runtime.architecture import state_layers, window_too_short
+
+if TYPE_CHECKING:
+    from schemas.format import TokenScores
 
 
 def kv_batches(pairs: list[EncodedPair], token_budget: int) -> list[list[int]]:
@@ -45,6 +46,8 @@ def _completion(pair: EncodedPair) -> int:
 
 def _cache_kwarg(model) -> str:
     """transformers renamed `past_key_values` to `cache` (5.2x); use whichever this version's forward takes."""
+    from runtime.logprobs import unwrap
+
     params = inspect.signature(unwrap(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
@@ -53,6 +56,11 @@ def kv_cache_batch(model, pairs: list[EncodedPair], batch: list[int], pad_id: in
                    top_k: int = 0) -> tuple[list[TokenScores], dict]:
     """Per-token scores (TokenScores) of chosen and rejected for the pairs in `batch`, in the order
     [chosen of batch[0], rejected of batch[0], chosen of batch[1], ...], plus token counts."""
+    import torch
+
+    from runtime.logprobs import pad_sequences, split_scores, token_scores
+    from schemas.format import TokenScores
+
     device = input_device(model)
     completions = [c for i in batch for c in (pairs[i].chosen_ids, pairs[i].rejected_ids)]
     ids, mask = pad_sequences([pairs[i].prompt_ids for i in batch], pad_id, device)

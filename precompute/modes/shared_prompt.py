@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import torch
-
 from runtime.cost import tree_rows
-from runtime.logprobs import split_scores, token_scores
 from runtime.placement import input_device
 from runtime.packing import pack_rows, row_batches, tree_batch
 
@@ -25,6 +22,10 @@ class SharedPrompt(BatchingMode):
         return row_batches(pack_rows(lengths, self.packs), lengths, token_budget)
 
     def score(self, model, pairs, batch, pad_id, top_k=0):
+        import torch
+
+        from runtime.logprobs import split_scores, token_scores
+
         order = [2 * i + k for row in batch for i in row for k in (0, 1)]
         seqs = [sequence(pairs, i) for i in order]
         inputs, rows, sources, targets = tree_batch(pairs, batch, pad_id, model.dtype, input_device(model))

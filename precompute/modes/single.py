@@ -3,10 +3,7 @@ models whose numbers depend on the batch's shape (ALiBi, dynamic/longrope RoPE p
 
 from __future__ import annotations
 
-import torch
-
 from runtime.cost import unpadded_sequences
-from runtime.logprobs import reset_position_state, split_scores, token_scores
 from runtime.placement import input_device
 
 from .base import BatchingMode, sequence
@@ -14,6 +11,10 @@ from .base import BatchingMode, sequence
 
 def single_sequence(model, prompt: list[int], completion: list[int], top_k: int = 0) -> tuple[object, dict]:
     """Completion scores of one sequence scored alone: unpadded, batch of one, fresh position state."""
+    import torch
+
+    from runtime.logprobs import reset_position_state, token_scores
+
     device = input_device(model)
     ids = torch.as_tensor([prompt + completion], device=device)
     at = torch.arange(len(prompt), ids.shape[1], device=device)
@@ -32,6 +33,10 @@ class Single(BatchingMode):
         return [[i] for i in range(2 * len(pairs))]
 
     def score(self, model, pairs, batch, pad_id, top_k=0):
+        import torch
+
+        from runtime.logprobs import split_scores
+
         prompt, completion = sequence(pairs, batch[0])
         flat, counts = single_sequence(model, prompt, completion, top_k)
         return batch, split_scores(flat, torch.tensor([len(completion)])), counts

@@ -6,10 +6,7 @@ padding at all. Only flash attention makes this cheap; sdpa and eager would buil
 from __future__ import annotations
 
 import numpy as np
-import torch
-
 from runtime.cost import unpadded_sequences
-from runtime.logprobs import split_scores, token_scores
 from runtime.placement import input_device
 
 from .base import FLASH, BatchingMode, sequence, sequence_lengths
@@ -31,6 +28,10 @@ def varlen_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
 
 def varlen_batch(model, seqs: list[tuple[list[int], list[int]]], top_k: int = 0) -> tuple[object, dict]:
     """Flattened completion scores of the (prompt, completion) sequences `seqs`, packed into one row."""
+    import torch
+
+    from runtime.logprobs import token_scores
+
     device = input_device(model)
     ids, positions, sources, targets = [], [], [], []
     for prompt, completion in seqs:
@@ -57,6 +58,10 @@ class Varlen(BatchingMode):
         return varlen_batches(sequence_lengths(pairs), token_budget)
 
     def score(self, model, pairs, batch, pad_id, top_k=0):
+        import torch
+
+        from runtime.logprobs import split_scores
+
         seqs = [sequence(pairs, i) for i in batch]
         flat, counts = varlen_batch(model, seqs, top_k)
         return batch, split_scores(flat, torch.tensor([len(c) for _, c in seqs])), counts
