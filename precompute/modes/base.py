@@ -1,7 +1,7 @@
 """What a batching mode is: one way of running preference pairs through the reference, with the same numbers as
 `runtime.logprobs.reference_logps` (the model's own forward over one unpadded sequence).
 
-A mode is a subclass of BatchingMode in a module of its own, registered by one line in `precompute/modes/__init__.py`.
+A mode is a subclass of BatchingMode in a module of its own, registered by one line in `precompute/modes/registry.py`.
 Indices: sequence 2i is [prompt | chosen] of pair i, sequence 2i + 1 its [prompt | rejected]. Scores are one
 record per sequence, schemas.format.TokenScores (log-probs, and with a top-k its ids, log-probs and tail), whatever
 the mode and the head path.
