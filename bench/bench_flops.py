@@ -34,6 +34,8 @@ self time and by input shape; for training the step split by the Trainer's callb
 forward + backward + gradient clipping, optimizer step, scheduler and zeroing the gradients).
 
     .venv/bin/python bench/bench_flops.py [--quick] [--threads 1]
+        [--budgets 1536,3072] [--head-pieces 33554432]   further score_pairs contenders, side by side
+        [--cases long] [--configs precompute] [--no-profile]   a part of the runs only
 """
 
 from __future__ import annotations
@@ -280,7 +282,8 @@ def child_precompute(a) -> dict:
             model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
     refcache()  # warm-up; tells the mode
-    fns = {"mm": mm_fn(common.torch_dtype(dev), dev), "refcache": refcache, "score": score, "padded_hf": padded_hf}
+    fns = {"mm": mm_fn(common.torch_dtype(dev), dev), "refcache": refcache, "score": score, "padded_hf": padded_hf,
+           **variants(a, model, pairs, pad_id, per_shard, last["mode"])}
     cpu = {}
     with torch.no_grad():
         times = common.interleaved(fns, reps=a.reps, warmup=1, cpu=cpu)
@@ -297,6 +300,33 @@ def child_precompute(a) -> dict:
         tables = profile_tables(score)
         r["profile"], r["profile_shapes"] = tables["ops"], tables["shapes"]
     return r
+
+
+def variants(a, model, pairs, pad_id: int, per_shard: int, mode: str) -> dict:
+    """Further score_pairs contenders (--budgets, --head-pieces): `score@B` at token budget B, `score/head piece E`
+    with the CPU head's pieces at E logits (runtime.logprobs.CPU_CHUNK_ELEMENTS, at least CPU_CHUNK_ROWS positions;
+    2**25 is the memory chunk itself, the head before it ran in pieces)."""
+    from precompute.job import PrecomputeConfig, score_pairs
+    from runtime import logprobs
+
+    def scored(budget: int, piece: int):
+        def run():
+            saved = logprobs.CPU_CHUNK_ELEMENTS
+            logprobs.CPU_CHUNK_ELEMENTS = piece
+            try:
+                for s in range(0, len(pairs), per_shard):
+                    score_pairs(model, pairs[s : s + per_shard], pad_id, budget, mode)
+            finally:
+                logprobs.CPU_CHUNK_ELEMENTS = saved
+        return run
+
+    budget, piece = PrecomputeConfig.token_budget, logprobs.CPU_CHUNK_ELEMENTS
+    return {**{f"score@{b}": scored(b, piece) for b in numbers(a.budgets)},
+            **{f"score/head piece {e}": scored(budget, e) for e in numbers(a.head_pieces)}}
+
+
+def numbers(text: str | None) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()] if text else []
 
 
 def child_train(a, layout: str, **overrides) -> dict:
@@ -464,6 +494,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every child (default: torch's own)")
+    ap.add_argument("--budgets", help="also time score_pairs at these token budgets (comma-separated), side by side")
+    ap.add_argument("--head-pieces", help="also time score_pairs with the CPU head's pieces at these numbers of logits "
+                                          "(comma-separated; 33554432 = the memory chunk, no pieces)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the phase tables and torch.profiler runs")
+    ap.add_argument("--cases", default="long,data", help="which cases: long (35M long prompt), data (data/)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"which children ({', '.join(CONFIGS)})")
     a = ap.parse_args()
     if a.child:
         common.quiet()
@@ -477,17 +513,19 @@ def main():
     results = []
     with common.workdir("flops") as work:
         for case in cases(a.quick):
+            if ("data" if case["model"] == "data" else "long") not in a.cases.split(","):
+                continue
             t = time.perf_counter()
             p = prepare(case, work)
             common.precompute(p["model"], p["train_data"], p["cache"], p["seq"])
-            configs = CONFIGS[:2] if a.quick else CONFIGS
+            configs = [c for c in (CONFIGS[:2] if a.quick else CONFIGS) if c in a.configs.split(",")]
 
             def argv(mode, p=p, case=case):
                 data = p["data"] if mode == "precompute" else p["train_data"]
                 return common.child_argv(__file__, mode, model=p["model"], data=data, cache=p["cache"], seq=p["seq"],
                                          batch=case["batch"], warmup=case["warmup"], steps=case["steps"],
-                                         out=work / "runs", reps=case["reps"], profile=int(case["model"] != "data"),
-                                         threads=a.threads or None)
+                                         out=work / "runs", reps=case["reps"], profile=int(case["model"] != "data" and not a.no_profile),
+                                         threads=a.threads or None, budgets=a.budgets, head_pieces=a.head_pieces)
 
             runs = common.rounds(1 if a.quick else 2, configs, argv, show=show)
             r = summarize(case, runs)
