@@ -284,7 +284,7 @@ def child_precompute(a) -> dict:
 
     refcache()  # warm-up; tells the mode
     fns = {"mm": mm_fn(common.torch_dtype(dev), dev), "refcache": refcache, "score": score, "padded_hf": padded_hf,
-           **variants(a, model, pairs, pad_id, per_shard, last["mode"])}
+           **variants(a, model, pairs, pad_id, per_shard, last["mode"], refcache)}
     cpu = {}
     with torch.no_grad():
         times = common.interleaved(fns, reps=a.reps, warmup=1, cpu=cpu)
@@ -308,27 +308,34 @@ def child_precompute(a) -> dict:
     return r
 
 
-def variants(a, model, pairs, pad_id: int, per_shard: int, mode: str) -> dict:
-    """Further score_pairs contenders (--budgets, --head-pieces): `score@B` at token budget B, `score/head piece E`
-    with the CPU head's pieces at E logits (runtime.logprobs.CPU_CHUNK_ELEMENTS, at least CPU_CHUNK_ROWS positions;
-    2**25 is the memory chunk itself, the head before it ran in pieces)."""
+def variants(a, model, pairs, pad_id: int, per_shard: int, mode: str, refcache) -> dict:
+    """Further contenders (--budgets, --head-pieces): `score@B`, score_pairs at token budget B; `score/head piece E`
+    and `refcache/head piece E`, score_pairs and run_precompute with the CPU head's pieces at E logits
+    (runtime.logprobs.CPU_CHUNK_ELEMENTS, at least CPU_CHUNK_ROWS positions; 2**25 is the memory chunk itself, the
+    head before it ran in pieces)."""
     from precompute.job import PrecomputeConfig, score_pairs
     from runtime import logprobs
 
-    def scored(budget: int, piece: int):
+    def pieces(piece: int, fn):
         def run():
             saved = logprobs.CPU_CHUNK_ELEMENTS
             logprobs.CPU_CHUNK_ELEMENTS = piece
             try:
-                for s in range(0, len(pairs), per_shard):
-                    score_pairs(model, pairs[s : s + per_shard], pad_id, budget, mode)
+                fn()
             finally:
                 logprobs.CPU_CHUNK_ELEMENTS = saved
         return run
 
-    budget, piece = PrecomputeConfig.token_budget, logprobs.CPU_CHUNK_ELEMENTS
-    return {**{f"score@{b}": scored(b, piece) for b in numbers(a.budgets)},
-            **{f"score/head piece {e}": scored(budget, e) for e in numbers(a.head_pieces)}}
+    def scored(budget: int):
+        def run():
+            for s in range(0, len(pairs), per_shard):
+                score_pairs(model, pairs[s : s + per_shard], pad_id, budget, mode)
+        return run
+
+    budget = PrecomputeConfig.token_budget
+    return {**{f"score@{b}": scored(b) for b in numbers(a.budgets)},
+            **{f"score/head piece {e}": pieces(e, scored(budget)) for e in numbers(a.head_pieces)},
+            **{f"refcache/head piece {e}": pieces(e, refcache) for e in numbers(a.head_pieces)}}
 
 
 def attention_calls(model, pairs, rows: int = 2) -> dict:
