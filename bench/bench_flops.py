@@ -34,6 +34,9 @@ self time and by input shape; for training the step split by the Trainer's callb
 forward + backward + gradient clipping, optimizer step, scheduler and zeroing the gradients).
 
     .venv/bin/python bench/bench_flops.py [--quick] [--threads 1]
+        [--budgets 1536,3072] [--head-pieces 33554432]   further score_pairs contenders, side by side
+        [--attention 1]   torch's attention kernel on the case's shapes, with and without a mask
+        [--cases long] [--configs precompute] [--no-profile]   a part of the runs only
 """
 
 from __future__ import annotations
@@ -280,7 +283,8 @@ def child_precompute(a) -> dict:
             model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
     refcache()  # warm-up; tells the mode
-    fns = {"mm": mm_fn(common.torch_dtype(dev), dev), "refcache": refcache, "score": score, "padded_hf": padded_hf}
+    fns = {"mm": mm_fn(common.torch_dtype(dev), dev), "refcache": refcache, "score": score, "padded_hf": padded_hf,
+           **variants(a, model, pairs, pad_id, per_shard, last["mode"], refcache)}
     cpu = {}
     with torch.no_grad():
         times = common.interleaved(fns, reps=a.reps, warmup=1, cpu=cpu)
@@ -291,12 +295,92 @@ def child_precompute(a) -> dict:
     r = {"matmul_check": matmul_check(model, pairs[0]), "mode": last["mode"], "pairs": len(pairs), "shape": shape,
          "flops": flops, "times": times, "cpu_times": cpu, "threads": torch.get_num_threads(),
          "padded_hf_padding_fraction": 1 - tokens / slots, "refcache_padding_fraction": last.get("padding_fraction")}
+    if a.attention:
+        calls = {"mm": fns["mm"], **attention_calls(model, pairs)}
+        cpu_calls = {}
+        r["attention_calls"] = {"wall": common.interleaved(calls, reps=a.reps + 2, warmup=1, cpu=cpu_calls),
+                                "cpu": cpu_calls}
     if a.profile:
         r["body_matmuls"] = body_matmul_rate(model)
         r["phases"] = phase_profile(refcache)
         tables = profile_tables(score)
         r["profile"], r["profile_shapes"] = tables["ops"], tables["shapes"]
     return r
+
+
+def variants(a, model, pairs, pad_id: int, per_shard: int, mode: str, refcache) -> dict:
+    """Further contenders (--budgets, --head-pieces): `score@B`, score_pairs at token budget B; `score/head piece E`
+    and `refcache/head piece E`, score_pairs and run_precompute with the CPU head's pieces at E logits
+    (runtime.logprobs.CPU_CHUNK_ELEMENTS, at least CPU_CHUNK_ROWS positions; 2**25 is the memory chunk itself, the
+    head before it ran in pieces)."""
+    from precompute.job import PrecomputeConfig, score_pairs
+    from runtime import logprobs
+
+    def pieces(piece: int, fn):
+        def run():
+            saved = logprobs.CPU_CHUNK_ELEMENTS
+            logprobs.CPU_CHUNK_ELEMENTS = piece
+            try:
+                fn()
+            finally:
+                logprobs.CPU_CHUNK_ELEMENTS = saved
+        return run
+
+    def scored(budget: int):
+        def run():
+            for s in range(0, len(pairs), per_shard):
+                score_pairs(model, pairs[s : s + per_shard], pad_id, budget, mode)
+        return run
+
+    budget = PrecomputeConfig.token_budget
+    return {**{f"score@{b}": scored(b) for b in numbers(a.budgets)},
+            **{f"score/head piece {e}": pieces(e, scored(budget)) for e in numbers(a.head_pieces)},
+            **{f"refcache/head piece {e}": pieces(e, refcache) for e in numbers(a.head_pieces)}}
+
+
+def attention_calls(model, pairs, rows: int = 2) -> dict:
+    """torch's attention kernel (scaled_dot_product_attention) on the case's own shapes, with and without an explicit
+    mask, one call each (one layer): the kv_cache prompt pass (every prompt of the job in one batch, grouped-query
+    heads as transformers passes them without a mask), its completion pass (keys and values repeated to every head
+    as transformers does under a mask), and a training step's prefix_shared rows (forward + backward, `rows` rows of
+    one pair each). `is_causal` and `no mask` are lower bounds where they give other numbers than the mask needs."""
+    F = torch.nn.functional.scaled_dot_product_attention
+    cfg = model.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    n, P = len(pairs), max(len(p.prompt_ids) for p in pairs)
+    C = max(max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
+    r = lambda *shape, grad=False: torch.randn(*shape, requires_grad=grad)
+    q, k, v = r(n, heads, P, d), r(n, kv, P, d), r(n, kv, P, d)
+    tril = torch.ones(P, P, dtype=torch.bool).tril().expand(n, 1, P, P)
+    q2, k2, v2 = r(2 * n, heads, C - 1, d), r(2 * n, heads, P + C - 1, d), r(2 * n, heads, P + C - 1, d)
+    keys = torch.arange(P + C - 1)[None, :] <= P + torch.arange(C - 1)[:, None]
+    keys = keys.expand(2 * n, 1, C - 1, P + C - 1)
+    W = P + 2 * C
+    q3, k3, v3 = r(rows, heads, W, d, grad=True), r(rows, heads, W, d, grad=True), r(rows, heads, W, d, grad=True)
+    branch = torch.tensor([0] * P + [1] * C + [2] * C)
+    pos = torch.cat([torch.arange(P + C), torch.arange(P, P + C)])
+    tree = ((pos[None, :] <= pos[:, None]) & ((branch[None, :] == 0) | (branch[None, :] == branch[:, None])))
+    tree = tree.expand(rows, 1, W, W)
+    tree_float = torch.zeros(tree.shape).masked_fill_(~tree, torch.finfo(torch.float32).min)
+
+    def train(**kw):
+        return lambda: F(q3, k3, v3, **kw).sum().backward()
+
+    return {f"prompt pass [{n}, {heads}, {P}, {d}], is_causal (what runs)": lambda: F(q, k, v, is_causal=True,
+                                                                                  enable_gqa=True),
+            "prompt pass, explicit causal mask": lambda: F(q, k, v, attn_mask=tril, enable_gqa=True),
+            f"completion pass [{2 * n}, {heads}, {C - 1}, {d}] x {P + C - 1} keys, mask (what runs)":
+                lambda: F(q2, k2, v2, attn_mask=keys),
+            "completion pass, no mask (lower bound)": lambda: F(q2, k2, v2),
+            f"train prefix_shared [{rows}, {heads}, {W}, {d}] fwd+bwd, float tree mask (what runs)":
+                train(attn_mask=tree_float),
+            "train, boolean tree mask": train(attn_mask=tree),
+            "train, is_causal (lower bound)": train(is_causal=True)}
+
+
+def numbers(text: str | None) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()] if text else []
 
 
 def child_train(a, layout: str, **overrides) -> dict:
@@ -428,7 +512,7 @@ def summarize(case: dict, runs: dict) -> dict:
                                                               for k, v in share.items()},
                              "padded_hf_padding_fraction": rs[0]["padded_hf_padding_fraction"],
                              "refcache_padding_fraction": rs[0]["refcache_padding_fraction"],
-                             "profile": rs[0].get("profile")}
+                             "profile": rs[0].get("profile"), "attention_calls": rs[0].get("attention_calls")}
     for layout in ("train", "train_padded"):
         if runs.get(layout):
             rs = runs[layout]
@@ -464,6 +548,14 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every child (default: torch's own)")
+    ap.add_argument("--budgets", help="also time score_pairs at these token budgets (comma-separated), side by side")
+    ap.add_argument("--head-pieces", help="also time score_pairs with the CPU head's pieces at these numbers of logits "
+                                          "(comma-separated; 33554432 = the memory chunk, no pieces)")
+    ap.add_argument("--attention", type=int, default=0, help="also time torch's attention kernel on the case's "
+                                                                   "shapes, with and without an explicit mask")
+    ap.add_argument("--no-profile", action="store_true", help="skip the phase tables and torch.profiler runs")
+    ap.add_argument("--cases", default="long,data", help="which cases: long (35M long prompt), data (data/)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"which children ({', '.join(CONFIGS)})")
     a = ap.parse_args()
     if a.child:
         common.quiet()
@@ -477,17 +569,20 @@ def main():
     results = []
     with common.workdir("flops") as work:
         for case in cases(a.quick):
+            if ("data" if case["model"] == "data" else "long") not in a.cases.split(","):
+                continue
             t = time.perf_counter()
             p = prepare(case, work)
             common.precompute(p["model"], p["train_data"], p["cache"], p["seq"])
-            configs = CONFIGS[:2] if a.quick else CONFIGS
+            configs = [c for c in (CONFIGS[:2] if a.quick else CONFIGS) if c in a.configs.split(",")]
 
             def argv(mode, p=p, case=case):
                 data = p["data"] if mode == "precompute" else p["train_data"]
                 return common.child_argv(__file__, mode, model=p["model"], data=data, cache=p["cache"], seq=p["seq"],
                                          batch=case["batch"], warmup=case["warmup"], steps=case["steps"],
-                                         out=work / "runs", reps=case["reps"], profile=int(case["model"] != "data"),
-                                         threads=a.threads or None)
+                                         out=work / "runs", reps=case["reps"], profile=int(case["model"] != "data" and not a.no_profile),
+                                         threads=a.threads or None, budgets=a.budgets, head_pieces=a.head_pieces,
+                                         attention=a.attention or None)
 
             runs = common.rounds(1 if a.quick else 2, configs, argv, show=show)
             r = summarize(case, runs)

@@ -23,6 +23,12 @@ from .tolerance import head_tolerance
 
 CHUNK_ELEMENTS = 2**25  # logits held at once (~128 MiB in float32)
 HEAD_ELEMENTS = 2**28  # logits one forward may hold when the model's own head has to produce them (1 GiB float32)
+# On CPU the head runs in smaller pieces than CHUNK_ELEMENTS allows: the log-softmax's passes over a piece (max,
+# exp, sum, gather) then read it from the core's cache instead of memory (bench_flops.py --head-chunks: at a vocabulary
+# of 8k about a fifth less head time than 2**25). At least CPU_CHUNK_ROWS positions a piece, so the projection stays
+# a matmul that reads its weight once for many rows at a large vocabulary.
+CPU_CHUNK_ELEMENTS = 2**21
+CPU_CHUNK_ROWS = 256
 
 
 def unwrap(model):
@@ -154,6 +160,13 @@ def _width(top_k: int, given) -> int:
     return given.shape[1] if given is not None else top_k
 
 
+def _piece(step: int, vocab: int, width: int, device: torch.device) -> int:
+    """Positions the head scores at once: `step` (the memory bound), on CPU a cache-sized piece of it."""
+    if device.type != "cpu":
+        return step
+    return min(step, max(CPU_CHUNK_ROWS, CPU_CHUNK_ELEMENTS // (vocab * (2 if width else 1))))
+
+
 def token_logps(model, inputs: dict, rows, sources, targets, chunk_elements: int = CHUNK_ELEMENTS,
                 return_output: bool = False, head: str | None = None, given: torch.Tensor | None = None):
     """Log-prob of `targets[i]` predicted from position (rows[i], sources[i]) of a forward over `inputs`: the
@@ -186,7 +199,8 @@ def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: in
     inner = unwrap(model)
     width = _width(top_k, given)
     # with ids, exp(logits - max) is held beside the chunk's logits: half the positions
-    step = max(1, chunk_elements // (inner.get_output_embeddings().weight.shape[0] * (2 if width else 1)))
+    vocab = inner.get_output_embeddings().weight.shape[0]
+    step = max(1, chunk_elements // (vocab * (2 if width else 1)))
     if head != "hook":
         return _own_logits(model, inputs, rows, sources, targets, step, return_output, head == "logits_to_keep",
                            top_k, given)
@@ -195,12 +209,13 @@ def token_scores(model, inputs: dict, rows, sources, targets, chunk_elements: in
     def score(_module, _args, output):
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
         h = hidden[rows.to(hidden.device), sources.to(hidden.device)]
-        # With several chunks, recompute each one's logits in the backward pass instead of keeping them all.
+        # Beyond one memory chunk, recompute each piece's logits in the backward pass instead of keeping them all.
         recompute = torch.is_grad_enabled() and h.requires_grad and h.shape[0] > step
+        piece = _piece(step, vocab, width, h.device)
         parts = []
-        for s in range(0, h.shape[0], step):
-            chunk = (inner, h[s : s + step], targets[s : s + step], top_k,
-                     None if given is None else given[s : s + step])
+        for s in range(0, h.shape[0], piece):
+            chunk = (inner, h[s : s + piece], targets[s : s + piece], top_k,
+                     None if given is None else given[s : s + piece])
             parts.append(checkpoint(_chunk_scores, *chunk, use_reentrant=False) if recompute else _chunk_scores(*chunk))
         captured["scores"] = _joined(parts, width, hidden)
 
@@ -232,7 +247,8 @@ def _own_logits(model, inputs, rows, sources, targets, step, return_output, keep
         output = model(**{"use_cache": False, **inputs})
         logits = output.logits.reshape(-1, output.logits.shape[-1])
         index = rows * width + sources
-    scores = _gather_scores(logits, index, targets, step, top_k, given)
+    piece = _piece(step, logits.shape[-1], _width(top_k, given), logits.device)
+    scores = _gather_scores(logits, index, targets, piece, top_k, given)
     return (scores, output) if return_output else scores
 
 

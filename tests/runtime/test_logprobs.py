@@ -13,6 +13,7 @@ import torch
 from conftest import build_llama
 from runtime import logprobs
 from runtime.logprobs import completion_logps, pad_sequences, reference_logps, reference_top_k, token_logps, unwrap
+from runtime.tolerance import probe_tolerance
 
 VOCAB = 300
 PAD = 0
@@ -117,6 +118,51 @@ def test_chunked_hook_path_gives_the_gradient_of_a_plain_forward(model):
         scale = float(p.grad.abs().max())
         assert float((grads[name] - p.grad).abs().max()) <= 1e-5 * max(1.0, scale), name
     assert max(float(g.abs().max()) for g in grads.values()) > 0
+
+
+@pytest.mark.parametrize("head", ["hook", "logits_to_keep", "logits"])
+def test_cpu_pieces_of_the_head_give_the_plain_forwards_values_and_gradient(model, monkeypatch, head):
+    """On CPU the head scores cache-sized pieces of a memory chunk (here 2 positions a piece, one chunk for all):
+    values within the house tolerance of a plain forward's log_softmax, the gradient that of the plain forward, and
+    no recomputation in the backward (the whole chunk fits the memory bound)."""
+    monkeypatch.setattr(logprobs, "CPU_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(logprobs, "CPU_CHUNK_ROWS", 2)
+    pieces, checkpoints = [], []
+    scores, checkpoint = logprobs._scores, logprobs.checkpoint
+    monkeypatch.setattr(logprobs, "_scores", lambda logits, *a, **kw: pieces.append(len(logits)) or scores(logits, *a, **kw))
+    monkeypatch.setattr(logprobs, "checkpoint", lambda *a, **kw: checkpoints.append(1) or checkpoint(*a, **kw))
+    pairs = sequences()
+    trained = build_llama(VOCAB, seed=4)
+    trained.load_state_dict(model.state_dict())
+    input_ids, mask, plen, clen = batch(pairs)
+    rows = torch.repeat_interleave(torch.arange(len(pairs)), clen)
+    sources = torch.cat([torch.arange(len(p) - 1, len(p) + len(c) - 1) for p, c in pairs])
+    targets = torch.tensor([t for _, c in pairs for t in c])
+    weights = torch.linspace(0.5, 1.5, len(targets))
+    got = token_logps(trained, {"input_ids": input_ids, "attention_mask": mask}, rows, sources, targets, head=head)
+    assert pieces and max(pieces) == 2 and sum(pieces) == len(targets) and not checkpoints
+    (got * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in trained.named_parameters()}
+    trained.zero_grad()
+    expected = []
+    for p, c in pairs:
+        logps = trained(torch.tensor([p + c])).logits[0].float().log_softmax(-1)
+        expected += [logps[len(p) + i - 1, t] for i, t in enumerate(c)]
+    expected = torch.stack(expected)
+    assert float((got.detach() - expected.detach()).abs().max()) <= probe_tolerance(torch.float32)
+    (expected * weights).sum().backward()
+    for name, p in trained.named_parameters():
+        assert float((grads[name] - p.grad).abs().max()) <= 1e-5 * max(1.0, float(p.grad.abs().max())), name
+
+
+def test_cpu_pieces_are_cache_sized_within_the_memory_chunk():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert logprobs._piece(4096, 8192, 0, cpu) == logprobs.CPU_CHUNK_ELEMENTS // 8192 == 256
+    assert logprobs._piece(32768, 1024, 0, cpu) == 2048  # a small vocabulary: more positions, the same elements
+    assert logprobs._piece(1048, 32000, 0, cpu) == logprobs.CPU_CHUNK_ROWS  # at least that many positions
+    assert logprobs._piece(128, 2**18, 0, cpu) == 128  # never beyond the memory chunk
+    assert logprobs._piece(4096, 2048, 8, cpu) == logprobs.CPU_CHUNK_ELEMENTS // (2 * 2048)  # exp held beside
+    assert logprobs._piece(4096, 8192, 0, cuda) == 4096  # on a GPU the memory chunk itself
 
 
 def test_reference_logps_is_the_plain_forward(model):
