@@ -461,7 +461,12 @@ def cases(quick: bool) -> list[dict]:
         dict(name="35M long prompt (512 + 128/128)", model="35M", prompt=512, completion=128,
              pairs=4 if quick else 8, batch=2, warmup=1, steps=2 if quick else 3, seq=1024, reps=2 if quick else 3),
         dict(name="data/", model="data", batch=8, warmup=1, steps=3 if quick else 6, reps=2 if quick else 4),
-    ]
+    ] + ([] if quick else [
+        # the same pairs in a job of 64: precompute-ref's fixed costs (load, the batching-mode probe, hashing) are
+        # per job, so their weight in the end-to-end share depends on the job's size; precompute only, no profile
+        dict(name="35M long prompt, a job of 64 pairs", key="job", model="35M", prompt=512, completion=128, pairs=64,
+             batch=2, warmup=1, steps=3, seq=1024, reps=1, configs=("precompute",), no_profile=True),
+    ])
 
 
 def long_prompt_rows(n: int, vocab: int, prompt: int, completion: int, seed: int = 0) -> list[dict]:
@@ -481,9 +486,10 @@ def prepare(case: dict, work: Path) -> dict:
     vocab = common.MODELS[case["model"]]["vocab"]
     n_train = case["batch"] * (case["warmup"] + case["steps"])
     rows = long_prompt_rows(max(case["pairs"], n_train), vocab, case["prompt"], case["completion"])
-    data = common.write_jsonl(work / "long" / "train.jsonl", rows[: case["pairs"]])
-    train = common.write_jsonl(work / "long-train" / "train.jsonl", rows[:n_train])
-    return {"model": model, "data": data, "train_data": train, "cache": work / "cache-long", "seq": case["seq"]}
+    key = case.get("key", "long")
+    data = common.write_jsonl(work / key / "train.jsonl", rows[: case["pairs"]])
+    train = common.write_jsonl(work / f"{key}-train" / "train.jsonl", rows[:n_train])
+    return {"model": model, "data": data, "train_data": train, "cache": work / f"cache-{key}", "seq": case["seq"]}
 
 
 def summarize(case: dict, runs: dict) -> dict:
@@ -554,7 +560,8 @@ def main():
     ap.add_argument("--attention", type=int, default=0, help="also time torch's attention kernel on the case's "
                                                                    "shapes, with and without an explicit mask")
     ap.add_argument("--no-profile", action="store_true", help="skip the phase tables and torch.profiler runs")
-    ap.add_argument("--cases", default="long,data", help="which cases: long (35M long prompt), data (data/)")
+    ap.add_argument("--cases", default="long,data,job", help="which cases: long (35M long prompt), data (data/), "
+                                                              "job (the long prompt's pairs in a job of 64, full mode)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"which children ({', '.join(CONFIGS)})")
     a = ap.parse_args()
     if a.child:
@@ -569,18 +576,20 @@ def main():
     results = []
     with common.workdir("flops") as work:
         for case in cases(a.quick):
-            if ("data" if case["model"] == "data" else "long") not in a.cases.split(","):
+            if case.get("key", "data" if case["model"] == "data" else "long") not in a.cases.split(","):
                 continue
             t = time.perf_counter()
             p = prepare(case, work)
             common.precompute(p["model"], p["train_data"], p["cache"], p["seq"])
-            configs = [c for c in (CONFIGS[:2] if a.quick else CONFIGS) if c in a.configs.split(",")]
+            configs = [c for c in (CONFIGS[:2] if a.quick else CONFIGS) if c in a.configs.split(",")
+                       and c in case.get("configs", CONFIGS)]
 
             def argv(mode, p=p, case=case):
                 data = p["data"] if mode == "precompute" else p["train_data"]
                 return common.child_argv(__file__, mode, model=p["model"], data=data, cache=p["cache"], seq=p["seq"],
                                          batch=case["batch"], warmup=case["warmup"], steps=case["steps"],
-                                         out=work / "runs", reps=case["reps"], profile=int(case["model"] != "data" and not a.no_profile),
+                                         out=work / "runs", reps=case["reps"], profile=int(case["model"] != "data" and not a.no_profile
+                                                                    and not case.get("no_profile")),
                                          threads=a.threads or None, budgets=a.budgets, head_pieces=a.head_pieces,
                                          attention=a.attention or None)
 

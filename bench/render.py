@@ -458,6 +458,12 @@ def _flops_analysis(R: dict, ok: dict) -> list[str]:
          "(load, encode, head check, shard table, Parquet write and hash, manifest): on a job of "
          f"{p['pairs']} pairs the end-to-end share is about {forwards / total:.2f}x the scoring's; on thousands of "
          "pairs it is the scoring's."]
+    job = next((c for c in R["flops"]["cases"] if c["size"].get("key") == "job" and "precompute" in c), None)
+    if job:
+        j = job["precompute"]
+        L[-1] += (f" Measured on the same pairs in a job of {j['pairs']} ({job['case']}): end to end "
+                  f"{j['share_of_mm']['refcache']:.2f} (CPU seconds {_cpu_share(j.get('share_of_mm_cpu', {}).get('refcache'))}), "
+                  f"the scoring alone {j['share_of_mm']['score']:.2f}.")
     if mm is not None and attention is not None:
         L += ["", f"The scoring itself (score_pairs: the model's own forward, then the chunked head) is "
                  f"{mm:.0%} matrix multiplies, {attention:.0%} torch's CPU attention kernels and the rest elementwise "
