@@ -16,6 +16,8 @@ interleaved (precompute, ours beta0, TRL beta0, ours beta1, ...) so that load fr
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -33,11 +35,21 @@ GROUPS = {  # fixed-cost phases as reported, from the phases each run records
 
 
 def timed(cmd: list[str], out: Path, log) -> dict:
-    """Run a command to completion (its output to out.log); its wall, CPU seconds and peak RSS (common.run_process)."""
+    """Run a command to completion (its output to out.log); its wall, CPU seconds and peak RSS (common.run_process),
+    and the 1-minute load average before and after it (on a shared machine: how far to trust its wall)."""
+    before = os.getloadavg()[0]
     r = common.run_process(cmd, out.parent / f"{out.name}.log")
-    log(f"  {r['wall_s']:6.1f} s wall {r['cpu_s']:6.1f} s CPU  "
+    r["loadavg"] = [round(before, 2), round(os.getloadavg()[0], 2)]
+    log(f"  {r['wall_s']:6.1f} s wall {r['cpu_s']:6.1f} s CPU  load {r['loadavg'][0]:.2f} -> {r['loadavg'][1]:.2f}  "
         f"{' '.join(Path(c).name if '/' in c else c for c in cmd[1:4])} ...")
     return r
+
+
+def precompute_job_s(log_file: Path) -> float | None:
+    """precompute-ref's own wall time of the job (its summary's `wall:`, from reading the data to the manifest): the
+    rest of the process wall is its start-up (interpreter, imports) and exit."""
+    found = re.search(r"\bwall: ([0-9.]+) s", log_file.read_text())
+    return float(found.group(1)) if found else None
 
 
 def fixed_cost(side: str, run: dict) -> dict:
@@ -80,6 +92,7 @@ def sweep(size: dict, work: Path, log) -> dict:
     log("precompute-ref")
     pre = timed([sys.executable, "-m", "precompute.cli", "--model", str(model), "--data", str(data), "--out",
                  str(cache), "--max-length", str(size["seq"]), "--no-progress"], cache, log)
+    pre["job_s"] = precompute_job_s(cache.parent / f"{cache.name}.log")
     ours, trl = [], []
     for beta in size["betas"]:  # interleaved: ours, then TRL, per beta
         log(f"beta {beta}: train-dpo, then TRL")
@@ -104,12 +117,16 @@ def report(res: dict, log) -> None:
     log(f"total wall: refcache {res['total_wall_s']['refcache']:.1f} s (precompute {res['precompute']['wall_s']:.1f} s"
         f" + 3 train-dpo), TRL {res['total_wall_s']['trl']:.1f} s -> {res['ratio_wall']:.3f}x (goal <= 0.45x); "
         f"train loops alone {res['ratio_loop']:.3f}x; CPU {res['ratio_cpu']:.3f}x")
+    pre = res["precompute"]
+    if pre.get("job_s") is not None:
+        log(f"  precompute wall {pre['wall_s']:.1f} s = job {pre['job_s']:.1f} s + start-up and exit "
+            f"{pre['wall_s'] - pre['job_s']:.1f} s")
     for side in ("refcache", "trl"):
         for r in res[side]:
             f = r["fixed"]
             parts = ", ".join(f"{k} {v:.2f}" for k, v in f["wall_s"].items())
             log(f"  {side:<8} wall {r['wall_s']:.1f} s = loop {r['loop_s']:.1f} s + fixed {f['fixed_s']:.1f} s "
-                f"({parts})")
+                f"({parts}); load {r['loadavg'][0]:.2f} -> {r['loadavg'][1]:.2f}")
 
 
 def main():
