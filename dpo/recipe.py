@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from runtime.cli import field_help
+from runtime.cli import field_help, heap_settled
 from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
@@ -238,6 +238,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         timer.mark("load")
         _take_output_dir(cfg, held)
         trainer, layout = _build_trainer(cfg, args, run, model, ref_model, log, timer)
+        heap_settled()  # the libraries, the rows, the model and the Trainer: alive until the process ends
         timer.mark("setup")
         return _train(cfg, trainer, run, layout, timer)
 

@@ -223,8 +223,18 @@ def metrics_figure(records: list[dict], title: str):
     return fig
 
 
+PNG_DPI = 90
+
+
 def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
-    """metrics.png of the run's metrics.jsonl (metrics_figure)."""
+    """metrics.png of the run's metrics.jsonl (metrics_figure), the bytes `savefig(png, format="png", dpi=PNG_DPI)`
+    writes, from one draw of the figure instead of savefig's two (one to lay it out, one to render): the figure at
+    the PNG's resolution, laid out and rendered by its Agg canvas, its pixels written as savefig writes them."""
+    from matplotlib.image import imsave
+
+    fig = metrics_figure(metrics_records(metrics_path), title)
+    fig.set_dpi(PNG_DPI)
+    fig.canvas.draw()
     png = io.BytesIO()
-    metrics_figure(metrics_records(metrics_path), title).savefig(png, format="png", dpi=90)
+    imsave(png, fig.canvas.buffer_rgba(), format="png", origin="upper", dpi=fig.dpi)
     atomic_write(out_png, lambda f: f.write(png.getvalue()))

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime.cli import heap_settled
 from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype, software_versions
 from runtime.data import Encoded, load_rows, usable_rows
 from runtime.budget import DEFAULT_TOKEN_BUDGET, auto_budget
@@ -208,6 +209,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
                 + ", ".join(f"{sum(work[i] for i in r):,}" for r in dealt) if dist.groups > 1 else ""))
     # Under tensor parallelism loading is collective (the device mesh spans every rank): all ranks load or none.
     loaded = _load(cfg, job, log, stack, dist) if mine or (todo and dist.tp_size > 1) else None
+    heap_settled()  # the libraries, the encoded rows and the model: alive until the process ends
     if dist.tp_size > 1 and loaded:
         _same_in_each_group(loaded[1], dist)
     if cfg.token_budget == "auto":  # every rank scores with the same budget: the least any rank's memory allows

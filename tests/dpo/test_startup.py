@@ -124,3 +124,67 @@ def test_exit_without_teardown_keeps_exit_status_output_and_atexit(tmp_path, cod
         assert "refused: because" in proc.stderr
     if code == "raise":
         assert "RuntimeError: boom" in proc.stderr
+
+
+HEAP_TOY = '''
+import gc, sys, click
+from runtime.cli import exit_without_teardown, heap_settled
+
+ORIGINAL = gc.get_threshold()
+
+
+class Cycle:
+    """Unreachable only as a whole (it refers to itself): only the cyclic collector finalizes it."""
+
+    def __init__(self, log, name):
+        self.log, self.name, self.me = log, name, self
+
+    def __del__(self):
+        open(self.log, "a").write(f"finalized {self.name}\\n")
+
+
+@click.command()
+@click.argument("log")
+def main(log):
+    def note(text):
+        open(log, "a").write(text + "\\n")
+
+    note(f"postponed {gc.get_threshold()[2] > 10**6}")
+    Cycle(log, "before")  # garbage of the start-up, still young: collected when the heap settles
+    heap_settled()
+    note(f"frozen {gc.get_freeze_count() > 0} restored {gc.get_threshold() == ORIGINAL}")
+    heap_settled()  # a second call changes nothing
+    note(f"restored {gc.get_threshold() == ORIGINAL}")
+    Cycle(log, "after")  # garbage made after the freeze: finalized at exit
+
+exit_without_teardown(main)
+'''
+
+
+def test_full_collections_wait_for_the_heap_to_settle_and_exit_still_finalizes(tmp_path):
+    """A process run by exit_without_teardown postpones full collections until heap_settled, which collects the young
+    garbage, freezes what is alive and restores the thresholds; garbage made later is still finalized at exit."""
+    import os
+    import subprocess
+    import sys
+
+    log = tmp_path / "log"
+    script = tmp_path / "toy.py"
+    script.write_text(HEAP_TOY)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), str(log)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == ["postponed True", "finalized before", "frozen True restored True",
+                                            "restored True", "finalized after"]
+
+
+def test_heap_settled_is_a_no_op_outside_exit_without_teardown():
+    import gc
+
+    from runtime.cli import heap_settled
+
+    thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
+    heap_settled()
+    assert gc.get_threshold() == thresholds and gc.get_freeze_count() == frozen

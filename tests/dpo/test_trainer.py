@@ -102,3 +102,20 @@ def test_metrics_figure_has_one_accuracy_notion_per_panel_and_the_kl_panels_with
                                        for q in ("kl/policy_ref", "kl/ref_policy", "ref_top_k_mass")]
     eval_lines = [line for ax in _drawn(_run_records(10)).axes for line in ax.lines if line.get_gid() == "eval_loss"]
     assert list(eval_lines[0].get_xdata()) == [0, 5, 10]
+
+
+def test_plot_metrics_writes_the_bytes_savefig_writes(tmp_path):
+    """metrics.png from one draw (dpo.trainer.plot_metrics) is byte for byte savefig's PNG of the same figure."""
+    import io
+    import json
+
+    from dpo.trainer import PNG_DPI, metrics_figure, metrics_records, plot_metrics
+
+    for kl in (False, True):
+        path = tmp_path / "metrics.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in _run_records(12, kl=kl)))
+        plot_metrics(path, tmp_path / "metrics.png", "a title")
+        saved = io.BytesIO()
+        metrics_figure(metrics_records(path), "a title").savefig(saved, format="png", dpi=PNG_DPI)
+        assert (tmp_path / "metrics.png").read_bytes() == saved.getvalue()
+        (tmp_path / "metrics.png").unlink()
