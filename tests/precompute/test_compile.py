@@ -18,7 +18,7 @@ from schemas.encoding import EncodedPair
 from support import build_llama
 
 import precompute.compiled
-from precompute.compiled import CompiledDecoder, compile_scoring
+from precompute.compiled import CompiledDecoder, compile_scoring, compiled_scorer
 
 ARGS = ("--rows-per-shard", 8, "--batching", "full_forward")
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs g++")
@@ -102,3 +102,36 @@ def test_compiled_decoder_scores_equal_a_plain_forward(mode):
         assert not calls  # the plain forward does not go through the compiled decoder
         compiled(input_ids=torch.tensor([ids(9)]))
         assert calls == [1]
+
+
+@needs_gxx
+def test_a_batch_no_probed_graph_admits_scores_eager():
+    """After the probe (its pairs in the batches the job's budget makes: one padded kv_cache batch here), a batch of
+    one pair, whose prompt (one row) and cache torch.compile would build new graphs for, never checked, runs eager:
+    nothing compiles after the probe; without that rule it would. Both give a plain forward's values."""
+    from torch._dynamo.utils import counters
+
+    model = build_llama(64, seed=4).eval()
+    g = torch.Generator().manual_seed(6)
+    ids = lambda n: torch.randint(3, 64, (n,), generator=g).tolist()
+    probe = [EncodedPair(ids(p), ids(c), ids(r)) for p, c, r in ((5, 4, 3), (9, 3, 5), (16, 6, 6))]
+    logs = []
+    compiled, used = compiled_scorer(model, "kv_cache", probe, 0, 0, logs.append, token_budget=10_000)
+    assert used and isinstance(compiled, CompiledDecoder) and compiled.proven, logs
+    tol = probe_tolerance(torch.float32)
+
+    def check(pairs):
+        chosen, rejected, _ = score_pairs(compiled, pairs, 0, 10_000, "kv_cache")
+        with torch.no_grad():
+            for pair, c, r in zip(pairs, chosen, rejected):
+                for got, completion in ((c, pair.chosen_ids), (r, pair.rejected_ids)):
+                    assert abs(got.logps - plain_logps(model, pair, completion).numpy()).max() <= tol
+
+    graphs = counters["stats"]["unique_graphs"]
+    one = [EncodedPair(ids(11), ids(4), ids(2))]
+    check(probe[:2])
+    check(one)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the probe
+    compiled.__dict__["proven"] = False
+    check(one)
+    assert counters["stats"]["unique_graphs"] > graphs  # the graph the rule kept from being built unchecked
