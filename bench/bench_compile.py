@@ -5,7 +5,7 @@ Useful FLOP/s and the matmul rate are bench_flops.py's (part 11: each prompt onc
 torch.mm 2048^3 in the same process), so the shares compare with its table. Compile time is reported apart:
   precompute  one child: run_precompute end to end without and with --torch-compile (wall, compile and probe
               included: what a user waits), then score_pairs in the mode precompute picked, eager and compiled
-              (torch.compile(model, dynamic=True), the model precompute compiles; its first call, the compile, timed
+              (precompute.compiled.compile_scoring: its decoder compiled as precompute compiles it; its first call, the compile, timed
               apart), interleaved with mm
   end_to_end  the precompute-ref CLI as a user runs it, on a job of `e2e_pairs` pairs (32 in full mode: a job
               where a user would try --torch-compile), one process per run: eager, --torch-compile with a cold
@@ -39,6 +39,7 @@ CONFIGS = ("precompute", "end_to_end", "train", "train_compiled", "train_padded"
 
 
 def child_precompute(a) -> dict:
+    from precompute.compiled import compile_scoring
     from precompute.job import PrecomputeConfig, run_precompute, score_pairs
     from runtime.checkpoint import Checkpoint
 
@@ -58,7 +59,7 @@ def child_precompute(a) -> dict:
     compiled_wall, _ = refcache(True)
     made = json.loads((out / "manifest.json").read_text())["computation"]
     model = Checkpoint.open(a.model).load_model(common.torch_dtype(dev), dev, "sdpa")
-    compiled = torch.compile(model, dynamic=True)
+    compiled = compile_scoring(model)
     mode = summary["mode"]
 
     def score(m):
