@@ -5,8 +5,8 @@ Useful FLOP/s and the matmul rate are bench_flops.py's (part 11: each prompt onc
 torch.mm 2048^3 in the same process), so the shares compare with its table. Compile time is reported apart:
   precompute  one child: run_precompute end to end without and with --torch-compile (wall, compile and probe
               included: what a user waits), then score_pairs in the mode precompute picked, eager and compiled
-              (precompute.compiled.compile_scoring: its decoder compiled as precompute compiles it; its first call, the compile, timed
-              apart), interleaved with mm
+              (precompute.compiled.compile_scoring: the decoder, as precompute compiles it; its first call, the
+              compile, timed apart), interleaved with mm
   end_to_end  the precompute-ref CLI as a user runs it, on a job of `e2e_pairs` pairs (32 in full mode: a job
               where a user would try --torch-compile), one process per run: eager, --torch-compile with a cold
               inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR: inductor's FX graph and AOTAutograd caches empty), the
