@@ -5,19 +5,29 @@ Useful FLOP/s and the matmul rate are bench_flops.py's (part 11: each prompt onc
 torch.mm 2048^3 in the same process), so the shares compare with its table. Compile time is reported apart:
   precompute  one child: run_precompute end to end without and with --torch-compile (wall, compile and probe
               included: what a user waits), then score_pairs in the mode precompute picked, eager and compiled
-              (torch.compile(model, dynamic=True), the model precompute compiles; its first call, the compile, timed
-              apart), interleaved with mm
+              (precompute.compiled.compile_scoring: the decoder, as precompute compiles it; its first call, the
+              compile, timed apart), interleaved with mm
+  end_to_end  the precompute-ref CLI as a user runs it, on a job of `e2e_pairs` pairs (32 in full mode: a job
+              where a user would try --torch-compile), one process per run: eager, --torch-compile with a cold
+              inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR: inductor's FX graph and AOTAutograd caches empty), the
+              same again with that cache warm, eager again; wall and CPU seconds (wait4: the process and the
+              compile workers it waited for), and the useful share of each run against torch.mm timed in this
+              child before each run (end to end: compile, probe, load and writing included)
   train       train-dpo's step (cached reference, batch_layout prefix_shared), eager
   train_compiled  the same with torch_compile=True; warm-up steps (where the graphs compile: a static one, then a
               dynamic one at the first new shape) are reported apart from the timed steps
+  train_padded, train_padded_compiled  the same two with batch_layout padded
+The training runs use train-dpo's default optimizer (adamw_torch_fused).
 
-    .venv/bin/python bench/bench_compile.py [--quick]
+    nice .venv/bin/python bench/bench_compile.py [--quick] [--configs end_to_end,train,...]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -25,10 +35,11 @@ import bench_flops as F
 import common
 from common import torch
 
-CONFIGS = ("precompute", "train", "train_compiled")
+CONFIGS = ("precompute", "end_to_end", "train", "train_compiled", "train_padded", "train_padded_compiled")
 
 
 def child_precompute(a) -> dict:
+    from precompute.compiled import compile_scoring
     from precompute.job import PrecomputeConfig, run_precompute, score_pairs
     from runtime.checkpoint import Checkpoint
 
@@ -48,7 +59,7 @@ def child_precompute(a) -> dict:
     compiled_wall, _ = refcache(True)
     made = json.loads((out / "manifest.json").read_text())["computation"]
     model = Checkpoint.open(a.model).load_model(common.torch_dtype(dev), dev, "sdpa")
-    compiled = torch.compile(model, dynamic=True)
+    compiled = compile_scoring(model)
     mode = summary["mode"]
 
     def score(m):
@@ -68,6 +79,44 @@ def child_precompute(a) -> dict:
             "refcache_compiled": made.get("compiled"), "log": [m for m in logs if "torch.compile" in m]}
 
 
+def child_end_to_end(a) -> dict:
+    """precompute-ref's CLI, eager / compiled with a cold then a warm inductor cache / eager, one process each."""
+    from precompute.job import PrecomputeConfig
+    from runtime.checkpoint import Checkpoint
+
+    dev = common.device()
+    _, pairs, _ = F.encoded_pairs(a)
+    mm = F.mm_fn(common.torch_dtype(dev), dev)
+    inductor = Path(a.out) / "inductor"
+    shutil.rmtree(inductor, ignore_errors=True)
+    runs = []
+    for name, compiled in (("eager", False), ("compiled_cold", True), ("compiled_warm", True), ("eager", False)):
+        mm()  # the matmul rate just before the run: one unrecorded call, then three
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(3):
+            mm()
+        mm_s, mm_cpu = (time.perf_counter() - t) / 3, (time.process_time() - c) / 3
+        out = Path(a.out) / f"e2e-{len(runs)}"
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "-m", "precompute.cli", "--model", a.model, "--data", a.data, "--out", str(out),
+               "--max-length", str(a.seq), "--no-progress", *(["--torch-compile"] if compiled else [])]
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)  # this child's own: the runs it starts inherit it
+        r = common.run_process(cmd, out.parent / f"{out.name}.log")
+        log = (out.parent / f"{out.name}.log").read_text()
+        made = json.loads((out / "manifest.json").read_text())["computation"]
+        runs.append({"name": name, **r, "mm_s": mm_s, "mm_cpu_s": mm_cpu, "compiled": made.get("compiled"),
+                     "log": [m.strip() for m in log.splitlines() if "torch.compile" in m]})
+    shape = F.model_shape(Checkpoint.open(a.model).load_model(torch.float32, torch.device("cpu"), "sdpa"))
+    flops = F.forward_flops(shape, F.pair_lengths(pairs))
+    # one matmul rate for every run (the median of the four measurements): a single one swings with the load
+    mm_s = common.statistics.median(r["mm_s"] for r in runs)
+    mm_cpu = common.statistics.median(r["mm_cpu_s"] for r in runs)
+    for r in runs:
+        r["share_of_mm"] = flops["total"] / r["wall_s"] / (F.MM_FLOPS / mm_s)
+        r["share_of_mm_cpu"] = flops["total"] / r["cpu_s"] / (F.MM_FLOPS / mm_cpu)
+    return {"pairs": len(pairs), "flops": flops, "runs": runs, "token_budget": PrecomputeConfig.token_budget}
+
+
 def summarize(case: dict, runs: dict) -> dict:
     out = {"case": case["name"], "size": case, "loadavg": {k: [r["loadavg"] for r in rs] for k, rs in runs.items()}}
     if runs.get("precompute"):
@@ -82,7 +131,9 @@ def summarize(case: dict, runs: dict) -> dict:
             "compiled_first_call_s": [r["compiled_first_call_s"] for r in rs],
             "refcache_wall_s": [r["refcache_wall_s"] for r in rs], "refcache_compiled": rs[0]["refcache_compiled"],
             "log": rs[0]["log"]}
-    for name in ("train", "train_compiled"):
+    if runs.get("end_to_end"):
+        out["end_to_end"] = runs["end_to_end"][0]
+    for name in ("train", "train_compiled", "train_padded", "train_padded_compiled"):
         if runs.get(name):
             rs = runs[name]
             step_s, flops = [v for r in rs for v in r["step_s"]], [v for r in rs for v in r["step_flops"]]
@@ -94,26 +145,34 @@ def summarize(case: dict, runs: dict) -> dict:
                          "profile": rs[0].get("profile")}
     if "train" in out and "train_compiled" in out:
         out["train_step_eager_over_compiled"] = out["train"]["step"]["median"] / out["train_compiled"]["step"]["median"]
+    if "train_padded" in out and "train_padded_compiled" in out:
+        out["train_padded_step_eager_over_compiled"] = (out["train_padded"]["step"]["median"]
+                                                        / out["train_padded_compiled"]["step"]["median"])
     return out
 
 
 def cases(quick: bool) -> list[dict]:
     # warm-up 2: a compiled step's first shapes compile a static graph, the next new shapes a dynamic one
     return [dict(name="35M long prompt (512 + 128/128)", model="35M", prompt=512, completion=128, pairs=4 if quick else 8,
-                 batch=2, warmup=2, steps=2 if quick else 3, seq=1024, reps=2 if quick else 3)]
+                 e2e_pairs=8 if quick else 32, batch=2, warmup=2, steps=2 if quick else 3, seq=1024,
+                 reps=2 if quick else 3)]
 
 
 def main():
     ap = common.child_parser(__doc__, CONFIGS)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="which configurations to run (comma-separated)")
     a = ap.parse_args()
     if a.child:
         common.quiet()
         if a.child == "precompute":
             r = child_precompute(a)
+        elif a.child == "end_to_end":
+            r = child_end_to_end(a)
         else:
-            r = F.child_train(a, "prefix_shared", training_args={"torch_compile": a.child == "train_compiled"})
+            layout = "padded" if a.child.startswith("train_padded") else "prefix_shared"
+            r = F.child_train(a, layout, training_args={"torch_compile": a.child.endswith("_compiled")})
         print(json.dumps({"config": a.child, "loadavg": round(common.os.getloadavg()[0], 2), **r}, default=float))
         return
     common.quiet()
@@ -123,14 +182,18 @@ def main():
             t = time.perf_counter()
             p = F.prepare(case, work)
             common.precompute(p["model"], p["train_data"], p["cache"], p["seq"])
+            rows = F.long_prompt_rows(case["e2e_pairs"], common.MODELS[case["model"]]["vocab"], case["prompt"],
+                                      case["completion"])
+            e2e = common.write_jsonl(work / "e2e" / "train.jsonl", rows)
 
             def argv(mode, p=p, case=case):
-                data = p["data"] if mode == "precompute" else p["train_data"]
+                data = {"precompute": p["data"], "end_to_end": e2e}.get(mode, p["train_data"])
                 return common.child_argv(__file__, mode, model=p["model"], data=data, cache=p["cache"], seq=p["seq"],
                                          batch=case["batch"], warmup=case["warmup"], steps=case["steps"],
                                          out=work / "runs", reps=case["reps"], profile=1)
 
-            runs = common.rounds(1, CONFIGS, argv, show=F.show)
+            configs = [c for c in CONFIGS if c in a.configs.split(",")]
+            runs = common.rounds(1, configs, argv, show=show)
             r = summarize(case, runs)
             r["loadavg_end"] = round(common.os.getloadavg()[0], 2)
             results.append(r)
@@ -139,13 +202,22 @@ def main():
     print(f"wrote {path}")
 
 
+def show(r: dict) -> str:
+    if "runs" in r:
+        return "; ".join(f"{x['name']} {x['wall_s']:.0f} s wall {x['cpu_s']:.0f} s CPU, share {x['share_of_mm']:.2f} "
+                         f"(CPU {x['share_of_mm_cpu']:.2f})" for x in r["runs"])
+    return F.show(r)
+
+
 def line(r: dict) -> str:
     parts = []
     if "precompute" in r:
         p = r["precompute"]
         parts.append("score_pairs share of mm: " + ", ".join(f"{k} {v:.2f}" for k, v in p["share_of_mm"].items())
                      + f" (first compiled call {p['compiled_first_call_s'][0]:.0f} s)")
-    for name in ("train", "train_compiled"):
+    if "end_to_end" in r:
+        parts.append(f"precompute-ref CLI, {r['end_to_end']['pairs']} pairs: " + show(r["end_to_end"]))
+    for name in ("train", "train_compiled", "train_padded", "train_padded_compiled"):
         if name in r:
             parts.append(f"{name} step {r[name]['step']['median']:.2f} s, share {r[name]['share_of_mm']:.2f}")
     return "; ".join(parts)

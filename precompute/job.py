@@ -292,7 +292,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     sized = auto_budget(model, mode, computation["head"], longest) if cfg.token_budget == "auto" else None
     if cfg.torch_compile:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
         model, computation["compiled"] = compiled_scorer(
-            model, mode, probe_pairs(first, long_pairs=[longest_pair]), pad, cfg.top_k, log)
+            model, mode, probe_pairs(first, long_pairs=[longest_pair]), pad, cfg.top_k, log, budget)
     return model, computation, mode, pad, budget, sized
 
 

@@ -3,7 +3,6 @@ tolerance), is noted in the manifest only, and a compiled model that disagrees w
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 
@@ -12,23 +11,27 @@ import torch
 
 from conftest import assert_same_values, manifest_of, pref_rows, scored_now, shard_hashes, write_jsonl
 from conftest import precompute_ok as ok
+from precompute.modes.scoring import score_pairs
 from runtime.tolerance import probe_tolerance
 from schemas import format as fmt
+from schemas.encoding import EncodedPair
+from support import build_llama
 
 import precompute.compiled
+from precompute.compiled import CompiledDecoder, compile_scoring, compiled_scorer
 
 ARGS = ("--rows-per-shard", 8, "--batching", "full_forward")
-
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs g++")
 
 
 # inductor builds its CPU kernels with a C++ compiler (scripts/test.sh installs g++ as root)
-@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs g++")
+@needs_gxx
 def test_compiled_cache_is_the_eager_cache(tmp_path, llama_dir):
     data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(12, seed=7))
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     ok("--model", llama_dir, "--data", data, "--out", eager, *ARGS)
     result = ok("--model", llama_dir, "--data", data, "--out", compiled, *ARGS, "--torch-compile")
-    assert "torch.compile: the full_forward forward compiled" in result.output
+    assert "torch.compile: the full_forward forward compiled (its decoder, dynamic shapes)" in result.output
     # float32: the compiled kernels fuse and reorder the same sums; the probe's tolerance is the bound
     assert_same_values(eager, compiled, tol=probe_tolerance(torch.float32))
     comp = manifest_of(compiled)["computation"]
@@ -42,11 +45,12 @@ def test_compiled_cache_is_the_eager_cache(tmp_path, llama_dir):
 
 
 def test_compiled_model_that_disagrees_falls_back(tmp_path, llama_dir, monkeypatch):
-    def wrong_compile(model, **_options):  # a "compiled" model whose output head is off by a little
-        other = copy.deepcopy(model)
-        with torch.no_grad():
-            other.get_output_embeddings().weight.mul_(1.01)
-        return other
+    def wrong_compile(forward, **_options):  # a "compiled" decoder whose hidden states are off by a little
+        def wrong(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            out.last_hidden_state.mul_(1.01)
+            return out
+        return wrong
 
     monkeypatch.setattr(precompute.compiled.torch, "compile", wrong_compile)
     data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(12, seed=7))
@@ -57,3 +61,77 @@ def test_compiled_model_that_disagrees_falls_back(tmp_path, llama_dir, monkeypat
         result.output), result.output
     assert manifest_of(fell_back)["computation"]["compiled"] is False
     assert shard_hashes(fell_back) == shard_hashes(eager)  # the eager model scored it: the same bytes
+
+
+def plain_logps(model, pair: EncodedPair, completion: list[int]) -> torch.Tensor:
+    """A plain transformers forward over prompt + completion, log_softmax at each completion token (the test's own
+    computation, not runtime.logprobs)."""
+    ids = torch.tensor([pair.prompt_ids + completion])
+    logits = model(input_ids=ids).logits[0, len(pair.prompt_ids) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@needs_gxx
+@pytest.mark.parametrize("mode", ["kv_cache", "full_forward"])
+def test_compiled_decoder_scores_equal_a_plain_forward(mode):
+    """The decoder compiled apart from its hooks (the head's hook stays eager: no graph break) scores a padded batch
+    (prompts and completions of unequal lengths) as a plain forward does; outside its own forward the model stays
+    eager (what the truth runs on)."""
+    from torch._dynamo.utils import counters
+
+    model = build_llama(64, seed=3).eval()
+    g = torch.Generator().manual_seed(5)
+    ids = lambda n: torch.randint(3, 64, (n,), generator=g).tolist()
+    pairs = [EncodedPair(ids(p), ids(c), ids(r)) for p, c, r in ((7, 5, 3), (12, 2, 6), (4, 1, 4))]
+    compiled = compile_scoring(model)
+    assert isinstance(compiled, CompiledDecoder) and compiled.config is model.config
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    chosen, rejected, _ = score_pairs(compiled, pairs, 0, 10_000, mode)
+    assert counters["stats"]["unique_graphs"] > graphs  # it did compile
+    assert sum(counters["graph_break"].values()) == breaks  # in one piece: the hook ran outside the graph
+    assert "forward" not in vars(model.model)  # the model is eager again
+    tol = probe_tolerance(torch.float32)
+    with torch.no_grad():
+        for pair, c, r in zip(pairs, chosen, rejected):
+            for got, completion in ((c, pair.chosen_ids), (r, pair.rejected_ids)):
+                want = plain_logps(model, pair, completion).numpy()
+                assert got.logps.shape == want.shape and abs(got.logps - want).max() <= tol
+        calls = []
+        compiled.__dict__["_fast"] = lambda *a, **k: calls.append(1) or model.model.__class__.forward(model.model, *a, **k)
+        model(input_ids=torch.tensor([ids(9)]))
+        assert not calls  # the plain forward does not go through the compiled decoder
+        compiled(input_ids=torch.tensor([ids(9)]))
+        assert calls == [1]
+
+
+@needs_gxx
+def test_a_batch_no_probed_graph_admits_scores_eager():
+    """After the probe (its pairs in the batches the job's budget makes: one padded kv_cache batch here), a batch of
+    one pair, whose prompt (one row) and cache torch.compile would build new graphs for, never checked, runs eager:
+    nothing compiles after the probe; without that rule it would. Both give a plain forward's values."""
+    from torch._dynamo.utils import counters
+
+    model = build_llama(64, seed=4).eval()
+    g = torch.Generator().manual_seed(6)
+    ids = lambda n: torch.randint(3, 64, (n,), generator=g).tolist()
+    probe = [EncodedPair(ids(p), ids(c), ids(r)) for p, c, r in ((5, 4, 3), (9, 3, 5), (16, 6, 6))]
+    logs = []
+    compiled, used = compiled_scorer(model, "kv_cache", probe, 0, 0, logs.append, token_budget=10_000)
+    assert used and isinstance(compiled, CompiledDecoder) and compiled.proven, logs
+    tol = probe_tolerance(torch.float32)
+
+    def check(pairs):
+        chosen, rejected, _ = score_pairs(compiled, pairs, 0, 10_000, "kv_cache")
+        with torch.no_grad():
+            for pair, c, r in zip(pairs, chosen, rejected):
+                for got, completion in ((c, pair.chosen_ids), (r, pair.rejected_ids)):
+                    assert abs(got.logps - plain_logps(model, pair, completion).numpy()).max() <= tol
+
+    graphs = counters["stats"]["unique_graphs"]
+    one = [EncodedPair(ids(11), ids(4), ids(2))]
+    check(probe[:2])
+    check(one)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the probe
+    compiled.__dict__["proven"] = False
+    check(one)
+    assert counters["stats"]["unique_graphs"] > graphs  # the graph the rule kept from being built unchecked
