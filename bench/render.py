@@ -470,9 +470,8 @@ def _flops_analysis(R: dict, ok: dict) -> list[str]:
                  "work (norms, rotary embeddings, SiLU, residual adds, the head's log-softmax) in its profile"
                  + (f"; the body's matmuls at their own shapes run at {body:.2f} of the 2048^3 rate" if body else "")
                  + ". What is ours in it (batching, padding, splitting the values, the head) is a few percent (the "
-                 "phase table); the rest is the Hugging Face forward's own, which only fusing (torch.compile: part 16, "
-                 "1.49x on the scoring, but a cold compile costs more than such a job) or faster attention kernels "
-                 "would move."]
+                 "phase table); the rest is the Hugging Face forward's own, which only fusing (torch.compile: part "
+                 f"16{_compile_gain(R)}) or faster attention kernels would move."]
     t = long.get("train", {}).get("segments")
     if t:
         tot = sum(v["cpu"] for v in t.values())
@@ -481,6 +480,21 @@ def _flops_analysis(R: dict, ok: dict) -> list[str]:
                  f"its CPU time, the optimizer step {opt / tot:.0%} (AdamW; train-dpo's default is the Trainer's own, "
                  "`adamw_torch_fused` on this torch, since this issue), collation and the Trainer's loop under 1%."]
     return L
+
+
+def _compile_gain(R: dict) -> str:
+    """Part 16's compiled/eager scoring rate and its end-to-end cost, as a clause, if part 16 has run."""
+    c = next(iter(R.get("compile", {}).get("cases", [])), {})
+    p, e2e = c.get("precompute"), c.get("end_to_end")
+    if not p:
+        return ""
+    clause = f", {p['compiled_over_eager']:.2f}x on the scoring"
+    if e2e:
+        wall = {r["name"]: r["wall_s"] for r in e2e["runs"]}
+        clause += (f"; a job of {e2e['pairs']} pairs took {wall.get('eager', 0):.0f} s eager against "
+                   f"{wall.get('compiled_cold', 0):.0f} s compiled with a cold inductor cache and "
+                   f"{wall.get('compiled_warm', 0):.0f} s warm")
+    return clause
 
 
 def render_sweep(S: dict) -> list[str]:
@@ -807,9 +821,20 @@ def render_compile(C: dict) -> list[str]:
             for k, name in (("score", "score_pairs, eager"), ("score_compiled", "score_pairs, compiled")):
                 rows.append([c["case"], f"{name} ({p['mode']}, {p['pairs']} pairs)", sec(p["times"][k]),
                              f"**{p['share_of_mm'][k]:.2f}**"])
-        for k, name in (("train", "train-dpo step, eager"), ("train_compiled", "train-dpo step, --torch-compile")):
+        e2e = c.get("end_to_end")
+        if e2e:
+            names = {"eager": "eager", "compiled_cold": "--torch-compile, cold inductor cache",
+                     "compiled_warm": "--torch-compile, warm inductor cache"}
+            for r in e2e["runs"]:
+                rows.append([c["case"], f"precompute-ref CLI end to end, {names[r['name']]} ({e2e['pairs']} pairs; "
+                             f"CPU {r['cpu_s']:.0f} s)", f"{r['wall_s']:.1f} s", f"**{r['share_of_mm']:.2f}** "
+                             f"(CPU seconds {r['share_of_mm_cpu']:.2f})"])
+        for k, name, layout in (("train", "train-dpo step, eager", "prefix_shared"),
+                                ("train_compiled", "train-dpo step, --torch-compile", "prefix_shared"),
+                                ("train_padded", "train-dpo step, eager", "padded"),
+                                ("train_padded_compiled", "train-dpo step, --torch-compile", "padded")):
             if k in c:
-                rows.append([c["case"], f"{name} (prefix_shared, batch {c['size']['batch']} pairs)", sec(c[k]["step"]),
+                rows.append([c["case"], f"{name} ({layout}, batch {c['size']['batch']} pairs)", sec(c[k]["step"]),
                              f"**{c[k]['share_of_mm']:.2f}**"])
     L += table("case | work | time | useful share of matmul", rows)
     for c in C["cases"]:
@@ -820,11 +845,15 @@ def render_compile(C: dict) -> list[str]:
                   f"first call (the compile, inductor's cache warm) took {p['compiled_first_call_s'][0]:.0f} s. "
                   f"precompute-ref end to end: {wall['eager']:.0f} s eager, {wall['torch_compile']:.0f} s with "
                   f"--torch-compile (compiled: {p['refcache_compiled']}; {' '.join(p['log'])})."]
-        if "train_compiled" in c and "train" in c:
-            warm = c["train_compiled"]["warmup_step_s"][0]
-            L += ["", f"- {c['case']}: the compiled train-dpo step is **{c['train_step_eager_over_compiled']:.2f}x** "
-                  f"the eager step's speed; its warm-up steps took {', '.join(f'{v:.0f}' for v in warm)} s (eager: "
-                  f"{', '.join(f'{v:.1f}' for v in c['train']['warmup_step_s'][0])} s)."]
+        for eager, compiled, ratio, layout in (("train", "train_compiled", "train_step_eager_over_compiled",
+                                                 "prefix_shared"),
+                                                ("train_padded", "train_padded_compiled",
+                                                 "train_padded_step_eager_over_compiled", "padded")):
+            if compiled in c and eager in c:
+                warm = c[compiled]["warmup_step_s"][0]
+                L += ["", f"- {c['case']}, {layout}: the compiled train-dpo step is **{c[ratio]:.2f}x** the eager "
+                      f"step's speed; its warm-up steps took {', '.join(f'{v:.0f}' for v in warm)} s (eager: "
+                      f"{', '.join(f'{v:.1f}' for v in c[eager]['warmup_step_s'][0])} s)."]
         prof = c.get("train_compiled", {}).get("profile")
         optimizer = _total_share(prof, "Optimizer.step#") if prof else None
         if optimizer is not None:
