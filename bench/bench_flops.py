@@ -131,8 +131,7 @@ PHASES = {  # label -> the (module, attribute) names it is called through; neste
     "probe: reference forwards": [("precompute.modes.choose", "reference_values")],
     "probe: mode forwards": [("precompute.modes.choose", "mode_values")],
     "score_pairs": [("precompute.job", "score_pairs"), ("precompute.modes.choose", "score_pairs")],
-    "model forwards": [("runtime.logprobs", "token_scores"), ("precompute.modes.kv_cache", "token_scores"),
-                       ("precompute.modes.shared_prompt", "token_scores"), ("precompute.modes.varlen", "token_scores")],
+    "model forwards": [("runtime.logprobs", "token_scores")],  # the modes import it where they score
     "head (projection + log-softmax)": [("runtime.logprobs", "_chunk_scores")],
     "shard table": [("schemas.format", "shard_table")],
     "Parquet write": [("schemas.format", "write_shard")],

@@ -61,6 +61,10 @@ TARGETS = [  # (key, description, goal text, test)
      "matmul rate", ">= 0.70", lambda v: v >= 0.70),
     ("flops_train", "train-dpo step (cached, prefix_shared) useful FLOP/s, share of the matmul rate", ">= 0.60",
      lambda v: v >= 0.60),
+    ("flops_train_compiled", "the same train-dpo step with --torch-compile (part 16), share of the matmul rate",
+     ">= 0.60", lambda v: v >= 0.60),
+    ("flops_precompute_job", "precompute-ref end to end on the same pairs in a job of 64 (part 11), share of the "
+     "matmul rate", ">= 0.70", lambda v: v >= 0.70),
     ("flops_precompute_cpu", "the same end-to-end share in CPU seconds (each side's own process CPU time)",
      ">= 0.70", lambda v: v >= 0.70),
     ("flops_score_cpu", "the same scoring-alone share in CPU seconds", ">= 0.70", lambda v: v >= 0.70),
@@ -138,6 +142,12 @@ def measured(R: dict) -> dict:
             m["flops_train"] = _share(long["train"]["share_of_mm"], where)
             if "share_of_mm_cpu" in long["train"]:
                 m["flops_train_cpu"] = _share(long["train"]["share_of_mm_cpu"], where)
+        job = next((c for c in R["flops"]["cases"] if c["size"].get("key") == "job" and "precompute" in c), None)
+        if job:
+            m["flops_precompute_job"] = _share(job["precompute"]["share_of_mm"]["refcache"], where)
+    compiled = next(iter(R.get("compile", {}).get("cases", [])), {}).get("train_compiled")
+    if compiled:
+        m["flops_train_compiled"] = _share(compiled["share_of_mm"], R["compile"]["cases"][0]["case"])
     if "vocab" in R and "ours_vs_trl_precompute" in R["vocab"]:
         m["vocab_train_mem"] = _share(R["vocab"]["ours_vs_trl_precompute"], "128k vocab, seq 2048")
     if "sweep" in R:
