@@ -24,6 +24,15 @@ ARGS = ("--rows-per-shard", 8, "--batching", "full_forward")
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs g++")
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from nothing: dynamo keeps compiled code on the forward's code object across model
+    instances, so a graph an earlier test built (a model of the same shapes) would be reused and not counted."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 # inductor builds its CPU kernels with a C++ compiler (scripts/test.sh installs g++ as root)
 @needs_gxx
 def test_compiled_cache_is_the_eager_cache(tmp_path, llama_dir):
