@@ -85,7 +85,7 @@ def compiled_scorer(model, mode: str, probe: list[EncodedPair], pad_id: int, top
         log(f"torch.compile: not used, scoring with the uncompiled model ({reason})")
         return model, False
     if isinstance(compiled, CompiledDecoder):
-        compiled.__dict__["proven"] = True
+        compiled.proven = True
     what = "its decoder" if isinstance(compiled, CompiledDecoder) else "the whole model"
     log(f"torch.compile: the {mode} forward compiled ({what}, dynamic shapes); matches the reference forward on the "
         "probe")

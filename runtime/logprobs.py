@@ -24,7 +24,7 @@ from .tolerance import head_tolerance
 CHUNK_ELEMENTS = 2**25  # logits held at once (~128 MiB in float32)
 HEAD_ELEMENTS = 2**28  # logits one forward may hold when the model's own head has to produce them (1 GiB float32)
 # On CPU the head runs in smaller pieces than CHUNK_ELEMENTS allows: the log-softmax's passes over a piece (max,
-# exp, sum, gather) then read it from the core's cache instead of memory (bench_flops.py --head-chunks: at a vocabulary
+# exp, sum, gather) then read it from the core's cache instead of memory (bench_flops.py --head-pieces: at a vocabulary
 # of 8k about a fifth less head time than 2**25). At least CPU_CHUNK_ROWS positions a piece, so the projection stays
 # a matmul that reads its weight once for many rows at a large vocabulary.
 CPU_CHUNK_ELEMENTS = 2**21

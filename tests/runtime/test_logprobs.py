@@ -38,12 +38,16 @@ def sequences(n=5, seed=0) -> list[tuple[list[int], list[int]]]:
             for p, c in lengths]
 
 
-@torch.no_grad()
-def plain(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+def plain_with_grad(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
     """The log-probs of the completion tokens from one unpadded forward, written out without the project's code."""
     ids = prompt + completion
     logps = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     return torch.stack([logps[len(prompt) + i - 1, t] for i, t in enumerate(completion)])
+
+
+@torch.no_grad()
+def plain(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    return plain_with_grad(model, prompt, completion)
 
 
 def batch(pairs):
@@ -109,11 +113,8 @@ def test_chunked_hook_path_gives_the_gradient_of_a_plain_forward(model):
     (got * torch.linspace(0.5, 1.5, len(got))).sum().backward()
     grads = {n: p.grad.clone() for n, p in params.items()}
     trained.zero_grad()
-    expected = []
-    for p, c in pairs:
-        logps = trained(torch.tensor([p + c])).logits[0].float().log_softmax(-1)
-        expected += [logps[len(p) + i - 1, t] for i, t in enumerate(c)]
-    (torch.stack(expected) * torch.linspace(0.5, 1.5, len(got))).sum().backward()
+    expected = torch.cat([plain_with_grad(trained, p, c) for p, c in pairs])
+    (expected * torch.linspace(0.5, 1.5, len(got))).sum().backward()
     for name, p in params.items():  # float32 rounding of a padded batch vs one sequence: ~1e-6 of the largest
         scale = float(p.grad.abs().max())
         assert float((grads[name] - p.grad).abs().max()) <= 1e-5 * max(1.0, scale), name
@@ -144,11 +145,7 @@ def test_cpu_pieces_of_the_head_give_the_plain_forwards_values_and_gradient(mode
     (got * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in trained.named_parameters()}
     trained.zero_grad()
-    expected = []
-    for p, c in pairs:
-        logps = trained(torch.tensor([p + c])).logits[0].float().log_softmax(-1)
-        expected += [logps[len(p) + i - 1, t] for i, t in enumerate(c)]
-    expected = torch.stack(expected)
+    expected = torch.cat([plain_with_grad(trained, p, c) for p, c in pairs])
     assert float((got.detach() - expected.detach()).abs().max()) <= probe_tolerance(torch.float32)
     (expected * weights).sum().backward()
     for name, p in trained.named_parameters():
