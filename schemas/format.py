@@ -338,6 +338,7 @@ def read_columns(path: Path, columns=None) -> pa.Table:
     try:
         with store.source(path) as src:
             table = pq.read_table(src, columns=columns)
+        table.validate(full=True)  # Parquet's reader leaves e.g. a string's UTF-8 unchecked until it is used
     except (pa.ArrowException, OSError, ValueError) as e:
         raise CacheError("shard_unreadable", f"shard {path.name} is not a readable Parquet file ({e})", remedy=RERUN,
                          shard=path.name) from None
