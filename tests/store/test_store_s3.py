@@ -341,7 +341,7 @@ def test_writer_that_lost_its_lease_writes_no_manifest(s3, job, prefix, monkeypa
     lock = f"{prefix.removeprefix('s3://')}/{fmt.LOCK}"
     with store.lease(root, fmt.LOCK) as held:
         s3.pipe_file(lock, json.dumps({"host": "elsewhere", "pid": 7, "expires": time.time() + 600}).encode())
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # a bound on a wait, generous for a loaded machine
         while held.lost is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert held.lost is not None
