@@ -166,7 +166,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("cache", type=CACHE)
+@click.argument("cache", type=CACHE, metavar="CACHE")
 @dataclass_options(AuditOptions)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def main(cache, debug, **options):
