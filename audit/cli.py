@@ -189,18 +189,15 @@ def main(cache, debug, **options):
     if opts.device_map and not opts.model:
         raise click.UsageError(f"--device-map {opts.device_map} splits the reference the replay runs: add --model")
     split = {"device_map": opts.device_map, "max_memory": opts.max_memory, "offload_folder": opts.offload_folder}
-    json_path = opts.json or opts.html
-    label = "--json" if opts.json else "--html"
-
     def body():
         from .report import _jsonable, render
 
         check_placement(opts.device_map, opts.max_memory, opts.offload_folder, "auto", 1, None)
         if opts.offload_folder:  # an output: apart from every input
             check_apart(opts.offload_folder, "--offload-folder", {
-                "CACHE": cache, "--model": opts.model, "--data": opts.data, "--run": opts.run, label: json_path})
-        if json_path:  # the report is an output like any other, refused now (not after the audit) where it may not be
-            output_file(json_path, label, inputs(cache, opts))
+                "CACHE": cache, "--model": opts.model, "--data": opts.data, "--run": opts.run, "--json": opts.json})
+        if opts.json:  # the report is an output like any other, refused now (not after the audit) where it may not be
+            output_file(opts.json, "--json", inputs(cache, opts))
         if opts.show or opts.html:
             quiet_libraries()
             view(cache, opts, None if opts.all else given.get("sample", HTML_SAMPLE))
@@ -211,9 +208,9 @@ def main(cache, debug, **options):
                            sample=None if opts.all else opts.sample, seed=opts.seed, tolerance=opts.tolerance,
                            trust_remote_code=opts.trust_remote_code, split=split if opts.device_map else None)
         click.echo(render(report))
-        if json_path:
+        if opts.json:
             text = json.dumps(_jsonable(report), indent=2) + "\n"
-            output_file(json_path, label, inputs(cache, opts), text.encode("utf-8"))
+            output_file(opts.json, "--json", inputs(cache, opts), text.encode("utf-8"))
         sys.exit(EXIT_FAILED if report["failed"] else EXIT_OK)
 
     run_cli(body, debug)
@@ -269,7 +266,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     version = None
     if opts.run:  # the rows of the version of the cache the run trained on (precompute-ref --update)
         manifest, version = run_version(root, manifest, opts.run)
-    if opts.html:  # the page is apart from the model folder the tokenizer is read from too
+    if opts.html:  # checked once the manifest names the model folder the tokenizer may come from, before any work
         output_file(opts.html, "--html", inputs(cache, opts, manifest))
     tokenizer = show.verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
     # rows are shown from the shards that pass shard_files only

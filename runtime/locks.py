@@ -30,9 +30,9 @@ def is_lock_file(path: Path) -> bool:
 def exclusive(folder, command: str, option: str):
     """Make `folder` where missing and hold its lock until the block ends, or refuse naming the process that holds
     it. The lock file is opened without following a symlink (schemas.files.open_nofollow), so a link planted there
-    is refused, never truncated through. A block that ends in an exception (a refusal, an interruption) leaving
-    nothing in the folder but a lock file this call made takes back what it made: the lock file and the folders it
-    created, so a refused command leaves no folder holding only `.refcache.lock`."""
+    is refused, never truncated through. A block that ends in an exception (a refusal, an interruption) takes back
+    what this call made: the lock file (if it made it) and the folders it created, while empty; so a refused command
+    leaves no folder holding only `.refcache.lock` (what the job wrote, e.g. finished shards to resume, stays)."""
     folder = store.location(folder)
     if store.is_remote(folder):
         with contextlib.ExitStack() as stack:
@@ -81,11 +81,10 @@ def _make(folder: Path) -> list[Path]:
 
 
 def _take_back(folder: Path, made: list[Path], lock_fd: int | None) -> None:
-    """Remove the lock file this call created (`lock_fd`: its open descriptor; None: it was there before, or none
-    was made) if it is all the folder holds, then the folders made, innermost first, while each is empty."""
+    """Remove the lock file this call created (`lock_fd`: its open descriptor, the lock still held; None: it was
+    there before, or none was made), then the folders made, innermost first, while each is empty."""
     with contextlib.suppress(OSError):
-        names = os.listdir(folder)
-        if lock_fd is not None and names == [LOCK]:
+        if lock_fd is not None:
             here, ours = os.lstat(folder / LOCK), os.fstat(lock_fd)
             if (here.st_dev, here.st_ino) == (ours.st_dev, ours.st_ino):
                 os.unlink(folder / LOCK)
