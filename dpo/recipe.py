@@ -200,6 +200,8 @@ class TrainConfig:
             "disable_tqdm": False,  # the Trainer's bar with ETA, although the libraries' logging is quietened
         })
         kwargs.update(self.training_args)  # any other TrainingArguments option, as given
+        # paths as the text TrainingArguments takes (it reads a str as a file name, anything else as a dict)
+        kwargs = {k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items()}
         kwargs["remove_unused_columns"] = False  # the collator needs the cached reference columns
         return transformers.TrainingArguments(**kwargs)
 

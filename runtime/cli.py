@@ -433,9 +433,10 @@ def spec_options(specs: list[OptionSpec]):
     return decorate
 
 
-def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None):
+def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None, locations=None):
     """A decorator adding one click option per init field of dataclass `cls` (option_specs)."""
-    return spec_options(option_specs(cls, group=group, skip=skip, enforce_required=enforce_required, aliases=aliases))
+    return spec_options(option_specs(cls, group=group, skip=skip, enforce_required=enforce_required, aliases=aliases,
+                                     locations=locations))
 
 
 def given_values(values: dict) -> dict:

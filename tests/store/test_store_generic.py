@@ -86,5 +86,6 @@ def test_a_url_where_only_a_local_path_is_taken_is_refused_never_made_a_folder(j
         t.output, t.output
     p = precompute(*job["args"], "--out", tmp_path / "c", "--device-map", "auto", "--max-memory", "1GiB",
                    "--offload-folder", "s3://bucket/offload")
-    assert p.exit_code == 2 and "'--offload-folder': s3://bucket/offload: an object-store URL" in p.output, p.output
+    assert p.exit_code == 2 and "'--offload-folder'" in p.output, p.output
+    assert "s3://bucket/offload: an object-store URL" in p.output, p.output
     assert list(tmp_path.iterdir()) == []  # no `s3:` folder, no cache begun
