@@ -103,7 +103,10 @@ def location(value) -> Path | StorePath:
         names = ", ".join(f"{p}://" for p in STORES)
         raise LocationError(f"{text}: {protocol}:// is not a store refcache writes and reads caches on ({names}); "
                             "give a local path, or one of those")
-    return StorePath.open(text)
+    place = StorePath.open(text)
+    if not place.key.strip("/"):
+        raise LocationError(f"{text}: names no bucket or prefix; give {protocol}://BUCKET/PREFIX")
+    return place
 
 
 def _file_url(text: str) -> Path:

@@ -186,3 +186,11 @@ def test_named_says_a_store_by_its_url_and_a_folder_resolved(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     assert store.named("memory://bucket/c") == "memory:///bucket/c"
     assert store.named("file://localhost/x/../y") == "/y" and store.named("c") == str(tmp_path / "c")
+
+
+@pytest.mark.parametrize("text, named", [("memory://", "names no bucket"), ("s3://", "names no bucket"),
+                                         ("file://", "absolute path"), ("file:relative", "no '//'"),
+                                         ("file:///a?b", "query or fragment")])
+def test_location_refuses_urls_naming_nothing(text, named):
+    with pytest.raises(store.LocationError, match=re.escape(named)):
+        store.location(text)
