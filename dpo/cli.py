@@ -277,7 +277,7 @@ def command_line(config_file, given: dict, **changes) -> str:
     import shlex
 
     values = {**given_values(given), **changes}
-    words = ["train-dpo"] + (["--config", config_file] if config_file else [])
+    words = ["train-dpo"] + (["--config", str(config_file)] if config_file else [])
     for name, value in values.items():
         flag = "--" + name.replace("_", "-")
         if value is None:
