@@ -189,6 +189,7 @@ def main(cache, debug, **options):
     if opts.device_map and not opts.model:
         raise click.UsageError(f"--device-map {opts.device_map} splits the reference the replay runs: add --model")
     split = {"device_map": opts.device_map, "max_memory": opts.max_memory, "offload_folder": opts.offload_folder}
+
     def body():
         from .report import _jsonable, render
 
