@@ -261,9 +261,8 @@ def _take_output_dir(cfg: TrainConfig, held: contextlib.ExitStack) -> None:
     from runtime import locks
 
     def take():
-        out = Path(cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        held.enter_context(locks.exclusive(out, "train-dpo", "--output-dir"))
+        out = Path(cfg.output_dir)  # made by the lock, which takes it back if the run is refused or fails before
+        held.enter_context(locks.exclusive(out, "train-dpo", "--output-dir"))  # writing anything else there
         check_output_dir(cfg)
         check_no_links(out)
 
