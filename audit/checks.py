@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+# what marks audit-ref's own output files, so that a later run may replace them and nothing else (runtime/paths.py)
+REPORT_KIND = "refcache-audit-ref-report"  # the JSON report's `kind`
+PAGE_GENERATOR = '<meta name="generator" content="refcache audit-ref">'  # in the --html page's head
 SECTIONS = {
     "cache": ("manifest", "shard_files", "shard_stamps", "row_checksums", "shard_checksums", "cache_checksum",
               "unique_ids", "list_lengths", "sums", "logprob_values", "top_k_shape", "top_k_ids", "top_k_order",

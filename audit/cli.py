@@ -21,34 +21,25 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import click
 
-from runtime.cli import EXIT_FAILED, EXIT_OK, dataclass_options, field_help, given_values, quiet_libraries, run_cli
+from runtime.cli import (EXIT_FAILED, EXIT_OK, Location, dataclass_options, field_help, given_values, quiet_libraries,
+                         read_locations, run_cli)
 from runtime.errors import JobError
-from runtime.paths import check_apart
+from runtime.paths import check_apart, check_output_file, write_output_file
 from runtime.placement import DEVICE_MAPS, check_placement, parse_max_memory
 from runtime.tolerance import describe_replay
-from schemas.files import atomic_write, check_destination
 
-from .checks import FAIL, PASS, SECTIONS, SKIP, Check
+from .checks import FAIL, PAGE_GENERATOR, PASS, REPORT_KIND, SECTIONS, SKIP, Check
 
 DEFAULT_SAMPLE = 100
 HTML_SAMPLE = 20  # rows on an --html page without --show or --sample
 VIEW_ONLY = ("json", "tolerance", "device_map", "max_memory", "offload_folder")  # audit options a view does not take
 
 
-class CacheLocation(click.Path):
-    """CACHE: an existing folder, or an object-store URL (s3://bucket/prefix, gs://, az://), taken as it is."""
-
-    def __init__(self):
-        super().__init__(exists=True, file_okay=False)
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, str) and "://" in value and not value.startswith("file://"):
-            return value
-        return super().convert(value.removeprefix("file://") if isinstance(value, str) else value, param, ctx)
+# CACHE: an existing folder, or a prefix on an object store (s3://bucket/prefix, gs://, az://)
+CACHE = Location("input", store=True, local=click.Path(exists=True, file_okay=False))
 
 
 @dataclass
@@ -57,14 +48,14 @@ class AuditOptions:
 
     model: str | None = field(default=None, metadata=field_help(
         "Reference checkpoint: compare model and tokenizer hashes, and replay the reference on a sample.",
-        click_type=click.Path(exists=True, file_okay=False)))
+        click_type=click.Path(exists=True, file_okay=False), location="input"))
     data: str | None = field(default=None, metadata=field_help(
         "Preference data: re-encode every row (needs --model for the tokenizer) and compare (with --show/--html: "
         "a note says whether the cached rows still match it).",
-        click_type=click.Path(exists=True)))
+        click_type=click.Path(exists=True), location="input"))
     run: str | None = field(default=None, metadata=field_help(
         "A train-dpo --output-dir: check that its run-manifest.json names this cache and its weights.",
-        click_type=click.Path(exists=True, file_okay=False)))
+        click_type=click.Path(exists=True, file_okay=False), location="input"))
     sample: int = field(default=DEFAULT_SAMPLE, metadata=field_help(
         "Rows to replay with --model, drawn at random (0: no replay); with --html, rows on the page (default 20).",
         min=0))
@@ -74,7 +65,7 @@ class AuditOptions:
         "Per-token replay tolerance.", click_type=click.FloatRange(min=0, min_open=True),
         show_default=describe_replay()))
     json: str | None = field(default=None, metadata=field_help(
-        "Also write the report as JSON here.", click_type=click.Path(dir_okay=False)))
+        "Also write the report as JSON here.", click_type=click.Path(dir_okay=False), location="output"))
     trust_remote_code: bool = field(default=False, metadata=field_help(
         "Allow custom model code from the checkpoint folder."))
     device_map: str | None = field(default=None, metadata=field_help(
@@ -88,7 +79,7 @@ class AuditOptions:
     offload_folder: str | None = field(default=None, metadata=field_help(
         "With --device-map: folder for weights offloaded to disk (a fresh folder is made inside it and removed at the "
         "end); apart from CACHE and the other inputs.", click_type=click.Path(file_okay=False),
-        show_default="a temporary folder"))
+        show_default="a temporary folder", location="output"))
     show: list[str] | None = field(default=None, metadata=field_help(
         "Instead of the audit, print these rows token by token: each token's text and reference log-prob, where the "
         "prompt ends, and with --run the policy's log-ratio. A row is an id (the cache's `id` column) or an index; "
@@ -96,11 +87,14 @@ class AuditOptions:
     html: str | None = field(default=None, metadata=field_help(
         "Instead of the audit, write the --show rows (else a sample of --sample rows, 20 unless given; --all: every "
         "row) token by token as one self-contained HTML page here, with the cache's stamps and where each margin "
-        "comes from.", group="Views", click_type=click.Path(dir_okay=False)))
+        "comes from.", group="Views", click_type=click.Path(dir_okay=False), location="output"))
     tokenizer: str | None = field(default=None, metadata=field_help(
         "For --show/--html: the folder of the tokenizer the cache was made with (its hash is checked against the "
-        "cache's).", group="Views", click_type=click.Path(exists=True, file_okay=False),
+        "cache's).", group="Views", click_type=click.Path(exists=True, file_okay=False), location="input",
         show_default="--model, else the model folder the cache recorded"))
+
+    def __post_init__(self):
+        read_locations(self)
 
 
 def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMPLE, seed=0, tolerance=None,
@@ -156,6 +150,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
     failed = [c.name for c in checks if c.status == FAIL]
     timing["total_s"] = time.perf_counter() - t0
     return {
+        "kind": REPORT_KIND,
         "cache": str(root.resolve()),
         "result": FAIL if failed else PASS,
         "failed": failed,
@@ -171,7 +166,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("cache", type=CacheLocation())
+@click.argument("cache", type=CACHE, metavar="CACHE")
 @dataclass_options(AuditOptions)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def main(cache, debug, **options):
@@ -194,11 +189,6 @@ def main(cache, debug, **options):
     if opts.device_map and not opts.model:
         raise click.UsageError(f"--device-map {opts.device_map} splits the reference the replay runs: add --model")
     split = {"device_map": opts.device_map, "max_memory": opts.max_memory, "offload_folder": opts.offload_folder}
-    json_path = opts.json or opts.html
-    label = "--json" if opts.json else "--html"
-
-    if json_path and not Path(json_path).resolve().parent.is_dir():
-        raise click.UsageError(f"{label} {json_path}: its folder does not exist")
 
     def body():
         from .report import _jsonable, render
@@ -206,12 +196,9 @@ def main(cache, debug, **options):
         check_placement(opts.device_map, opts.max_memory, opts.offload_folder, "auto", 1, None)
         if opts.offload_folder:  # an output: apart from every input
             check_apart(opts.offload_folder, "--offload-folder", {
-                "CACHE": cache, "--model": opts.model, "--data": opts.data, "--run": opts.run, label: json_path})
-
-        if json_path:  # the report is an output like any other: apart from every input, the cache's files included
-            check_apart(json_path, label, {"CACHE": cache, "--model": opts.model, "--data": opts.data,
-                                           "--run": opts.run, "--tokenizer": opts.tokenizer})
-            check_destination(json_path)  # a link there is refused now, not after the audit
+                "CACHE": cache, "--model": opts.model, "--data": opts.data, "--run": opts.run, "--json": opts.json})
+        if opts.json:  # the report is an output like any other, refused now (not after the audit) where it may not be
+            output_file(opts.json, "--json", inputs(cache, opts))
         if opts.show or opts.html:
             quiet_libraries()
             view(cache, opts, None if opts.all else given.get("sample", HTML_SAMPLE))
@@ -222,12 +209,46 @@ def main(cache, debug, **options):
                            sample=None if opts.all else opts.sample, seed=opts.seed, tolerance=opts.tolerance,
                            trust_remote_code=opts.trust_remote_code, split=split if opts.device_map else None)
         click.echo(render(report))
-        if json_path:
+        if opts.json:
             text = json.dumps(_jsonable(report), indent=2) + "\n"
-            atomic_write(Path(json_path), lambda f: f.write(text.encode("utf-8")))
+            output_file(opts.json, "--json", inputs(cache, opts), text.encode("utf-8"))
         sys.exit(EXIT_FAILED if report["failed"] else EXIT_OK)
 
     run_cli(body, debug)
+
+
+def inputs(cache, opts: AuditOptions, manifest: dict | None = None) -> dict:
+    """Every place audit-ref reads ({option: location}): CACHE, --model, --data, --run, --tokenizer and, once the
+    manifest is read, the model folder the cache recorded (where --show/--html take the tokenizer from by
+    default)."""
+    recorded = (manifest or {}).get("model")
+    recorded = recorded.get("path") if isinstance(recorded, dict) and isinstance(recorded.get("path"), str) else None
+    return {"CACHE": cache, "--model": opts.model, "--data": opts.data, "--run": opts.run,
+            "--tokenizer": opts.tokenizer, "the model folder the cache recorded": recorded}
+
+
+def _ours(path) -> bool:
+    """A file audit-ref wrote: its JSON report (of kind REPORT_KIND; before that kind, an object with the report's
+    cache, result, failed and checks), or its HTML page (with PAGE_GENERATOR in its head)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+            if head.lstrip().startswith(b"{"):
+                data = json.loads(head + f.read())
+                return isinstance(data, dict) and (data.get("kind") == REPORT_KIND
+                                                   or {"cache", "result", "failed", "checks"} <= set(data))
+    except (OSError, ValueError):
+        return False
+    return head.startswith(b"<!DOCTYPE html>") and PAGE_GENERATOR.encode() in head
+
+
+def output_file(path, label: str, places: dict, data: bytes | None = None) -> None:
+    """--json and --html by the one output rule (runtime/paths.py): checked, or with `data` checked again and
+    written."""
+    if data is None:
+        check_output_file(path, label, places, ours=_ours, kind="a report or page")
+    else:
+        write_output_file(path, label, places, data, ours=_ours, kind="a report or page")
 
 
 def view(cache, opts: AuditOptions, sample: int | None) -> None:
@@ -246,6 +267,8 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     version = None
     if opts.run:  # the rows of the version of the cache the run trained on (precompute-ref --update)
         manifest, version = run_version(root, manifest, opts.run)
+    if opts.html:  # checked once the manifest names the model folder the tokenizer may come from, before any work
+        output_file(opts.html, "--html", inputs(cache, opts, manifest))
     tokenizer = show.verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
     # rows are shown from the shards that pass shard_files only
     scan = audit_cache(root, manifest, current=not version or version["file"] == fmt.MANIFEST)
@@ -273,8 +296,8 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     if opts.show:
         click.echo(show.render_text(views, colour="NO_COLOR" not in os.environ))
     if opts.html:
-        page = show.render_html(views, cache, manifest, notes).encode("utf-8")
-        atomic_write(Path(opts.html), lambda f: f.write(page))
+        page = show.render_html(views, root, manifest, notes).encode("utf-8")
+        output_file(opts.html, "--html", inputs(cache, opts, manifest), page)
         click.echo(f"wrote {opts.html}: {len(views)} row(s) token by token")
 
 

@@ -19,8 +19,11 @@ import polars as pl
 from runtime.errors import JobError
 from runtime.placement import describe
 from schemas import format as fmt
+from schemas import store
 from schemas.rules import stamp_findings
 from schemas.stamps import tokenizer_hash
+
+from .checks import PAGE_GENERATOR
 
 # Log-prob bands (lower bound, name): the token's probability >= 1/2, >= 1/10, >= 1/100, below.
 BANDS = ((np.log(0.5), "likely"), (np.log(0.1), "plausible"), (np.log(0.01), "unlikely"), (-np.inf, "surprising"))
@@ -310,7 +313,7 @@ def _stamps_html(cache, manifest: dict, notes: list[str]) -> str:
     e = html.escape
     comp = manifest.get("computation") or {}
     model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
-    items = [("cache", str(Path(cache).resolve())), *((k, str(v)) for k, v in (manifest.get("stamps") or {}).items()),
+    items = [("cache", store.named(cache)), *((k, str(v)) for k, v in (manifest.get("stamps") or {}).items()),
              ("reference", str(model.get("name"))), ("computed", f"{comp.get('dtype')} on {comp.get('device_type')}, "
                                                                   f"{comp.get('mode')} batching"),
              *([("split", describe(comp["layout"]))] if isinstance(comp.get("layout"), dict) else []),
@@ -325,9 +328,9 @@ def render_html(views: list[RowView], cache, manifest: dict, notes: list[str] = 
     legend = " ".join(f'<span class="tok {name}">{name}<small>p &ge; {np.exp(bound):.2g}</small></span>'
                       if np.isfinite(bound) else f'<span class="tok {name}">{name}<small>lower</small></span>'
                       for bound, name in BANDS)
-    title = html.escape(f"refcache audit-ref: {Path(cache).resolve().name}")
+    title = html.escape(f"refcache audit-ref: {store.location(cache).resolve().name}")
     return "\n".join([
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', PAGE_GENERATOR,
         # nothing is fetched: no network, no scripts, not even images
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
         f"<title>{title}</title><style>{CSS}</style></head><body>",

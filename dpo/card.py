@@ -63,15 +63,21 @@ Trained with refcache `train-dpo` ({{ software }}).
 """
 
 
-def is_card(path: Path) -> bool:
-    """A model card train-dpo wrote: its metadata (YAML, read safely) tags it `refcache`."""
+RUN_KEY = "refcache_run"  # the card's metadata: the run id of the run that wrote it
+
+
+def is_card(path: Path, run_id: str | None = None) -> bool:
+    """A model card train-dpo wrote: its metadata (YAML, read safely) tags it `refcache` and names the run that
+    wrote it (RUN_KEY); with `run_id`, that run. A tag alone proves nothing: a cache's dataset card (precompute-ref)
+    carries it too, and anyone can write one."""
     from huggingface_hub import metadata_load
 
     try:
         meta = metadata_load(path)
     except Exception:  # not UTF-8, a YAML error: not a card of ours
         return False
-    return isinstance(meta, dict) and isinstance(meta.get("tags"), list) and TAG in meta["tags"]
+    return (isinstance(meta, dict) and isinstance(meta.get("tags"), list) and TAG in meta["tags"]
+            and isinstance(meta.get(RUN_KEY), str) and run_id in (None, meta[RUN_KEY]))
 
 
 def write_cards(out: Path, manifest: dict) -> list[Path]:
@@ -106,7 +112,7 @@ def model_card(manifest: dict, records: list[dict], *, kind: str, plot: str | No
     meta = ModelCardData(
         base_model=base.get("hub_id"), datasets=datasets or None, license=base_license(base["path"]),
         library_name="peft" if kind == "adapter" else "transformers", pipeline_tag="text-generation",
-        tags=["dpo", TAG] + (["lora"] if peft else []))
+        tags=["dpo", TAG] + (["lora"] if peft else []), **{RUN_KEY: manifest.get("run_id")})
     return ModelCard.from_template(
         meta, template_str=TEMPLATE, title=_title(manifest), summary=_summary(manifest, kind),
         base=_base(base, peft), data=_data(data, eval_data), reference=_reference(manifest["reference"], peft),

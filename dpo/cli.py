@@ -13,7 +13,8 @@ from pathlib import Path
 
 import click
 
-from runtime.cli import GroupedCommand, ParsedText, exit_without_teardown, click_type, dataclass_options, given_values, quiet_libraries, run_cli, spec_options
+from runtime.cli import (GroupedCommand, Location, ParsedText, click_type, dataclass_options, exit_without_teardown,
+                         given_values, location_type, quiet_libraries, run_cli, spec_options)
 
 from .lora import LoraOptions
 from .recipe import TrainConfig
@@ -46,6 +47,8 @@ def _value_type(name: str):
             return click.Choice([str(c) for c in f.metadata["choices"]]), False
         if "parse" in f.metadata:
             return ParsedText(f.metadata["parse"], f.metadata.get("metavar")), False
+        if "location" in f.metadata:  # a path or URL: read as on the command line (runtime.cli.Location)
+            return location_type(f.metadata), False
         return click_type(typing.get_type_hints(LoraOptions if name in LORA else TrainConfig)[name])
     import transformers
 
@@ -167,9 +170,10 @@ def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
     return {k: v for k, v in data.items() if k not in inert}, given_as
 
 
-def load_config_file(path: str) -> dict:
+def load_config_file(path) -> dict:
     import yaml
 
+    path = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
         data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
@@ -238,7 +242,7 @@ def _precision_text(note: dict | None) -> str:
 
 
 @click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
+@click.option("--config", "config_file", type=Location("input", local=click.Path(exists=True, dir_okay=False)),
               help="YAML or JSON file of these options (snake_case or kebab-case keys), or a TRL DPOConfig / "
                    "`trl dpo` YAML; the command line overrides it.")
 @dataclass_options(TrainConfig, enforce_required=False, aliases=TRL_ALIASES)
@@ -273,7 +277,7 @@ def command_line(config_file, given: dict, **changes) -> str:
     import shlex
 
     values = {**given_values(given), **changes}
-    words = ["train-dpo"] + (["--config", config_file] if config_file else [])
+    words = ["train-dpo"] + (["--config", str(config_file)] if config_file else [])
     for name, value in values.items():
         flag = "--" + name.replace("_", "-")
         if value is None:

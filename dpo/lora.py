@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.cli import field_help
+from runtime.cli import field_help, read_locations
 from runtime.errors import JobError
 from schemas.findings import StampMismatch
 from schemas.stamps import ADAPTER_CONFIG, adapter_hash, model_hash
@@ -52,9 +52,12 @@ class LoraOptions:
     load_in_8bit: bool = _f(False, "Load the base in 8 bits (bitsandbytes, CUDA only).")
     init_adapter: str | None = _f(None, "Start from this adapter (e.g. an SFT LoRA): it is merged into the base and a "
                                         "new adapter is trained on top; the reference is base + this adapter (cache: "
-                                        "precompute-ref --adapter).")
+                                        "precompute-ref --adapter).", location="input")
     merge_adapter: bool = _f(False, f"Also write the base with the trained adapter merged in to "
                                     f"OUTPUT_DIR/{MERGED_DIR}.")
+
+    def __post_init__(self):
+        read_locations(self)
 
 
 def check_options(opts: LoraOptions) -> None:

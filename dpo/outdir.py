@@ -13,13 +13,15 @@ from runtime.errors import JobError
 from runtime.hub import resolve_data
 from runtime.locks import is_lock_file
 from runtime.paths import check_apart
+from schemas.store import location
 from schemas.files import atomic_write, refusal, remove_file, why_unsafe
 
 
 def check_output_dir(cfg) -> None:
     """Refuse an --output-dir that cannot be made, that is, contains or is inside an input, or that a run already
     used (unless --overwrite-output-dir, or a resume). Nothing is created here."""
-    out = Path(cfg.output_dir)
+    check_apart(cfg.output_dir, "--output-dir", inputs(cfg))  # a store URL is refused, never read as a folder
+    out = location(cfg.output_dir)
     existing = out
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -27,7 +29,6 @@ def check_output_dir(cfg) -> None:
         raise JobError(f"--output-dir {out}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise JobError(f"--output-dir {out}: {existing} is not writable")
-    check_apart(cfg.output_dir, "--output-dir", inputs(cfg))  # as given: a URL is refused, not read as a folder
     used = sorted(p.name for p in out.iterdir() if not is_lock_file(p)) if out.is_dir() else []  # the lock: no use
     if used and not cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
         raise JobError(f"--output-dir {out} already holds files ({', '.join(used[:5])}{' …' if len(used) > 5 else ''})"
@@ -38,12 +39,14 @@ def check_output_dir(cfg) -> None:
 def inputs(cfg) -> dict:
     """Every path train-dpo reads ({option: path}; a data set named by hub id: its local snapshot); the DeepSpeed and
     FSDP configs only where they name a file (the Trainer also takes them as JSON text)."""
-    files = {"--deepspeed": cfg.deepspeed, "--fsdp-config": cfg.fsdp_config}
+    files = {"--deepspeed": cfg.deepspeed, "--fsdp-config": cfg.fsdp_config,
+             "--accelerator-config": (getattr(cfg, "training_args", None) or {}).get("accelerator_config")}
     return {"--model": cfg.model, "--ref-model": cfg.ref_model, "--ref-cache": cfg.ref_cache,
             "--eval-ref-cache": cfg.eval_ref_cache, "--data": resolve_data(cfg.data),
             "--eval-data": resolve_data(cfg.eval_data),
             "--init-adapter": cfg.lora.init_adapter, "--config": cfg.config_file} | {
-        k: v for k, v in files.items() if isinstance(v, str) and os.path.lexists(v)}
+        k: v for k, v in files.items() if isinstance(v, (str, os.PathLike)) and not str(v).lstrip().startswith("{")
+        and os.path.lexists(v)}
 
 
 def check_no_links(out: Path) -> None:

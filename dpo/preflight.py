@@ -100,8 +100,9 @@ def check_training_options(cfg):
     if cfg.optim is None:  # the Trainer's default, what TRL users get: recorded as what it resolved to
         cfg.optim = str(getattr(args.optim, "value", args.optim))
     check_one_job(args.world_size)
-    latest = cfg.resume_from_checkpoint is not None and cfg.resume_from_checkpoint.strip().lower() in TRUE
-    cfg.resume_from_checkpoint = latest_checkpoint(cfg.resume_from_checkpoint, Path(cfg.output_dir))
+    given = None if cfg.resume_from_checkpoint is None else str(cfg.resume_from_checkpoint)  # a path, or a word
+    latest = given is not None and given.strip().lower() in TRUE
+    cfg.resume_from_checkpoint = latest_checkpoint(given, Path(cfg.output_dir))
     if cfg.resume_from_checkpoint and cfg.overwrite_output_dir:
         raise JobError("--overwrite-output-dir starts a new run over the output dir's, --resume-from-checkpoint "
                        "continues that run: give one of them")

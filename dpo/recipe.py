@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from runtime.cli import field_help, heap_settled
+from runtime.cli import field_help, heap_settled, read_locations
 from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
@@ -45,16 +45,17 @@ class TrainConfig:
 
     model: str = field(metadata=field_help(
         "Policy checkpoint to start from (in standard DPO also the reference the cache was computed with): a folder "
-        "or a hub id in the local Hugging Face cache.", "Model", required=True))
+        "or a hub id in the local Hugging Face cache.", "Model", required=True, location="input"))
     data: str = field(metadata=field_help(
         "Training preference data (file, folder, save_to_disk folder or hub data set id), encoded exactly as the "
-        "cache was.", "Data", required=True))
+        "cache was.", "Data", required=True, location="input"))
     output_dir: str = field(metadata=field_help(
-        "Where checkpoints, metrics.jsonl, metrics.png and run-manifest.json go.", "Output", required=True))
-    ref_cache: str | None = _f(None, "Cache written by precompute-ref for --data; verified before use.",
-                               "Reference cache")
+        "Where checkpoints, metrics.jsonl, metrics.png and run-manifest.json go.", "Output", required=True,
+        location="output"))
+    ref_cache: str | None = _f(None, "Cache written by precompute-ref for --data (a folder or an object-store URL); "
+                                     "verified before use.", "Reference cache", location="input", store=True)
     ref_model: str | None = _f(None, "Reference checkpoint: with --ref-cache it is only hashed (never loaded); "
-                                     "without, live-reference mode.", "Reference cache")
+                                     "without, live-reference mode.", "Reference cache", location="input")
     ref_model_hash: str | None = _f(None, "Model hash the cache must carry, when the reference differs from --model "
                                           "and is not at hand.", "Reference cache")
     # a live reference split by accelerate's dispatch: precompute-ref's --device-map/--max-memory/--offload-folder
@@ -73,14 +74,17 @@ class TrainConfig:
     ref_offload_folder: str | None = _f(None, "With --ref-device-map: folder for the reference weights offloaded to "
                                               "disk (a fresh folder is made inside it and removed at the end); apart "
                                               "from the inputs and --output-dir.", "Live reference",
-                                        show_default="a temporary folder", click_type=click.Path(file_okay=False))
+                                        show_default="a temporary folder", click_type=click.Path(file_okay=False),
+                                        location="output")
     split: str = _f("train", "Split of --data to train on (datasets' split names: train, test/eval, validation).",
                     "Data")
-    eval_data: str | None = _f(None, "Evaluation preference data (needs its own cache: --eval-ref-cache).", "Data")
+    eval_data: str | None = _f(None, "Evaluation preference data (needs its own cache: --eval-ref-cache).", "Data",
+                               location="input")
     eval_split: str = _f("test", "Split of --eval-data (eval.jsonl and test.jsonl are split test, as in datasets).",
                          "Data")
     eval_ref_cache: str | None = _f(None, "Cache of the eval rows: precompute-ref --data EVAL_DATA --split "
-                                          "EVAL_SPLIT --out DIR.", "Reference cache")
+                                          "EVAL_SPLIT --out DIR.", "Reference cache", location="input",
+                                    store=True)
     # encoding: taken from the cache; a value given here must agree with it
     max_length: int | None = _f(None, "Must agree with the cache's value.", "Data", show_default="the cache's")
     truncation_mode: str | None = _f(None, "Must agree with the cache's value.", "Data", choices=TRUNCATION_MODES,
@@ -137,12 +141,14 @@ class TrainConfig:
     report_to: str = _f("none", "Comma-separated trackers (tensorboard, wandb, ...) or none; checked before any "
                                 "work. Name the run with --run-name.", "Training")
     resume_from_checkpoint: str | None = _f(None, "A checkpoint-N folder of this --output-dir's run, or true for the "
-                                                  "latest there.", "Training")
+                                                  "latest there.", "Training", location="input",
+                                             words=("true", "yes", "1", "false", "no", "0"))
     dataloader_num_workers: int = _f(0, "Data loader worker processes.", "Training")
     use_cpu: bool = _f(False, "Train on CPU even if a GPU is present (needed for --bf16 on CPU).", "Training")
     fsdp: str = _f("", "FSDP mode, e.g. 'full_shard auto_wrap' (under torchrun).", "Training")
-    fsdp_config: str | None = _f(None, "FSDP config JSON file.", "Training")
-    deepspeed: str | None = _f(None, "DeepSpeed config JSON file (needs the deepspeed package).", "Training")
+    fsdp_config: str | None = _f(None, "FSDP config JSON file.", "Training", location="input", json_text=True)
+    deepspeed: str | None = _f(None, "DeepSpeed config JSON file (needs the deepspeed package).", "Training",
+                               location="input", json_text=True)
     # ours
     trust_remote_code: bool = _f(False, "Allow custom model code from checkpoint folders.", "Model")
     plot: bool = _f(True, "Write metrics.png at the end.", "Output")
@@ -154,12 +160,15 @@ class TrainConfig:
                                    "probe; dpo/layout.py).", "Training", choices=("auto", "padded", "prefix_shared"))
     # every other transformers.TrainingArguments option given (generated options; see dpo/cli.py)
     training_args: dict = field(default_factory=dict, metadata={"cli": False})
-    config_file: str | None = field(default=None, metadata={"cli": False})  # --config: an input like the others
+    config_file: str | None = field(default=None, metadata={"cli": False, "location": "input"})  # --config: an input
     lora: lora.LoraOptions = field(default_factory=lora.LoraOptions, metadata={"cli": False})  # dpo/lora.py options
     # set once the run starts writing --output-dir (dpo/resume.start_run): in its checkpoints and run manifest
     run_id: str | None = field(default=None, init=False, metadata={"cli": False})
     # where --model and --ref-model came from (runtime.hub.origin: a hub id beside its snapshot), set when resolved
     origins: dict = field(default_factory=dict, init=False, metadata={"cli": False})
+
+    def __post_init__(self):
+        read_locations(self)
 
     def loss_config(self) -> LossConfig:
         return LossConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossConfig)})  # same names
@@ -191,6 +200,8 @@ class TrainConfig:
             "disable_tqdm": False,  # the Trainer's bar with ETA, although the libraries' logging is quietened
         })
         kwargs.update(self.training_args)  # any other TrainingArguments option, as given
+        # paths as the text TrainingArguments takes (it reads a str as a file name, anything else as a dict)
+        kwargs = {k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items()}
         kwargs["remove_unused_columns"] = False  # the collator needs the cached reference columns
         return transformers.TrainingArguments(**kwargs)
 
@@ -250,9 +261,8 @@ def _take_output_dir(cfg: TrainConfig, held: contextlib.ExitStack) -> None:
     from runtime import locks
 
     def take():
-        out = Path(cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        held.enter_context(locks.exclusive(out, "train-dpo", "--output-dir"))
+        out = Path(cfg.output_dir)  # made by the lock, which takes it back if the run is refused or fails before
+        held.enter_context(locks.exclusive(out, "train-dpo", "--output-dir"))  # writing anything else there
         check_output_dir(cfg)
         check_no_links(out)
 
@@ -269,9 +279,9 @@ def _open_policy(cfg: TrainConfig, log) -> Checkpoint:
     if cfg.ref_offload_folder is not None:  # an output: apart from every input and from --output-dir
         from runtime.paths import check_apart
 
-        check_apart(cfg.ref_offload_folder, "--ref-offload-folder",
-                    {"--model": cfg.model, "--ref-model": cfg.ref_model, "--data": cfg.data,
-                     "--eval-data": cfg.eval_data, "--output-dir": cfg.output_dir})
+        from .outdir import inputs
+
+        check_apart(cfg.ref_offload_folder, "--ref-offload-folder", inputs(cfg) | {"--output-dir": cfg.output_dir})
     policy = Checkpoint.open(cfg.model, cfg.trust_remote_code, lora.init_adapter(cfg.lora))
     policy.start_hashing()  # while the tokenizer loads and the cache's files are hashed
     lora.check_options(cfg.lora)

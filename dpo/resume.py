@@ -139,8 +139,8 @@ def _ours(path: Path) -> bool:
                 isinstance(json.loads(line).get("step"), int) for line in lines if line.strip())
         if name == "metrics.png":
             return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        if name == CARD:
-            return is_card(path)
+        if name == CARD:  # the card of the run whose record is here (a cache's dataset card is not one)
+            return is_card(path, rm.read_run_record(path.parent)["run_id"])
     except (rm.RunManifestError, OSError, ValueError, AttributeError):
         return False
     return False

@@ -25,6 +25,10 @@ FORMAT = 1
 # the transformers modules TrainingArguments' fields, types and defaults are written in
 SOURCES = ("training_args.py", "trainer_utils.py", "debug_utils.py")
 VERSIONS = ("transformers", "torch", "accelerate")
+# the TrainingArguments fields that name a file or folder, read as paths (runtime.cli.Location); their own help says
+# which (tests/runtime/test_locations.py finds any other field whose help names a path, and fails until it is here)
+LOCATIONS = {"accelerator_config": {"location": "input", "json_text": True},
+             "logging_dir": {"location": "output"}}
 
 
 def cache_folder() -> Path:
@@ -68,7 +72,7 @@ def computed_specs(skip) -> list[OptionSpec]:
     """The option table from TrainingArguments itself (imports transformers, and with it torch)."""
     import transformers
 
-    return option_specs(transformers.TrainingArguments, group=GROUP, skip=skip)
+    return option_specs(transformers.TrainingArguments, group=GROUP, skip=skip, locations=LOCATIONS)
 
 
 def _read(path: Path) -> list[OptionSpec] | None:

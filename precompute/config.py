@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import click
 
 from runtime.budget import DEFAULT_TOKEN_BUDGET, parse_token_budget
-from runtime.cli import field_help
+from runtime.cli import field_help, read_locations
 from runtime.errors import JobError
 from runtime.hub import origin
 from runtime.paths import check_apart
@@ -28,16 +28,17 @@ class PrecomputeConfig:
 
     model: str = field(metadata=field_help(
         "Reference checkpoint: a folder (safetensors weights, config.json, tokenizer) or a hub id in the local "
-        "Hugging Face cache.", "Model", required=True))
+        "Hugging Face cache.", "Model", required=True, location="input"))
     data: str = field(metadata=field_help(
         "Preference data: a .jsonl/.json/.parquet/.csv file, a folder of them, a save_to_disk folder, or a hub "
-        "data set id in the local Hugging Face cache.", "Data", required=True))
-    out: str = field(default="ref-cache", metadata=field_help("Cache directory to write.", "Output",
-                                                              click_type=click.Path(file_okay=False)))
+        "data set id in the local Hugging Face cache.", "Data", required=True, location="input"))
+    out: str = field(default="ref-cache", metadata=field_help(
+        "Cache directory to write: a local folder, or a prefix on an object store (s3://bucket/prefix, gs://, "
+        "az://).", "Output", click_type=click.Path(file_okay=False), location="output", store=True))
     adapter: str | None = field(default=None, metadata=field_help(
         "peft LoRA adapter folder merged into --model: the reference is base + adapter (e.g. an SFT LoRA that "
         "train-dpo --init-adapter starts from); the model hash covers both.", "Model",
-        click_type=click.Path(exists=True, file_okay=False)))
+        click_type=click.Path(exists=True, file_okay=False), location="input"))
     split: str = field(default="train", metadata=field_help(
         "Split to read: a file or folder named after it (train, test/eval, validation, as datasets.load_dataset "
         "resolves them) or a DatasetDict split.", "Data"))
@@ -65,7 +66,7 @@ class PrecomputeConfig:
     offload_folder: str | None = field(default=None, metadata=field_help(
         "With --device-map: folder for weights offloaded to disk (a fresh folder is made inside it and removed at the "
         "end); apart from --model, --data and --out. Default: a temporary folder.", "Computation",
-        click_type=click.Path(file_okay=False)))
+        click_type=click.Path(file_okay=False), location="output"))
     tp_size: int = field(default=1, metadata=field_help(
         "Tensor parallelism under torchrun: each group of N consecutive ranks loads one copy of the model split N "
         "ways by the tensor-parallel plan transformers has for the architecture (refused for one without a plan) "
@@ -104,6 +105,9 @@ class PrecomputeConfig:
     trust_remote_code: bool = field(default=False, metadata=field_help(
         "Allow custom model code from the checkpoint folder.", "Model"))
     progress: bool = field(default=True, metadata=field_help("Show the progress bar.", "Output"))
+
+    def __post_init__(self):
+        read_locations(self)
 
 
 def checked_inputs(cfg: PrecomputeConfig) -> tuple[object, dict, dict]:

@@ -100,6 +100,8 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     out, origins, inputs = checked_inputs(cfg)
     cfg.model = origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
+    _check_top_k(cfg.top_k, (checkpoint.config.get("text_config") or {}).get("vocab_size")
+                 or checkpoint.config.get("vocab_size"))  # from config.json: before anything is made in --out
     if dist.rank == 0:  # the one rank that hashes it (stamps below): while the tokenizer loads and the rows encode
         checkpoint.start_hashing()
     max_memory = _placement(cfg, inputs, dist)
@@ -123,6 +125,12 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     plan = plan_shards(encoded, cfg.rows_per_shard, cfg.encoding)
     return Job(out, checkpoint, source, encoded, stamps, plan, device, resolve_dtype(cfg.dtype, device), origins,
                max_memory)
+
+
+def _check_top_k(top_k: int, vocab) -> None:
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and top_k > vocab:
+        raise JobError(f"--top-k {top_k} is more than the model's vocabulary of {vocab} tokens; pass at most "
+                       f"{vocab} (--top-k {vocab} stores the whole distribution)")
 
 
 def _placement(cfg: PrecomputeConfig, inputs: dict, dist: Dist) -> dict | None:
@@ -159,11 +167,14 @@ def _check_tp_plan(cfg: PrecomputeConfig, checkpoint: Checkpoint) -> None:
 
 def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) -> Resume:
     """Take the directory (lock; --overwrite clears it) and judge what an earlier run left there. A folder holding
-    anything but a cache's own files is refused before the lock file is made in it, and again under the lock."""
+    anything but a cache's own files is refused before the lock file is made in it, and again under the lock; so is
+    an --update of a folder holding no finished cache. A refusal under the lock takes back the folder and lock file
+    it made (runtime.locks.exclusive)."""
+    if cfg.update:
+        update.check_finished(job.out)
     if job.out.is_dir():
         own_files(job.out)
     try:
-        job.out.mkdir(parents=True, exist_ok=True)
         lock.enter_context(locks.exclusive(job.out, "precompute-ref", "--out"))  # one writer per cache
     except OSError as e:
         raise JobError(f"--out {job.out}: cannot write the cache directory there ({e.strerror or e})") from None
@@ -280,10 +291,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     # auto: the mode is weighed at the default budget (the same on every rank and machine), the budget sized for it
     requested = DEFAULT_TOKEN_BUDGET if cfg.token_budget == "auto" else cfg.token_budget
     budget = effective_budget(model, requested, longest)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    if cfg.top_k > vocab:
-        raise JobError(f"--top-k {cfg.top_k} is more than the model's vocabulary of {vocab} tokens; pass at most "
-                       f"{vocab} (--top-k {vocab} stores the whole distribution)")
+    _check_top_k(cfg.top_k, model.get_output_embeddings().weight.shape[0])  # the head itself decides
     mode = choose_mode(model, job.batching or cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair],
                        top_k=cfg.top_k)
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,

@@ -54,12 +54,17 @@ class Change:
         return not (self.added or self.removed or self.replaced)
 
 
-def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
-    """Judge the cache against this job (refusing another model, tokenizer, encoding or computation, and changed rows
-    unless --replace-changed), copy the kept rows of shards that lost some, and plan the rows to score."""
+def check_finished(out) -> None:
+    """--update needs a finished cache in --out (checked before anything is made there, and again under the lock)."""
     if not (out / fmt.MANIFEST).is_file():
         raise JobError(f"--update: {out} holds no finished cache (no {fmt.MANIFEST}); run precompute-ref without "
                        "--update to make it (or to finish an interrupted first run)")
+
+
+def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
+    """Judge the cache against this job (refusing another model, tokenizer, encoding or computation, and changed rows
+    unless --replace-changed), copy the kept rows of shards that lost some, and plan the rows to score."""
+    check_finished(out)
     try:
         base = fmt.read_manifest(out)
     except fmt.CacheError as e:

@@ -75,6 +75,7 @@ class Checkpoint:
                 f"{model_dir}: this model needs custom code from its folder (auto_map in config.json); refcache does "
                 "not run it unless you pass --trust-remote-code"
             )
+        adapter = None if adapter is None else str(adapter)  # as peft and the manifests take it
         return cls(str(model_dir), config, tuple(files), trust_remote_code, adapter,
                    None if adapter is None else check_adapter(adapter))
 

@@ -6,6 +6,7 @@ import dataclasses
 import sys
 import traceback
 import typing
+from pathlib import Path
 
 import click
 
@@ -175,6 +176,90 @@ class ParsedText(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class Location(click.ParamType):
+    """A path-or-URL option (a field with `location` metadata, the audit's CACHE, train-dpo's --config): its text
+    read by the one function that reads places, schemas.store.location (a local Path, file:// URLs included, or a
+    StorePath), at parse time: a URL it refuses (another host's file://, a protocol chain, another protocol) and a
+    store URL where the option takes no store are usage errors (exit 2) naming the option. `role`: "input" or
+    "output"; `store`: the option takes a cache on an object store; `local`: a click.Path checking the local path
+    (exists, file or folder); `words`: values kept as text (resume_from_checkpoint's `true`); `json_text`: a value
+    starting with `{` is JSON text, not a path (DeepSpeed and FSDP configs)."""
+
+    name = "path"
+
+    def __init__(self, role: str, *, store: bool = False, local: click.Path | None = None, words=(),
+                 json_text: bool = False):
+        if role not in ("input", "output"):
+            raise ValueError(f"location role {role!r}: input or output")
+        self.role, self.store, self.local, self.words, self.json_text = role, store, local, tuple(words), json_text
+
+    def get_metavar(self, param, ctx=None):
+        return ("PATH|URL" if self.store else "PATH") + "".join(f"|{w}" for w in self.words[:1])
+
+    def convert(self, value, param, ctx):
+        import os
+
+        from schemas import store
+
+        if isinstance(value, (store.StorePath, Path)):
+            return self._checked(value, param, ctx)
+        if isinstance(value, bool) and self.words:  # a config file's `resume_from_checkpoint: true`
+            value = str(value).lower()
+        if self.json_text and isinstance(value, dict):
+            return value
+        if not isinstance(value, (str, os.PathLike)):
+            self.fail(f"{value!r} is not a path ({type(value).__name__})", param, ctx)
+        text = os.fspath(value)
+        if text.strip().lower() in self.words or (self.json_text and text.lstrip().startswith("{")):
+            return text
+        if store.is_remote(text) and not self.store:
+            self._no_store(text, param, ctx)
+        try:
+            place = store.location(text)
+        except store.LocationError as e:
+            self.fail(str(e), param, ctx)
+        return self._checked(place, param, ctx)
+
+    def _checked(self, place, param, ctx):
+        from schemas import store
+
+        if isinstance(place, store.StorePath):
+            if not self.store:
+                self._no_store(place, param, ctx)
+        elif self.local is not None:
+            self.local.convert(str(place), param, ctx)
+        return place
+
+    def _no_store(self, url, param, ctx):
+        self.fail(f"{url}: an object-store URL is taken where refcache writes or reads a cache (precompute-ref --out, "
+                  "train-dpo --ref-cache / --eval-ref-cache, audit-ref CACHE), not here; give a local path (and copy "
+                  "to or from the store with its own tools)", param, ctx)
+
+
+def read_locations(config) -> None:
+    """Every `location` field of a config dataclass read by the Location type, as the command line reads it (the
+    local existence checks are the command line's own): a config made in Python, a config file's values and the
+    command line's name the same places. Called by each config's __post_init__."""
+    for fld in dataclasses.fields(config):
+        value = getattr(config, fld.name)
+        if "location" not in fld.metadata or value is None:
+            continue
+        kind = location_type({k: v for k, v in fld.metadata.items() if k != "click_type"})
+        try:
+            setattr(config, fld.name, kind.convert(value, None, None))
+        except click.BadParameter as e:
+            raise click.BadParameter(e.message, param_hint=f"'--{fld.name.replace('_', '-')}'") from None
+
+
+def location_type(metadata) -> Location:
+    """The Location type of a field's `location` metadata ("input" or "output"), with its `store`, `words` and
+    `json_text` keys and its `click_type` (a click.Path) as the local check."""
+    local = metadata.get("click_type")
+    return Location(metadata["location"], store=bool(metadata.get("store")),
+                    local=local if isinstance(local, click.Path) else None, words=metadata.get("words", ()),
+                    json_text=bool(metadata.get("json_text")))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # options generated from config dataclasses: a field is an option, its metadata the help text
 
@@ -183,7 +268,8 @@ def field_help(help: str, group: str | None = None, **extra) -> dict:
     """Metadata for a config field: its --help text, its section in --help, and optionally `choices`,
     `cli=False` (not an option), `required=True`, `show_default` (a text instead of the default's value), `min`,
     `click_type` (a click type that checks more, e.g. click.Path(file_okay=False)), `parse` (text -> value, a
-    ValueError for a bad one: a ParsedText option) with its `metavar`."""
+    ValueError for a bad one: a ParsedText option) with its `metavar`, `location` ("input" or "output": a path or
+    URL, read by the Location type, with `store`, `words`, `json_text`; every path option declares one)."""
     return {"help": help, "group": group, **extra}
 
 
@@ -268,6 +354,8 @@ class OptionSpec:
         kind = self.kind
         if isinstance(kind, click.Choice):
             kind = {"choices": list(kind.choices)}
+        elif isinstance(kind, Location) and kind.local is None:
+            kind = {"location": kind.role, "store": kind.store, "words": list(kind.words), "json_text": kind.json_text}
         elif kind in (bool, int, float, str):
             kind = kind.__name__
         else:
@@ -278,16 +366,22 @@ class OptionSpec:
     @classmethod
     def from_json(cls, data: dict) -> "OptionSpec":
         kind = data["kind"]
-        kind = click.Choice(kind["choices"]) if isinstance(kind, dict) else {"bool": bool, "int": int, "float": float,
-                                                                              "str": str}[kind]
+        if isinstance(kind, dict) and "location" in kind:
+            kind = location_type(kind)
+        elif isinstance(kind, dict):
+            kind = click.Choice(kind["choices"])
+        else:
+            kind = {"bool": bool, "int": int, "float": float, "str": str}[kind]
         return cls(**{**data, "decls": tuple(data["decls"]), "kind": kind})
 
 
-def option_specs(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None) -> list[OptionSpec]:
+def option_specs(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None,
+                 locations=None) -> list[OptionSpec]:
     """One OptionSpec per init field of dataclass `cls`, in field order, in both spellings (--learning-rate and
     --learning_rate), default None so that only given values are collected (the dataclass keeps its defaults).
     enforce_required=False: required fields are checked by the caller, e.g. after merging a config file.
-    `aliases`: {other name: field name}, more names of a field's option (both spellings of each)."""
+    `aliases`: {other name: field name}, more names of a field's option (both spellings of each). `locations`:
+    {field name: `location` metadata} for the path fields of a dataclass that is not ours (TrainingArguments)."""
     names_of: dict[str, list[str]] = {}
     for alias, name in (aliases or {}).items():
         names_of.setdefault(name, []).append(alias)
@@ -303,6 +397,8 @@ def option_specs(cls, *, group: str | None = None, skip=(), enforce_required=Tru
             kind = fld.metadata["click_type"]
         if "parse" in fld.metadata:
             kind = ParsedText(fld.metadata["parse"], fld.metadata.get("metavar"))
+        if "location" in fld.metadata or fld.name in (locations or {}):
+            kind = location_type({**fld.metadata, **(locations or {}).get(fld.name, {})})
         if "min" in fld.metadata:
             kind = (click.IntRange if kind is int else click.FloatRange)(min=fld.metadata["min"])
         kebab, snake = "--" + fld.name.replace("_", "-"), "--" + fld.name
@@ -337,9 +433,10 @@ def spec_options(specs: list[OptionSpec]):
     return decorate
 
 
-def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None):
+def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None, locations=None):
     """A decorator adding one click option per init field of dataclass `cls` (option_specs)."""
-    return spec_options(option_specs(cls, group=group, skip=skip, enforce_required=enforce_required, aliases=aliases))
+    return spec_options(option_specs(cls, group=group, skip=skip, enforce_required=enforce_required, aliases=aliases,
+                                     locations=locations))
 
 
 def given_values(values: dict) -> dict:

@@ -28,9 +28,12 @@ def is_lock_file(path: Path) -> bool:
 
 @contextlib.contextmanager
 def exclusive(folder, command: str, option: str):
-    """Hold `folder`'s lock until the block ends, or refuse naming the process that holds it. The lock file is
-    opened without following a symlink (schemas.files.open_nofollow), so a link planted there is refused, never
-    truncated through."""
+    """Make `folder` where missing and hold its lock until the block ends, or refuse naming the process that holds
+    it. The lock file is opened without following a symlink (schemas.files.open_nofollow), so a link planted there
+    is refused, never truncated through. A block that ends in an exception (a refusal, an interruption) takes back
+    what this call made: the lock file (if it made it) and the folders it created, while empty; so a refused command
+    leaves no folder holding only `.refcache.lock` (what the job wrote, e.g. finished shards to resume, stays)."""
+    folder = store.location(folder)
     if store.is_remote(folder):
         with contextlib.ExitStack() as stack:
             try:
@@ -41,7 +44,14 @@ def exclusive(folder, command: str, option: str):
                                "this host, or that expired, is taken over)") from None
             yield
         return
-    fd = open_nofollow(Path(folder) / LOCK, os.O_RDWR | os.O_CREAT)
+    made = _make(folder)
+    lock = folder / LOCK
+    fresh = not os.path.lexists(lock)
+    try:
+        fd = open_nofollow(lock, os.O_RDWR | os.O_CREAT)
+    except BaseException:
+        _take_back(folder, made, None)
+        raise
     with os.fdopen(fd, "r+", encoding="utf-8") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -53,5 +63,31 @@ def exclusive(folder, command: str, option: str):
         f.truncate()
         f.write(str(os.getpid()))
         f.flush()
-        yield
+        try:
+            yield
+        except BaseException:
+            _take_back(folder, made, f.fileno() if fresh else None)  # still holding the lock
+            raise
+
+
+def _make(folder: Path) -> list[Path]:
+    """mkdir -p `folder`; the folders it created, outermost first."""
+    missing, p = [], folder.absolute()
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def _take_back(folder: Path, made: list[Path], lock_fd: int | None) -> None:
+    """Remove the lock file this call created (`lock_fd`: its open descriptor, the lock still held; None: it was
+    there before, or none was made), then the folders made, innermost first, while each is empty."""
+    with contextlib.suppress(OSError):
+        if lock_fd is not None:
+            here, ours = os.lstat(folder / LOCK), os.fstat(lock_fd)
+            if (here.st_dev, here.st_ino) == (ours.st_dev, ours.st_ino):
+                os.unlink(folder / LOCK)
+        for path in reversed(made):
+            os.rmdir(path)  # OSError when not empty: what is left there is kept
 

@@ -13,7 +13,7 @@ import pyarrow as pa
 from . import format as fmt
 from . import store
 from .encoding import EncodingConfig
-from .findings import CacheError
+from .findings import CacheError  # noqa: F401  (re-exported)
 from .rules import cache_findings
 
 INDEX = ("id", "mask_checksum")  # the columns open_cache reads (the checksum rules need them)
@@ -64,7 +64,7 @@ def open_cache(root, *, verify_files: bool = True, keep=None) -> Cache:
     the caller will scan; on a store they are read from the bytes that were hashed, so no shard is fetched twice."""
     root = store.location(root)
     if not store.is_remote(root) and not root.is_dir():  # a prefix without a manifest is refused below
-        raise CacheError("incomplete", f"{root} is not a directory", remedy="pass the --out directory of precompute-ref")
+        raise fmt.no_manifest(root)
     manifest = fmt.read_manifest(root)
     read: dict[str, pa.Table] = {}
     for finding in cache_findings(root, manifest, hash_files=verify_files, read=read,

@@ -402,6 +402,35 @@ def _logical(chunks: pa.ChunkedArray, column: Column, k: int) -> pa.ChunkedArray
 # reading
 
 
+def no_manifest(root) -> CacheError:
+    """Why a folder or prefix without a manifest is not a cache: one that shows a cache was being written there (a
+    shard, a writer's temporary file, skipped.jsonl, the writer's lock or lease) is incomplete; anything else (a
+    data folder, an empty or mistyped prefix, no such folder) holds no cache, and is never called an interrupted
+    job."""
+    from .files import TEMP
+
+    try:
+        names = [p.name for p in root.iterdir()] if root.is_dir() else None
+    except OSError:
+        names = None
+    if names and any(n in (SKIPPED, LOCK) or TEMP.match(n) or SHARD_NAME.match(n) for n in names):
+        return CacheError(
+            "incomplete",
+            f"{root} has no {MANIFEST}: the cache is incomplete (precompute-ref is still running or was interrupted)",
+            remedy="wait for precompute-ref to finish, or re-run the same precompute-ref command to resume it")
+    if names:
+        what = f"no {MANIFEST} and no shard among its {len(names)} entries"
+    elif names is not None:
+        what = "it is empty"
+    elif store.is_remote(root):
+        what = "no object under this prefix"
+    else:
+        what = "a file, not a folder" if os.path.lexists(root) else "no such folder"
+    return CacheError("no_cache", f"{root} holds no cache ({what})",
+                      remedy="pass the --out of a finished precompute-ref run (a folder or an object-store prefix), "
+                             "or make a cache there with precompute-ref")
+
+
 def shard_path(root: Path, name) -> Path:
     """A manifest's shard name, trusted only if it is a plain file name that stays inside the cache directory."""
     if not isinstance(name, str) or not SHARD_NAME.match(name):
@@ -424,11 +453,7 @@ def shard_path(root: Path, name) -> Path:
 def read_manifest(root: Path) -> dict:
     path = root / MANIFEST
     if not path.is_file():
-        raise CacheError(
-            "incomplete",
-            f"{root} has no {MANIFEST}: the cache is incomplete (precompute-ref is still running or was interrupted)",
-            remedy="wait for precompute-ref to finish, or re-run the same precompute-ref command to resume it",
-        )
+        raise no_manifest(root)
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:

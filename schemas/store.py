@@ -28,9 +28,16 @@ from pathlib import Path
 from .files import UnsafeDestination, atomic_write, remove_file
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 CHUNK = 8 * 2**20  # bytes per read while streaming an object
 LEASE_S = 120.0  # a writer's lease lasts this long unless refreshed (every LEASE_S / 4 while the job runs)
 CONDITIONAL = ("s3", "s3a")  # protocols whose fsspec driver exposes If-None-Match / If-Match on a whole-object write
+# The stores a cache is written and read on end to end (the whole-object writes, listings and the lease of this module,
+# FORMAT.md "Object storage"), with the extra that installs each driver. `memory://` is fsspec's in-memory filesystem
+# of this process (the tests' store without conditional writes). Any other protocol, and any fsspec protocol chain
+# (`simplecache::s3://...`: a local cache layer that would write locally and upload later), is refused by name.
+STORES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
+          "memory": None}
 
 
 class StoreConflict(UnsafeDestination):
@@ -44,24 +51,94 @@ class LeaseHeld(StoreConflict):
         super().__init__(f"{url} is held by {describe(holder)}")
 
 
+class LocationError(UnsafeDestination, ValueError):
+    """A path or URL refcache does not take: the message names what it is and what to give instead (a refusal like
+    any unsafe destination, exit 2; a ValueError to a caller of the library)."""
+
+
 def is_url(value) -> bool:
     return isinstance(value, str) and bool(URL.match(value))
 
 
+def _protocol(text: str) -> str | None:
+    """The fsspec protocol `text` starts with (`s3` of `s3://b/x`, `simplecache` of `simplecache::s3://b/x`, `s3` of
+    a mistyped `s3:/b/x`), if fsspec knows it; None for a plain local path."""
+    m = SCHEME.match(text)
+    if not m:
+        return None
+    from fsspec.registry import known_implementations, registry
+
+    name = m.group(1).lower()
+    return name if name in known_implementations or name in registry or name in STORES else None
+
+
 def location(value) -> Path | StorePath:
-    """A cache location: a StorePath for an object-store URL, else a local Path (file:// URLs included)."""
+    """What a path-or-URL given to refcache names, the one reading of it for every option, config key and rule: a
+    local `Path` (as given, not resolved: a symlink there must stay visible to the rules that refuse writing through
+    one; `file:///PATH` and `file://localhost/PATH` are PATH), or a `StorePath` for a URL of a store in STORES.
+    Anything else raises LocationError naming it: a file:// URL of another host, a protocol chain, another
+    protocol, a URL missing its `//`, an empty text."""
     if isinstance(value, (StorePath, Path)):
         return value
     text = os.fspath(value)
-    if text.startswith("file://"):
-        return Path(text[len("file://"):])
-    if is_url(text):
-        return StorePath.open(text)
-    return Path(text)
+    if not isinstance(text, str):
+        text = os.fsdecode(text)
+    if not text.strip():
+        raise LocationError("an empty path names the current folder by accident; give the path")
+    protocol = _protocol(text)
+    if protocol is None:
+        return Path(text)
+    if "::" in text:
+        last = text.rsplit("::", 1)[1]
+        chain = "::".join(p.split("://", 1)[0] for p in text.split("::"))
+        raise LocationError(f"{text}: the fsspec protocol chain {chain} is not supported (refcache writes and reads "
+                            "a cache on the store itself, with its conditional writes and lease; a caching layer "
+                            f"would write a local copy instead); give the store's own URL ({last})")
+    if not URL.match(text):
+        raise LocationError(f"{text}: starts like a {protocol}:// URL but has no '//' after '{protocol}:'; write the "
+                            f"URL in full ({protocol}://...) or, for a local path, ./{text}")
+    if protocol in ("file", "local"):
+        return _file_url(text)
+    if protocol not in STORES:
+        names = ", ".join(f"{p}://" for p in STORES)
+        raise LocationError(f"{text}: {protocol}:// is not a store refcache writes and reads caches on ({names}); "
+                            "give a local path, or one of those")
+    place = StorePath.open(text)
+    if not place.key.strip("/"):
+        raise LocationError(f"{text}: names no bucket or prefix; give {protocol}://BUCKET/PREFIX")
+    return place
+
+
+def _file_url(text: str) -> Path:
+    """file:///PATH and file://localhost/PATH (RFC 8089, percent-decoded) as the local PATH."""
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(text)
+    if parts.netloc not in ("", "localhost"):
+        raise LocationError(f"{text}: a file:// URL on host {parts.netloc!r} names a file of another machine; give "
+                            "the local path (or file:///PATH)")
+    if parts.query or parts.fragment:
+        raise LocationError(f"{text}: a file:// URL with a query or fragment ('?' or '#'); write those characters "
+                            "as %3F and %23, or give the local path")
+    path = unquote(parts.path)
+    if not path.startswith("/"):
+        raise LocationError(f"{text}: a file:// URL names an absolute path (file:///PATH); give the local path")
+    return Path(path)
+
+
+def named(value) -> str:
+    """How a location is named to a person (pages, cards, summaries): a local path resolved, a store prefix by its
+    URL (never as a local path, which it is not)."""
+    place = location(value)
+    return place.url if isinstance(place, StorePath) else str(place.resolve())
 
 
 def is_remote(value) -> bool:
-    return isinstance(value, StorePath) or (isinstance(value, str) and is_url(value) and not value.startswith("file://"))
+    """A location on a store: a StorePath, or text `location` reads as one (a URL of a store in STORES). A local
+    path or a file:// URL is not, nor text `location` refuses."""
+    if isinstance(value, StorePath):
+        return True
+    return is_url(value) and "::" not in value and _protocol(value) in STORES
 
 
 class _Session:
@@ -88,9 +165,9 @@ class StorePath:
             fs, key = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as e:
             protocol = url.split("://", 1)[0]
-            extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}.get(protocol)
+            extra = STORES.get(protocol)
             hint = f" (pip install 'refcache[{extra}]')" if extra else ""
-            raise UnsafeDestination(f"{url}: no filesystem for this URL{hint}: {e}") from None
+            raise LocationError(f"{url}: no filesystem for this URL{hint}: {e}") from None
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         return cls(_Session(fs, protocol), key)
 
@@ -117,6 +194,15 @@ class StorePath:
 
     def __hash__(self) -> int:
         return hash(self.url)
+
+    def __copy__(self) -> StorePath:
+        return self
+
+    def __deepcopy__(self, memo) -> StorePath:  # dataclasses.asdict of a config holding one: the same place
+        return self
+
+    def __reduce__(self):  # another process (a torchrun rank) opens the same URL with its own filesystem
+        return StorePath.open, (self.url,)
 
     def __truediv__(self, name: str) -> StorePath:
         return StorePath(self._s, f"{self.key}/{name}")

@@ -278,7 +278,7 @@ def test_trl_dpo_config_yaml(tmp_path):
     path.write_text(yaml.safe_dump(data))
     values = load_config_file(str(path))
     assert values["beta"] == 0.3 and values["loss_type"] == "ipo" and values["learning_rate"] == 5e-7
-    assert values["model"] == "org/sft" and values["data"] == "org/prefs"
+    assert values["model"] == Path("org/sft") and values["data"] == Path("org/prefs")  # hub ids, read as places
     assert "precompute_ref_log_probs" not in values  # at TRL's default: changes nothing, ignored with a note
     data["padding_free"] = True  # a DPOConfig key we do not support, set away from its default
     path.write_text(yaml.safe_dump(data))

@@ -6,6 +6,7 @@ hint, because its SFT term is not refcache's."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 import pytest
@@ -66,18 +67,18 @@ def test_trl_names_on_the_command_line_and_in_a_file(tmp_path):
     given = _parsed(["--model_name_or_path", "org/sft", "--dataset-name", "org/prefs", "--output-dir", tmp_path,
                      "--dtype", "bfloat16", "--dataset_train_split", "eval"])
     cfg = resolve_config(None, given)
-    assert (cfg.model, cfg.data, cfg.model_dtype, cfg.split) == ("org/sft", "org/prefs", "bfloat16", "eval")
+    assert (cfg.model, cfg.data, cfg.model_dtype, cfg.split) == (Path("org/sft"), Path("org/prefs"), "bfloat16", "eval")
     recipe = _yaml(tmp_path, {"model_name_or_path": "org/sft", "dataset_name": "org/prefs", "dtype": "float16",
                               "dataset_test_split": "validation", "output_dir": str(tmp_path)})
     cfg = resolve_config(recipe, _parsed(["--dtype", "bfloat16"]))  # the command line wins, under either name
-    assert (cfg.model, cfg.model_dtype, cfg.eval_split) == ("org/sft", "bfloat16", "validation")
+    assert (cfg.model, cfg.model_dtype, cfg.eval_split) == (Path("org/sft"), "bfloat16", "validation")
     assert "--model, --model-name-or-path, --model_name_or_path" in CliRunner().invoke(main, ["--help"]).output
 
 
 def test_trl_names_neighbours_a_conflict_and_a_bad_value_name_the_key(tmp_path):
     with pytest.raises(click.UsageError, match="model_name_or_path is TRL's name of model, and both are given"):
         load_config_file(_yaml(tmp_path, {"model": "a", "model_name_or_path": "b"}))
-    assert load_config_file(_yaml(tmp_path, {"model": "a", "model_name_or_path": "a"}))["model"] == "a"
+    assert load_config_file(_yaml(tmp_path, {"model": "a", "model_name_or_path": "a"}))["model"] == Path("a")
     with pytest.raises(click.UsageError, match=r"dtype \(TRL's name of model_dtype\): 'auto' is not one of"):
         load_config_file(_yaml(tmp_path, {"dtype": "auto"}))
     result = CliRunner().invoke(main, ["--dtype", "auto"])

@@ -381,12 +381,14 @@ TRAIN_ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, 
     "data_unsupported_suffix": ({"--data": "{tmp}/prefs.txt"}, False, ["error: {tmp}/prefs.txt: unsupported file "
                                                                        "type '.txt'"]),
     "data_empty_file": ({"--data": "{tmp}/empty.jsonl"}, False, ["error: {tmp}/empty.jsonl: no rows"]),
-    "ref_cache_missing": ({"--ref-cache": "{tmp}/no-cache"}, False, ["error: {tmp}/no-cache is not a directory",
-                                                                     "remedy:   pass the --out directory of "
-                                                                     "precompute-ref"]),
-    "ref_cache_is_a_file": ({"--ref-cache": "{tmp}/a-file"}, False, ["error: {tmp}/a-file is not a directory"]),
+    "ref_cache_missing": ({"--ref-cache": "{tmp}/no-cache"}, False, ["error: {tmp}/no-cache holds no cache (no such "
+                                                                     "folder)", "remedy:   pass the --out of a "
+                                                                     "finished precompute-ref run"]),
+    "ref_cache_is_a_file": ({"--ref-cache": "{tmp}/a-file"}, False, ["error: {tmp}/a-file holds no cache (a file, "
+                                                                     "not a folder)"]),
+    # an empty folder holds no cache: nothing there says a precompute-ref ever wrote it (issue 34, family 2)
     "ref_cache_without_manifest": ({"--ref-cache": "{tmp}/no-manifest"}, False,
-                                   ["error: {tmp}/no-manifest has no manifest.json: the cache is incomplete"]),
+                                   ["error: {tmp}/no-manifest holds no cache (it is empty)"]),
     "no_reference_at_all": ({"--ref-cache": None}, False, ["error: give --ref-cache DIR (cached reference) or "
                                                            "--ref-model PATH (live reference)"]),
     "ref_model_hash_without_cache": ({"--ref-cache": None, "--ref-model": "{llama}", "--ref-model-hash": "0" * 64}, False,

@@ -37,3 +37,39 @@ def test_a_symlink_planted_as_the_lock_is_refused_and_its_target_kept(tmp_path):
         pass
     assert victim.read_text() == "precious\n" and (out / fmt.LOCK).is_symlink()
     assert not is_lock_file(out / fmt.LOCK)  # and so it counts as a file in the folder like any other
+
+
+@pytest.mark.parametrize("made", ["new_folders", "empty_folder", "used_folder"])
+def test_a_block_that_fails_takes_back_the_lock_and_folders_it_made(tmp_path, made):
+    """A refusal (or an interruption) under the lock leaves no folder holding only `.refcache.lock` (issue 34,
+    family 2): the lock file this call made and the folders it created go; what was there before, and what the
+    block wrote, stay."""
+    out = tmp_path / "a" / "b" / "cache"
+    if made != "new_folders":
+        out.mkdir(parents=True)
+    if made == "used_folder":
+        (out / "shard-00000.parquet").write_bytes(b"kept")
+    for error in (JobError("refused"), KeyboardInterrupt()):
+        with pytest.raises(type(error)), exclusive(out, "precompute-ref", "--out"):
+            assert is_lock_file(out / fmt.LOCK)
+            raise error
+        if made == "new_folders":
+            assert not (tmp_path / "a").exists()
+        else:
+            assert sorted(p.name for p in out.iterdir()) == (["shard-00000.parquet"] if made == "used_folder" else [])
+    with exclusive(out, "precompute-ref", "--out"):  # a block that ends well keeps its lock file (no sign of use)
+        pass
+    assert is_lock_file(out / fmt.LOCK)
+    with pytest.raises(JobError), exclusive(out, "precompute-ref", "--out"):
+        raise JobError("refused")
+    assert is_lock_file(out / fmt.LOCK)  # not made by this call: left as it was
+
+
+def test_a_store_url_given_as_text_is_leased_not_made_a_folder(tmp_path, monkeypatch):
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)
+    fs = fsspec.filesystem("memory")
+    with exclusive("memory://locks/cache", "precompute-ref", "--out"):
+        assert fs.exists("/locks/cache/" + fmt.LOCK)
+    assert not fs.exists("/locks/cache/" + fmt.LOCK) and list(tmp_path.iterdir()) == []

@@ -245,7 +245,7 @@ def test_missing_manifest_is_incomplete(cache_dir):
     (cache_dir / MANIFEST).unlink()
     e = refused(cache_dir, "incomplete")
     assert "resume" in e.remedy
-    refused(cache_dir / "nowhere", "incomplete")
+    assert "holds no cache (no such folder)" in refused(cache_dir / "nowhere", "no_cache").message
 
 
 @pytest.mark.parametrize("text", ["{\"format_version\": 1, ", "", "\xff\xfe", "[1, 2]", "{\"format_version\": \"1\"}",

@@ -76,14 +76,16 @@ def test_lease_and_manifest_checked_before_writing(memory, job):
 def test_a_url_where_only_a_local_path_is_taken_is_refused_never_made_a_folder(job, llama_dir, tmp_path,
                                                                                 monkeypatch):
     """Outputs other than precompute-ref's --out are local: a URL there (train-dpo --output-dir, an offload folder)
-    is refused by the one output rule (runtime.paths.check_apart), not taken for a local folder named `s3:`."""
+    is refused when the command line is parsed (runtime.cli.Location), not taken for a local folder named `s3:`."""
     from faultkit import TRAIN, train
 
     monkeypatch.chdir(tmp_path)
     t = train("--model", llama_dir, "--data", job["args"][3], "--ref-cache", job["clean"],
               "--output-dir", "s3://bucket/runs/dpo-1", *TRAIN)
-    assert t.exit_code == 2 and "--output-dir s3://bucket/runs/dpo-1: an object-store URL" in t.output, t.output
+    assert t.exit_code == 2 and "'--output-dir' / '--output_dir': s3://bucket/runs/dpo-1: an object-store URL" in \
+        t.output, t.output
     p = precompute(*job["args"], "--out", tmp_path / "c", "--device-map", "auto", "--max-memory", "1GiB",
                    "--offload-folder", "s3://bucket/offload")
-    assert p.exit_code == 2 and "--offload-folder s3://bucket/offload: an object-store URL" in p.output, p.output
+    assert p.exit_code == 2 and "'--offload-folder'" in p.output, p.output
+    assert "s3://bucket/offload: an object-store URL" in p.output, p.output
     assert list(tmp_path.iterdir()) == []  # no `s3:` folder, no cache begun

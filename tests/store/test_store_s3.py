@@ -222,8 +222,8 @@ def test_scan_fetches_only_the_columns_asked_for(s3, job, prefix, tmp_path, llam
 
 def test_prefix_without_manifest_is_refused(s3, job, prefix):
     with pytest.raises(CacheError) as e:
-        open_cache(prefix)  # nothing there
-    assert e.value.kind == "incomplete"
+        open_cache(prefix)  # nothing there: no cache, not an interrupted one
+    assert e.value.kind == "no_cache" and "holds no cache (no object under this prefix)" in e.value.message
     upload(s3, job["clean"], prefix, skip={fmt.MANIFEST})  # every shard, complete, but no manifest
     with pytest.raises(CacheError) as e:
         read_cache(prefix)

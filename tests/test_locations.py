@@ -1,0 +1,196 @@
+"""One location type for every path-or-URL option of every command (issue 34, family 1): runtime.cli.Location, which
+reads the text with schemas.store.location. The options are found by walking the click commands' parameters, not
+listed here, so a new option that names a path without declaring `location` metadata fails
+test_every_option_that_names_a_path_is_a_location."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+import pytest
+
+from runtime.cli import Location
+from schemas import store
+
+
+def commands() -> dict:
+    from audit.cli import main as audit
+    from dpo.cli import main as train
+    from precompute.cli import main as precompute
+
+    return {"precompute-ref": precompute, "train-dpo": train, "audit-ref": audit}
+
+
+def params():
+    return [(name, p) for name, cmd in commands().items() for p in cmd.params if p.name not in ("help",)]
+
+
+def locations():
+    return [(name, p) for name, p in params() if isinstance(p.type, Location)]
+
+
+def ident(value) -> str:
+    name, p = value if isinstance(value, tuple) else (None, value)
+    return f"{name}:{p.name}" if name else str(value)
+
+
+# What makes a parameter's help say it names a place; a flag (a yes/no) never does.
+NAMES_A_PLACE = re.compile(r"\b(paths?|files?|folders?|director(y|ies)|dirs?|urls?|prefix)\b", re.I)
+# Options whose help mentions a place without taking one, and why.
+NOT_A_PLACE = {"split": "a split's name; the file or folder it selects is found under --data"}
+
+
+@pytest.mark.parametrize("command, param", params(), ids=ident)
+def test_every_option_that_names_a_path_is_a_location(command, param):
+    """A parameter whose help (or name) speaks of a path, file, folder, directory, URL or prefix, or that click
+    checks as a path, is read by the Location type; any other parameter is not."""
+    if isinstance(param, click.Option) and param.is_flag:
+        assert not isinstance(param.type, Location)
+        return
+    text = f"{getattr(param, 'help', None) or ''} {param.name.replace('_', ' ')}"
+    looks = isinstance(param.type, click.Path) or bool(NAMES_A_PLACE.search(text))
+    if isinstance(param.type, Location):
+        assert param.type.role in ("input", "output")
+    elif param.name in NOT_A_PLACE:
+        assert not isinstance(param.type, click.Path)
+    else:
+        assert not looks, (f"{command} --{param.name.replace('_', '-')} names a place: declare "
+                           "metadata={'location': 'input'|'output'} (runtime.cli.Location)")
+
+
+def test_the_enumeration_finds_every_known_path_option():
+    """The walk above sees the path options of the issue (so it is not vacuous)."""
+    found = {(c, p.name) for c, p in locations()}
+    expected = {("precompute-ref", n) for n in ("model", "data", "out", "adapter", "offload_folder")} | {
+        ("train-dpo", n) for n in ("model", "data", "output_dir", "ref_cache", "ref_model", "ref_offload_folder",
+                                   "eval_data", "eval_ref_cache", "resume_from_checkpoint", "fsdp_config",
+                                   "deepspeed", "init_adapter", "config_file", "accelerator_config")} | {
+        ("audit-ref", n) for n in ("cache", "model", "data", "run", "json", "html", "tokenizer", "offload_folder")}
+    assert expected <= found, expected - found
+
+
+def _target(param, tmp_path) -> Path:
+    """A local place the parameter's own checks accept: made where it must exist (a folder or a file)."""
+    where = tmp_path / "place"
+    local = param.type.local
+    if local is not None and local.exists:
+        if local.file_okay and not local.dir_okay:
+            where.write_text("{}")
+        else:
+            where.mkdir()
+    return where
+
+
+@pytest.mark.parametrize("command, param", locations(), ids=ident)
+@pytest.mark.parametrize("form", ["file://{}", "file://localhost{}", "{}"])  # {}: an absolute path
+def test_every_location_reads_file_urls_as_the_local_path(command, param, form, tmp_path):
+    where = _target(param, tmp_path)
+    value = param.type.convert(form.format(where), param, None)
+    assert isinstance(value, Path) and value == where  # never ./localhost/..., never a folder named `file:`
+
+
+@pytest.mark.parametrize("command, param", locations(), ids=ident)
+@pytest.mark.parametrize("text, named", [
+    ("simplecache::s3://bucket/x", "simplecache::s3"), ("filecache::memory://bucket/x", "filecache::memory"),
+    ("file://otherhost/tmp/x", "'otherhost'"), ("http://example.com/x", "http://"), ("zip://a.zip", "zip://"),
+    ("s3:/bucket/x", "no '//'"), ("", "empty")])
+def test_every_location_refuses_what_it_cannot_take_naming_it(command, param, text, named):
+    with pytest.raises(click.BadParameter) as e:
+        param.type.convert(text, param, None)
+    assert named in e.value.message
+
+
+@pytest.mark.parametrize("command, param", locations(), ids=ident)
+def test_a_store_url_only_where_a_cache_is_written_or_read(command, param):
+    """memory:// (fsspec's in-process store) stands for every store: a StorePath where the option takes a cache,
+    refused by name elsewhere."""
+    takes = {("precompute-ref", "out"), ("train-dpo", "ref_cache"), ("train-dpo", "eval_ref_cache"),
+             ("audit-ref", "cache")}
+    assert param.type.store == ((command, param.name) in takes)
+    if param.type.store:
+        value = param.type.convert("memory://bucket/cache", param, None)
+        assert isinstance(value, store.StorePath) and value.url == "memory:///bucket/cache"
+    else:
+        with pytest.raises(click.BadParameter, match="an object-store URL is taken where refcache writes or reads "
+                                                     "a cache"):
+            param.type.convert("memory://bucket/cache", param, None)
+
+
+@pytest.mark.parametrize("command, param", locations(), ids=ident)
+def test_the_command_line_refuses_with_exit_2_naming_the_option(command, param, tmp_path, monkeypatch):
+    """Through click itself: exit 2, the option named, nothing made in the working folder."""
+    from click.testing import CliRunner
+
+    monkeypatch.chdir(tmp_path)
+    cmd = commands()[command]
+    value = "simplecache::s3://bucket/x"
+    args = [value] if isinstance(param, click.Argument) else [tmp_path] + [param.opts[0], value]
+    if command == "precompute-ref" and param.name not in ("model", "data"):
+        args = ["--model", "m", "--data", "d", param.opts[0], value]
+    elif command == "audit-ref" and param.name != "cache":
+        args = [tmp_path, param.opts[0], value]
+    elif command == "train-dpo":
+        args = [param.opts[0], value]
+    result = CliRunner().invoke(cmd, [str(a) for a in args])
+    assert result.exit_code == 2, result.output
+    assert "simplecache::s3 is not supported" in result.output
+    shown = param.opts[0] if isinstance(param, click.Option) else param.name.upper()
+    assert shown in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_config_files_read_their_paths_by_the_same_type(tmp_path):
+    """train-dpo --config: every location key is read as on the command line (TRL's names included)."""
+    from dpo.cli import LORA, OURS, _convert
+
+    keys = [k for k, f in OURS.items() if "location" in f.metadata]
+    assert {"model", "output_dir", "ref_cache", "init_adapter"} <= set(keys)
+    for key in keys:
+        assert _convert("run.yaml", key, f"file://localhost{tmp_path}/x") == tmp_path / "x", key
+        with pytest.raises(click.UsageError, match=rf"run.yaml: {key}: .*simplecache::s3 is not supported"):
+            _convert("run.yaml", key, "simplecache::s3://bucket/x")
+    assert _convert("run.yaml", "resume_from_checkpoint", True) == "true"
+    assert _convert("run.yaml", "deepspeed", {"zero_optimization": {"stage": 2}}) == {"zero_optimization": {"stage": 2}}
+    with pytest.raises(click.UsageError, match="run.yaml: output_dir: 5 is not a path"):
+        _convert("run.yaml", "output_dir", 5)
+    assert "init_adapter" in LORA
+
+
+def test_configs_made_in_python_read_their_paths_the_same_way(tmp_path):
+    from audit.cli import AuditOptions
+    from dpo.recipe import TrainConfig
+    from precompute.config import PrecomputeConfig
+
+    cfg = PrecomputeConfig(model=f"file://{tmp_path}/m", data="org/name", out="memory://bucket/c",
+                           offload_folder=f"file://localhost{tmp_path}/off")
+    assert cfg.model == tmp_path / "m" and cfg.data == Path("org/name")  # a hub id stays what it says
+    assert isinstance(cfg.out, store.StorePath) and cfg.offload_folder == tmp_path / "off"
+    t = TrainConfig(model="m", data="d", output_dir=f"file://localhost{tmp_path}/run", resume_from_checkpoint="true")
+    assert t.output_dir == tmp_path / "run" and t.resume_from_checkpoint == "true"
+    with pytest.raises(click.BadParameter, match="object-store URL"):
+        TrainConfig(model="m", data="d", output_dir="s3://bucket/run")
+    assert AuditOptions(html=f"file://{tmp_path}/p.html").html == tmp_path / "p.html"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("file:///a/b%20c", "/a/b c"), ("file://localhost/a", "/a"), ("rel/dir", "rel/dir"), ("./s3:x", "s3:x"),
+    ("a::b", "a::b")])
+def test_location_reads_local_paths(text, expected):
+    assert store.location(text) == Path(expected)
+    assert not store.is_remote(text)
+
+
+def test_named_says_a_store_by_its_url_and_a_folder_resolved(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert store.named("memory://bucket/c") == "memory:///bucket/c"
+    assert store.named("file://localhost/x/../y") == "/y" and store.named("c") == str(tmp_path / "c")
+
+
+@pytest.mark.parametrize("text, named", [("memory://", "names no bucket"), ("s3://", "names no bucket"),
+                                         ("file://", "absolute path"), ("file:relative", "no '//'"),
+                                         ("file:///a?b", "query or fragment")])
+def test_location_refuses_urls_naming_nothing(text, named):
+    with pytest.raises(store.LocationError, match=re.escape(named)):
+        store.location(text)
