@@ -41,7 +41,7 @@ def check(value, domain: str, minimum=None):
         raise KeyError(f"unknown numeric domain {domain!r} (one of {', '.join(DOMAINS)})")
     kind, meaning, holds = DOMAINS[domain]
     if minimum is not None:
-        meaning, bounded = f"{meaning}, at least {minimum}", holds
+        meaning, bounded = f"{'a whole' if kind is int else 'a finite'} number >= {minimum}", holds
         holds = lambda v: bounded(v) and v >= minimum
     number = _number(value)
     if number is None:

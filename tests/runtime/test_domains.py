@@ -43,7 +43,7 @@ def test_values_inside_are_taken_as_the_domains_kind_and_outside_refused(domain)
 
 def test_a_bound_of_the_options_own_is_checked_with_the_domain():
     assert check("2", "count", minimum=2) == 2
-    with pytest.raises(ValueError, match="at least 2"):
+    with pytest.raises(ValueError, match="expected a whole number >= 2"):
         check(1, "count", minimum=2)
     with pytest.raises(KeyError):
         check(1, "percentage")
