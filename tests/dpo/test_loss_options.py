@@ -112,3 +112,17 @@ def test_the_card_shows_only_the_options_the_loss_reads():
         config = {"loss_type": loss_type, **OTHER}
         shown = {o for o in OPTIONS if o in CARD_OPTIONS and _applies(o, config)}
         assert shown == {o for o in options if o in CARD_OPTIONS}, loss_type
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_run_manifest_records_an_unread_option_as_null(loss_type):
+    """run-manifest.json's config: the options the loss reads with their values, the others null (a sigmoid run's
+    tdpo_alpha is not a value that looks used)."""
+    from dpo.provenance import recorded_config
+    from dpo.recipe import TrainConfig
+
+    config = recorded_config(TrainConfig(model="m", data="d", output_dir="o", loss_type=loss_type))
+    for name in OPTIONS:
+        default = next(f.default for f in dataclasses.fields(LossConfig) if f.name == name)
+        assert config[name] == (default if name in LOSSES[loss_type] else None), (loss_type, name)
+    assert config["loss_type"] == loss_type and config["learning_rate"] == TrainConfig.learning_rate
