@@ -58,11 +58,11 @@ class AuditOptions:
         click_type=click.Path(exists=True, file_okay=False), location="input"))
     sample: int = field(default=DEFAULT_SAMPLE, metadata=field_help(
         "Rows to replay with --model, drawn at random (0: no replay); with --html, rows on the page (default 20).",
-        min=0))
+        domain="natural"))
     all: bool = field(default=False, metadata=field_help("Replay every row (with --html: show every row)."))
-    seed: int = field(default=0, metadata=field_help("Seed of the replay sample (and of the --html sample)."))
+    seed: int = field(default=0, metadata=field_help("Seed of the replay sample (and of the --html sample).", domain="natural"))
     tolerance: float | None = field(default=None, metadata=field_help(
-        "Per-token replay tolerance.", click_type=click.FloatRange(min=0, min_open=True),
+        "Per-token replay tolerance.", domain="positive",
         show_default=describe_replay()))
     json: str | None = field(default=None, metadata=field_help(
         "Also write the report as JSON here.", click_type=click.Path(dir_okay=False), location="output"))

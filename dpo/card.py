@@ -256,9 +256,12 @@ def _options(config: dict, result: dict, peft: dict | None) -> str:
 
 
 def _applies(option: str, config: dict) -> bool:
-    """A loss option at the value that switches it off, or one of another loss, says nothing about this run."""
-    if option == "tdpo_alpha":
-        return str(config.get("loss_type", "")).startswith("tdpo")
+    """A loss option at the value that switches it off, or one the run's loss does not read (dpo/loss_config.py's
+    registry), says nothing about this run."""
+    from .loss_config import LOSSES, unread_options
+
+    if config.get("loss_type") in LOSSES and unread_options(config["loss_type"], [option]):
+        return False
     return option not in OFF or config.get(option) != OFF[option]
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import click
 
-from runtime.cli import (GroupedCommand, Location, ParsedText, click_type, dataclass_options, exit_without_teardown,
-                         given_values, location_type, quiet_libraries, run_cli, spec_options)
+from runtime.cli import (GroupedCommand, Location, dataclass_options, exit_without_teardown, given_values, option_specs,
+                         quiet_libraries, run_cli, spec_options)
 
 from .lora import LoraOptions
+from .loss_config import unread_message, unread_options
 from .recipe import TrainConfig
 from .trainer_options import trainer_specs
 
@@ -29,6 +30,9 @@ NOT_TRAINER_OPTIONS = set(OURS) | {"remove_unused_columns", "debug"}
 # command line do not import transformers and torch
 TRAINER_SPECS = trainer_specs(NOT_TRAINER_OPTIONS)
 TRAINER = {s.name for s in TRAINER_SPECS if not s.name.startswith("_")}
+# every option's spec by field name, the one source of its type for the command line and --config alike
+SPECS = {s.name: s for s in [*TRAINER_SPECS, *option_specs(LoraOptions),
+                             *option_specs(TrainConfig, enforce_required=False, aliases=None)]}
 REQUIRED = tuple(name for name, f in OURS.items() if f.metadata.get("required"))
 # TRL's names for our options (`trl dpo`'s ScriptArguments / ModelConfig fields): the one table of them, --config keys
 # and command-line options alike (--model_name_or_path is --model)
@@ -39,20 +43,10 @@ REPLACED_BY_CACHE = ("precompute_ref_log_probs", "precompute_ref_batch_size")
 
 
 def _value_type(name: str):
-    import typing
-
-    if name in OURS:
-        f = OURS[name]
-        if "choices" in f.metadata:
-            return click.Choice([str(c) for c in f.metadata["choices"]]), False
-        if "parse" in f.metadata:
-            return ParsedText(f.metadata["parse"], f.metadata.get("metavar")), False
-        if "location" in f.metadata:  # a path or URL: read as on the command line (runtime.cli.Location)
-            return location_type(f.metadata), False
-        return click_type(typing.get_type_hints(LoraOptions if name in LORA else TrainConfig)[name])
-    import transformers
-
-    return click_type(typing.get_type_hints(transformers.TrainingArguments)[name])
+    """The click type (and whether it repeats) of an option, as its command-line option has it: the config file's
+    values go through the same checks (choices, parsed text, numeric domains)."""
+    spec = SPECS[name]
+    return spec.kind, spec.multiple
 
 
 def _convert(path: str, key: str, value, given_as: str | None = None):
@@ -187,14 +181,33 @@ def load_config_file(path) -> dict:
 
 
 def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
-    values = load_config_file(config_file) if config_file else {}
-    values.update(given_values(given))
+    from_file = load_config_file(config_file) if config_file else {}
+    command_line = given_values(given)
+    values = from_file | command_line
     missing = [f"--{k.replace('_', '-')}" for k in REQUIRED if not values.get(k)]
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
+    _check_loss_options(config_file, from_file, command_line)
     trainer = {k: values.pop(k) for k in list(values) if k in TRAINER}
     lora = {k: values.pop(k) for k in list(values) if k in LORA}
-    return TrainConfig(**values, training_args=trainer, lora=LoraOptions(**lora), config_file=config_file)
+    cfg = TrainConfig(**values, training_args=trainer, lora=LoraOptions(**lora), config_file=config_file)
+    try:
+        cfg.loss_config()  # the loss's own rules beyond each option's domain (label_smoothing < 0.5)
+    except ValueError as e:
+        raise click.UsageError(f"loss options: {e}") from None
+    return cfg
+
+
+def _check_loss_options(config_file: str | None, from_file: dict, command_line: dict) -> None:
+    """A loss option the chosen loss does not read is refused (dpo/loss_config.py's registry): given on the command
+    line, whatever its value; in a config file, unless it holds the default (a DPOConfig written by TRL carries
+    every key)."""
+    loss_type = command_line.get("loss_type", from_file.get("loss_type", OURS["loss_type"].default))
+    for name in unread_options(loss_type, command_line):
+        raise click.UsageError(unread_message(loss_type, name, command_line[name], f"--{name.replace('_', '-')}"))
+    for name in unread_options(loss_type, from_file):
+        if name not in command_line and from_file[name] != OURS[name].default:
+            raise click.UsageError(unread_message(loss_type, name, from_file[name], f"{config_file}: {name}"))
 
 
 def summary_text(s: dict) -> str:

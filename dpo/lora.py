@@ -42,10 +42,11 @@ class LoraOptions:
 
     use_peft: bool = _f(False, "Train a LoRA adapter (peft) instead of the full model; the reference is the base "
                                "model.")
-    lora_r: int = _f(16, "LoRA rank.", min=1)
-    lora_alpha: int = _f(32, "LoRA alpha (the adapter's output is scaled by alpha / r).")
+    lora_r: int = _f(16, "LoRA rank.", domain="count")
+    lora_alpha: int = _f(32, "LoRA alpha (the adapter's output is scaled by alpha / r).", domain="count")
     lora_dropout: float = _f(0.05, "Dropout on the adapter branch's input only (base-model dropout stays off; the "
-                                   "step-0 loss is still ln 2 because the adapter starts at zero).")
+                                   "step-0 loss is still ln 2 because the adapter starts at zero).",
+                       domain="probability")
     lora_target_modules: str | None = _f(None, "Comma-separated module names to adapt (default: all-linear, i.e. "
                                                "every attention and MLP projection, not the output head).")
     load_in_4bit: bool = _f(False, "QLoRA: load the base in 4 bits (bitsandbytes, CUDA only).")
@@ -63,9 +64,9 @@ class LoraOptions:
 def check_options(opts: LoraOptions) -> None:
     """Refuse inconsistent LoRA options and platforms that cannot run them, before any expensive work (the
     --init-adapter folder itself is checked where the policy checkpoint is opened: `init_adapter`)."""
-    if not opts.use_peft:
-        given = [f"--{n.replace('_', '-')}" for n in ("load_in_4bit", "load_in_8bit", "init_adapter", "merge_adapter")
-                 if getattr(opts, n)]
+    if not opts.use_peft:  # every LoRA option set away from its default: it would be ignored (and recorded)
+        given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(opts)
+                 if f.name != "use_peft" and getattr(opts, f.name) != f.default]
         if given:
             raise JobError(f"{', '.join(given)} only apply to a LoRA policy; add --use-peft")
         return

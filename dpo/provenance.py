@@ -60,7 +60,7 @@ def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, s
         eval_data=origin(cfg.eval_data, "dataset") | {"split": cfg.eval_split,
                                                       "fingerprint": record["eval_data_fingerprint"]}
         if cfg.eval_data else None,
-        config=dataclasses.asdict(cfg),
+        config=recorded_config(cfg),
         software=software_versions(),
         result={k: summary[k] for k in ("steps", "world_size", "train_loss", "train_s", "verify_s", "batch_layout",
                                         "phases") if k in summary} | {"eval": summary["eval"]},
@@ -70,6 +70,15 @@ def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, s
     )
     rm.write_json(out / rm.RUN_MANIFEST, manifest)
     return manifest
+
+
+def recorded_config(cfg) -> dict:
+    """The run's options as the manifest records them: a loss option the run's loss does not read
+    (dpo/loss_config.py's registry) is null, never a value that looks used."""
+    from .loss_config import unread_options
+
+    config = dataclasses.asdict(cfg)
+    return config | {name: None for name in unread_options(cfg.loss_type, config)}
 
 
 def _hub(given: dict) -> dict:

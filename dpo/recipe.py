@@ -22,7 +22,7 @@ from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConf
 from schemas.stamps import model_hash
 
 from . import lora
-from .loss_config import LOSS_TYPES, LossConfig
+from .loss_config import LOSS_TYPES, LossConfig, loss_field
 from .outdir import check_no_links, check_output_dir, prepare_metrics
 from .phases import PhaseTimer
 from .preflight import check_reference_options, check_training_options, has_accelerator
@@ -35,6 +35,12 @@ if TYPE_CHECKING:  # imported where used: `train-dpo --help` reads TrainConfig w
 
 def _f(default, help, group, **extra):
     return field(default=default, metadata=field_help(help, group, **extra))
+
+
+def _loss(name: str, help: str):
+    """A loss option: its default and domain are LossConfig's (dpo/loss_config.py), declared there once."""
+    declared = loss_field(name)
+    return _f(declared.default, help, "Loss", domain=declared.metadata["domain"])
 
 
 @dataclass
@@ -86,7 +92,8 @@ class TrainConfig:
                                           "EVAL_SPLIT --out DIR.", "Reference cache", location="input",
                                     store=True)
     # encoding: taken from the cache; a value given here must agree with it
-    max_length: int | None = _f(None, "Must agree with the cache's value.", "Data", show_default="the cache's")
+    max_length: int | None = _f(None, "Must agree with the cache's value.", "Data", show_default="the cache's",
+                                 domain="count", min=2)
     truncation_mode: str | None = _f(None, "Must agree with the cache's value.", "Data", choices=TRUNCATION_MODES,
                                      show_default="the cache's")
     chat_template: str | None = _f(None, "Must agree with the cache's value.", "Data", choices=CHAT_TEMPLATE_MODES,
@@ -98,28 +105,32 @@ class TrainConfig:
     fast_verify: bool = _f(False, "Skip the shard file sha256 check (stamps, rows and values are still verified).",
                            "Reference cache")
     # loss
-    beta: float = _f(0.1, "DPO beta (strength of the pull towards the reference).", "Loss")
+    beta: float = _loss("beta", "DPO beta (strength of the pull towards the reference).")
     loss_type: str = _f("sigmoid", "Preference loss (formulas in dpo/losses.py).", "Loss", choices=LOSS_TYPES)
-    label_smoothing: float = _f(0.0, "Label noise e for sigmoid (cDPO) and robust losses.", "Loss")
-    rpo_alpha: float = _f(0.0, "Weight of the SFT (NLL) term on chosen completions (RPO); 0 disables it.", "Loss")
-    ld_alpha: float = _f(1.0, "LD-DPO: weight of tokens past the shorter completion's length; 1 disables it.", "Loss")
-    tdpo_alpha: float = _f(0.5, "TDPO2: weight of the sequential-KL term (tdpo2 only).", "Loss")
-    kl_coef: float = _f(0.0, "Add C x the mean per-token KL(policy||reference) bound of the chosen completions to the "
-                             "loss; needs a top-k cache (precompute-ref --top-k K). 0 disables it.", "Loss")
+    label_smoothing: float = _loss("label_smoothing", "Label noise e (< 0.5) for sigmoid (cDPO) and robust losses.")
+    rpo_alpha: float = _loss("rpo_alpha", "Weight of the SFT (NLL) term on chosen completions (RPO); 0 disables it.")
+    ld_alpha: float = _loss("ld_alpha", "LD-DPO: weight of tokens past the shorter completion's length; 1 disables it.")
+    tdpo_alpha: float = _loss("tdpo_alpha", "TDPO2: weight of the sequential-KL term (tdpo2 only).")
+    kl_coef: float = _loss("kl_coef", "Add C x the mean per-token KL(policy||reference) bound of the chosen completions "
+                                      "to the loss; needs a top-k cache (precompute-ref --top-k K). 0 disables it.")
     # transformers.TrainingArguments (same names and meaning; defaults as in TRL's DPOConfig where it sets one)
-    learning_rate: float = _f(1e-6, "Initial AdamW learning rate.", "Training")
+    learning_rate: float = _f(1e-6, "Initial AdamW learning rate.", "Training", domain="nonnegative")
     lr_scheduler_type: str = _f("linear", "Scheduler (transformers SchedulerType).", "Training")
-    warmup_steps: float = _f(0, "Linear warmup steps (a float < 1 is a fraction of the total).", "Training")
-    num_train_epochs: float = _f(1.0, "Epochs over --data.", "Training")
-    max_steps: int = _f(-1, "Total optimizer steps; overrides --num-train-epochs when > 0.", "Training")
-    per_device_train_batch_size: int = _f(8, "Pairs per device per step.", "Training")
-    per_device_eval_batch_size: int = _f(8, "Pairs per device per eval step.", "Training")
-    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", "Training")
-    max_grad_norm: float = _f(1.0, "Gradient clipping norm.", "Training")
-    weight_decay: float = _f(0.0, "AdamW weight decay.", "Training")
+    warmup_steps: float = _f(0, "Linear warmup steps (a float < 1 is a fraction of the total).", "Training",
+                            domain="nonnegative")
+    num_train_epochs: float = _f(1.0, "Epochs over --data.", "Training", domain="positive")
+    max_steps: int = _f(-1, "Total optimizer steps; overrides --num-train-epochs when > 0.", "Training",
+                       domain="integer")
+    per_device_train_batch_size: int = _f(8, "Pairs per device per step.", "Training", domain="count")
+    per_device_eval_batch_size: int = _f(8, "Pairs per device per eval step.", "Training", domain="count")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", "Training", domain="count")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0: no clipping).", "Training",
+                             domain="nonnegative")
+    weight_decay: float = _f(0.0, "AdamW weight decay.", "Training", domain="nonnegative")
     optim: str | None = _f(None, "Optimizer (transformers OptimizerNames); default: the Trainer's own, as in TRL "
                            "(adamw_torch_fused on torch >= 2.8, else adamw_torch), recorded as resolved.", "Training")
-    seed: int = _f(42, "Seed of the run (model init, sampler; data_seed defaults to it).", "Training")
+    seed: int = _f(42, "Seed of the run (model init, sampler; data_seed defaults to it).", "Training",
+                  domain="natural")
     bf16: bool = _f(False, "bf16 mixed precision: fp32 master weights, bf16 autocast (the Trainer's meaning). On CPU "
                            "add --use-cpu.", "Training")
     fp16: bool = _f(False, "fp16 mixed precision with loss scaling (CUDA).", "Training")
@@ -128,22 +139,24 @@ class TrainConfig:
                           choices=("float32", "bfloat16", "float16"))
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass to save memory.",
                                       "Training")
-    logging_steps: float = _f(10, "Log train metrics every N steps.", "Training")
+    logging_steps: float = _f(10, "Log train metrics every N steps.", "Training", domain="positive")
     eval_strategy: str | None = _f(None, "When to evaluate (no, steps, epoch). steps or epoch without --eval-data "
                                          "evaluates on --data's --eval-split (TRL's dataset_test_split); no: the eval "
                                          "rows are verified, not evaluated.", "Training",
                                    choices=("no", "steps", "epoch"), show_default="steps with --eval-data, else no")
-    eval_steps: float | None = _f(None, "Evaluate every N steps.", "Training", show_default="--logging-steps")
+    eval_steps: float | None = _f(None, "Evaluate every N steps.", "Training", show_default="--logging-steps",
+                                  domain="positive")
     eval_on_start: bool = _f(False, "Also evaluate before the first step (needs evaluation rows).", "Training")
     save_strategy: str = _f("steps", "When to save checkpoints (no, steps, epoch, best).", "Training")
-    save_steps: float = _f(500, "Save a checkpoint every N steps.", "Training")
-    save_total_limit: int | None = _f(None, "Keep at most N checkpoints.", "Training")
+    save_steps: float = _f(500, "Save a checkpoint every N steps.", "Training", domain="positive")
+    save_total_limit: int | None = _f(None, "Keep at most N checkpoints (0: no limit).", "Training",
+                                         domain="natural")
     report_to: str = _f("none", "Comma-separated trackers (tensorboard, wandb, ...) or none; checked before any "
                                 "work. Name the run with --run-name.", "Training")
     resume_from_checkpoint: str | None = _f(None, "A checkpoint-N folder of this --output-dir's run, or true for the "
                                                   "latest there.", "Training", location="input",
                                              words=("true", "yes", "1", "false", "no", "0"))
-    dataloader_num_workers: int = _f(0, "Data loader worker processes.", "Training")
+    dataloader_num_workers: int = _f(0, "Data loader worker processes.", "Training", domain="natural")
     use_cpu: bool = _f(False, "Train on CPU even if a GPU is present (needed for --bf16 on CPU).", "Training")
     fsdp: str = _f("", "FSDP mode, e.g. 'full_shard auto_wrap' (under torchrun).", "Training")
     fsdp_config: str | None = _f(None, "FSDP config JSON file.", "Training", location="input", json_text=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from runtime.disk import writing
+from runtime.errors import NonFiniteError
 from runtime.logprobs import pad_sequences
 from schemas.files import append_text, atomic_write
 
@@ -60,10 +62,55 @@ class DPOTrainer(Trainer):
         self.loss_config = loss_config
         self.ref_model = ref_model  # live-reference mode only; None with a cache
         self.model_accepts_loss_kwargs = False  # our loss is a per-batch mean; let the Trainer scale for accumulation
+        self.last_checkpoint: Path | None = None  # the checkpoint this run last wrote (or resumed from)
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    # --- the guard: a non-finite loss, gradient norm or weight stops the run (exit 3), before anything is saved
+    # from it. One rule for the three, checked where each is known on every process alike: the loss as gathered for
+    # the metrics (compute_loss), the gradient norm before the optimizer step (_get_grad_norm), the weights before
+    # any save (save_model: checkpoints and the final model).
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if isinstance(resume_from_checkpoint, (str, Path)):
+            self.last_checkpoint = Path(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _stop_if_not_finite(self, what: str, value, step: int) -> None:
+        """`value`: a number, or the text saying what it is where there is no one number."""
+        if not isinstance(value, str) and math.isfinite(value):
+            return
+        last = str(self.last_checkpoint) if self.last_checkpoint is not None else "none"
+        raise NonFiniteError(
+            f"training stopped at step {step}: {what} {value} (not finite); "
+            f"nothing from this step on is saved (no final model). Last checkpoint written: {last}. Lower "
+            "--learning-rate or --max-grad-norm, check the loss options and the data, and resume from the last "
+            "checkpoint or start again")
+
+    def _check_weights(self, folder: Path) -> None:
+        """Before anything is written to `folder`: weights that are not finite are never saved."""
+        if not self._weights_finite():
+            self._stop_if_not_finite(f"the weights to be saved to {folder} are", "NaN or infinite in places",
+                                     self.state.global_step)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        # with fp16 loss scaling an infinite norm is the scaler's business (it skips that step and lowers the scale)
+        if grad_norm is not None and getattr(self.accelerator, "scaler", None) is None:
+            value = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else float(grad_norm)
+            self._stop_if_not_finite("the gradient norm is", value, self.state.global_step + 1)
+        return grad_norm
+
+    def _weights_finite(self) -> bool:
+        device = self.args.device
+        with torch.no_grad():  # one flag per tensor, read back once
+            flags = [torch.isfinite(p).all().to(device) for p in self.model.parameters() if p.numel()]
+            bad = (~torch.stack(flags)).any().float().reshape(1) if flags else torch.zeros(1, device=device)
+        return not bool(self.accelerator.gather(bad).any())  # every process answers alike
 
     def save_model(self, output_dir=None, _internal_call=False):
         folder = Path(output_dir or self.args.output_dir)
+        if not _internal_call:  # (a checkpoint's weights are checked before its folder is made: _save_checkpoint)
+            self._check_weights(folder)
         final = writing(folder, "the model saved there is incomplete") if not _internal_call else nullcontext()
         with final:  # (a checkpoint's save says so itself: _save_checkpoint)
             super().save_model(output_dir, _internal_call)
@@ -73,6 +120,7 @@ class DPOTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial):
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._check_weights(folder)
         with writing(folder, f"{folder.name} is incomplete (no whole trainer_state.json) and will not be resumed"):
             if self.save_with is not None and self.args.should_save:
                 # The record first: a folder interrupted at any later point is provably ours (--overwrite-output-dir
@@ -81,6 +129,7 @@ class DPOTrainer(Trainer):
                 (folder / "trainer_state.json").unlink(missing_ok=True)
                 self.save_with(folder)
             super()._save_checkpoint(model, trial)
+        self.last_checkpoint = folder
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         lengths = inputs["completion_lens"]
@@ -104,6 +153,8 @@ class DPOTrainer(Trainer):
         gather = self.accelerator.gather if split == "train" else self.accelerator.gather_for_metrics
         for name, value in zip(metrics, gather(table).mean(0).tolist()):
             self._metrics[split][name].append(value)
+        if split == "train":  # the loss over every process's pairs: each process stops alike
+            self._stop_if_not_finite("the loss is", self._metrics[split]["loss"][-1], self.state.global_step + 1)
         return (loss, {}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -137,7 +188,13 @@ class MetricsFile(TrainerCallback):
                 return
             self.seen.add(key)
             with writing(self.path):
-                append_text(self.path, json.dumps(record) + "\n")
+                append_text(self.path, json.dumps(finite_or_null(record), allow_nan=False) + "\n")
+
+
+def finite_or_null(record: dict) -> dict:
+    """A log record as JSON can hold it honestly: a NaN or infinite value is null (never 0.0, never a bare NaN
+    token that strict JSON readers refuse)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
 def metrics_records(path: Path) -> list[dict]:
@@ -207,7 +264,7 @@ def metrics_figure(records: list[dict], title: str):
     for ax, panel in zip(fig.subplots(rows, 3).flat, panels):
         for key, name in panel.series:
             for (prefix, split, style), colour in zip(SPLITS, COLOURS[name]):
-                points = [(r["step"], r[prefix + key]) for r in records if prefix + key in r]
+                points = [(r["step"], r[prefix + key]) for r in records if r.get(prefix + key) is not None]
                 if points:
                     ax.plot(*zip(*points), color=colour, label=f"{split}, {name}" if name else split,
                             gid=prefix + key, **style)

@@ -21,7 +21,7 @@ from runtime import cli
 from runtime.cli import OptionSpec, option_specs
 
 GROUP = "Training (every other transformers.TrainingArguments)"
-FORMAT = 1
+FORMAT = 2  # 2: numeric kinds carry their domain
 # the transformers modules TrainingArguments' fields, types and defaults are written in
 SOURCES = ("training_args.py", "trainer_utils.py", "debug_utils.py")
 VERSIONS = ("transformers", "torch", "accelerate")
@@ -29,6 +29,18 @@ VERSIONS = ("transformers", "torch", "accelerate")
 # which (tests/runtime/test_locations.py finds any other field whose help names a path, and fails until it is here)
 LOCATIONS = {"accelerator_config": {"location": "input", "json_text": True},
              "logging_dir": {"location": "output"}}
+# The domains (runtime/domains.py) of TrainingArguments' numeric fields that train-dpo does not define itself (those
+# declare theirs in dpo/recipe.py), across the transformers versions that have them. A numeric field missing here
+# (one a newer transformers adds) is taken as any finite number; tests/dpo/test_numeric_domains.py asks for it here.
+TRAINER_DOMAINS = {
+    "adam_beta1": "probability", "adam_beta2": "probability", "adam_epsilon": "nonnegative",
+    "label_smoothing_factor": "probability", "neftune_noise_alpha": "nonnegative", "warmup_ratio": "probability",
+    "eval_delay": "nonnegative", "eval_accumulation_steps": "count", "torch_empty_cache_steps": "count",
+    "data_seed": "natural", "dataloader_prefetch_factor": "count", "ddp_bucket_cap_mb": "count",
+    "ddp_timeout": "count", "tp_size": "count", "tpu_num_cores": "count", "logging_steps": "positive",
+    "eval_steps": "positive", "save_steps": "positive", "save_total_limit": "natural",
+    "local_rank": "integer", "past_index": "integer",
+}
 
 
 def cache_folder() -> Path:
@@ -72,7 +84,8 @@ def computed_specs(skip) -> list[OptionSpec]:
     """The option table from TrainingArguments itself (imports transformers, and with it torch)."""
     import transformers
 
-    return option_specs(transformers.TrainingArguments, group=GROUP, skip=skip, locations=LOCATIONS)
+    return option_specs(transformers.TrainingArguments, group=GROUP, skip=skip, locations=LOCATIONS,
+                        domains=TRAINER_DOMAINS)
 
 
 def _read(path: Path) -> list[OptionSpec] | None:

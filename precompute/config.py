@@ -48,7 +48,8 @@ class PrecomputeConfig:
         "free after loading the model and the model's shapes (hidden size, layers, vocabulary, dtype; kv_cache's "
         f"keys and values), logged and recorded; on CPU auto keeps {DEFAULT_TOKEN_BUDGET}, lowered only when the "
         "available memory is short.", "Computation", parse=parse_token_budget, metavar="TOKENS|auto"))
-    rows_per_shard: int = field(default=2048, metadata=field_help("Pairs per Parquet shard.", "Output", min=1))
+    rows_per_shard: int = field(default=2048, metadata=field_help("Pairs per Parquet shard.", "Output",
+                                                                domain="count"))
     dtype: str = field(default="auto", metadata=field_help(
         "Reference precision; auto is bfloat16 on CUDA and float32 on CPU.", "Computation",
         choices=("auto", "float32", "bfloat16", "float16")))
@@ -72,7 +73,7 @@ class PrecomputeConfig:
         "ways by the tensor-parallel plan transformers has for the architecture (refused for one without a plan) "
         "and scores its shards together; groups share the shards out as ranks do. WORLD_SIZE must be a multiple "
         "of N. Not with --device, --adapter, --torch-compile or --device-map. Batching modes are probed on the "
-        "split model.", "Computation", min=1, metavar="N"))
+        "split model.", "Computation", domain="count", metavar="N"))
     attn_implementation: str = field(default="auto", metadata=field_help(
         "Attention kernel: auto (what transformers picks for the model), sdpa, eager, flash_attention_2.",
         "Computation"))
@@ -82,7 +83,7 @@ class PrecomputeConfig:
         "Also store, for every completion token, the reference's K most probable token ids, their log-probs and "
         "the log of the probability mass outside them (the tail), from the same forward: what train-dpo's KL "
         "figures and token-level losses read. 0: only the log-prob of each completion token.", "Computation",
-        min=0))
+        domain="natural"))
     torch_compile: bool = field(default=False, metadata=field_help(
         "Compile the scoring forward with torch.compile (dynamic shapes): used only where it reproduces the model's "
         "own eager forward on the probe of the job's pairs, else the job scores uncompiled and says why. The "

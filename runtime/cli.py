@@ -12,9 +12,12 @@ import click
 
 from schemas.encoding import EncodingConfig
 
+from .domains import DomainType, domain_type
+
 # Every command's exit codes: 0 done (audit-ref: every check passed), 1 failed (a check failed, an unexpected error),
-# 2 refused (bad input, a cache or output folder that does not match, a usage error).
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+# 2 refused (bad input, a cache or output folder that does not match, a usage error), 3 (train-dpo) stopped because
+# the loss, the gradient norm or the weights became non-finite (runtime.errors.NonFiniteError), 130 interrupted.
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_NON_FINITE = 0, 1, 2, 3
 
 
 def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
@@ -43,9 +46,9 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
         except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, click.UsageError, KeyboardInterrupt):
             raise
         except Exception as e:
-            if not is_no_space(e):
+            folder = _writes_to(writes_to)
+            if not is_no_space(e, folder):
                 raise
-            folder = writes_to() if writes_to else None
             raise no_space_error(e, folder) from e  # a save no one wrapped in runtime.disk.writing
     except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, click.UsageError) as e:
         if debug:
@@ -53,7 +56,7 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
         if isinstance(e, click.UsageError):
             raise
         click.echo(f"error: {e}" + (f"\n  then: {carry_on()}" if isinstance(e, NoSpaceError) else ""), err=True)
-        sys.exit(EXIT_REFUSED)
+        sys.exit(getattr(e, "exit_code", EXIT_REFUSED))  # NonFiniteError: EXIT_NON_FINITE
     except KeyboardInterrupt:
         click.echo(f"interrupted; {carry_on()}", err=True)
         sys.exit(130)
@@ -63,6 +66,14 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
         else:
             click.echo(f"error: unexpected {type(e).__name__}: {e} (re-run with --debug for the traceback)", err=True)
         sys.exit(EXIT_FAILED)
+
+
+def _writes_to(writes_to):
+    """The folder a command writes to, or None (not known, or its advice failed: the error at hand matters more)."""
+    try:
+        return writes_to() if writes_to else None
+    except Exception:
+        return None
 
 
 def exit_without_teardown(command) -> None:
@@ -266,10 +277,11 @@ def location_type(metadata) -> Location:
 
 def field_help(help: str, group: str | None = None, **extra) -> dict:
     """Metadata for a config field: its --help text, its section in --help, and optionally `choices`,
-    `cli=False` (not an option), `required=True`, `show_default` (a text instead of the default's value), `min`,
-    `click_type` (a click type that checks more, e.g. click.Path(file_okay=False)), `parse` (text -> value, a
-    ValueError for a bad one: a ParsedText option) with its `metavar`, `location` ("input" or "output": a path or
-    URL, read by the Location type, with `store`, `words`, `json_text`; every path option declares one)."""
+    `cli=False` (not an option), `required=True`, `show_default` (a text instead of the default's value), `domain`
+    (a numeric option's domain: runtime/domains.py; every int or float option declares one), `min` (a bound beyond
+    the domain's), `click_type` (a click type that checks more, e.g. click.Path(file_okay=False)), `parse` (text ->
+    value, a ValueError for a bad one: a ParsedText option) with its `metavar`, `location` ("input" or "output": a
+    path or URL, read by the Location type, with `store`, `words`, `json_text`; every path option declares one)."""
     return {"help": help, "group": group, **extra}
 
 
@@ -352,7 +364,9 @@ class OptionSpec:
 
     def to_json(self) -> dict:
         kind = self.kind
-        if isinstance(kind, click.Choice):
+        if isinstance(kind, DomainType):
+            kind = {"domain": kind.domain, "min": kind.minimum}
+        elif isinstance(kind, click.Choice):
             kind = {"choices": list(kind.choices)}
         elif isinstance(kind, Location) and kind.local is None:
             kind = {"location": kind.role, "store": kind.store, "words": list(kind.words), "json_text": kind.json_text}
@@ -368,6 +382,8 @@ class OptionSpec:
         kind = data["kind"]
         if isinstance(kind, dict) and "location" in kind:
             kind = location_type(kind)
+        elif isinstance(kind, dict) and "domain" in kind:
+            kind = domain_type(kind["domain"], kind.get("min"))
         elif isinstance(kind, dict):
             kind = click.Choice(kind["choices"])
         else:
@@ -375,13 +391,31 @@ class OptionSpec:
         return cls(**{**data, "decls": tuple(data["decls"]), "kind": kind})
 
 
+def field_domain(fld: dataclasses.Field, kind, domains=None) -> str | None:
+    """The declared domain of a numeric field (`kind` int or float): its `domain` metadata, else `domains`' entry
+    (the table of a foreign class, e.g. TrainingArguments'). None for a field that is not a number. A number of
+    our own without a domain is an error where the option is made; a foreign one not in its table is taken as any
+    finite number (NaN and infinities are never a value)."""
+    if kind not in (int, float):
+        return None
+    declared = fld.metadata.get("domain") or (domains or {}).get(fld.name)
+    if declared:
+        return declared
+    if domains is None:
+        raise TypeError(f"option {fld.name}: a number without a declared domain; add metadata domain=... (one of "
+                        f"runtime.domains.DOMAINS)")
+    return "integer" if kind is int else "finite"
+
+
 def option_specs(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None,
-                 locations=None) -> list[OptionSpec]:
+                 locations=None, domains=None) -> list[OptionSpec]:
     """One OptionSpec per init field of dataclass `cls`, in field order, in both spellings (--learning-rate and
     --learning_rate), default None so that only given values are collected (the dataclass keeps its defaults).
     enforce_required=False: required fields are checked by the caller, e.g. after merging a config file.
     `aliases`: {other name: field name}, more names of a field's option (both spellings of each). `locations`:
-    {field name: `location` metadata} for the path fields of a dataclass that is not ours (TrainingArguments)."""
+    {field name: `location` metadata} for the path fields of a dataclass that is not ours (TrainingArguments). A
+    numeric field's type checks its domain (field_domain; `domains`: {field name: domain} for a class whose fields
+    we do not write)."""
     names_of: dict[str, list[str]] = {}
     for alias, name in (aliases or {}).items():
         names_of.setdefault(name, []).append(alias)
@@ -399,8 +433,9 @@ def option_specs(cls, *, group: str | None = None, skip=(), enforce_required=Tru
             kind = ParsedText(fld.metadata["parse"], fld.metadata.get("metavar"))
         if "location" in fld.metadata or fld.name in (locations or {}):
             kind = location_type({**fld.metadata, **(locations or {}).get(fld.name, {})})
-        if "min" in fld.metadata:
-            kind = (click.IntRange if kind is int else click.FloatRange)(min=fld.metadata["min"])
+        domain = field_domain(fld, kind, domains)
+        if domain is not None:
+            kind = domain_type(domain, fld.metadata.get("min"))
         kebab, snake = "--" + fld.name.replace("_", "-"), "--" + fld.name
         others = [d for a in names_of.get(fld.name, []) for d in dict.fromkeys(("--" + a.replace("_", "-"),
                                                                                  "--" + a))]
@@ -433,10 +468,11 @@ def spec_options(specs: list[OptionSpec]):
     return decorate
 
 
-def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None, locations=None):
+def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None, locations=None,
+                      domains=None):
     """A decorator adding one click option per init field of dataclass `cls` (option_specs)."""
     return spec_options(option_specs(cls, group=group, skip=skip, enforce_required=enforce_required, aliases=aliases,
-                                     locations=locations))
+                                     locations=locations, domains=domains))
 
 
 def given_values(values: dict) -> dict:

@@ -1,6 +1,8 @@
 """A full disk (or quota) while saving, told as one refusal naming the file, the device and the space left, whatever
-library wrote: Python's OSError (ENOSPC, EDQUOT), torch.save's "[enforce fail ...] PytorchStreamWriter failed writing
-file", safetensors' and pyarrow's "No space left on device"."""
+library wrote. Recognised by the errno (Python's OSError: ENOSPC, EDQUOT; libraries that drop it write it in their
+message: safetensors' "os error 28", pyarrow's "[errno 28]") or, where the error carries none (torch.save's zip writer:
+"[enforce fail ...] PytorchStreamWriter failed writing file ...", "unexpected pos ..."), by the free space left on
+the device being written: never by a library's wording of a failed write."""
 
 from __future__ import annotations
 
@@ -14,28 +16,54 @@ from pathlib import Path
 from .errors import JobError
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# Libraries that do not raise OSError say it in their message; torch's zip writer gives no errno at all (its failed
-# fwrite on a full disk is the one message below).
-NO_SPACE_TEXT = re.compile(r"no space left on device|disk quota exceeded|os error (?:28|122)\b|StorageFull|"
-                           r"QuotaExceeded|PytorchStreamWriter failed writing file",
-                           re.IGNORECASE)
+# the errno as libraries that do not raise OSError write it (and object stores' codes for the same condition)
+NO_SPACE_TEXT = re.compile(r"no space left on device|disk quota exceeded|os error (?:28|122)\b|\[errno (?:28|122)\]|"
+                           r"StorageFull|QuotaExceeded", re.IGNORECASE)
+# A failed write without an errno is taken for a full device when less than this is free there: a write that ran out
+# of space has filled the device (its partial file holds the rest). 64 MiB or 1% of the device, at most 1 GiB.
+MARGIN_BYTES, MARGIN_SHARE, MARGIN_CAP = 64 * 2**20, 0.01, 2**30
+# errors that say the program is wrong, not the device: never read as a full disk whatever the space left
+PROGRAM_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError, NameError, AssertionError,
+                  NotImplementedError, ZeroDivisionError, ImportError, RecursionError, MemoryError)
 
 
 class NoSpaceError(JobError):
     """A save that failed because the device is full (or the quota is used up)."""
 
 
-def is_no_space(exc: BaseException) -> bool:
-    """`exc`, or an exception it was raised from, is a write that found no space."""
-    seen = set()
+def is_no_space(exc: BaseException, target=None) -> bool:
+    """`exc`, or an exception it was raised from, is a write that found no space: its errno says so, or (`target`:
+    the file or folder being written, on a local device) it is a write error without an errno (an OSError, a
+    RuntimeError such as torch's zip writer raises, a library's own error) and that device has less than the margin
+    free (`nearly_full`)."""
+    chain, seen = [], set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
-            return True
-        if NO_SPACE_TEXT.search(str(exc)):
-            return True
+        chain.append(exc)
         exc = exc.__cause__ or exc.__context__
-    return False
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS:
+            return True
+        if NO_SPACE_TEXT.search(str(e)):
+            return True
+    if target is None or any(isinstance(e, OSError) and e.errno is not None for e in chain):
+        return False  # an errno that is not ENOSPC/EDQUOT names another cause
+    if all(isinstance(e, PROGRAM_ERRORS) for e in chain):
+        return False
+    return nearly_full(target)
+
+
+def nearly_full(target) -> bool:
+    """The local device holding `target` (its nearest existing folder) has less than the margin free; False for a
+    store URL or a place that cannot be read."""
+    text = str(target)
+    if "://" in text and not text.startswith("file://"):
+        return False
+    try:
+        usage = shutil.disk_usage(_existing(Path(os.path.abspath(text.removeprefix("file://")))))
+    except (OSError, ValueError):
+        return False
+    return usage.free < min(max(MARGIN_BYTES, MARGIN_SHARE * usage.total), MARGIN_CAP)
 
 
 def _existing(path: Path) -> Path:
@@ -98,6 +126,6 @@ def writing(target, consequence: str = ""):
     except NoSpaceError:
         raise
     except Exception as e:
-        if is_no_space(e):
+        if is_no_space(e, target):
             raise no_space_error(e, target, consequence) from e
         raise

@@ -106,7 +106,7 @@ class EncodingConfig:
     """How rows become ids. Recorded in every cache; training must use the same values."""
 
     max_length: int = dataclasses.field(default=1024, metadata={
-        "help": "Maximum prompt + completion tokens per sequence.", "min": 2})
+        "help": "Maximum prompt + completion tokens per sequence.", "domain": "count", "min": 2})
     truncation_mode: str = dataclasses.field(default="keep_start", metadata={
         "choices": TRUNCATION_MODES, "help": "Over-long pairs: keep_start cuts completion ends, keep_end cuts the "
                                              "prompt start, error rejects the row."})

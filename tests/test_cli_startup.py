@@ -123,7 +123,8 @@ def test_stored_trainer_options_are_the_computed_ones(tmp_path, monkeypatch):
     assert any(isinstance(s.kind, click.Choice) for s in read) and any(s.multiple for s in read)
 
     fresh = {p.name: p for p in dataclass_options(transformers.TrainingArguments, group=trainer_options.GROUP,
-                                                  skip=NOT_TRAINER_OPTIONS, locations=trainer_options.LOCATIONS)(
+                                                  skip=NOT_TRAINER_OPTIONS, locations=trainer_options.LOCATIONS,
+                                                  domains=trainer_options.TRAINER_DOMAINS)(
         lambda **kw: None).__click_params__}
     ours = {p.name: p for p in main.params if getattr(p, "group", None) == trainer_options.GROUP}
     expected = {f.name for f in dataclasses.fields(transformers.TrainingArguments)

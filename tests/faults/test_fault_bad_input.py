@@ -267,7 +267,7 @@ def test_precompute_bad_model_folder(models, tmp_path, variant):
 
 ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, exit code, message parts)
     "out_is_a_file": ({"--out": "{tmp}/a-file"}, ["Invalid value for '--out'", "is a file"]),
-    "max_length_1": (["--max-length", "1"], ["Invalid value for '--max-length'", "1 is not in the range x>=2"]),
+    "max_length_1": (["--max-length", "1"], ["Invalid value for '--max-length'", "'1' is out of range; expected a whole number >= 2"]),
     "rows_per_shard_0": (["--rows-per-shard", "0"], ["Invalid value for '--rows-per-shard'"]),
     "token_budget_0": (["--token-budget", "0"], ["Invalid value for '--token-budget'"]),
     "truncation_mode_unknown": (["--truncation-mode", "middle"], ["Invalid value for '--truncation-mode'"]),
@@ -400,8 +400,17 @@ TRAIN_ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, 
                                   ["error: --resume-from-checkpoint {tmp}/checkpoint-9: no such directory"]),
     "resume_from_a_partial_checkpoint": (["--resume-from-checkpoint", "{tmp}/partial"], False,
                                          ["error: --resume-from-checkpoint {tmp}/partial: no trainer_state.json in it"]),
-    "batch_size_0": (["--per-device-train-batch-size", "0"], False,
-                     ["error: --per-device-train-batch-size must be at least 1, got 0"]),
+    "batch_size_0": (["--per-device-train-batch-size", "0"], True,
+                     ["Invalid value for '--per-device-train-batch-size'", "'0' is out of range; expected a whole "
+                      "number >= 1"]),
+    # issue 34 family 3: numbers checked against their declared domain; an option the loss does not read refused
+    "kl_coef_nan": (["--kl-coef", "nan"], True, ["Invalid value for '--kl-coef'", "'nan' is not finite"]),
+    "tdpo_alpha_inf": (["--loss-type", "tdpo2", "--tdpo-alpha", "inf"], True,
+                       ["Invalid value for '--tdpo-alpha'", "'inf' is not finite"]),
+    "kl_coef_negative": (["--kl-coef", "-1"], True, ["Invalid value for '--kl-coef'", "'-1' is out of range"]),
+    "tdpo_alpha_with_sigmoid": (["--tdpo-alpha", "0.9"], True, ["--tdpo-alpha 0.9: the sigmoid loss does not read it",
+                                                                 "an option of tdpo2"]),
+    "lora_r_without_peft": (["--lora-r", "8"], False, ["error: --lora-r only apply to a LoRA policy; add --use-peft"]),
     "lr_scheduler_unknown": (["--lr-scheduler-type", "sideways"], False, ["error: invalid training options:",
                                                                           "sideways"]),
     "learning_rate_not_a_number": (["--learning-rate", "fast"], True, ["Invalid value for '--learning-rate'"]),

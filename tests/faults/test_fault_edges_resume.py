@@ -236,6 +236,7 @@ def test_15_disk_full_in_a_checkpoint_save_names_the_file_and_is_never_resumed(t
             return real_save(obj, f, *a, **k)
 
         monkeypatch.setattr(torch, "save", save)
+        full_device(monkeypatch, out)  # no errno: a full disk by the free space left there (runtime/disk.py)
         half = out / "checkpoint-2" / "optimizer.pt"
     else:
         from transformers.trainer_callback import TrainerState
@@ -267,14 +268,47 @@ def test_15_disk_full_in_a_checkpoint_save_names_the_file_and_is_never_resumed(t
     assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2  # now whole
 
 
-def test_15_disk_full_anywhere_else_is_the_same_refusal(tmp_path):
+def full_device(monkeypatch, folder, free=0):
+    """The device holding `folder` reports `free` bytes left (of 100 GiB); every other path its real figures."""
+    import runtime.disk
+
+    real = shutil.disk_usage
+
+    def disk_usage(path):
+        if os.path.abspath(path).startswith(os.path.abspath(folder)):
+            return type(real(path))(100 * 2**30, 100 * 2**30 - free, free)
+        return real(path)
+
+    monkeypatch.setattr(runtime.disk.shutil, "disk_usage", disk_usage)
+
+
+def test_15_the_torch_error_with_space_left_is_a_crash_not_a_full_disk(trained, tmp_path, monkeypatch):
+    """The reverse of the torch case: the same RuntimeError (no errno) while the device has plenty free is the
+    generic crash (exit 1), never "no space left"."""
+    real_save = torch.save
+
+    def save(obj, f, *a, **k):
+        if str(f).endswith(os.path.join("checkpoint-2", "optimizer.pt")):
+            raise RuntimeError(ENFORCE_FAIL)
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    full_device(monkeypatch, tmp_path, free=50 * 2**30)
+    failed = train(*trained["args"], "--output-dir", tmp_path / "run")
+    monkeypatch.undo()
+    assert failed.exit_code == 1, failed.output
+    assert "no space left" not in failed.output and "unexpected RuntimeError" in failed.output
+
+
+def test_15_disk_full_anywhere_else_is_the_same_refusal(tmp_path, monkeypatch):
     """Neighbour: a save no command wrapped (any command, through the shared frame): ENOSPC or EDQUOT with or
-    without a file name."""
+    without a file name, and torch's error without an errno where the command writes to a full device."""
     import click
     from click.testing import CliRunner
 
     from runtime.cli import run_cli
 
+    full_device(monkeypatch, tmp_path)
     for error in (OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.parquet")),
                   OSError(errno.EDQUOT, "Disk quota exceeded"), RuntimeError(ENFORCE_FAIL)):
         @click.command()
@@ -282,7 +316,7 @@ def test_15_disk_full_anywhere_else_is_the_same_refusal(tmp_path):
             def body():
                 raise error
 
-            run_cli(body, False)
+            run_cli(body, False, writes_to=lambda: tmp_path)
 
         result = CliRunner().invoke(cmd, [])
         assert result.exit_code == 2, result.output

@@ -25,8 +25,10 @@ class Colour(enum.Enum):
 @dataclasses.dataclass
 class Toy:
     name: str = dataclasses.field(metadata=field_help("What to call it.", "Main", required=True))
-    steps: int = dataclasses.field(default=3, metadata=field_help("How many\n   steps.", "Main", min=1))
-    rate: float | None = dataclasses.field(default=None, metadata=field_help("A rate.", "Tuning"))
+    steps: int = dataclasses.field(default=3, metadata=field_help("How many\n   steps.", "Main",
+                                                                                    domain="count"))
+    rate: float | None = dataclasses.field(default=None, metadata=field_help("A rate.", "Tuning",
+                                                                                              domain="positive"))
     mode: Literal["fast", "slow"] = dataclasses.field(default="fast", metadata=field_help("Speed.", "Tuning"))
     colour: Colour = dataclasses.field(default=Colour.RED, metadata=field_help("A colour.", "Tuning"))
     tags: list[str] = dataclasses.field(default_factory=list, metadata=field_help("Repeatable.", "Tuning"))
@@ -59,7 +61,7 @@ def test_fields_become_options_in_both_spellings_with_types():
 
 
 @pytest.mark.parametrize("args, words", [(["--steps", "2"], "Missing option '--name'"),
-                                         (["--name", "a", "--steps", "0"], "0 is not in the range x>=1"),
+                                         (["--name", "a", "--steps", "0"], "'0' is out of range; expected a whole number >= 1"),
                                          (["--name", "a", "--mode", "medium"], "'medium' is not one of 'fast', 'slow'"),
                                          (["--name", "a", "--hidden", "y"], "No such option '--hidden'")])
 def test_bad_values_are_usage_errors(args, words):
