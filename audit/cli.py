@@ -17,7 +17,6 @@ the tokenizer hash. So each corruption is reported once, by the check that owns 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,7 @@ from runtime.cli import EXIT_FAILED, EXIT_OK, dataclass_options, field_help, giv
 from runtime.errors import JobError
 from runtime.paths import check_apart
 from runtime.placement import DEVICE_MAPS, check_placement, parse_max_memory
+from runtime.terminal import colour_wanted, echo
 from runtime.tolerance import describe_replay
 from schemas.files import atomic_write, check_destination
 
@@ -221,7 +221,7 @@ def main(cache, debug, **options):
         report = run_audit(cache, model=opts.model, data=opts.data, run=opts.run,
                            sample=None if opts.all else opts.sample, seed=opts.seed, tolerance=opts.tolerance,
                            trust_remote_code=opts.trust_remote_code, split=split if opts.device_map else None)
-        click.echo(render(report))
+        echo(render(report))
         if json_path:
             text = json.dumps(_jsonable(report), indent=2) + "\n"
             atomic_write(Path(json_path), lambda f: f.write(text.encode("utf-8")))
@@ -255,7 +255,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         check = audit_data(manifest, scan, opts.data, tokenizer)
         notes.append(f"--data {opts.data}: {check.status}: {check.detail}")
     for note in notes:
-        click.echo(f"note: {note}", err=True)
+        echo(f"note: {note}", err=True)
     picks = (show.pick_rows(scan.index, opts.show, cache) if opts.show else
              show.sample_rows(scan.index, sample, opts.seed))
     policy = None
@@ -271,11 +271,12 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         policy = show.load_policy(opts.run, opts.model, manifest, opts.trust_remote_code)
     views = show.row_views(root, picks, tokenizer, policy)
     if opts.show:
-        click.echo(show.render_text(views, colour="NO_COLOR" not in os.environ))
+        colour = colour_wanted(sys.stdout)
+        echo(show.render_text(views, colour=colour), colour=colour)
     if opts.html:
         page = show.render_html(views, cache, manifest, notes).encode("utf-8")
         atomic_write(Path(opts.html), lambda f: f.write(page))
-        click.echo(f"wrote {opts.html}: {len(views)} row(s) token by token")
+        echo(f"wrote {opts.html}: {len(views)} row(s) token by token")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from runtime.cli import GroupedCommand, ParsedText, exit_without_teardown, click_type, dataclass_options, given_values, quiet_libraries, run_cli, spec_options
+from runtime.terminal import echo
 
 from .lora import LoraOptions
 from .recipe import TrainConfig
@@ -149,7 +150,7 @@ def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
         data["report_to"] = ",".join(map(str, data["report_to"])) or "none"
     replaced = [k for k in REPLACED_BY_CACHE if k in data and data[k] not in (None, False)]
     if replaced:
-        click.echo(f"note: {path}: {', '.join(replaced)}: refcache's reference cache replaces this (precompute-ref "
+        echo(f"note: {path}: {', '.join(replaced)}: refcache's reference cache replaces this (precompute-ref "
                    "computes the reference log-probs once; train-dpo --ref-cache reads them); ignored", err=True)
     data = {k: v for k, v in data.items() if k not in redacted and k not in replaced}
     unknown = sorted(set(data) - set(OURS) - set(TRAINER))
@@ -162,7 +163,7 @@ def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
         raise click.UsageError(
             f"{path}: unknown option(s) {', '.join(unsupported)} (refcache does not support these DPOConfig / trl "
             "keys, or they are misspelt; see `train-dpo --help` and README 'Coming from TRL')")
-    click.echo(f"note: {path}: ignoring {len(inert)} DPOConfig / trl keys at TRL's default: {', '.join(inert)}",
+    echo(f"note: {path}: ignoring {len(inert)} DPOConfig / trl keys at TRL's default: {', '.join(inert)}",
                err=True)
     return {k: v for k, v in data.items() if k not in inert}, given_as
 
@@ -257,11 +258,11 @@ def main(config_file, debug, **given):
 
         resolved.append(resolve_config(config_file, given))  # a refused command line needs no model library
         quiet_libraries()
-        summary = run_train(resolved[0], log=lambda m: click.echo(m, err=True))
+        summary = run_train(resolved[0], log=lambda m: echo(m, err=True))
         from runtime.distributed import Dist
 
         if Dist.joined().rank == 0:  # one summary per job, not one per torchrun process
-            click.echo(summary_text(summary))
+            echo(summary_text(summary))
 
     run_cli(body, debug, next_step=lambda: next_step(resolved[0] if resolved else None, config_file, given),
             writes_to=lambda: resolved[0].output_dir if resolved else None)

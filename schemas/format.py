@@ -424,6 +424,9 @@ def shard_path(root: Path, name) -> Path:
 def read_manifest(root: Path) -> dict:
     path = root / MANIFEST
     if not path.is_file():
+        absent = store.absent_cache(root) if isinstance(root, store.StorePath) else None
+        if absent is not None:  # a missing bucket, an empty or mistyped prefix: not an interrupted writer
+            raise absent
         raise CacheError(
             "incomplete",
             f"{root} has no {MANIFEST}: the cache is incomplete (precompute-ref is still running or was interrupted)",
