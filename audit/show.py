@@ -216,7 +216,7 @@ def render_text(views: list[RowView], colour: bool = True) -> str:
     legend = ", ".join(style(f"{name} (p >= {np.exp(bound):.2g})" if np.isfinite(bound) else name,
                              fg=TERMINAL_COLOURS[name]) for bound, name in BANDS)
     for v in views:
-        out += [style(f"row {v.index} id {quoted(v.id)} ({escaped(v.shard)} row {v.row})", bold=True),
+        out += [style(f"row {v.index} id '{escaped(v.id)}' ({escaped(v.shard)} row {v.row})", bold=True),
                 f"  prompt: {len(v.prompt.ids)} tokens, not scored",
                 "    |" + "|".join(style(visible(t), dim=True) for t in v.prompt.texts) + "|",
                 "  -- the prompt ends here; the completion tokens below are scored --"]

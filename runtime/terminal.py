@@ -59,12 +59,16 @@ def printable(message) -> str:
 
 
 def colour_wanted(stream=None) -> bool:
-    """Colour only on a terminal, and not where the user turned it off (NO_COLOR set and not empty; TERM=dumb)."""
+    """Colour only on a terminal, and not where the user turned it off (NO_COLOR set and not empty; TERM=dumb); a
+    click context's explicit `color` decides instead."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.color is not None:
+        return bool(ctx.color)
     stream = sys.stdout if stream is None else stream
     if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
         return False
-    try:
-        return bool(stream.isatty())
+    try:  # click's own test of a terminal (which its test runner answers as asked)
+        return not click.utils.should_strip_ansi(stream)
     except (AttributeError, ValueError):  # no isatty, or a closed stream
         return False
 

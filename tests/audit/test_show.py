@@ -18,7 +18,7 @@ import torch
 
 from conftest import build_llama, edit_manifest, fake_run, precompute_in_process, read_cache, save_checkpoint
 from conftest import make_lora_adapter, write_jsonl
-from audit.show import visible
+from audit.show import quoted, visible
 from schemas import format as fmt
 
 CHROMIUM = shutil.which("chromium")
@@ -95,7 +95,7 @@ def test_show_prints_every_token_with_its_cached_logprob(dpo_cache, tokenizer):
             got = table_lines(block, side)
             ids, logps = row[f"{side}_input_ids"], np.asarray(row[f"{side}_logps"])
             assert [int(g[1]) for g in got] == ids and [int(g[0]) for g in got] == list(range(len(ids)))
-            assert [g[2] for g in got] == [repr(visible(t)) for t in texts(tokenizer, ids)]
+            assert [g[2] for g in got] == [quoted(t) for t in texts(tokenizer, ids)]
             np.testing.assert_allclose([float(g[3]) for g in got], logps, atol=5e-4)
         margin = re.search(r"margin: reference chosen - rejected ([+-][\d.]+)", block).group(1)
         assert abs(float(margin) - (row["chosen_logp"] - row["rejected_logp"])) <= 5e-4
