@@ -92,7 +92,15 @@ def verified_tokenizer(manifest: dict, source: str | None, trust_remote_code: bo
     from runtime.checkpoint import load_tokenizer
 
     if source is None:
-        recorded = (manifest.get("model") or {}).get("path") if isinstance(manifest.get("model"), dict) else None
+        model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+        recorded = model.get("path")
+        if (not recorded or not Path(recorded).is_dir()) and model.get("hub_id"):  # the hub id, in this HF cache
+            from runtime.hub import resolve
+
+            try:
+                recorded = resolve(model["hub_id"], "model")
+            except JobError:
+                pass
         if not recorded or not Path(recorded).is_dir():
             raise JobError(f"the token text needs the tokenizer the cache was made with; its recorded model folder "
                            f"{recorded!r} is not here: pass --model (or --tokenizer) with that checkpoint")
