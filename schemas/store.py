@@ -113,6 +113,13 @@ class _Guarded:
         return call
 
 
+def filesystem(path: StorePath):
+    """The fsspec filesystem itself, for a library that takes one (pyarrow's datasets): its calls are not classified
+    (run them after the store answered this job's own)."""
+    fs = path.fs
+    return fs._fs if isinstance(fs, _Guarded) else fs
+
+
 def missing_bucket(root: StorePath) -> StoreUnavailable | None:
     """A bucket (container) that does not exist on the store, or None (it exists, or the store has no buckets)."""
     if root._s.protocol not in BUCKETED:
