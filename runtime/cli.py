@@ -201,7 +201,21 @@ class GroupedOption(click.Option):
         self.group = group
 
 
-class GroupedCommand(click.Command):
+class Command(click.Command):
+    """A command whose command-line errors (click's own, raised while the options are parsed: a value that is not a
+    choice, a path that does not exist) print their text by the terminal rule too (runtime/terminal.py)."""
+
+    def parse_args(self, ctx, args):
+        from .terminal import printable
+
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            e.message = printable(e.message)
+            raise
+
+
+class GroupedCommand(Command):
     """--help lists options under their group's heading, groups in the order they first appear."""
 
     def format_options(self, ctx, formatter):

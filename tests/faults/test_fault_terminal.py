@@ -179,3 +179,23 @@ def test_a_copied_cache_under_a_hostile_name_is_refused_cleanly(world, tmp_path)
     code, out = audit_out(cache)
     assert code == 2 and "not valid JSON" in out, out
     assert_clean(out)
+
+
+@pytest.mark.parametrize("command", ["precompute-ref", "train-dpo", "audit-ref"])
+def test_command_line_errors_of_every_command(command, tmp_path):
+    """click's own errors while the options are parsed (a path that does not exist, here a file named by data) print
+    by the same rule: every command's class (runtime.cli.Command)."""
+    from audit.cli import main as audit_main
+    from dpo.cli import main as train_main
+    from precompute.cli import main as precompute_main
+
+    from runtime.cli import Command
+
+    main = {"precompute-ref": precompute_main, "train-dpo": train_main, "audit-ref": audit_main}[command]
+    assert isinstance(main, Command)
+    missing = str(tmp_path / NAME)
+    args = {"precompute-ref": ["--model", "m", "--data", "d", "--adapter", missing],
+            "train-dpo": ["--config", missing], "audit-ref": [missing]}[command]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "does not exist" in result.output, result.output
+    assert_clean(result.output)
