@@ -8,6 +8,7 @@ import numpy as np
 import polars as pl
 
 from runtime.placement import describe
+from runtime.terminal import escaped
 
 from .checks import FAIL, PASS, SECTIONS, SKIP
 
@@ -42,7 +43,7 @@ def _cell(v) -> str:
         return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
     if isinstance(v, int) and not isinstance(v, bool):
         return f"{v:,}"
-    return "" if v is None else str(v)
+    return "" if v is None else escaped(v)  # a value from the cache or the data stays one line of its cell
 
 
 def table(headers: list[str], rows: list[list]) -> str:
@@ -62,12 +63,12 @@ def render(report: dict) -> str:
     sw = made.get("software") or {}
     comp = made.get("computation") or {}
     src = made.get("source") or {}
-    out = [f"audit-ref {report['cache']}",
+    out = [f"audit-ref {escaped(report['cache'])}",
            f"  made {made.get('created_at')} by refcache {sw.get('refcache')} (" +
            ", ".join(f"{k} {v}" for k, v in sw.items() if k != "refcache") + ")",
-           f"  reference {(made.get('model') or {}).get('name')} in {comp.get('dtype')} on {comp.get('device_type')} "
-           f"({comp.get('attn_implementation')} attention, {comp.get('mode')} batching); data {src.get('data')} split "
-           f"{src.get('split')}; "
+           f"  reference {escaped((made.get('model') or {}).get('name'))} in {comp.get('dtype')} on "
+           f"{comp.get('device_type')} ({comp.get('attn_implementation')} attention, {comp.get('mode')} batching); "
+           f"data {escaped(src.get('data'))} split {escaped(src.get('split'))}; "
            f"{report['stats']['rows']:,} rows, {report['stats']['bytes'] / 2**20:.2f} MiB",
            *([f"  split by {describe(comp['layout'])}"] if isinstance(comp.get("layout"), dict) else []),
            *([f"  audited as version {v['version']} of the cache ({v['file']}; current version {v['current']}), "

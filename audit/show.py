@@ -12,12 +12,13 @@ import html
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
 import numpy as np
 import polars as pl
 
 from runtime.errors import JobError
 from runtime.placement import describe
+from runtime.terminal import escaped
+from runtime.terminal import style as styled
 from schemas import format as fmt
 from schemas import store
 from schemas.rules import stamp_findings
@@ -27,7 +28,10 @@ from .checks import PAGE_GENERATOR
 
 # Log-prob bands (lower bound, name): the token's probability >= 1/2, >= 1/10, >= 1/100, below.
 BANDS = ((np.log(0.5), "likely"), (np.log(0.1), "plausible"), (np.log(0.01), "unlikely"), (-np.inf, "surprising"))
-TERMINAL_COLOURS = {"likely": "green", "plausible": "yellow", "unlikely": "magenta", "surprising": "red"}
+# a value that is no log-prob at all (NaN, +inf: a damaged cache, which audit-ref fails) is shown as such, marked
+INVALID = "invalid"
+TERMINAL_COLOURS = {"likely": "green", "plausible": "yellow", "unlikely": "magenta", "surprising": "red",
+                    INVALID: "cyan"}
 FIND_IDS = ("give a row id (the cache's `id` column: the data's `id` field, or the one precompute-ref gave the row; "
             "here {some}) or a row index 0..{last}; `audit-ref CACHE --html FILE --all` lists every row with its id")
 TOP_CONTRIBUTIONS = 3
@@ -91,7 +95,15 @@ def verified_tokenizer(manifest: dict, source: str | None, trust_remote_code: bo
     from runtime.checkpoint import load_tokenizer
 
     if source is None:
-        recorded = (manifest.get("model") or {}).get("path") if isinstance(manifest.get("model"), dict) else None
+        model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+        recorded = model.get("path")
+        if (not recorded or not Path(recorded).is_dir()) and model.get("hub_id"):  # the hub id, in this HF cache
+            from runtime.hub import resolve
+
+            try:
+                recorded = resolve(model["hub_id"], "model")
+            except JobError:
+                pass
         if not recorded or not Path(recorded).is_dir():
             raise JobError(f"the token text needs the tokenizer the cache was made with; its recorded model folder "
                            f"{recorded!r} is not here: pass --model (or --tokenizer) with that checkpoint")
@@ -183,12 +195,22 @@ def load_policy(run_dir: str, model_dir: str | None, manifest: dict, trust_remot
 
 
 def band(logp: float) -> str:
+    """The log-prob's band (BANDS); INVALID for NaN or a value above 0 (no probability is above 1)."""
+    if not logp <= 0:
+        return INVALID
     return next(name for bound, name in BANDS if logp >= bound)
 
 
 def visible(text: str) -> str:
-    """A token's text with its whitespace made visible (a newline as ↵, a tab as →)."""
-    return text.replace("\n", "↵").replace("\t", "→").replace("\r", "␍")
+    """A token's text with its whitespace made visible (a newline as ↵, a tab as →, a carriage return as ␍) and
+    every other character that is not printable (an escape, a bidi override) escaped (runtime.terminal.escaped):
+    what both the console and the page show of data text."""
+    return escaped(text.replace("\n", "↵").replace("\t", "→").replace("\r", "␍"))
+
+
+def quoted(text: str) -> str:
+    """A token's visible text between quotes, so leading and trailing spaces show."""
+    return f"'{visible(text)}'"
 
 
 def _signed(x: float) -> str:
@@ -198,12 +220,14 @@ def _signed(x: float) -> str:
 def render_text(views: list[RowView], colour: bool = True) -> str:
     """The rows for a console: the prompt's tokens between bars, then one line per completion token (position, id,
     text, reference log-prob[, log-ratio]), coloured by log-prob band when `colour`."""
-    style = (lambda text, **kw: click.style(text, **kw)) if colour else (lambda text, **kw: text)
+    def style(text, **kw):  # every piece escaped, then coloured (runtime.terminal.style)
+        return styled(text, colour, **kw)
+
     out = []
     legend = ", ".join(style(f"{name} (p >= {np.exp(bound):.2g})" if np.isfinite(bound) else name,
                              fg=TERMINAL_COLOURS[name]) for bound, name in BANDS)
     for v in views:
-        out += [style(f"row {v.index} id {v.id!r} ({v.shard} row {v.row})", bold=True),
+        out += [style(f"row {v.index} id '{escaped(v.id)}' ({escaped(v.shard)} row {v.row})", bold=True),
                 f"  prompt: {len(v.prompt.ids)} tokens, not scored",
                 "    |" + "|".join(style(visible(t), dim=True) for t in v.prompt.texts) + "|",
                 "  -- the prompt ends here; the completion tokens below are scored --"]
@@ -215,7 +239,7 @@ def render_text(views: list[RowView], colour: bool = True) -> str:
             header = f"    {'pos':>4} {'id':>7}  {'token':<18} {'ref logp':>9}"
             out.append(header + (f" {'log-ratio':>10}" if part.ratio is not None else ""))
             for j, (i, text, lp) in enumerate(zip(part.ids, part.texts, part.ref)):
-                shown = repr(visible(text))
+                shown = quoted(text)
                 line = (f"    {j:>4} {i:>7}  {style(shown.ljust(18), fg=TERMINAL_COLOURS[band(lp)])} "
                         f"{style(f'{lp:>9.3f}', fg=TERMINAL_COLOURS[band(lp)])}")
                 if part.ratio is not None:
@@ -231,7 +255,7 @@ def render_text(views: list[RowView], colour: bool = True) -> str:
 
 
 def _contributions(v: RowView) -> list[str]:
-    return [f"{side} token {j} {visible(getattr(v, side).texts[j])!r} {_signed(c)}" for side, j, c in v.contributions()]
+    return [f"{side} token {j} {quoted(getattr(v, side).texts[j])} {_signed(c)}" for side, j, c in v.contributions()]
 
 
 def _contribution_text(v: RowView) -> str:
@@ -253,11 +277,18 @@ code, .tok { font-family: ui-monospace, monospace; }
 .tok small { display: block; font-size: 0.7em; color: #333; }
 .prompt .tok { background: #eee; color: #555; }
 .end { display: inline-block; border-left: 3px solid #000; height: 2em; margin: 0 6px; vertical-align: middle; }
+.invalid { background: #fff; outline: 2px dashed #a10d0d; }
 .likely { background: #b7e4b0; } .plausible { background: #fbe7a1; }
 .unlikely { background: #f7c08a; } .surprising { background: #f19a9a; }
 .tok small.up { color: #05620f; } .tok small.down { color: #a10d0d; }
 td.why { font-family: ui-monospace, monospace; white-space: pre; }
 """
+
+
+def _text(value) -> str:
+    """Data text on the page: escaped for HTML, and its non-printing characters shown as the console shows them
+    (a bidi override would otherwise reorder what the page displays)."""
+    return html.escape(escaped(value))
 
 
 def _token_html(part: Part, j: int) -> str:
@@ -273,7 +304,7 @@ def _token_html(part: Part, j: int) -> str:
 
 
 def _row_html(v: RowView) -> str:
-    e = html.escape
+    e = _text
     out = [f'<h2 id="row-{v.index}">row {v.index}: id <code>{e(v.id)}</code> '
            f"<small>({e(v.shard)} row {v.row})</small></h2>",
            f'<div class="part prompt"><span class="label">prompt ({len(v.prompt.ids)} tokens, not scored)</span>'
@@ -289,7 +320,7 @@ def _row_html(v: RowView) -> str:
 
 
 def _summary_html(views: list[RowView]) -> str:
-    e = html.escape
+    e = _text
     policy = any(v.policy_margin is not None for v in views)
     head = ["row", "id", "prompt", "chosen", "rejected", "chosen log-prob", "rejected log-prob", "reference margin"]
     head += ["policy log-ratio margin"] if policy else []
@@ -310,7 +341,7 @@ def _summary_html(views: list[RowView]) -> str:
 
 
 def _stamps_html(cache, manifest: dict, notes: list[str]) -> str:
-    e = html.escape
+    e = _text
     comp = manifest.get("computation") or {}
     model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
     items = [("cache", store.named(cache)), *((k, str(v)) for k, v in (manifest.get("stamps") or {}).items()),
@@ -328,7 +359,7 @@ def render_html(views: list[RowView], cache, manifest: dict, notes: list[str] = 
     legend = " ".join(f'<span class="tok {name}">{name}<small>p &ge; {np.exp(bound):.2g}</small></span>'
                       if np.isfinite(bound) else f'<span class="tok {name}">{name}<small>lower</small></span>'
                       for bound, name in BANDS)
-    title = html.escape(f"refcache audit-ref: {store.location(cache).resolve().name}")
+    title = _text(f"refcache audit-ref: {store.location(cache).resolve().name}")
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', PAGE_GENERATOR,
         # nothing is fetched: no network, no scripts, not even images

@@ -221,7 +221,7 @@ def _reference(reference: dict, peft: dict | None) -> str:
         return (f"A live reference model, no cache: {_named(live)}, model hash `{live.get('model_hash')}`, scored "
                 f"beside the policy at every step{what}.")
     rows = [["path"] + [_code(c.get("path")) for _, c in caches],
-            ["reference model"] + [_code(_cache_model(c.get("path"))) for _, c in caches],
+            ["reference model"] + [_code(_cache_model(c)) for _, c in caches],
             ["cache_id"] + [_code(c.get("cache_id")) for _, c in caches],
             ["manifest.json sha256"] + [_code(c.get("manifest_sha256")) for _, c in caches]]
     stamps = sorted({k for _, c in caches for k in (c.get("stamps") or {})})
@@ -232,13 +232,20 @@ def _reference(reference: dict, peft: dict | None) -> str:
                                    [r for r in rows if any(v is not None for v in r[1:])]))
 
 
-def _cache_model(cache_dir: str | None) -> str | None:
-    """The reference model a cache names in its manifest (hub id, else path); recorded there, not verified."""
-    try:
-        model = json.loads((Path(cache_dir) / "manifest.json").read_text(encoding="utf-8")).get("model") or {}
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
-    return model.get("hub_id") or model.get("path")
+def _cache_model(record: dict) -> str | None:
+    """The reference model a cache names in its manifest (hub id, else path; recorded there, not verified), as the
+    run manifest's cache record holds it; for a record written before it did, read from the cache's manifest.json
+    wherever it lives (a folder or a store, schemas/store.py)."""
+    model = record.get("model")
+    if not isinstance(model, dict):
+        from schemas.store import StoreUnavailable, location
+
+        try:
+            model = json.loads((location(record.get("path")) / "manifest.json").read_text(encoding="utf-8"))
+            model = model.get("model") or {}
+        except (OSError, ValueError, TypeError, AttributeError, StoreUnavailable):
+            return None
+    return (model.get("hub_id") or model.get("path")) if isinstance(model, dict) else None
 
 
 def _options(config: dict, result: dict, peft: dict | None) -> str:

@@ -15,6 +15,7 @@ import click
 
 from runtime.cli import (GroupedCommand, Location, dataclass_options, exit_without_teardown, given_values, option_specs,
                          quiet_libraries, run_cli, spec_options)
+from runtime.terminal import echo
 
 from .lora import LoraOptions
 from .loss_config import unread_message, unread_options
@@ -40,6 +41,10 @@ TRL_ALIASES = {"model_name_or_path": "model", "dataset_name": "data", "dataset_t
                "dataset_test_split": "eval_split", "dtype": "model_dtype"}
 # DPOConfig keys whose job refcache's reference cache does: noted, not refused
 REPLACED_BY_CACHE = ("precompute_ref_log_probs", "precompute_ref_batch_size")
+# older TRL's DPOConfig.ref_model_init_kwargs (from_pretrained's keyword arguments for the reference): the keys that
+# place a live reference are train-dpo's --ref-* options (README, "Coming from TRL")
+REF_INIT_KWARGS = {"device_map": "ref_device_map", "max_memory": "ref_max_memory",
+                   "offload_folder": "ref_offload_folder"}
 
 
 def _value_type(name: str):
@@ -135,10 +140,56 @@ def _one_loss(path: str, data: dict) -> None:
                            "loss_weights is not supported); give one of them")
 
 
+def _ref_init_kwargs(path: str, data: dict, given_as: dict) -> None:
+    """ref_model_init_kwargs' device_map, max_memory and offload_folder as --ref-device-map, --ref-max-memory and
+    --ref-offload-folder (a max_memory mapping {0: "20GiB", "cpu": "60GiB"} in the option's DEVICE=SIZE form); any
+    other key, and a device map that is not a splitting strategy, refused naming it. model_init_kwargs (TRL 1.16:
+    the policy's and the reference's) is refused pointing here: refcache places the policy itself."""
+    from runtime.placement import DEVICE_MAPS
+
+    where = "ref_model_init_kwargs"
+    if data.get("model_init_kwargs"):
+        raise click.UsageError(
+            f"{path}: model_init_kwargs: TRL 1.16 loads the policy and the reference with it; refcache places the "
+            "policy itself (the accelerator, or --use-cpu) and loads it in --model-dtype, and splits a live reference "
+            "with --ref-device-map, --ref-max-memory and --ref-offload-folder (or the same keys under "
+            f"{where}); move device_map, max_memory and offload_folder there, and drop model_init_kwargs")
+    data.pop("model_init_kwargs", None)
+    kwargs = data.pop(where, None)
+    if kwargs is None or kwargs == {}:
+        return
+    if not isinstance(kwargs, dict):
+        raise click.UsageError(f"{path}: {where} is {type(kwargs).__name__}; expected a mapping of "
+                               "from_pretrained's keyword arguments (device_map, max_memory, offload_folder)")
+    other = [str(k) for k in kwargs if k not in REF_INIT_KWARGS]
+    if other:
+        raise click.UsageError(
+            f"{path}: {where}: {', '.join(other)}: not mapped; refcache maps device_map, max_memory and offload_folder "
+            "(to --ref-device-map, --ref-max-memory and --ref-offload-folder); the reference is loaded in the "
+            "training dtype (--bf16 / --fp16, else --model-dtype) and with --trust-remote-code: drop the other keys")
+    for key, option in REF_INIT_KWARGS.items():
+        if key not in kwargs:
+            continue
+        value = kwargs[key]
+        if key == "device_map" and value not in DEVICE_MAPS:
+            raise click.UsageError(
+                f"{path}: {where}.device_map {value!r} names a device, not a splitting strategy: refcache's live "
+                f"reference goes on the policy's device; to split it give one of {', '.join(DEVICE_MAPS)} (with "
+                "max_memory for each device), or drop device_map")
+        if key == "max_memory" and isinstance(value, dict):
+            value = ",".join(f"{device}={size}" for device, size in value.items())
+        if option in data and data[option] != value:
+            raise click.UsageError(f"{path}: {where}.{key} and {option} are both given, with different values "
+                                   f"({data[option]!r}, {value!r}); keep one")
+        data[option] = value
+        given_as[option] = f"{where}.{key}"
+
+
 def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
     """Map TRL's spellings onto ours; refuse DPOConfig keys we do not support unless they hold TRL's default.
     Returns the values and {our name: the TRL name it was given as}."""
     data, given_as = _aliased(path, data)
+    _ref_init_kwargs(path, data, given_as)
     # to_dict() writes every *_token field as "<NAME_TOKEN>": a placeholder, not a value
     redacted = [k for k, v in data.items() if k.endswith("_token") and v == f"<{k.upper()}>"]
     _one_loss(path, data)
@@ -146,7 +197,7 @@ def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
         data["report_to"] = ",".join(map(str, data["report_to"])) or "none"
     replaced = [k for k in REPLACED_BY_CACHE if k in data and data[k] not in (None, False)]
     if replaced:
-        click.echo(f"note: {path}: {', '.join(replaced)}: refcache's reference cache replaces this (precompute-ref "
+        echo(f"note: {path}: {', '.join(replaced)}: refcache's reference cache replaces this (precompute-ref "
                    "computes the reference log-probs once; train-dpo --ref-cache reads them); ignored", err=True)
     data = {k: v for k, v in data.items() if k not in redacted and k not in replaced}
     unknown = sorted(set(data) - set(OURS) - set(TRAINER))
@@ -159,7 +210,7 @@ def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
         raise click.UsageError(
             f"{path}: unknown option(s) {', '.join(unsupported)} (refcache does not support these DPOConfig / trl "
             "keys, or they are misspelt; see `train-dpo --help` and README 'Coming from TRL')")
-    click.echo(f"note: {path}: ignoring {len(inert)} DPOConfig / trl keys at TRL's default: {', '.join(inert)}",
+    echo(f"note: {path}: ignoring {len(inert)} DPOConfig / trl keys at TRL's default: {', '.join(inert)}",
                err=True)
     return {k: v for k, v in data.items() if k not in inert}, given_as
 
@@ -274,11 +325,11 @@ def main(config_file, debug, **given):
 
         resolved.append(resolve_config(config_file, given))  # a refused command line needs no model library
         quiet_libraries()
-        summary = run_train(resolved[0], log=lambda m: click.echo(m, err=True))
+        summary = run_train(resolved[0], log=lambda m: echo(m, err=True))
         from runtime.distributed import Dist
 
         if Dist.joined().rank == 0:  # one summary per job, not one per torchrun process
-            click.echo(summary_text(summary))
+            echo(summary_text(summary))
 
     run_cli(body, debug, next_step=lambda: next_step(resolved[0] if resolved else None, config_file, given),
             writes_to=lambda: resolved[0].output_dir if resolved else None)

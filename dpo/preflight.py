@@ -7,6 +7,7 @@ from pathlib import Path
 
 from runtime.distributed import Dist
 from runtime.errors import JobError
+from runtime.terminal import echo
 
 from .outdir import check_no_links, check_output_dir
 from .resume import check_resume, overwrite_plan
@@ -14,7 +15,7 @@ from .resume import check_resume, overwrite_plan
 TRUE = ("true", "yes", "1")
 
 
-def check_reference_options(cfg, log=print) -> None:
+def check_reference_options(cfg, log=echo) -> None:
     """--ref-cache / --ref-model / --ref-model-hash / --eval-ref-cache agree, the evaluation asked for can happen,
     and the trackers are installed."""
     if cfg.ref_cache is None and cfg.ref_model is None:

@@ -18,6 +18,7 @@ from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
 from runtime import placement
+from runtime.terminal import echo
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig, column_mapping
 from schemas.stamps import model_hash
 
@@ -243,7 +244,7 @@ class Run:
     ref_layout: dict | None = None  # where a live reference split by --ref-device-map went (runtime/placement.py)
 
 
-def run_train(cfg: TrainConfig, log=print) -> dict:
+def run_train(cfg: TrainConfig, log=echo) -> dict:
     """The steps, in order: refuse what the options alone show, open the policy checkpoint and refuse the rest of the
     options, verify the cache(s) and join the rows, load the models, build the Trainer, train and write the outputs."""
     timer = PhaseTimer()  # the run's fixed cost per phase, in the summary and the run manifest

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from runtime.errors import JobError
 from runtime.locks import is_lock_file
+from runtime.terminal import echo
 from schemas import run_manifest as rm
 
 from .card import CARD, is_card
@@ -167,7 +168,7 @@ def overwrite_plan(out: Path) -> tuple[list[Path], list[Path]]:
     return retire, [p for p in entries if p not in retire]
 
 
-def start_run(cfg, log=print) -> str:
+def start_run(cfg, log=echo) -> str:
     """The run id of this run, once it starts writing --output-dir (rank 0): a resume keeps the output dir's; a new
     run retires an earlier run's files (--overwrite-output-dir) and writes a new run record before any checkpoint."""
     out = Path(cfg.output_dir)

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from runtime.data import DataError, Encoded, load_rows, usable_rows
 from runtime.errors import JobError
+from runtime.terminal import echo, escaped
 from schemas.encoding import EncodingConfig
 from schemas.cache import Cache, open_cache
 from schemas.findings import CacheError
@@ -67,8 +68,17 @@ REMEDIES = {
     "tokenizer_hash": "use the tokenizer the cache was made with (including its chat template), or re-run "
     "precompute-ref with this tokenizer into a new --out",
     "encoding": "drop the option (the cache's value is used), or re-run precompute-ref with it into a new --out",
-    "rows_missing": "precompute these rows too: re-run precompute-ref over the full data into a new --out",
 }
+
+
+def rows_missing_remedy(cache: Cache, data) -> str:
+    """Rows of --data the cache does not hold: an update adds them to this cache (its other rows are kept, not
+    scored again), or the data can be the rows it holds."""
+    model = cache.manifest.get("model") if isinstance(cache.manifest.get("model"), dict) else {}
+    reference = model.get("path") or "REFERENCE"
+    return (f"add them to the cache with precompute-ref --model {escaped(reference)} --data {escaped(data)} --out "
+            f"{escaped(cache.root)} --update (and the cache's other options: it scores only the rows the cache does "
+            "not hold, keeping its earlier version), or train on rows the cache holds")
 TRAINED_ON = ("chosen_input_ids", "rejected_input_ids", "chosen_logps", "rejected_logps", "chosen_logp",
               "rejected_logp")  # what the value rules read; the per-token columns joined are the cache's own
 
@@ -154,7 +164,7 @@ def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> Da
 
 def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
                     expected_model_hash=None,
-                    encoding_request=None, on_bad_row="error", verify_files=True, log=print) -> Verified:
+                    encoding_request=None, on_bad_row="error", verify_files=True, log=echo) -> Verified:
     t0 = time.perf_counter()
     cache = open_cache(cache_dir, verify_files=verify_files, keep=scanned_columns)  # one fetch per shard on a store
     t_files = time.perf_counter() - t0
@@ -171,7 +181,8 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
 
     for finding in use_findings(cache, model_hash=expected_model, tokenizer_hash=tokenizer_hash(tokenizer),
                                 tokenizer_parts=tokenizer_parts(tokenizer), encoding_request=encoding_request,
-                                rows=rows, option=option_name, remedies=REMEDIES):
+                                rows=rows, option=option_name,
+                                remedies={**REMEDIES, "rows_missing": rows_missing_remedy(cache, data)}):
         error = finding.error()
         raise (_explained(error, cache, split, found["encoded"]) if finding.rule == "rows" else error) from None
     source, encoded = found["source"], found["encoded"]

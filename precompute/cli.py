@@ -9,6 +9,7 @@ import click
 from precompute.config import PrecomputeConfig, checked_inputs
 from runtime.cli import (ENCODING_OPTIONS, GroupedCommand, dataclass_options, encoding_from, encoding_options,
                          exit_without_teardown, given_values, quiet_libraries, run_cli)
+from runtime.terminal import echo
 
 
 def summary_text(s: dict) -> str:
@@ -57,10 +58,10 @@ def main(debug, **options):
         from .job import run_precompute
 
         quiet_libraries()
-        s = run_precompute(cfg, log=lambda m: click.echo(m, err=True))
+        s = run_precompute(cfg, log=lambda m: echo(m, err=True))
         if "rank" in s:  # torchrun: rank 0 prints the summary
             return
-        click.echo(summary_text(s))
+        echo(summary_text(s))
 
     run_cli(body, debug, writes_to=lambda: options.get("out"))
 

@@ -27,6 +27,7 @@ from runtime import locks
 from runtime.errors import JobError
 from runtime.logprobs import verified_head
 from runtime.paths import check_apart
+from runtime.terminal import echo
 from runtime import placement
 from schemas import format as fmt
 from schemas import rules
@@ -74,7 +75,7 @@ class Job:
                 **({"top_k": cfg.top_k} if cfg.top_k else {})}  # a cache without top-k records none (format.py)
 
 
-def run_precompute(cfg: PrecomputeConfig, log=print) -> dict:
+def run_precompute(cfg: PrecomputeConfig, log=echo) -> dict:
     with preserved_rng(), distributed(cfg.tp_size) as dist:
         return _run(cfg, log, dist)
 

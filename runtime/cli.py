@@ -27,10 +27,12 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
     from schemas.files import UnsafeDestination
     from schemas.format import CacheError
     from schemas.stamps import WeightsError
+    from schemas.store import StoreUnavailable
 
     from .data import DataError
     from .disk import NoSpaceError, is_no_space, no_space_error
     from .errors import JobError
+    from .terminal import echo, printable
 
     def carry_on() -> str:
         if next_step is None:
@@ -43,28 +45,32 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
     try:
         try:
             body()
-        except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, click.UsageError, KeyboardInterrupt):
+        except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, StoreUnavailable, click.UsageError,
+                KeyboardInterrupt):
             raise
         except Exception as e:
             folder = _writes_to(writes_to)
             if not is_no_space(e, folder):
                 raise
             raise no_space_error(e, folder) from e  # a save no one wrapped in runtime.disk.writing
-    except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, click.UsageError) as e:
+    except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, StoreUnavailable, click.UsageError) as e:
         if debug:
             traceback.print_exc()
-        if isinstance(e, click.UsageError):
+        if isinstance(e, click.UsageError):  # click prints it: its text through the same rule
+            e.message = printable(e.message)
             raise
-        click.echo(f"error: {e}" + (f"\n  then: {carry_on()}" if isinstance(e, NoSpaceError) else ""), err=True)
+        # messages are built in many places from data (ids, row text, paths, keys): the whole text is made
+        # printable here (runtime/terminal.py), keeping only the newlines the message lays out
+        echo(f"error: {e}" + (f"\n  then: {carry_on()}" if isinstance(e, NoSpaceError) else ""), err=True)
         sys.exit(getattr(e, "exit_code", EXIT_REFUSED))  # NonFiniteError: EXIT_NON_FINITE
     except KeyboardInterrupt:
-        click.echo(f"interrupted; {carry_on()}", err=True)
+        echo(f"interrupted; {carry_on()}", err=True)
         sys.exit(130)
     except Exception as e:
         if debug:
             traceback.print_exc()
         else:
-            click.echo(f"error: unexpected {type(e).__name__}: {e} (re-run with --debug for the traceback)", err=True)
+            echo(f"error: unexpected {type(e).__name__}: {e} (re-run with --debug for the traceback)", err=True)
         sys.exit(EXIT_FAILED)
 
 
@@ -94,7 +100,9 @@ def exit_without_teardown(command) -> None:
     except SystemExit as e:
         code = e.code
     if isinstance(code, str):  # SystemExit("message"): printed to stderr, exit status 1
-        print(code, file=sys.stderr)
+        from .terminal import echo
+
+        echo(code, err=True)
         code = 1
     code = 0 if code is None else code
     atexit._run_exitfuncs()
@@ -237,8 +245,8 @@ class Location(click.ParamType):
         if isinstance(place, store.StorePath):
             if not self.store:
                 self._no_store(place, param, ctx)
-        elif self.local is not None:
-            self.local.convert(str(place), param, ctx)
+        elif self.local is not None:  # its own check; a hub id's type gives the local snapshot folder it names
+            return Path(self.local.convert(str(place), param, ctx))
         return place
 
     def _no_store(self, url, param, ctx):
@@ -291,7 +299,21 @@ class GroupedOption(click.Option):
         self.group = group
 
 
-class GroupedCommand(click.Command):
+class Command(click.Command):
+    """A command whose command-line errors (click's own, raised while the options are parsed: a value that is not a
+    choice, a path that does not exist) print their text by the terminal rule too (runtime/terminal.py)."""
+
+    def parse_args(self, ctx, args):
+        from .terminal import printable
+
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            e.message = printable(e.message)
+            raise
+
+
+class GroupedCommand(Command):
     """--help lists options under their group's heading, groups in the order they first appear."""
 
     def format_options(self, ctx, formatter):

@@ -43,3 +43,23 @@ def origin(name: str, repo_type: str) -> dict:
     if path == str(name):
         return {"path": path}
     return {"path": path, "hub_id": str(name), "revision": Path(path).name}
+
+
+def hub_path_type(repo_type: str, *, folder: bool = True):
+    """A click type for an option that takes a local path or a hub id (`org/name`), as --model and --data do: the
+    value is `resolve`d (a hub id to its snapshot folder in the local HF cache, offline) and must then exist (a
+    folder where `folder`). An id not in the cache is a usage error saying how to download it."""
+    import click
+
+    class HubPath(click.Path):
+        def __init__(self):
+            super().__init__(exists=True, file_okay=not folder)
+
+        def convert(self, value, param, ctx):
+            try:
+                value = resolve(value, repo_type) if isinstance(value, str) else value
+            except JobError as e:
+                self.fail(str(e), param, ctx)
+            return super().convert(value, param, ctx)
+
+    return HubPath()

@@ -76,6 +76,24 @@ def check_placement(device_map: str | None, max_memory: str | None, offload_fold
         raise JobError(f"--adapter with {flag('device-map')} {device_map}: the adapter is merged into weights that are "
                        "only loaded as they run; merge it first (peft merge_and_unload, save_pretrained) and pass "
                        "the merged folder as --model")
+    check_devices(max_memory, flag("max-memory"))
+
+
+def check_devices(max_memory: str | None, flag: str = "--max-memory") -> None:
+    """A budget (parse_max_memory's text) naming a GPU this machine does not have is refused before any weight is
+    read, naming the GPUs there are (accelerate would otherwise fail deep in the load)."""
+    gpus = sorted(int(d) for d in (max_memory or "").replace("=", ",").split(",")[::2] if d.isdigit())
+    if not gpus:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [g for g in gpus if g >= count]
+    if missing:
+        have = f"has {count} ({', '.join(map(str, range(count)))})" if count else "has none (no CUDA device is visible)"
+        raise JobError(f"{flag} {max_memory} names GPU {', '.join(map(str, missing))}, and this machine {have}: give "
+                       f"only the GPUs there are, or cpu=SIZE alone to keep the model in CPU memory (and on disk), "
+                       "e.g. " + flag + " cpu=8GiB; check CUDA_VISIBLE_DEVICES")
 
 
 def check_tensor_parallel(tp_size: int, world: int, device: str, device_map: str | None, adapter: str | None,

@@ -95,5 +95,5 @@ def read_cache(root, *, verify_files: bool = True):
         import pyarrow.dataset as ds
 
         return pl.scan_pyarrow_dataset(ds.dataset([p.key for p in cache.shard_paths], format="parquet",
-                                                  filesystem=cache.root.fs))
+                                                  filesystem=store.filesystem(cache.root)))
     return pl.scan_parquet([str(p) for p in cache.shard_paths])

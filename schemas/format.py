@@ -453,6 +453,9 @@ def shard_path(root: Path, name) -> Path:
 def read_manifest(root: Path) -> dict:
     path = root / MANIFEST
     if not path.is_file():
+        absent = store.absent_cache(root) if isinstance(root, store.StorePath) else None
+        if absent is not None:  # a missing bucket, an unreachable endpoint: named with its cause, not a missing cache
+            raise absent
         raise no_manifest(root)
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))

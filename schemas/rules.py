@@ -647,7 +647,7 @@ def row_findings(index, expected: dict[str, str], *, where: str = "the cache",
     missing = [i for i in expected if i not in cached]
     if missing:
         return [Finding("rows", "rows_missing", f"{len(missing)} of {len(expected)} data rows are not in {where}; "
-                        "first ids: " + ", ".join(missing[:5]), count=len(missing),
+                        "first ids: " + ", ".join(map(repr, missing[:5])), count=len(missing),
                         remedy=remedies.get("rows_missing", RERUN))]
     for rid, checksum in expected.items():
         i = cached[rid]

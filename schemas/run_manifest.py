@@ -24,8 +24,9 @@ class RunManifestError(ValueError):
 
 
 def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -> dict:
-    """How a run names a cache: its path, its `cache_id` and stamps (what is compared), and the sha256 of its
-    manifest.json as it was (recorded only; the identity of runs recorded before cache_id). `manifest_file`: an
+    """How a run names a cache: its path, its `cache_id` and stamps (what is compared), the sha256 of its
+    manifest.json as it was (recorded only; the identity of runs recorded before cache_id) and the reference model
+    the manifest names (recorded only: the model card's provenance, wherever the cache lives). `manifest_file`: an
     earlier version's manifest (manifest-NNNNN.json, schemas/history.py) to name that version instead."""
     from .store import location, sha256
 
@@ -34,8 +35,9 @@ def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         manifest = None
+    model = manifest.get("model") if isinstance(manifest, dict) else None  # the reference, as the cache names it
     return {"path": str(cache_dir), "cache_id": cache_id(manifest) if isinstance(manifest, dict) else None,
-            "manifest_sha256": sha256(path), "stamps": dict(stamps)}
+            "manifest_sha256": sha256(path), "stamps": dict(stamps), "model": model if isinstance(model, dict) else None}
 
 
 def reference_record(*, train_cache: dict | None, eval_cache: dict | None, live_model: str | None,

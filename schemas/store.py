@@ -13,7 +13,9 @@ temporary file (`write_whole`), the manifest's conditional write, and the writer
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 from .files import UnsafeDestination, atomic_write, remove_file
+from .findings import CacheError
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
@@ -38,11 +41,144 @@ CONDITIONAL = ("s3", "s3a")  # protocols whose fsspec driver exposes If-None-Mat
 # (`simplecache::s3://...`: a local cache layer that would write locally and upload later), is refused by name.
 STORES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
           "memory": None}
+BUCKETED = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")  # a URL's first part is a bucket (container)
+ENDPOINT = {"s3": "AWS_ENDPOINT_URL, ~/.aws/config", "gs": "STORAGE_EMULATOR_HOST, the gcloud config",
+            "az": "AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_CONNECTION_STRING"}
+UNREACHABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT,
+               errno.EHOSTDOWN}
 
 
 class StoreConflict(UnsafeDestination):
     """An object a writer was about to replace was changed by someone else since it read it (a conditional write
     refused), or the prefix's lease is held by another writer."""
+
+
+class StoreUnavailable(Exception):
+    """The store itself is the problem, not a cache on it: its endpoint cannot be reached, the bucket does not
+    exist, or access is denied. Not a CacheError (no rule of a cache judged it; audit-ref fails no check on it) and
+    not an OSError (the handlers of a missing file must not take it for one): a command stops with the cause and the
+    remedy (exit 2)."""
+
+    def __init__(self, kind: str, message: str, remedy: str):
+        self.kind, self.message, self.remedy = kind, message, remedy
+        super().__init__(f"{message}\n  remedy:   {remedy}")
+
+
+def _settings(protocol: str) -> str:
+    return ENDPOINT.get({"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "adl": "az"}.get(protocol, protocol),
+                        "the store's own settings")
+
+
+def store_fault(url: str, protocol: str, error: BaseException) -> StoreUnavailable | None:
+    """The store fault behind `error` (anywhere in its chain), or None: an endpoint that cannot be reached
+    (connection refused or reset, no route, a name that does not resolve, a timeout: by exception type and errno,
+    botocore's and aiohttp's included), or access denied."""
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        kind = type(e)
+        names = {c.__name__ for c in kind.__mro__}
+        if (isinstance(e, (ConnectionError, TimeoutError, socket.gaierror))
+                or isinstance(e, OSError) and e.errno in UNREACHABLE
+                or names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
+                            "ServerTimeoutError", "ClientConnectorError"}):
+            detail = " ".join(str(e).split())[:300] or kind.__name__
+            return StoreUnavailable(
+                "unreachable", f"{url}: the store cannot be reached ({detail})",
+                f"check the endpoint and the network ({_settings(protocol)}), then re-run the same command")
+        if isinstance(e, PermissionError):
+            detail = " ".join(str(e).split())[:300] or kind.__name__
+            return StoreUnavailable(
+                "denied", f"{url}: the store refused access ({detail})",
+                f"check the credentials and their permissions on this bucket and prefix ({_settings(protocol)})")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class _Guarded:
+    """A session's filesystem: every call that fails because of the store itself (store_fault) raises
+    StoreUnavailable, so no caller takes an unreachable endpoint for a missing object or a crash."""
+
+    def __init__(self, fs, url: str, protocol: str):
+        self._fs, self._url, self._protocol = fs, url, protocol
+
+    def __getattr__(self, name):
+        attr = getattr(self._fs, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except Exception as e:
+                fault = store_fault(self._url, self._protocol, e)
+                if fault is None:
+                    raise
+                raise fault from e
+
+        return call
+
+
+def filesystem(path: StorePath):
+    """The fsspec filesystem itself, for a library that takes one (pyarrow's datasets): its calls are not classified
+    (run them after the store answered this job's own)."""
+    fs = path.fs
+    return fs._fs if isinstance(fs, _Guarded) else fs
+
+
+def missing_bucket(root: StorePath) -> StoreUnavailable | None:
+    """A bucket (container) that does not exist on the store, or None (it exists, or the store has no buckets)."""
+    if root._s.protocol not in BUCKETED:
+        return None
+    bucket = root.key.split("/", 1)[0]
+    try:
+        root.fs.info(bucket)
+    except FileNotFoundError:
+        return StoreUnavailable(
+            "no_bucket", f"{root.url}: the bucket {bucket!r} does not exist on this store",
+            f"check the URL's bucket name (and the endpoint: {_settings(root._s.protocol)}), or create the bucket "
+            "first; refcache makes prefixes, never buckets")
+    except StoreUnavailable:
+        raise
+    except Exception:  # e.g. no permission to look at the bucket itself: nothing to say about it here
+        return None
+    return None
+
+
+def absent_cache(root: StorePath) -> Exception | None:
+    """Why a store prefix has no manifest, when it is not an interrupted writer's: the bucket does not exist, or the
+    prefix holds nothing at all (mistyped, or never written: its neighbours are named) or holds no cache's files.
+    None where it holds a cache's shards or lease (precompute-ref running or interrupted)."""
+    fault = missing_bucket(root)
+    if fault is not None:
+        return fault
+    try:
+        names = sorted(p.name for p in root.iterdir())
+    except FileNotFoundError:
+        names = []
+    if any(n.endswith(".parquet") or n.startswith(".refcache") for n in names):
+        return None
+    remedy = (f"check the URL (a cache's prefix holds manifest.json), or make the cache there with precompute-ref "
+              f"--out {root.url}")
+    if names:
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        return CacheError("no_cache", f"{root.url} holds no cache: no manifest.json and no shard, only other "
+                          f"objects ({shown})", remedy=remedy)
+    near = _neighbours(root)
+    return CacheError("no_cache", f"{root.url} holds no cache: nothing is stored under this prefix (mistyped, or "
+                      "never written)" + (f"; next to it: {', '.join(near)}" if near else ""), remedy=remedy)
+
+
+def _neighbours(root: StorePath) -> list[str]:
+    """The prefixes beside `root` whose names are closest to its own (a typo's likely target)."""
+    if "/" not in root.key:
+        return []
+    try:
+        siblings = {p.name: p.url for p in root.parent.iterdir()}
+    except (FileNotFoundError, StoreUnavailable):
+        return []
+    return [siblings[n] for n in difflib.get_close_matches(root.name, list(siblings), n=3, cutoff=0.5)]
 
 
 class LeaseHeld(StoreConflict):
@@ -169,7 +305,7 @@ class StorePath:
             hint = f" (pip install 'refcache[{extra}]')" if extra else ""
             raise LocationError(f"{url}: no filesystem for this URL{hint}: {e}") from None
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        return cls(_Session(fs, protocol), key)
+        return cls(_Session(_Guarded(fs, url, protocol), protocol), key)
 
     # -- pathlib's shape ---------------------------------------------------------------------------------------
     @property
@@ -407,7 +543,14 @@ def put_if(path: StorePath, data: bytes, expected: str | None) -> str | None:
         except FileExistsError:
             raise _Refused() from None
         except OSError as e:  # botocore's 412 PreconditionFailed (s3fs: EINVAL), or If-Match on a missing key
-            if isinstance(e, FileNotFoundError) or (e.errno == errno.EINVAL and "condition" in str(e).lower()):
+            if isinstance(e, FileNotFoundError):
+                # no object to compare with is the condition failing, but only where the bucket exists: a write
+                # into a missing bucket is not another writer's doing
+                fault = missing_bucket(path.parent)
+                if fault is not None:
+                    raise fault from None
+                raise _Refused() from None
+            if e.errno == errno.EINVAL and "condition" in str(e).lower():
                 raise _Refused() from None
             raise
         return (out or {}).get("ETag") or etag(path.info())

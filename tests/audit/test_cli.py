@@ -306,3 +306,27 @@ def test_console_script_exit_codes(cache):
     (cache / fmt.MANIFEST).unlink()
     done = subprocess.run([script, cache], capture_output=True, text=True)
     assert done.returncode == 2 and "no manifest.json" in done.stderr
+
+
+def test_model_and_tokenizer_take_a_hub_id_as_the_other_commands_do(world, cache, tmp_path):
+    """audit-ref --model (and --tokenizer, --data) resolve a hub id through the local Hugging Face cache, offline,
+    as precompute-ref and train-dpo do (runtime/hub.py); an id that is not there is a usage error saying how to get
+    it."""
+    from support import hub_snapshot
+
+    files = {p.name: p for p in Path(world["llama"]).iterdir() if p.is_file()}
+    hub_snapshot("model", "acme/audit-ref-model", files)
+    hub_snapshot("dataset", "acme/audit-ref-data", {"train.jsonl": Path(world["data"])})
+    code, report, output = audit(cache, "--model", "acme/audit-ref-model", "--data", "acme/audit-ref-data",
+                                 "--sample", 2)
+    assert code == 0, output
+    assert {n: check(report, n)["status"] for n in ("model_hash", "tokenizer_hash", "replay", "data_rows")} == {
+        "model_hash": "PASS", "tokenizer_hash": "PASS", "replay": "PASS", "data_rows": "PASS"}
+    from click.testing import CliRunner
+
+    from audit.cli import main
+
+    shown = CliRunner().invoke(main, [str(cache), "--show", "0", "--tokenizer", "acme/audit-ref-model"])
+    assert shown.exit_code == 0 and "the prompt ends here" in shown.output, shown.output
+    missing = CliRunner().invoke(main, [str(cache), "--model", "acme/not-downloaded"])
+    assert missing.exit_code == 2 and "hf download acme/not-downloaded" in missing.output, missing.output

@@ -215,6 +215,8 @@ def test_the_replay_through_a_split_model_agrees_with_the_cache_and_finds_a_chan
      "--offload-folder {cache}/offload is inside CACHE"),
     (["--show", "0", "--device-map", "auto"], "--show/--html are views of the cache, not the audit: run the audit "
                                               "(--device-map)"),
+    (["--model", "{model}", "--device-map", "auto", "--max-memory", "99=1GiB,cpu=1GiB"], "names GPU 99, and this "
+                                                                                         "machine has"),
 ])
 def test_a_split_replay_is_refused_where_it_does_not_apply(data_cache, options, message):
     from click.testing import CliRunner

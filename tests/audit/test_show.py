@@ -18,7 +18,7 @@ import torch
 
 from conftest import build_llama, edit_manifest, fake_run, precompute_in_process, read_cache, save_checkpoint
 from conftest import make_lora_adapter, write_jsonl
-from audit.show import visible
+from audit.show import quoted, visible
 from schemas import format as fmt
 
 CHROMIUM = shutil.which("chromium")
@@ -95,7 +95,7 @@ def test_show_prints_every_token_with_its_cached_logprob(dpo_cache, tokenizer):
             got = table_lines(block, side)
             ids, logps = row[f"{side}_input_ids"], np.asarray(row[f"{side}_logps"])
             assert [int(g[1]) for g in got] == ids and [int(g[0]) for g in got] == list(range(len(ids)))
-            assert [g[2] for g in got] == [repr(visible(t)) for t in texts(tokenizer, ids)]
+            assert [g[2] for g in got] == [quoted(t) for t in texts(tokenizer, ids)]
             np.testing.assert_allclose([float(g[3]) for g in got], logps, atol=5e-4)
         margin = re.search(r"margin: reference chosen - rejected ([+-][\d.]+)", block).group(1)
         assert abs(float(margin) - (row["chosen_logp"] - row["rejected_logp"])) <= 5e-4
@@ -316,3 +316,29 @@ def test_html_renders_in_a_headless_browser(hostile_cache, dpo_cache, tokenizer,
                 name, tokens = parts[3 * k + j]
                 ids = row[f"{part}_input_ids"]
                 assert name == part and tokens == [visible(t) for t in texts(tokenizer, ids)]
+
+
+def test_show_and_html_of_a_row_with_a_nan_logprob(dpo_cache, tmp_path):
+    """A damaged value (NaN, or above 0) is shown, marked as no log-prob, and the cache's failing check is named;
+    the view does not crash on it (it once raised StopIteration)."""
+    from conftest import rewrite_shard
+    from audit.show import INVALID, band
+
+    assert band(float("nan")) == band(0.5) == INVALID and band(-0.1) == "likely" and band(float("-inf")) == "surprising"
+    cache = Path(shutil.copytree(dpo_cache, tmp_path / "cache"))
+
+    def edit(rows):
+        rows[0]["chosen_logps"][1] = float("nan")
+        rows[0]["chosen_logp"] = float("nan")
+
+    rewrite_shard(cache, "shard-00000.parquet", edit)
+    code, out, err = audit(cache, "--show", "0")
+    assert code == 0, err
+    assert "this cache fails logprob_values" in err
+    assert re.search(r"^\s+1\s+\d+\s+'.*'\s+nan$", out, re.M), out
+    code, out, _ = audit(cache, "--show", "0", color=True)
+    assert code == 0 and "\x1b[36m" in out  # marked in its own colour
+    page = tmp_path / "v.html"
+    code, _, err = audit(cache, "--html", page, "--show", "0")
+    assert code == 0, err
+    assert 'class="tok invalid"' in page.read_text()

@@ -382,6 +382,8 @@ def test_columns_neighbours_a_bad_mapping_is_a_usage_error_and_a_missing_column_
      "--ref-offload-folder {out}/offload is inside --output-dir"),
     (["--ref-model", "{model}", "--ref-device-map", "auto", "--ref-offload-folder", "{model}/offload"],
      "is inside --model"),
+    (["--ref-model", "{model}", "--ref-device-map", "auto", "--ref-max-memory", "99=1GiB,cpu=1GiB"],
+     "--ref-max-memory 99=1073741824,cpu=1073741824 names GPU 99, and this machine has"),
 ])
 def test_a_live_reference_split_is_refused_where_it_does_not_apply(tmp_path, llama_dir, dpo_data, dpo_cache, options,
                                                                    message):

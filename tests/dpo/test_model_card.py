@@ -181,3 +181,22 @@ def test_an_overwrite_retires_the_runs_card_and_refuses_a_foreign_one(runs, tmp_
     (out / "README.md").write_text("---\nlicense: mit\n---\n# notes\n")
     with pytest.raises(JobError, match=r"README.md is not an earlier train-dpo run's own"):
         overwrite_plan(out)
+
+
+def test_the_card_names_the_reference_model_wherever_the_cache_lives(runs, llama_dir, dpo_cache):
+    """The reference model comes from the run manifest's cache record (issue 34: a run on an s3:// cache left it
+    out, reading the cache's manifest as a local file); a record written before it did is read from the cache's
+    manifest.json through the storage layer."""
+    from dpo.card import model_card
+
+    manifest = json.loads((runs["cached"][0] / "run-manifest.json").read_text())
+    recorded = manifest["reference"]["cache"]
+    assert recorded["model"]["path"] == str(llama_dir)  # the cache's own manifest names it so
+    row = f"| reference model | `{llama_dir}` |"
+    assert row in model_card(manifest, [], kind="model").text
+    elsewhere = {**manifest, "reference": {**manifest["reference"], "cache": {
+        **recorded, "path": "s3://bucket/no/such/prefix"}, "eval_cache": None}}
+    assert row in model_card(elsewhere, [], kind="model").text  # never read there: the record says it
+    legacy = {**manifest, "reference": {**manifest["reference"], "cache": {
+        k: v for k, v in recorded.items() if k != "model"} | {"path": str(dpo_cache)}, "eval_cache": None}}
+    assert row in model_card(legacy, [], kind="model").text

@@ -114,3 +114,50 @@ def test_loss_lists_neighbours(tmp_path):
         load_config_file(_yaml(tmp_path, {"loss_type": ["sigmoid"], "label_smoothing": 0.1}))
     assert load_config_file(_yaml(tmp_path, {"loss_type": "sigmoid", "label_smoothing": 0.1}))["label_smoothing"] == 0.1
     assert load_config_file(_yaml(tmp_path, {"loss_type": ["robust"], "label_smoothing": 0.1}))["loss_type"] == "robust"
+
+
+def test_ref_model_init_kwargs_is_the_ref_options_the_readme_maps_it_to(tmp_path):
+    """README 'Coming from TRL': older TRL's ref_model_init_kwargs placed the reference (device_map, max_memory,
+    offload_folder); in a --config they are --ref-device-map, --ref-max-memory, --ref-offload-folder, checked as those
+    options are (a bad size names the key as given)."""
+    kwargs = {"device_map": "auto", "max_memory": {0: "2GiB", "cpu": "3GiB"}, "offload_folder": str(tmp_path / "off")}
+    values = load_config_file(_yaml(tmp_path, {"ref_model_init_kwargs": kwargs}))
+    assert values == {"ref_device_map": "auto", "ref_max_memory": f"0={2 * 2**30},cpu={3 * 2**30}",
+                      "ref_offload_folder": str(tmp_path / "off")}
+    assert load_config_file(_yaml(tmp_path, {"ref_model_init_kwargs": {"max_memory": "cpu=1GiB"}})) == {
+        "ref_max_memory": f"cpu={2**30}"}
+    assert load_config_file(_yaml(tmp_path, {"ref_model_init_kwargs": None, "beta": 0.2})) == {"beta": 0.2}
+    assert load_config_file(_yaml(tmp_path, {"ref_model_init_kwargs": {}, "beta": 0.2})) == {"beta": 0.2}
+    with pytest.raises(click.UsageError, match=r"ref_model_init_kwargs\.max_memory \(TRL's name of ref_max_memory\): "
+                                               r"'lots' is not a memory size"):
+        load_config_file(_yaml(tmp_path, {"ref_model_init_kwargs": {"max_memory": "lots"}}))
+    cfg = resolve_config(_yaml(tmp_path, {"ref_model_init_kwargs": kwargs}),
+                         _parsed(["--model", "m", "--data", "d", "--output-dir", tmp_path / "o"]))
+    assert (cfg.ref_device_map, cfg.ref_offload_folder) == ("auto", str(tmp_path / "off"))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"device_map": {"": 0}}, r"ref_model_init_kwargs\.device_map \{'': 0\} names a device, not a splitting strategy"),
+    ({"device_map": "cuda:0"}, r"device_map 'cuda:0' names a device.*auto, balanced"),
+    ({"torch_dtype": "bfloat16", "device_map": "auto"}, r"ref_model_init_kwargs: torch_dtype: not mapped.*--bf16"),
+    ("auto", r"ref_model_init_kwargs is str; expected a mapping"),
+])
+def test_ref_model_init_kwargs_that_do_not_map_are_refused_naming_them(tmp_path, kwargs, message):
+    with pytest.raises(click.UsageError, match=message):
+        load_config_file(_yaml(tmp_path, {"ref_model_init_kwargs": kwargs}))
+
+
+def test_ref_model_init_kwargs_neighbours(tmp_path):
+    with pytest.raises(click.UsageError, match=r"ref_model_init_kwargs\.device_map and ref_device_map are both given"):
+        load_config_file(_yaml(tmp_path, {"ref_model_init_kwargs": {"device_map": "auto"},
+                                          "ref_device_map": "sequential"}))
+    # TRL 1.16's model_init_kwargs places the policy too: refused pointing at the reference's own keys
+    with pytest.raises(click.UsageError, match=r"model_init_kwargs: TRL 1\.16 loads the policy and the reference"):
+        load_config_file(_yaml(tmp_path, {"model_init_kwargs": {"device_map": "auto"}}))
+    assert load_config_file(_yaml(tmp_path, {"model_init_kwargs": None, "beta": 0.3})) == {"beta": 0.3}
+    # through the command itself: the mapped options reach the same checks (no live reference with a cache)
+    recipe = _yaml(tmp_path, {"ref_model_init_kwargs": {"device_map": "auto"}})
+    result = CliRunner().invoke(main, ["--config", recipe, "--model", "m", "--data", "d", "--ref-cache",
+                                       str(tmp_path), "--output-dir", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "--ref-device-map: with --ref-cache no reference model" in result.output, (
+        result.output)

@@ -92,7 +92,7 @@ CASES = [
     ("mask_checksum", lambda v: ["--data", v["edited_data"]],
      lambda v: ["mask checksum mismatch for row 'r0007'", "where:    shard shard-00000.parquet, row 7"]),
     ("rows_missing", lambda v: ["--data", v["more_data"]],
-     lambda v: ["4 of 44 data rows are not in the cache", "first ids: r0040, r0041, r0042, r0043"]),
+     lambda v: ["4 of 44 data rows are not in the cache", "first ids: 'r0040', 'r0041', 'r0042', 'r0043'", "--update"]),
     ("ref_model_hash", lambda v: ["--ref-model-hash", "0" * 64],
      lambda v: ["model_hash mismatch", "expected: " + "0" * 64]),
     ("ref_model", lambda v: ["--ref-model", v["other_weights"]],

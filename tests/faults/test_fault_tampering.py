@@ -284,7 +284,7 @@ CASES = [
      ({"model_hash"}, None)),
     (data_edited_after_precompute, lambda w: ["mask checksum mismatch for row 'r0007'", f"where:    shard {S0}, row 7"],
      ({"data_rows"}, (S0, 7))),
-    (data_rows_added_after_precompute, lambda w: ["2 of 42 data rows are not in the cache", "first ids: r0040, r0041"],
+    (data_rows_added_after_precompute, lambda w: ["2 of 42 data rows are not in the cache", "first ids: 'r0040', 'r0041'", "--update"],
      ({"data_rows"}, None)),
 ]
 IDS = [c[0].__name__ for c in CASES]

@@ -98,6 +98,7 @@ def test_a_resume_across_layouts_is_the_same_cache(tmp_path, llama_dir, data, in
     (["--device-map", "auto", "--max-memory", "lots"], "'lots' is not a memory size"),
     (["--device-map", "auto", "--max-memory", "gpu=3GiB"], "use a GPU index (0, 1, ...) or cpu"),
     (["--device-map", "auto", "--max-memory", "cpu=1GiB,cpu=2GiB"], "device cpu is given twice"),
+    (["--device-map", "auto", "--max-memory", "99=1GiB,cpu=1GiB"], "names GPU 99, and this machine has"),
     (["--max-memory", "1GiB"], "add --device-map auto"),
     (["--offload-folder", "{tmp}/off"], "add --device-map auto"),
     (["--device-map", "auto", "--device", "cpu"], "give one"),
@@ -150,3 +151,20 @@ def test_the_layout_is_not_compared():
     found = rules.computation_findings({"dtype": "float32", "layout": layout}, {"dtype": "bfloat16"})
     assert [f.expected for f in found] == [{"dtype": "float32"}]
     assert fmt.scored_computation({"dtype": "float32", "layout": layout}) == {"dtype": "float32"}
+
+
+def test_a_budget_naming_gpu_0_on_a_machine_without_one_is_refused(tmp_path, llama_dir, monkeypatch):
+    """The case of issue 34: --max-memory 0=... where no CUDA device is visible (a CPU machine), named with the
+    remedy, before anything is written (it once reached accelerate and the generic crash path)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(4))
+    out = tmp_path / "cache"
+    result = cli("--model", llama_dir, "--data", data, "--out", out, "--device-map", "auto", "--max-memory",
+                 "0=1GiB,cpu=2GiB")
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "names GPU 0, and this machine has none (no CUDA device is visible)" in text and "cpu=SIZE" in text
+    assert "unexpected" not in text and not out.exists()

@@ -504,4 +504,4 @@ def test_row_findings_name_the_shard_and_row(pristine):
     (f,) = rules.row_findings(index, {"a": "1", "x": "1", "y": "2"}, where="the cache /c",
                               remedies={"rows_missing": "precompute them"})
     assert (f.kind, f.count, f.remedy) == ("rows_missing", 2, "precompute them")
-    assert f.message == "2 of 3 data rows are not in the cache /c; first ids: x, y"
+    assert f.message == "2 of 3 data rows are not in the cache /c; first ids: 'x', 'y'"

@@ -147,6 +147,9 @@ def test_precompute_read_train_audit_on_s3(s3, job, prefix, tmp_path, llama_dir)
     assert f"verified {prefix}" in t.output and "file hashes" in t.output
     run = json.loads((out / "run-manifest.json").read_text())
     assert run["reference"]["cache"]["path"] == prefix
+    # the model card names the reference model the cache names, as for a local cache (issue 34, family 10)
+    assert f"| reference model | `{llama_dir}` |" in (out / "README.md").read_text()
+    assert run["reference"]["cache"]["model"]["path"] == str(llama_dir)
     assert run["reference"]["cache"]["manifest_sha256"] == store.sha256(store.location(prefix) / fmt.MANIFEST)
     code, report, output = audit_on(prefix, tmp_path, "--run", out)
     assert code == 0 and {c["name"]: c["status"] for c in report["checks"]}["run_cache"] == "PASS", output
@@ -222,8 +225,8 @@ def test_scan_fetches_only_the_columns_asked_for(s3, job, prefix, tmp_path, llam
 
 def test_prefix_without_manifest_is_refused(s3, job, prefix):
     with pytest.raises(CacheError) as e:
-        open_cache(prefix)  # nothing there: no cache, not an interrupted one
-    assert e.value.kind == "no_cache" and "holds no cache (no object under this prefix)" in e.value.message
+        open_cache(prefix)  # nothing there: not an interrupted writer's
+    assert e.value.kind == "no_cache" and "holds no cache" in e.value.message
     upload(s3, job["clean"], prefix, skip={fmt.MANIFEST})  # every shard, complete, but no manifest
     with pytest.raises(CacheError) as e:
         read_cache(prefix)
@@ -395,3 +398,90 @@ def test_update_on_s3_equals_the_same_update_on_a_folder(s3, job, prefix, tmp_pa
     assert shard_entries(there) == shard_entries(here)
     assert "manifest-00001.json" in keys(s3, prefix)
     assert read_cache(prefix).collect().equals(read_cache(local).collect())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the store itself at fault: named with its cause and remedy (exit 2), never as another writer or a crash
+
+
+def _all_three(job, url, tmp_path, llama_dir):
+    """train-dpo --ref-cache, audit-ref, then precompute-ref --out on `url`: their results."""
+    t = train("--model", llama_dir, "--data", job["data"], "--ref-cache", url, "--output-dir", tmp_path / "run",
+              *TRAIN)
+    code, report, output = audit_on(url, tmp_path)
+    p = precompute(*job["args"], "--out", url)
+    return {"precompute-ref": (p.exit_code, p.output), "train-dpo": (t.exit_code, t.output),
+            "audit-ref": (code, output)}
+
+
+def test_missing_bucket_is_named_by_every_command(s3, job, tmp_path, llama_dir):
+    url = f"s3://no-such-bucket-{os.getpid()}/cache"
+    for command, (code, output) in _all_three(job, url, tmp_path, llama_dir).items():
+        assert code == 2, (command, output)
+        assert "the bucket 'no-such-bucket-" in output and "does not exist" in output, (command, output)
+        assert "create the bucket" in output and "another" not in output and "interrupted" not in output
+        assert "unexpected" not in output and "Traceback" not in output
+    assert not (tmp_path / "run").exists()
+    s3.invalidate_cache()
+    assert not s3.exists(f"no-such-bucket-{os.getpid()}")  # refcache makes no bucket
+
+
+def test_empty_and_mistyped_prefixes_hold_no_cache(s3, job, prefix, tmp_path, llama_dir):
+    upload(s3, job["clean"], prefix)
+    mistyped = prefix[:-1]  # ".../cach"
+    for url, near in ((mistyped, prefix), (f"s3://{BUCKET}/never-written-{os.getpid()}", None)):
+        results = _all_three(job, url, tmp_path, llama_dir)
+        for command in ("train-dpo", "audit-ref"):
+            code, output = results[command]
+            assert code == 2 and "holds no cache" in output and "nothing is stored under this prefix" in output, output
+            assert "interrupted" not in output and "still running" not in output
+            assert (f"next to it: {near}" in output) if near else "next to it" not in output, output
+        assert results["precompute-ref"][0] == 0  # a writer makes the prefix: nothing wrong with it
+    # a prefix of other objects and no cache's: named as such
+    other = f"s3://{BUCKET}/other-{os.getpid()}"
+    s3.pipe_file(f"{other.removeprefix('s3://')}/notes.txt", b"mine")
+    with pytest.raises(CacheError) as e:
+        open_cache(other)
+    assert e.value.kind == "no_cache" and "notes.txt" in e.value.message
+
+
+def test_unreachable_endpoint_is_named_with_the_remedy(s3, job, tmp_path, llama_dir, monkeypatch):
+    """The endpoint on a closed port of 127.0.0.1: every command says the store cannot be reached and what to check."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+    s3fs.S3FileSystem.clear_instance_cache()  # a filesystem made for the live endpoint would be reused
+    try:
+        url = f"s3://{BUCKET}/cache"
+        for command, (code, output) in _all_three(job, url, tmp_path, llama_dir).items():
+            assert code == 2, (command, output)
+            assert "the store cannot be reached" in output and "AWS_ENDPOINT_URL" in output, (command, output)
+            assert "unexpected" not in output and "Traceback" not in output and "another" not in output
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_store_faults_are_classified_by_type_not_text():
+    """store_fault looks through an error's chain: a refused connection, a name that does not resolve, a timeout, a
+    refusal of access; an object that is simply absent is no store fault."""
+    import socket as sockets
+
+    def chained(outer, inner):
+        try:
+            try:
+                raise inner
+            except BaseException as e:
+                raise outer from e
+        except BaseException as e:
+            return e
+
+    url = "s3://b/p"
+    cases = {"unreachable": [ConnectionRefusedError(111, "x"), sockets.gaierror(-2, "Name or service not known"),
+                             TimeoutError("t"), chained(RuntimeError("wrapped"), ConnectionResetError(104, "r"))],
+             "denied": [PermissionError("AccessDenied")]}
+    for kind, errors in cases.items():
+        for error in errors:
+            fault = store.store_fault(url, "s3", error)
+            assert fault is not None and fault.kind == kind and url in str(fault) and "remedy:" in str(fault), error
+    for error in (FileNotFoundError("no such key"), ValueError("x"), OSError(22, "Invalid argument")):
+        assert store.store_fault(url, "s3", error) is None
