@@ -109,7 +109,7 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     if cfg.device_map is not None:
         device = placement.main_device(max_memory, device)
     tokenizer = checkpoint.tokenizer
-    source = load_rows(cfg.data, cfg.split)
+    source = load_rows(cfg.data, cfg.split, cfg.data_config)
     encoded = usable_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row, cfg.data)
     if encoded.skipped:
         log(f"skipped {len(encoded.skipped)} bad rows: {encoded.skipped_by_reason} (listed in {out / fmt.SKIPPED})")
@@ -330,6 +330,7 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
             "data": job.origins["data"]["path"],
             **{k: v for k, v in job.origins["data"].items() if k != "path"},  # hub_id, revision
             "split": cfg.split,
+            **({"config": job.source.config} if job.source.config is not None else {}),  # the card's config
             "files": job.source.files,
             "fingerprint": job.source.fingerprint,
             "rows_in": len(job.source.rows),
@@ -365,7 +366,7 @@ def _says_the_same(out: Path, manifest: dict) -> bool:
     def content(m: dict) -> dict:
         kept = {k: v for k, v in m.items() if k not in ("created_at", "software", "model")}
         kept["source"] = {k: v for k, v in (m.get("source") or {}).items()
-                          if k not in ("data", "files", "hub_id", "revision")}
+                          if k not in ("data", "files", "hub_id", "revision", "config")}
         return kept
 
     return content(there) == content(json.loads(json.dumps(manifest)))
