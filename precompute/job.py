@@ -20,7 +20,7 @@ import torch
 
 from runtime.cli import heap_settled
 from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype, software_versions
-from runtime.data import Encoded, load_rows, usable_rows
+from runtime.data import Encoded, load_rows, recorded_config, usable_rows
 from runtime.budget import DEFAULT_TOKEN_BUDGET, auto_budget
 from runtime.distributed import Dist, balanced_assignment, distributed
 from runtime import locks
@@ -109,7 +109,7 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     if cfg.device_map is not None:
         device = placement.main_device(max_memory, device)
     tokenizer = checkpoint.tokenizer
-    source = load_rows(cfg.data, cfg.split, cfg.data_config)
+    source = load_rows(cfg.data, cfg.split, _data_config(cfg, out))
     encoded = usable_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row, cfg.data)
     if encoded.skipped:
         log(f"skipped {len(encoded.skipped)} bad rows: {encoded.skipped_by_reason} (listed in {out / fmt.SKIPPED})")
@@ -123,6 +123,16 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     plan = plan_shards(encoded, cfg.rows_per_shard, cfg.encoding)
     return Job(out, checkpoint, source, encoded, stamps, plan, device, resolve_dtype(cfg.dtype, device), origins,
                max_memory)
+
+
+def _data_config(cfg: PrecomputeConfig, out) -> str | None:
+    """--data-config, else for --update the card config the cache's rows were read with (as train-dpo reads it)."""
+    if cfg.data_config is not None or not cfg.update or not (out / fmt.MANIFEST).is_file():
+        return cfg.data_config
+    try:
+        return recorded_config(cfg.data, fmt.read_manifest(out))
+    except fmt.CacheError:  # an unreadable cache: --update refuses it, naming why
+        return None
 
 
 def _placement(cfg: PrecomputeConfig, inputs: dict, dist: Dist) -> dict | None:

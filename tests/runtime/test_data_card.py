@@ -154,6 +154,10 @@ def test_precompute_records_the_config_and_train_and_audit_read_the_data_as_the_
     verified = verify_and_join(tokenizer=AutoTokenizer.from_pretrained(llama_dir), model_dir=str(llama_dir),
                                data=str(data), split="train", cache_dir=out, log=lambda m: None)
     assert verified.report["rows"] == 6
+    # --update without --data-config reads the data with the cache's config too (here grown by one row)
+    write_jsonl(data / "large-train.jsonl", pref_rows(7, seed=2))
+    ok("--model", llama_dir, "--data", data, "--out", out, "--update")
+    assert manifest_of(out)["rows"] == 7 and manifest_of(out)["source"]["config"] == "large"
     # a cache of data without a card records no config (and its manifest is as it was before configs)
     plain = write_jsonl(tmp_path / "plain.jsonl", pref_rows(3, seed=1))
     ok("--model", llama_dir, "--data", plain, "--out", tmp_path / "plain-cache")
