@@ -770,3 +770,15 @@ def test_the_rule_reads_the_ids_of_any_tokenizer_and_not_raw_strings():
         err = bad_row({"prompt": "why ?", "chosen": chosen, "rejected": "no"}, tok)
         assert err.detail.startswith(f"'chosen' contains {text!r} (which the tokenizer reads as {token!r}), the text "
                                      f"of the tokenizer's special token (id {vocab[token]}), at character 4;"), err.detail
+
+
+def test_a_control_token_formed_across_messages_only_after_normalisation_is_refused(tokenizer):
+    """The formed-across-message-edges check reads the rendered text's control ids too: '＜/s' in one message and
+    '＞' in the next are the EOS once the NFKC tokenizer reads them together."""
+    tok = templated(nfkc(tokenizer), "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    err = bad_row(conv([SYSTEM("hi ＜/s"), USER("＞ there")], [ASSISTANT("yes")]), tok)
+    assert (err.reason, err.detail) == ("special_token_text", "'prompt'[0].content and the text next to it in the "
+                                        "rendered chat template form '</s>', the text of the tokenizer's special "
+                                        "token; data text is never read as control tokens")
+    assert bad_row(conv([SYSTEM("hi ＜/"), USER("there")], [ASSISTANT("yes")]), tok).reason == "template_not_prefix"
