@@ -90,7 +90,8 @@ def _card_splits(path: Path, config: str | None, configs) -> tuple[str, dict, di
         raise DataError(path / CARD, None, f"{e}; choose one with --data-config ({names})") from None
     if chosen is None:
         raise DataError(path, None, f"its dataset card ({CARD}) has {len(configs)} configs and none is the default: "
-                                    f"choose one with --data-config (configs: {names})")
+                                    f"choose one with --data-config (configs: {names}); train-dpo and audit-ref read "
+                                    "the config their cache was made with")
     if chosen not in configs:
         raise DataError(path, None, f"no config {chosen!r} in its dataset card ({CARD}); configs: {names}")
     try:
