@@ -24,9 +24,9 @@ def audit_data(manifest: dict, scan: CacheScan, data: str, tokenizer) -> Check:
     """Re-encode the data with the recorded encoding and compare every row's mask checksum with the cached one. A
     cache made by precompute-ref --update also says which rows its version added and removed (the manifest's
     `update`); data that differs by exactly those rows is the previous version's data, and the check says so."""
-    from runtime.data import encode_rows, load_rows
+    from runtime.data import encode_rows, load_rows, recorded_config
 
-    source = load_rows(data, (manifest.get("source") or {}).get("split", "train"))
+    source = load_rows(data, (manifest.get("source") or {}).get("split", "train"), recorded_config(data, manifest))
     encoded = encode_rows(source, tokenizer, EncodingConfig.from_dict(manifest["encoding"]), on_bad_row="skip")
     index = scan.index.select("id", "shard", "row", "mask_checksum")
     diff = history.row_changes(index["id"].to_list(), index["mask_checksum"].to_list(), encoded.ids,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import polars as pl
 import pyarrow as pa
 
-from runtime.data import DataError, Encoded, load_rows, usable_rows
+from runtime.data import DataError, Encoded, load_rows, recorded_config, usable_rows
 from runtime.errors import JobError
 from runtime.terminal import echo, escaped
 from schemas.encoding import EncodingConfig
@@ -172,7 +172,7 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
     found = {}
 
     def rows(encoding: EncodingConfig) -> dict[str, str]:
-        found["source"] = source = load_rows(data, split)
+        found["source"] = source = load_rows(data, split, recorded_config(data, cache.manifest))
         try:
             found["encoded"] = encoded = usable_rows(source, tokenizer, encoding, on_bad_row, data)
         except DataError as e:

@@ -42,6 +42,10 @@ class PrecomputeConfig:
     split: str = field(default="train", metadata=field_help(
         "Split to read: a file or folder named after it (train, test/eval, validation, as datasets.load_dataset "
         "resolves them) or a DatasetDict split.", "Data"))
+    data_config: str | None = field(default=None, metadata=field_help(
+        "For a data folder or hub data set whose dataset card (README.md) has `configs`: the config to read, as "
+        "datasets.load_dataset(DATA, NAME) takes it (default: the card's default config). Only the files it chooses "
+        "are read; the config and its files are recorded in the manifest.", "Data", metavar="NAME"))
     encoding: EncodingConfig = field(default_factory=EncodingConfig, metadata={"cli": False})  # its own options
     token_budget: int | str = field(default=DEFAULT_TOKEN_BUDGET, metadata=field_help(
         "Padded tokens per forward batch (batch size x longest sequence), or auto: on CUDA sized from the memory "

@@ -20,7 +20,7 @@ import torch
 
 from runtime.cli import heap_settled
 from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype, software_versions
-from runtime.data import Encoded, load_rows, usable_rows
+from runtime.data import Encoded, load_rows, recorded_config, usable_rows
 from runtime.budget import DEFAULT_TOKEN_BUDGET, auto_budget
 from runtime.distributed import Dist, balanced_assignment, distributed
 from runtime import locks
@@ -112,7 +112,7 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     if cfg.device_map is not None:
         device = placement.main_device(max_memory, device)
     tokenizer = checkpoint.tokenizer
-    source = load_rows(cfg.data, cfg.split)
+    source = load_rows(cfg.data, cfg.split, _data_config(cfg, out))
     encoded = usable_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row, cfg.data)
     if encoded.skipped:
         log(f"skipped {len(encoded.skipped)} bad rows: {encoded.skipped_by_reason} (listed in {out / fmt.SKIPPED})")
@@ -132,6 +132,16 @@ def _check_top_k(top_k: int, vocab) -> None:
     if isinstance(vocab, int) and not isinstance(vocab, bool) and top_k > vocab:
         raise JobError(f"--top-k {top_k} is more than the model's vocabulary of {vocab} tokens; pass at most "
                        f"{vocab} (--top-k {vocab} stores the whole distribution)")
+
+
+def _data_config(cfg: PrecomputeConfig, out) -> str | None:
+    """--data-config, else for --update the card config the cache's rows were read with (as train-dpo reads it)."""
+    if cfg.data_config is not None or not cfg.update or not (out / fmt.MANIFEST).is_file():
+        return cfg.data_config
+    try:
+        return recorded_config(cfg.data, fmt.read_manifest(out))
+    except fmt.CacheError:  # an unreadable cache: --update refuses it, naming why
+        return None
 
 
 def _placement(cfg: PrecomputeConfig, inputs: dict, dist: Dist) -> dict | None:
@@ -339,6 +349,7 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
             "data": job.origins["data"]["path"],
             **{k: v for k, v in job.origins["data"].items() if k != "path"},  # hub_id, revision
             "split": cfg.split,
+            **({"config": job.source.config} if job.source.config is not None else {}),  # the card's config
             "files": job.source.files,
             "fingerprint": job.source.fingerprint,
             "rows_in": len(job.source.rows),
@@ -374,7 +385,7 @@ def _says_the_same(out: Path, manifest: dict) -> bool:
     def content(m: dict) -> dict:
         kept = {k: v for k, v in m.items() if k not in ("created_at", "software", "model")}
         kept["source"] = {k: v for k, v in (m.get("source") or {}).items()
-                          if k not in ("data", "files", "hub_id", "revision")}
+                          if k not in ("data", "files", "hub_id", "revision", "config")}
         return kept
 
     return content(there) == content(json.loads(json.dumps(manifest)))

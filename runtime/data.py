@@ -36,6 +36,7 @@ class Source:
     rows: list[dict]
     locations: list[tuple[str, int]]  # (file, 1-based row number)
     files: list[str]
+    config: str | None = None  # the dataset card's config that chose the files (None: no card configs)
 
     @property
     def fingerprint(self) -> str:
@@ -46,30 +47,104 @@ class Source:
         return h.hexdigest()
 
 
-def _data_files(path: Path, split: str) -> list[Path]:
-    """The files of `split`, resolved by `datasets`' own rules (file and folder names such as train / test / eval /
-    validation, or everything as `train` when no name says otherwise). An unknown split is an error listing the
-    available ones, never every file."""
+CARD = "README.md"  # a data set's card, whose `configs` choose its files as `datasets.load_dataset` reads them
+CONFIG_KEYS = ("config_name", "data_files", "data_dir", "default")  # a card config's keys that choose files
+
+
+@dataclass
+class Selection:
+    """The files of a split as `datasets` resolves them, with the dataset card's config that chose them and the
+    loader settings it gives (e.g. a CSV `sep`)."""
+
+    files: list[Path]
+    config: str | None = None
+    params: dict = field(default_factory=dict)
+
+
+def card_configs(path: Path):
+    """The `configs` of the dataset card in folder `path`, read as `datasets` reads them (MetadataConfigs), or None
+    when there is no card or it has no configs (then files and folder names choose the splits)."""
+    card = path / CARD
+    if not card.is_file():
+        return None
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    try:
+        configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+    except Exception as e:  # bad YAML, a configs entry datasets refuses: load_dataset fails on it too
+        raise DataError(card, None, f"is not a dataset card datasets can read ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0][:300] if str(e) else 'no message'})") from None
+    return configs or None
+
+
+def _card_splits(path: Path, config: str | None, configs) -> tuple[str, dict, dict]:
+    """(config name, {split: files}, loader settings) of the card config `config` (None: the card's default, as
+    datasets picks it), resolved by datasets itself (load_dataset_builder: data_files, data_dir and split rules)."""
+    import datasets
+
+    names = ", ".join(configs)
+    try:
+        chosen = config if config is not None else configs.get_default_config_name()
+    except ValueError as e:
+        raise DataError(path / CARD, None, f"{e}; choose one with --data-config ({names})") from None
+    if chosen is None:
+        raise DataError(path, None, f"its dataset card ({CARD}) has {len(configs)} configs and none is the default: "
+                                    f"choose one with --data-config (configs: {names}); train-dpo and audit-ref read "
+                                    "the config their cache was made with")
+    if chosen not in configs:
+        raise DataError(path, None, f"no config {chosen!r} in its dataset card ({CARD}); configs: {names}")
+    try:
+        with _loader_quiet():
+            builder = datasets.load_dataset_builder(str(path), chosen)
+    except Exception as e:  # a pattern that matches no file, a data_dir that is not there
+        raise DataError(path, None, f"config {chosen!r} of its dataset card ({CARD}) names no readable files "
+                                    f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})") from None
+    splits = {str(name): [Path(f) for f in files] for name, files in (builder.config.data_files or {}).items()}
+    params = {k: v for k, v in configs[chosen].items() if k not in CONFIG_KEYS}
+    return chosen, splits, params
+
+
+def _data_files(path: Path, split: str, config: str | None = None) -> Selection:
+    """The files of `split`, resolved by `datasets`' own rules: a folder whose dataset card (README.md) has
+    `configs` reads the files of the chosen config (`config`, else the card's default) and no other; otherwise the
+    file and folder names (train / test / eval / validation, or everything as `train` when no name says otherwise).
+    An unknown split is an error listing the available ones, never every file."""
     from datasets.data_files import DataFilesDict, get_data_patterns
 
+    configs = card_configs(path) if path.is_dir() else None
+    if config is not None and configs is None:
+        raise DataError(path, None, f"--data-config {config!r}: it has no dataset card ({CARD}) with configs; "
+                                    "leave --data-config out")
     if path.is_file():
         if path.suffix not in SUFFIXES:
             raise DataError(path, None, f"unsupported file type {path.suffix!r}; use .jsonl, .json, .parquet or .csv")
-        return [path]
-    try:
-        patterns = get_data_patterns(str(path))
-        splits = DataFilesDict.from_patterns(patterns, base_path=str(path), allowed_extensions=list(SUFFIXES))
-    except FileNotFoundError:
-        splits = {}
-    splits = {str(name): [Path(f) for f in files if Path(f).suffix in SUFFIXES] for name, files in splits.items()}
+        return Selection([path])
+    chosen, params = None, {}
+    if configs is not None:
+        chosen, splits, params = _card_splits(path, config, configs)
+        for files in splits.values():  # a file the card chooses is read, or the whole data set is refused
+            for f in files:
+                if f.suffix not in SUFFIXES:
+                    raise DataError(f, None, f"chosen by config {chosen!r} of the dataset card, but refcache reads "
+                                             ".jsonl, .json, .parquet and .csv files only")
+    else:
+        try:
+            patterns = get_data_patterns(str(path))
+            splits = DataFilesDict.from_patterns(patterns, base_path=str(path), allowed_extensions=list(SUFFIXES))
+        except FileNotFoundError:
+            splits = {}
+        splits = {str(name): [Path(f) for f in files if Path(f).suffix in SUFFIXES] for name, files in splits.items()}
     splits = {name: files for name, files in splits.items() if files}
     if not splits:
         raise DataError(path, None, "no .jsonl, .json, .parquet or .csv files found")
     split = _split_named(split, splits)
     if split not in splits:
-        raise DataError(path, None, f"no split {split!r}; available: {', '.join(sorted(splits))} (split names follow "
-                                    "the file and folder names, as in datasets.load_dataset)")
-    return sorted(splits[split])
+        how = (f"as config {chosen!r} of its dataset card names them" if chosen is not None else
+               "split names follow the file and folder names, as in datasets.load_dataset")
+        raise DataError(path, None, f"no split {split!r}; available: {', '.join(sorted(splits))} ({how})")
+    # the card's order is datasets' order; without a card, the names' (as before)
+    return Selection(splits[split] if chosen is not None else sorted(splits[split]), chosen, params)
 
 
 def _split_named(split: str, splits) -> str:
@@ -94,14 +169,16 @@ def _check_utf8(path: Path) -> None:
                                          f"column {e.start + 1}); save the file as UTF-8") from None
 
 
-def _csv_features(path: Path):
-    """Every CSV column read as text: '4' is an answer, not a number."""
+def _csv_features(path: Path, params: dict | None = None):
+    """Every CSV column read as text: '4' is an answer, not a number (`params`: a card's loader settings, its
+    separator)."""
     import csv
 
     import datasets
 
+    params = params or {}
     with open(path, newline="", encoding="utf-8") as f:
-        header = next(csv.reader(f), [])
+        header = next(csv.reader(f, delimiter=params.get("sep", params.get("delimiter", ","))), [])
     return datasets.Features({name: datasets.Value("string") for name in header})
 
 
@@ -161,16 +238,18 @@ def _loader_quiet():
         datasets_logging.set_verbosity(before)
 
 
-def _load_file(path: Path) -> tuple[list, list[int]]:
-    """A file's rows and their 1-based row numbers (the line number for JSON Lines)."""
+def _load_file(path: Path, params: dict | None = None) -> tuple[list, list[int]]:
+    """A file's rows and their 1-based row numbers (the line number for JSON Lines); `params`: the loader settings
+    a dataset card's config gives (passed to datasets' loader as load_dataset passes them)."""
     import datasets
 
     kind = SUFFIXES[path.suffix]
-    json_lines = kind == "json" and _is_json_lines(path)
+    json_lines = kind == "json" and _is_json_lines(path) and not params
     if kind == "csv":
         _check_utf8(path)
     try:
-        extra = {"features": _csv_features(path)} if kind == "csv" else {}
+        extra = {"features": _csv_features(path, params)} if kind == "csv" else {}
+        extra |= params or {}
         with _loader_quiet():
             ds = datasets.load_dataset(kind, data_files=str(path), split="train", **extra)
     except Exception as e:  # datasets wraps parser errors in several types; locate the row ourselves when we can
@@ -192,8 +271,9 @@ def _load_file(path: Path) -> tuple[list, list[int]]:
     return rows, numbers if len(numbers) == len(rows) else list(range(1, len(rows) + 1))
 
 
-def load_rows(path, split: str = "train") -> Source:
-    """Rows from a file, a directory of files, or a `datasets.save_to_disk` directory."""
+def load_rows(path, split: str = "train", config: str | None = None) -> Source:
+    """Rows from a file, a directory of files (with a dataset card, the files its config `config` chooses), or a
+    `datasets.save_to_disk` directory."""
     import datasets
 
     from .hub import resolve_data
@@ -202,6 +282,9 @@ def load_rows(path, split: str = "train") -> Source:
     if not path.exists():
         raise DataError(path, None, "no such file or directory")
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        if config is not None:
+            raise DataError(path, None, f"--data-config {config!r}: a save_to_disk folder has no configs; leave "
+                                        "--data-config out")
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             split = _split_named(split, ds)
@@ -211,14 +294,29 @@ def load_rows(path, split: str = "train") -> Source:
         rows = ds.to_list()
         return Source(rows, [(str(path), i + 1) for i in range(len(rows))], [str(path)])
     rows, locations, files = [], [], []
-    for file in _data_files(path, split):
-        part, numbers = _load_file(file)
+    selection = _data_files(path, split, config)
+    for file in selection.files:
+        part, numbers = _load_file(file, selection.params)
         rows += part
         locations += [(str(file), n) for n in numbers]
         files.append(str(file))
     if not rows:
         raise DataError(path, None, "no rows")
-    return Source(rows, locations, files)
+    return Source(rows, locations, files, selection.config)
+
+
+def recorded_config(data, manifest: dict) -> str | None:
+    """The dataset card config a cache's rows were read with (its manifest's `source.config`, precompute-ref
+    --data-config or the card's default), so that train-dpo and audit-ref read `data` as the cache did; None when the
+    cache records none or `data` is not a folder whose card has configs (then the names choose the files)."""
+    from .hub import resolve_data
+
+    source = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
+    config = source.get("config")
+    if not isinstance(config, str) or data is None:
+        return None
+    path = Path(resolve_data(str(data)))
+    return config if path.is_dir() and card_configs(path) is not None else None
 
 
 @dataclass

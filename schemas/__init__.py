@@ -1,11 +1,14 @@
 """The cache contract. `read_cache(dir_or_url)`: a verified cache (a folder, or s3://, gs://, az://: schemas/store.py)
-as a polars LazyFrame."""
+as a polars LazyFrame of its current rows in their logical types; `to_dataset(dir_or_url)`: the same as a
+`datasets.Dataset`."""
+
+READERS = ("read_cache", "to_dataset")
 
 
 def __getattr__(name):
-    # read_cache re-exported on first use: importing schemas.encoding (every command line) need not load pyarrow
-    if name == "read_cache":
-        from .cache import read_cache
+    # the readers re-exported on first use: importing schemas.encoding (every command line) need not load pyarrow
+    if name in READERS:
+        from . import cache
 
-        return read_cache
+        return getattr(cache, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,6 +51,57 @@ class Cache:
             table = table.append_column(name, self.index.column(name))
         return table
 
+    @property
+    def columns(self) -> list[fmt.Column]:
+        """The shard columns of this cache; their `logical` types are what every reader here returns."""
+        return fmt.shard_columns(fmt.top_k_of(self.manifest.get("computation")))
+
+    def rows(self, columns=None):
+        """The current version's rows, shard by shard in manifest order, as pyarrow tables of `columns` (default:
+        every shard column, in the shard's order) in their logical types: log-probs as float32 log-probs (a top-k
+        cache's 16-bit codes decoded by `format.read_columns`, the one codec), top-k ids and log-probs as one list per
+        token. What every public reader (`read_cache`, `to_dataset`) reads; the stored form stays below it."""
+        names = [c.name for c in self.columns]
+        wanted = list(names if columns is None else columns)
+        unknown = [c for c in wanted if c not in names]
+        if unknown:
+            raise KeyError(f"no column {unknown[0]!r} in this cache; its columns: {', '.join(names)}")
+        extra = [c for c in wanted if c not in INDEX]
+        start = 0
+        for entry, path in zip(self.manifest["shards"], self.shard_paths):
+            index = self.index.slice(start, entry["rows"])  # (read and checked by open_cache)
+            start += entry["rows"]
+            table = self._columns(entry["file"], path, extra) if extra else None
+            yield pa.table([index.column(c) if c in INDEX else table.column(c) for c in wanted],
+                           schema=self._schema(wanted))
+
+    def lazy(self):
+        """`rows` as a polars LazyFrame: read when collected, shard by shard, only the columns the query selects."""
+        import polars as pl
+        from polars.io.plugins import register_io_source
+
+        names = [c.name for c in self.columns]
+
+        def source(with_columns, predicate, n_rows, batch_size):
+            wanted = names if with_columns is None else list(with_columns)
+            left = n_rows
+            for table in self.rows(wanted or names[:1]):  # (no column asked for: the rows are still counted)
+                if left is not None and left <= 0:
+                    return
+                frame = pl.from_arrow(table)
+                if predicate is not None:
+                    frame = frame.filter(predicate)
+                if left is not None:
+                    frame = frame.head(left)
+                    left -= frame.height
+                yield frame if wanted else frame.select([])
+
+        return register_io_source(source, schema=pl.from_arrow(self._schema(names).empty_table()).schema)
+
+    def _schema(self, names: list[str]) -> pa.Schema:
+        logical = {c.name: c.logical for c in self.columns}
+        return pa.schema([(n, logical[n]) for n in names])
+
     def _columns(self, name: str, path, columns: list[str]) -> pa.Table:
         held = self.held.get(name)
         if held is not None and all(c in held.column_names for c in columns):
@@ -84,16 +135,23 @@ def open_cache(root, *, verify_files: bool = True, keep=None) -> Cache:
 
 
 def read_cache(root, *, verify_files: bool = True):
-    """The cache's rows as a polars LazyFrame over its shards in manifest order, after the manifest, shard sizes,
-    sha256s and stamps have been verified (open_cache). `root`: a folder or an object-store URL (schemas/store.py).
-    Reading the folder directly needs a glob, because manifest.json sits beside the shards:
-    pl.scan_parquet(f"{root}/*.parquet")."""
-    import polars as pl
+    """The current version's rows as a polars LazyFrame, after the manifest, shard sizes, sha256s and stamps have
+    been verified (open_cache). `root`: a folder or an object-store URL (schemas/store.py). Every column is in its
+    logical type, the same values and types as `open_cache(root).scan()`: per-token log-probs as float32 log-probs,
+    a top-k cache's top-k ids and log-probs as one list of K per token (decoded here: the shards store them flat,
+    the log-probs as 16-bit codes). Only the shards the manifest lists are read, shard by shard, with the columns
+    the query selects. Never read a cache's folder with a `*.parquet` glob: after `precompute-ref --update` it also
+    holds the earlier versions' shards, and the raw files hold a top-k cache's storage codes, not log-probs."""
+    return open_cache(root, verify_files=verify_files).lazy()
+
+
+def to_dataset(root, *, verify_files: bool = True):
+    """The current version's rows as a `datasets.Dataset` (in memory), after verifying them: the columns and values
+    of `read_cache`. `datasets.load_dataset(CACHE_DIR)` through the dataset card reads the shards as stored and so
+    leaves out the columns whose stored form is not their value (a top-k cache's top-k ids and log-probs)."""
+    import datasets
 
     cache = open_cache(root, verify_files=verify_files)
-    if store.is_remote(cache.root):  # pyarrow's reader on the store: only the columns the query selects are fetched
-        import pyarrow.dataset as ds
-
-        return pl.scan_pyarrow_dataset(ds.dataset([p.key for p in cache.shard_paths], format="parquet",
-                                                  filesystem=store.filesystem(cache.root)))
-    return pl.scan_parquet([str(p) for p in cache.shard_paths])
+    tables = list(cache.rows())
+    table = pa.concat_tables(tables) if tables else cache._schema([c.name for c in cache.columns]).empty_table()
+    return datasets.Dataset(datasets.table.InMemoryTable(table))

@@ -1,6 +1,7 @@
 """A cache's dataset card: README.md beside manifest.json, with Hugging Face dataset-card metadata, rendered from the
 manifest by huggingface_hub (`DatasetCard`, `DatasetCardData`). Its `configs` metadata names the manifest's shards
-one by one, so `datasets.load_dataset(CACHE_DIR)` reads the rows as stored and nothing else of the folder; its
+one by one, so `datasets.load_dataset(CACHE_DIR)` reads the rows and nothing else of the folder (the columns whose
+stored form is their value: a top-k cache's top-k columns are read with `schemas.to_dataset` / `read_cache`); its
 `refcache` metadata is the manifest's identity (format version, cache_id, stamps, encoding, computation, counts), and
 its text says the same for people, with how to use the cache.
 
@@ -43,6 +44,9 @@ def card_metadata(manifest: dict) -> dict:
                 "rows": sum(e["rows"] for e in manifest["shards"]), "shards": len(shards)}
     # file names, not a glob: the shards and only they, whatever else the folder holds
     configs = [{"config_name": "default", "data_files": [{"split": split_of(manifest), "path": shards}]}]
+    stored = [c.name for c in fmt.shard_columns(identity["top_k"]) if c.physical is None]
+    if len(stored) < len(fmt.shard_columns(identity["top_k"])):  # (a cache without top-k: every column, as before)
+        configs[0]["columns"] = stored  # `datasets` reads files as stored: never a storage code under a value's name
     return {"configs": configs, "refcache": identity}
 
 
@@ -122,8 +126,10 @@ def _text(manifest: dict) -> str:
     counts |= {f"skipped: {k}": v for k, v in _mapping(source.get("skipped_by_reason")).items()}
     counts |= {f"rows in TRL format {k}": v for k, v in _mapping(source.get("formats")).items()}
     columns = "\n".join(f"- `{c.name}`: {c.stored}" + (f" (stored form of {c.logical}: read it with "
-                                                        "`schemas.format.read_columns`)" if c.physical else "")
+                                                        "`read_cache` or `to_dataset`)" if c.physical else "")
                         for c in fmt.shard_columns(top_k))
+    stored_note = (" (without the top-k columns, whose\n# stored form is not their value: read them with read_cache or "
+                   "to_dataset)") if top_k else ""
     return f"""# Reference log-probs of {_model_name(manifest)} ({split} split)
 
 A refcache cache: the per-token log-probs of a frozen reference model on a preference data set,
@@ -172,10 +178,14 @@ Parquet shards (zstd), listed in `manifest.json` in row order; the card's `confi
 
 ```python
 from datasets import load_dataset
-rows = load_dataset("path/to/this/cache", split="{split}")  # the shards as stored, not verified
-from schemas import read_cache
-rows = read_cache("path/to/this/cache")  # a polars LazyFrame, after verifying the hashes and stamps
+rows = load_dataset("path/to/this/cache", split="{split}")  # the shards as stored, not verified{stored_note}
+from schemas import read_cache, to_dataset
+rows = read_cache("path/to/this/cache")  # a polars LazyFrame of every column's values, after verifying the cache
+rows = to_dataset("path/to/this/cache")  # the same as a datasets.Dataset
 ```
+
+Read the shards through `manifest.json` (or these readers), never with a `*.parquet` glob: after
+`precompute-ref --update` the folder also holds the shards of earlier versions.
 
 ```bash
 # DPO against this reference, on the data it was made from

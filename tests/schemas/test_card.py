@@ -62,19 +62,24 @@ def test_the_card_is_a_dataset_card_with_the_manifests_metadata(dpo_cache):
 
 def test_load_dataset_returns_the_rows_of_the_shards_and_nothing_else(dpo_cache, held_out, tmp_path, monkeypatch):
     """datasets.load_dataset(CACHE_DIR) (HF_HOME and the datasets cache in tmp_path): the split the cache was made
-    from, holding exactly the rows and columns of the shards as read_cache gives them (top-k columns in their stored
-    form), whatever else the folder holds (manifest.json, skipped.jsonl, the lock); the folder is left as it was."""
+    from, holding exactly the rows of the shards and their values as read_cache gives them, whatever else the folder
+    holds (manifest.json, skipped.jsonl, the lock); a top-k cache's top-k ids and log-probs, whose stored form is not
+    their value, are left out (issue 34: never a 16-bit code under a log-prob's name); the folder is left as it
+    was."""
     import datasets
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
     assert (held_out / fmt.SKIPPED).is_file() and fmt.read_manifest(held_out)["source"]["skipped"] == 1
-    for cache, split, columns in ((dpo_cache, "train", 9), (held_out, "test", 15)):
+    for cache, split, columns in ((dpo_cache, "train", 9), (held_out, "test", 11)):
         before = {p.name: p.read_bytes() for p in cache.iterdir()}
         loaded = datasets.load_dataset(str(cache), cache_dir=str(tmp_path / "hf" / "datasets"))
         assert list(loaded) == [split]
         got = pl.from_arrow(loaded[split].data.table)
         want = read_cache(cache).collect()
+        left_out = [c.name for c in open_cache(cache).columns if c.physical is not None]
+        assert len(left_out) == (4 if cache == held_out else 0)
+        want = want.drop(left_out)
         assert got.columns == want.columns and len(got.columns) == columns
         assert got.height == want.height == fmt.read_manifest(cache)["rows"]
         assert got.schema == want.schema and got.equals(want)

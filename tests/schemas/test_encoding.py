@@ -695,3 +695,90 @@ def test_data_readme_shows_the_completion_tokens_the_encoder_keeps():
     shown = lambda ids: "`" + " ".join(tok.convert_ids_to_tokens(ids)) + "`"
     assert shown(pair.prompt_ids) in readme and shown(pair.chosen_ids) in readme
     assert "newline after it" not in readme and "</s> Ċ`" not in readme
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 34 family 8: the special-token rule reads token ids, after the tokenizer's own normalisation
+
+
+def nfkc(tokenizer, normalized_eos=True):
+    """The test tokenizer under an NFKC normaliser, its EOS matched after normalisation (normalized=True, as some
+    converted tokenizers have it): fullwidth '＜/s＞' and small-form '﹤/s﹥' then become the EOS id."""
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    backend.normalizer = normalizers.NFKC()
+    backend.add_special_tokens([AddedToken("</s>", special=True, normalized=normalized_eos)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = tokenizer.chat_template
+    return tok
+
+
+NORMALISED_EOS = {"fullwidth": "＜/s＞", "small_form": "﹤/s﹥"}
+
+
+@pytest.mark.parametrize("case", sorted(NORMALISED_EOS))
+def test_text_that_normalises_to_eos_is_refused_by_its_token_ids(tokenizer, case):
+    """Under NFKC the text becomes the EOS id, which cut the completion there (silently); the rule now encodes each
+    field's text and looks for control ids, so it is refused naming the field, the text, the token and where."""
+    tok = nfkc(tokenizer)
+    text = NORMALISED_EOS[case]
+    assert tok.eos_token_id in tok(f" yes {text} more", add_special_tokens=False)["input_ids"]  # what it guards
+    for row, where, at in (({"prompt": "why?", "chosen": f" yes {text} more", "rejected": " no"}, "'chosen'", 5),
+                           ({"prompt": f"why {text}?", "chosen": " yes", "rejected": " no"}, "'prompt'", 4),
+                           (conv([USER("why?")], [ASSISTANT(f"yes {text} more")]), "'chosen'[0].content", 4),
+                           (conv([USER("why?")], [{**ASSISTANT(""), "tool_calls": [
+                               {"function": {"name": "f", "arguments": {"x": f"a{text}"}}}]}]),
+                            "'chosen'[0].tool_calls[0].function.arguments.x", 1)):
+        err = bad_row(row, templated(tok, TOOL_TEMPLATE))
+        assert (err.reason, err.detail.split(";")[0]) == (
+            "special_token_text", f"{where} contains {text!r} (which the tokenizer reads as '</s>'), the text of the "
+                                  f"tokenizer's special token (id {tok.eos_token_id}), at character {at}")
+
+
+def test_normalised_text_the_tokenizer_does_not_read_as_a_control_token_is_data(tokenizer):
+    """The same NFKC normaliser with EOS matched on the raw text only (normalized=False, the usual setting): the
+    fullwidth text is ordinary text there, encoded as it always was; a literal '</s>' is still refused."""
+    tok = nfkc(tokenizer, normalized_eos=False)
+    row = {"prompt": "why?", "chosen": " yes ＜/s＞ more", "rejected": " no"}
+    enc = encode_pair(row, tok, CFG)
+    assert tok.eos_token_id not in enc.chosen_ids[:-1] and enc.chosen_ids[-1] == tok.eos_token_id
+    assert enc.chosen_ids[:-1] == tok(row["chosen"], add_special_tokens=False)["input_ids"]
+    err = bad_row({**row, "chosen": " yes </s> more"}, tok)
+    assert err.detail.startswith("'chosen' contains '</s>', the text of the tokenizer's special token (id ")
+    assert "at character 5;" in err.detail
+
+
+def test_the_rule_reads_the_ids_of_any_tokenizer_and_not_raw_strings():
+    """A word-level tokenizer with an unknown-token id: a character the vocabulary lacks is read as the unk id,
+    which is vocabulary (accepted, as before), while the unk token's own text, also after normalisation, is
+    control text (refused); an uppercase '</S>' that a lowercasing normaliser turns into the EOS is refused too."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "why", "?", "yes", "no", "more"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=True) for t in ("<unk>", "<s>", "</s>")])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    unknown = encode_pair({"prompt": "why ?", "chosen": "yes zebra", "rejected": "no"}, tok, CFG)
+    assert unknown.chosen_ids == [vocab["yes"], vocab["<unk>"], vocab["</s>"]]
+    for chosen, text, token in (("yes <UNK> more", "<UNK>", "<unk>"), ("yes </S> more", "</S>", "</s>"),
+                                ("yes ＜/s＞", "＜/s＞", "</s>")):
+        err = bad_row({"prompt": "why ?", "chosen": chosen, "rejected": "no"}, tok)
+        assert err.detail.startswith(f"'chosen' contains {text!r} (which the tokenizer reads as {token!r}), the text "
+                                     f"of the tokenizer's special token (id {vocab[token]}), at character 4;"), err.detail
+
+
+def test_a_control_token_formed_across_messages_only_after_normalisation_is_refused(tokenizer):
+    """The formed-across-message-edges check reads the rendered text's control ids too: '＜/s' in one message and
+    '＞' in the next are the EOS once the NFKC tokenizer reads them together."""
+    tok = templated(nfkc(tokenizer), "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    err = bad_row(conv([SYSTEM("hi ＜/s"), USER("＞ there")], [ASSISTANT("yes")]), tok)
+    assert (err.reason, err.detail) == ("special_token_text", "'prompt'[0].content and the text next to it in the "
+                                        "rendered chat template form '</s>', the text of the tokenizer's special "
+                                        "token; data text is never read as control tokens")
+    assert bad_row(conv([SYSTEM("hi ＜/"), USER("there")], [ASSISTANT("yes")]), tok).reason == "template_not_prefix"
