@@ -116,7 +116,8 @@ def audit_cache(root: Path, manifest: dict, current: bool = True) -> CacheScan:
     unverified = len(manifest["shards"]) - len(frames)
     manifest_problems = rules.manifest_findings(manifest)
     checks = [Check("manifest", FAIL, "; ".join(f.message for f in manifest_problems)) if manifest_problems else
-              Check("manifest", PASS, f"format version {manifest['format_version']}, {len(manifest['shards'])} "
+              Check("manifest", PASS, f"refcache file format {manifest['format_version']}, "
+                    f"{len(manifest['shards'])} "
                     f"shard(s), {sum(e['rows'] for e in manifest['shards']):,} rows")]
     result = lambda n: from_findings(n, found[n], checked[n], *WHAT[n], unchecked_shards=unverified)
     checks += [result("shard_files"), result("shard_stamps"), result("row_checksums"), result("shard_checksums")]
