@@ -20,7 +20,7 @@ INDEX_SCHEMA = {"id": pl.String, "shard": pl.String, "row": pl.UInt32, "mask_che
                 "prompt_tokens": pl.UInt32, "chosen_tokens": pl.UInt32, "rejected_tokens": pl.UInt32}
 WHAT = {
     "shard_files": ("shard", "sizes, sha256, schema and row counts match the manifest"),
-    "shard_stamps": ("shard", "metadata stamps, encoding, computation and format version match the manifest"),
+    "shard_stamps": ("shard", "metadata stamps, encoding, computation and file format match the manifest"),
     "shard_checksums": ("shard", "the rows' mask checksums and ids add up to each shard's"),
     "row_checksums": ("row", "mask checksums recomputed from the stored ids match"),
     "unique_ids": ("row", "ids unique across shards"),
