@@ -162,6 +162,17 @@ def by_number(root: Path, manifest: dict, number: int) -> tuple[int, str, dict]:
                      remedy=f"pass one of those to {VERSION_OPTION}, or leave it out for the current version")
 
 
+def gone(root: Path) -> str | None:
+    """The earlier versions the current manifest's history lists whose manifest cannot be read, and why (None:
+    none): the shards only they named read as stray."""
+    manifest = current_manifest(root)
+    if manifest is None:
+        return None
+    readable = {name for _, name, _ in versions(root, manifest)}
+    lost = [f"version {e['version']}: {_why_gone(root, e)}" for e in _listed(manifest) if e["file"] not in readable]
+    return "; ".join(lost) or None
+
+
 def lost_version(root: Path, manifest: dict, records: list[dict]) -> str | None:
     """Why a run's cache records (schemas.run_manifest.cache_record's) name a version of this cache that cannot be
     read: its history lists a version with their cache_id whose manifest file is missing or altered. None when no

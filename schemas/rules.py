@@ -148,9 +148,12 @@ def unlisted_findings(root: Path, listed) -> list[Finding]:
     unlisted = sorted(p.name for p in root.glob("*.parquet") if p.name not in listed)
     if not unlisted:
         return []
+    lost = history.gone(root)  # the shards of a version whose manifest is gone are its, not strays
     return [Finding("shard_files", "shard_unlisted", f"{root} holds shard files the manifest does not list: "
-                    + ", ".join(unlisted[:5]), shard=unlisted[0], count=len(unlisted),
-                    remedy="remove the stray files, or " + RERUN)]
+                    + ", ".join(unlisted[:5]) + (f" (the history lists a version it cannot read: {lost})"
+                                                 if lost else ""), shard=unlisted[0], count=len(unlisted),
+                    remedy="put the version's manifest back from a copy of the cache" if lost else
+                    "remove the stray files, or " + RERUN)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def test_training_on_version_1_after_version_2_removed_rows(llama_dir, two_versi
     assert run["reference"]["verification"]["version"]["file"] == "manifest-00001.json"
     assert "| version | 1 |" in (tmp_path / "r1" / "README.md").read_text()  # the model card
     code, report, output = audit_ref(cache, "--run", tmp_path / "r1")
-    assert code == 1 and check_of(report, "run_cache")["status"] == "PASS", output  # (a real run: final hash too)
+    assert code == 0 and check_of(report, "run_cache")["status"] == "PASS", output
     # a version that is not kept is refused naming those that are
     result = train("--model", llama_dir, "--data", v1, "--ref-cache", cache, "--cache-version", "5",
                    "--output-dir", tmp_path / "r5", *TRAIN, "--max-steps", "1")
@@ -174,15 +174,18 @@ def test_audit_and_show_take_cache_version_and_name_a_missing_version_manifest(l
     (cache / "manifest-00001.json").rename(tmp_path / "away.json")
     code, report, output = audit_ref(cache, "--cache-version", "1")
     assert code == 2 and "manifest-00001.json is missing" in output and "2 (manifest.json)" in output
-    assert audit_ref(cache, "--run", run)[0] == 0
+    code, report, output = audit_ref(cache, "--run", run)  # version 1's own shards now read as strays: said why
+    assert code == 1 and "version 1: its manifest manifest-00001.json is missing" in output
+    assert check_of(report, "run_cache")["status"] == "PASS"
     (tmp_path / "away.json").rename(cache / "manifest-00001.json")
     v1_run = tmp_path / "v1run"
     fake_run(v1_run, llama_dir, cache)
     record = json.loads((v1_run / "run-manifest.json").read_text())
     record["reference"]["cache"]["cache_id"] = manifest_of(cache)["history"][0]["cache_id"]  # trained on version 1
+    record["reference"]["cache"]["stamps"] = json.loads((cache / "manifest-00001.json").read_text())["stamps"]
     (v1_run / "run-manifest.json").write_text(json.dumps(record))
     assert audit_ref(cache, "--run", v1_run)[0] == 0
-    (cache / "manifest-00001.json").unlink()
+    (cache / "manifest-00001.json").rename(tmp_path / "away.json")
     code, report, output = audit_ref(cache, "--run", v1_run)
     assert code == 1
     detail = check_of(report, "run_cache")["detail"]
