@@ -266,7 +266,7 @@ def version_line(manifest: dict, file: str = CURRENT, current: dict | None = Non
         made = (f"made by precompute-ref --update {manifest.get('created_at') or ''} from version "
                 f"{u.get('from_version')}: {len(u.get('added') or [])} rows added, {len(u.get('removed') or [])} "
                 f"removed, {len(u.get('replaced') or [])} replaced").replace("  ", " ")
-    kept = [e["file"] for e in _listed(current)]
+    kept = [f"{e['version']} as {e['file']} ({e.get('rows')} rows)" for e in _listed(current)]
     later = f"; earlier versions kept: {', '.join(kept)}" if kept and file == CURRENT else ""
     return f"cache {where} ({made}; {manifest.get('rows')} rows{later})"
 
