@@ -148,7 +148,7 @@ from it and is not part of the cache's identity).
 
 ## Version
 
-{history.version_line(manifest)}. `precompute-ref --update` brings the cache to grown, shrunk or edited data as a new
+{history.version_line(manifest, when=False)}. `precompute-ref --update` brings the cache to grown, shrunk or edited data as a new
 version; each earlier version's manifest is kept as `manifest-NNNNN.json`, and `train-dpo --cache-version N` or
 `audit-ref --cache-version N` reads that version.
 
