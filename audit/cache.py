@@ -20,7 +20,7 @@ INDEX_SCHEMA = {"id": pl.String, "shard": pl.String, "row": pl.UInt32, "mask_che
                 "prompt_tokens": pl.UInt32, "chosen_tokens": pl.UInt32, "rejected_tokens": pl.UInt32}
 WHAT = {
     "shard_files": ("shard", "sizes, sha256, schema and row counts match the manifest"),
-    "shard_stamps": ("shard", "metadata stamps, encoding, computation and format version match the manifest"),
+    "shard_stamps": ("shard", "metadata stamps, encoding, computation and file format match the manifest"),
     "shard_checksums": ("shard", "the rows' mask checksums and ids add up to each shard's"),
     "row_checksums": ("row", "mask checksums recomputed from the stored ids match"),
     "unique_ids": ("row", "ids unique across shards"),
@@ -116,7 +116,8 @@ def audit_cache(root: Path, manifest: dict, current: bool = True) -> CacheScan:
     unverified = len(manifest["shards"]) - len(frames)
     manifest_problems = rules.manifest_findings(manifest)
     checks = [Check("manifest", FAIL, "; ".join(f.message for f in manifest_problems)) if manifest_problems else
-              Check("manifest", PASS, f"format version {manifest['format_version']}, {len(manifest['shards'])} "
+              Check("manifest", PASS, f"refcache file format {manifest['format_version']}, "
+                    f"{len(manifest['shards'])} "
                     f"shard(s), {sum(e['rows'] for e in manifest['shards']):,} rows")]
     result = lambda n: from_findings(n, found[n], checked[n], *WHAT[n], unchecked_shards=unverified)
     checks += [result("shard_files"), result("shard_stamps"), result("row_checksums"), result("shard_checksums")]

@@ -57,6 +57,10 @@ class AuditOptions:
     run: str | None = field(default=None, metadata=field_help(
         "A train-dpo --output-dir: check that its run-manifest.json names this cache and its weights.",
         click_type=click.Path(exists=True, file_okay=False), location="input"))
+    cache_version: int | None = field(default=None, metadata=field_help(
+        "Audit (or, with --show/--html, show) this version of an updated cache (precompute-ref --update keeps each "
+        "earlier version's manifest as manifest-NNNNN.json); with --run the run must have trained on it.", min=1,
+        show_default="the current version, or with --run the version the run trained on", domain="count"))
     sample: int = field(default=DEFAULT_SAMPLE, metadata=field_help(
         "Rows to replay with --model, drawn at random (0: no replay); with --html, rows on the page (default 20).",
         domain="natural"))
@@ -99,28 +103,44 @@ class AuditOptions:
         read_locations(self)
 
 
+def audited_version(root, run=None, cache_version: int | None = None) -> tuple[dict, dict]:
+    """The manifest audited or shown and its version (schemas/history.py version_report): --cache-version N (refused
+    naming the versions kept when N is not one of them), else the version a --run trained on, else the current one."""
+    from schemas import format as fmt
+    from schemas import history
+
+    from .runs import run_version
+
+    current = manifest = fmt.read_manifest(root)
+    name = fmt.MANIFEST
+    if cache_version is not None:
+        _, name, manifest = history.by_number(root, current, cache_version)
+    elif run:  # a run trained on an earlier version of an updated cache is audited against that version
+        manifest, found = run_version(root, current, run)
+        name = found["file"] if found else fmt.MANIFEST
+    return manifest, history.version_report(manifest, name, current)
+
+
 def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMPLE, seed=0, tolerance=None,
-              trust_remote_code=False, split: dict | None = None) -> dict:
+              trust_remote_code=False, split: dict | None = None, cache_version: int | None = None) -> dict:
     """The whole audit as a JSON-ready report. A missing or unreadable manifest raises CacheError. `split`: the
-    replay's device_map, max_memory and offload_folder (audit-ref --device-map ...)."""
+    replay's device_map, max_memory and offload_folder (audit-ref --device-map ...). `cache_version`: audit that
+    version of an updated cache (default: the current one, or with `run` the one the run trained on)."""
     # imported here, not at the top: `audit-ref --help` and a refused command line need no polars nor pyarrow
     from schemas import format as fmt
 
     from .cache import audit_cache
     from .replay import audit_model
     from .report import token_stats
-    from .runs import audit_data, audit_run, run_version
+    from .runs import audit_data, audit_run
 
     from schemas.store import location
 
     t0 = time.perf_counter()
     root = location(cache_dir)  # a folder, or a prefix on an object store
-    manifest = fmt.read_manifest(root)
-    version = None
-    if run:  # a run trained on an earlier version of an updated cache is audited against that version
-        manifest, version = run_version(root, manifest, run)
+    manifest, version = audited_version(root, run, cache_version)
     timing = {}
-    scan = audit_cache(root, manifest, current=not version or version["file"] == fmt.MANIFEST)
+    scan = audit_cache(root, manifest, current=version["file"] == fmt.MANIFEST)
     checks = list(scan.checks)
     timing["cache_s"] = time.perf_counter() - t0
     tokenizer, tokenizer_ok = None, False
@@ -161,7 +181,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
                   "tokens": token_stats(scan.index), "logprobs_per_shard": scan.logprob_stats},
         "made": {k: manifest.get(k) for k in ("created_at", "software", "model", "tokenizer", "computation", "source")}
         | {"encoding": manifest["encoding"], "stamps": manifest["stamps"]},
-        "version": version,  # with --run: the version of the cache the run used (precompute-ref --update)
+        "version": version,  # the version of the cache audited (schemas/history.py version_report)
         "options": {"model": model, "data": data, "run": run, "sample": sample, "seed": seed, "tolerance": tolerance},
         "timing": {k: round(v, 3) for k, v in timing.items()},
     }
@@ -209,7 +229,8 @@ def main(cache, debug, **options):
             quiet_libraries()
         report = run_audit(cache, model=opts.model, data=opts.data, run=opts.run,
                            sample=None if opts.all else opts.sample, seed=opts.seed, tolerance=opts.tolerance,
-                           trust_remote_code=opts.trust_remote_code, split=split if opts.device_map else None)
+                           trust_remote_code=opts.trust_remote_code, split=split if opts.device_map else None,
+                           cache_version=opts.cache_version)
         echo(render(report))
         if opts.json:
             text = json.dumps(_jsonable(report), indent=2) + "\n"
@@ -260,22 +281,22 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
 
     from . import show
     from .cache import audit_cache
-    from .runs import audit_data, run_version
+    from .runs import audit_data
 
     from schemas.store import location
 
     root = location(cache)
-    manifest = fmt.read_manifest(root)
-    version = None
-    if opts.run:  # the rows of the version of the cache the run trained on (precompute-ref --update)
-        manifest, version = run_version(root, manifest, opts.run)
+    # the rows of --cache-version N, else of the version of the cache the --run trained on, else the current ones
+    manifest, version = audited_version(root, opts.run, opts.cache_version)
     if opts.html:  # checked once the manifest names the model folder the tokenizer may come from, before any work
         output_file(opts.html, "--html", inputs(cache, opts, manifest))
     tokenizer = show.verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
     # rows are shown from the shards that pass shard_files only
-    scan = audit_cache(root, manifest, current=not version or version["file"] == fmt.MANIFEST)
+    scan = audit_cache(root, manifest, current=version["file"] == fmt.MANIFEST)
     failed = [c.name for c in scan.checks if c.status == FAIL]
     notes = [f"this cache fails {', '.join(failed)}: run audit-ref {cache} for the details"] if failed else []
+    if version["current"] > 1:  # an updated cache: which version these rows are of
+        notes.insert(0, version["line"])
     if opts.data:  # the data re-encoded as the audit does: do the cached rows still say what the data says?
         check = audit_data(manifest, scan, opts.data, tokenizer)
         notes.append(f"--data {opts.data}: {check.status}: {check.detail}")
@@ -289,8 +310,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
             recorded = run_manifest.read_run_manifest(opts.run)
         except run_manifest.RunManifestError as e:
             raise click.BadParameter(str(e), param_hint="--run")
-        _, problems = run_manifest.run_cache_findings(recorded, root, manifest["stamps"],
-                                                      version["file"] if version else fmt.MANIFEST)
+        _, problems = run_manifest.run_cache_findings(recorded, root, manifest["stamps"], version["file"])
         if problems:  # a log-ratio against a reference the run did not train with means nothing
             raise JobError(f"--run {opts.run}: {problems[0].message}")
         policy = show.load_policy(opts.run, opts.model, manifest, opts.trust_remote_code)

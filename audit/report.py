@@ -71,9 +71,10 @@ def render(report: dict) -> str:
            f"data {escaped(src.get('data'))} split {escaped(src.get('split'))}; "
            f"{report['stats']['rows']:,} rows, {report['stats']['bytes'] / 2**20:.2f} MiB",
            *([f"  split by {describe(comp['layout'])}"] if isinstance(comp.get("layout"), dict) else []),
-           *([f"  audited as version {v['version']} of the cache ({v['file']}; current version {v['current']}), "
-              "the one the --run trained on"] if (v := report.get("version")) and v["file"] != "manifest.json"
-             else []), ""]
+           *([f"  {v['line']}"] if (v := report.get("version")) else []),
+           *([f"  audited as version {v['version']} of the cache ({v['file']}; current version {v['current']})"
+              + (", the one the --run trained on" if report["options"].get("run") else "")]
+             if v and v["file"] != "manifest.json" else []), ""]
     by_name = {c["name"]: c for c in report["checks"]}
     titles = {"cache": "Cache integrity", "model": "Reference model (--model)", "data": "Data (--data)",
               "run": "Training run (--run)"}

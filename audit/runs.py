@@ -82,7 +82,8 @@ def run_version(root: Path, manifest: dict, run_dir: str) -> tuple[dict, dict | 
 
 
 def audit_run(root: Path, manifest: dict, run_dir: str, version: dict | None = None) -> list[Check]:
-    """`version`: run_version's, the version of the cache the run names (None: the current one)."""
+    """`version`: the version of the cache audited (schemas/history.py version_report; None: the current one). A
+    run trained on a version whose manifest is gone is named as such, with the file."""
     try:
         run = run_manifest.read_run_manifest(run_dir)
     except run_manifest.RunManifestError as e:
@@ -90,7 +91,10 @@ def audit_run(root: Path, manifest: dict, run_dir: str, version: dict | None = N
     name = version["file"] if version else run_manifest.CACHE_MANIFEST
     role, problems = run_manifest.run_cache_findings(run, root, manifest["stamps"], name)
     if problems:
-        checks = [Check("run_cache", FAIL, f"{run_dir}: {problems[0].message}{_live_split(run)}")]
+        ref = run.get("reference") or {}
+        lost = history.lost_version(root, history.current_manifest(root) or manifest,
+                                    [ref.get("cache"), ref.get("eval_cache")])
+        checks = [Check("run_cache", FAIL, f"{run_dir}: {lost or problems[0].message}{_live_split(run)}")]
     else:
         which = ""
         if version and version["file"] != run_manifest.CACHE_MANIFEST:

@@ -222,6 +222,7 @@ def _reference(reference: dict, peft: dict | None) -> str:
                 f"beside the policy at every step{what}.")
     rows = [["path"] + [_code(c.get("path")) for _, c in caches],
             ["reference model"] + [_code(_cache_model(c)) for _, c in caches],
+            ["version"] + [c.get("version") for _, c in caches],
             ["cache_id"] + [_code(c.get("cache_id")) for _, c in caches],
             ["manifest.json sha256"] + [_code(c.get("manifest_sha256")) for _, c in caches]]
     stamps = sorted({k for _, c in caches for k in (c.get("stamps") or {})})
@@ -229,7 +230,14 @@ def _reference(reference: dict, peft: dict | None) -> str:
     return ("Reference log-probs from refcache caches, verified before training (the stamps: the reference's model "
             "hash, the tokenizer hash and the checksum of every row's token masks; the cache_id: stamps, encoding and "
             "shard files):\n\n" + _table([""] + [f"{role} cache" for role, _ in caches],
-                                   [r for r in rows if any(v is not None for v in r[1:])]))
+                                   [r for r in rows if any(v is not None for v in r[1:])])
+            + (f"\n\nThe train cache: {line}." if (line := _version_line(reference)) else ""))
+
+
+def _version_line(reference: dict) -> str | None:
+    """The train cache's version as train-dpo verified it (schemas/history.py version_line, in the run manifest)."""
+    version = (reference.get("verification") or {}).get("version")
+    return version.get("line") if isinstance(version, dict) else None
 
 
 def _cache_model(record: dict) -> str | None:

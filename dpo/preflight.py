@@ -22,6 +22,8 @@ def check_reference_options(cfg, log=echo) -> None:
         raise JobError("give --ref-cache DIR (cached reference) or --ref-model PATH (live reference)")
     if cfg.ref_model_hash and cfg.ref_cache is None:
         raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
+    if cfg.cache_version is not None and cfg.ref_cache is None:
+        raise JobError(f"--cache-version {cfg.cache_version} names a version of the --ref-cache; add --ref-cache")
     check_reference_split(cfg)
     rows = check_evaluation(cfg, log)
     same_rows = (cfg.eval_data, cfg.eval_split) == (cfg.data, cfg.split)  # then the training cache holds them

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from runtime.checkpoint import software_versions
 from runtime.errors import JobError
+from runtime import remedies
 from runtime.hub import origin
 from schemas import run_manifest as rm
 
@@ -18,23 +19,71 @@ def reference_record(cfg, train, evaluation, live_hash: str | None = None) -> di
     model hash of the live --ref-model folder (no cache: `train` and `evaluation` are EncodedOnly, with no stamps)."""
     eval_cache = cfg.eval_ref_cache or cfg.ref_cache
     live = {"path": str(cfg.ref_model), "model_hash": live_hash} if not cfg.ref_cache else None
+    def cache(path, report: dict) -> dict:  # the version of the cache verified (train-dpo --cache-version N)
+        return rm.cache_record(path, report["stamps"], (report.get("version") or {}).get("file", rm.CACHE_MANIFEST))
+
     return rm.reference_record(
-        train_cache=rm.cache_record(cfg.ref_cache, train.report["stamps"]) if cfg.ref_cache else None,
-        eval_cache=rm.cache_record(eval_cache, evaluation.report["stamps"]) if evaluation and eval_cache else None,
+        train_cache=cache(cfg.ref_cache, train.report) if cfg.ref_cache else None,
+        eval_cache=cache(eval_cache, evaluation.report) if evaluation and eval_cache else None,
         live_model=live, data_fingerprint=train.fingerprint,
         eval_data_fingerprint=evaluation.fingerprint if evaluation else None)
 
 
-def check_resume_reference(checkpoint: str, record: dict) -> None:
+def check_resume_reference(checkpoint: str, record: dict, train=None, evaluation=None, log=print) -> None:
+    """This run's record against the checkpoint's. A cache updated since the checkpoint (another version of it,
+    precompute-ref --update) is no difference when no update between the two versions added, removed or replaced a
+    row of this run (`train`, `evaluation`: the verified rows): every value it trains on is the one it trained on.
+    Otherwise refused naming the two versions and --cache-version."""
     try:
         recorded = rm.read_checkpoint_record(checkpoint)
     except rm.RunManifestError as e:
         raise JobError(f"--resume-from-checkpoint {checkpoint}: {e}") from None
+    for role, rows in (("cache", train), ("eval_cache", evaluation)):
+        if rm.same_cache(recorded.get(role), record.get(role)):
+            continue
+        moved = _moved_on(recorded.get(role), record.get(role), rows)
+        if moved is None:
+            continue
+        old, new, changed = moved
+        where = (f"the cache {record[role]['path']} was updated from version {old} to {new} since this checkpoint"
+                 if new > old else f"this run uses version {new} of the cache {record[role]['path']}, the checkpoint "
+                 f"was trained on version {old}")
+        if changed:
+            raise JobError(f"--resume-from-checkpoint {checkpoint}: {where}, and version {max(old, new)} changed "
+                           f"{len(changed)} of this run's rows ({', '.join(map(repr, changed[:5]))}"
+                           f"{' …' if len(changed) > 5 else ''})\n  remedy: {remedies.resume_moved(old, new)}")
+        log(f"{where}; none of this run's {rows.table.num_rows} rows changed: resuming on version {new}")
+        recorded = {**recorded, role: record[role]}
     found = rm.reference_findings(recorded, record)
     if found:
         f = found[0]
         raise JobError(f"--resume-from-checkpoint {checkpoint}: {f.message}\n  checkpoint: {f.expected}\n"
                        f"  this run:   {f.found}\n  remedy:     {f.remedy}")
+
+
+def _moved_on(recorded, now, rows) -> tuple[int, int, list[str]] | None:
+    """(the checkpoint's version, this run's, this run's rows an update between them added, removed or replaced)
+    when the two cache records name two versions of one cache (schemas/history.py); None when they do not."""
+    if not isinstance(recorded, dict) or not isinstance(now, dict) or rows is None:
+        return None
+    from schemas import history
+    from schemas.store import location
+
+    root = location(now.get("path"))
+    try:
+        current = history.current_manifest(root)
+    except OSError:
+        return None
+    if current is None:
+        return None
+    old = history.version_number(root, current, recorded)
+    new = history.version_number(root, current, now)
+    if old is None or new is None or old == new:
+        return None
+    touched = history.changed_between(root, current, old, new)
+    ids = rows.table.column("id").to_pylist()
+    changed = ids if touched is None else [i for i in ids if i in touched]
+    return old, new, changed
 
 
 def record_in(folder: Path, record: dict) -> None:

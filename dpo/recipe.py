@@ -61,6 +61,10 @@ class TrainConfig:
         location="output"))
     ref_cache: str | None = _f(None, "Cache written by precompute-ref for --data (a folder or an object-store URL); "
                                      "verified before use.", "Reference cache", location="input", store=True)
+    cache_version: int | None = field(default=None, metadata=field_help(
+        "Train on this version of an updated --ref-cache (precompute-ref --update keeps each earlier version's "
+        "manifest as manifest-NNNNN.json); also of the eval rows when they come from --ref-cache.", "Reference cache",
+        min=1, show_default="the current version", domain="count"))
     ref_model: str | None = _f(None, "Reference checkpoint: with --ref-cache it is only hashed (never loaded); "
                                      "without, live-reference mode.", "Reference cache", location="input")
     ref_model_hash: str | None = _f(None, "Model hash the cache must carry, when the reference differs from --model "
@@ -324,14 +328,14 @@ def _verify(cfg: TrainConfig, policy: Checkpoint, log) -> Run:
     elif cfg.lora.use_peft:
         lora.check_live_reference(policy, live)
     with lora.explained_reference(cfg.lora, cfg.model, initial_hash):
-        train = _rows(cfg, tokenizer, cfg.data, cfg.split, cfg.ref_cache, reference, log)
+        train = _rows(cfg, tokenizer, cfg.data, cfg.split, cfg.ref_cache, reference, log, cfg.cache_version)
         evaluation = None
         if cfg.eval_data:
             evaluation = _rows(cfg, tokenizer, cfg.eval_data, cfg.eval_split, cfg.eval_ref_cache or cfg.ref_cache,
-                               reference, log)
+                               reference, log, None if cfg.eval_ref_cache else cfg.cache_version)
     record = reference_record(cfg, train, evaluation, live.base_hash if live else None)
     if cfg.resume_from_checkpoint:
-        check_resume_reference(cfg.resume_from_checkpoint, record)  # before any model is loaded
+        check_resume_reference(cfg.resume_from_checkpoint, record, train, evaluation, log)  # before any model loads
     return Run(policy, live, reference, train, evaluation, record, time.perf_counter() - t0)
 
 
@@ -373,11 +377,11 @@ def _declared_reference(cfg: TrainConfig, policy: Checkpoint) -> str:
     return declared_reference(cfg.ref_model, hashed, cfg.ref_model_hash) or policy.model_hash
 
 
-def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None, log):
+def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None, log, version: int | None = None):
     if cache is not None:
         dist = Dist.joined()  # under torchrun every rank verifies (it needs the joined rows) and refuses together
         return dist.share(lambda: verify_and_join(
-            tokenizer=tokenizer, model_dir=cfg.model, data=data, split=split, cache_dir=cache,
+            tokenizer=tokenizer, model_dir=cfg.model, data=data, split=split, cache_dir=cache, cache_version=version,
             expected_model_hash=reference, encoding_request=cfg.encoding_request(),
             on_bad_row=cfg.on_bad_row, verify_files=not cfg.fast_verify and dist.rank == 0,  # files hashed once
             log=log if dist.rank == 0 else (lambda _m: None),

@@ -17,7 +17,9 @@ import pyarrow as pa
 
 from runtime.data import DataError, Encoded, load_rows, recorded_config, usable_rows
 from runtime.errors import JobError
-from runtime.terminal import echo, escaped
+from runtime.terminal import echo
+from runtime import remedies
+from schemas import history
 from schemas.encoding import EncodingConfig
 from schemas.cache import Cache, open_cache
 from schemas.findings import CacheError
@@ -68,17 +70,7 @@ REMEDIES = {
     "tokenizer_hash": "use the tokenizer the cache was made with (including its chat template), or re-run "
     "precompute-ref with this tokenizer into a new --out",
     "encoding": "drop the option (the cache's value is used), or re-run precompute-ref with it into a new --out",
-}
-
-
-def rows_missing_remedy(cache: Cache, data) -> str:
-    """Rows of --data the cache does not hold: an update adds them to this cache (its other rows are kept, not
-    scored again), or the data can be the rows it holds."""
-    model = cache.manifest.get("model") if isinstance(cache.manifest.get("model"), dict) else {}
-    reference = model.get("path") or "REFERENCE"
-    return (f"add them to the cache with precompute-ref --model {escaped(reference)} --data {escaped(data)} --out "
-            f"{escaped(cache.root)} --update (and the cache's other options: it scores only the rows the cache does "
-            "not hold, keeping its earlier version), or train on rows the cache holds")
+}  # rows missing or changed: runtime/remedies.py, with the cache, data and model of this run (_remedied)
 TRAINED_ON = ("chosen_input_ids", "rejected_input_ids", "chosen_logps", "rejected_logps", "chosen_logp",
               "rejected_logp")  # what the value rules read; the per-token columns joined are the cache's own
 
@@ -152,6 +144,22 @@ def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded) ->
                        expected=error.expected, found=error.found, shard=error.shard, row=error.row)
 
 
+def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: str, missing: list[str]) -> CacheError:
+    """Rows missing or changed, answered in the one remedy vocabulary (runtime/remedies.py): rows an update of the
+    cache removed name the version that removed them and the --cache-version that holds them; other rows the cache
+    lacks, `precompute-ref --update`; rows edited under an id the cache holds, `--update --replace-changed`."""
+    if error.kind == "rows_missing":
+        removing, holding = history.removed_by(cache.root, cache.manifest, missing)
+        remedy = (remedies.rows_removed(removing, holding) if removing else
+                  remedies.rows_missing(cache_arg, data, model, split))
+    elif error.kind == "mask_checksum":
+        remedy = remedies.rows_changed(cache_arg, data, model, split)
+    else:
+        return error
+    return type(error)(error.kind, error.message, remedy=remedy, expected=error.expected, found=error.found,
+                       shard=error.shard, row=error.row)
+
+
 def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> DataError:
     """A bad row refused here that the cache's precompute-ref skipped (--on-bad-row skip): say so and what to pass."""
     skipped = (cache.manifest.get("source") or {}).get("skipped")
@@ -163,10 +171,12 @@ def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> Da
 
 
 def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
-                    expected_model_hash=None,
+                    expected_model_hash=None, cache_version: int | None = None,
                     encoding_request=None, on_bad_row="error", verify_files=True, log=echo) -> Verified:
+    """`cache_version`: a version of an updated cache (train-dpo --cache-version N), default its current one."""
     t0 = time.perf_counter()
-    cache = open_cache(cache_dir, verify_files=verify_files, keep=scanned_columns)  # one fetch per shard on a store
+    cache = open_cache(cache_dir, verify_files=verify_files, keep=scanned_columns,  # one fetch per shard on a store
+                       version=cache_version)
     t_files = time.perf_counter() - t0
     expected_model = expected_model_hash or reference_hash(model_dir, ref_model, ref_model_hash)
     found = {}
@@ -182,9 +192,15 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
     for finding in use_findings(cache, model_hash=expected_model, tokenizer_hash=tokenizer_hash(tokenizer),
                                 tokenizer_parts=tokenizer_parts(tokenizer), encoding_request=encoding_request,
                                 rows=rows, option=option_name,
-                                remedies={**REMEDIES, "rows_missing": rows_missing_remedy(cache, data)}):
+                                remedies=REMEDIES):
         error = finding.error()
-        raise (_explained(error, cache, split, found["encoded"]) if finding.rule == "rows" else error) from None
+        if finding.rule == "rows":
+            held = set(cache.index.column("id").to_pylist()) if finding.kind == "rows_missing" else set()
+            missing = [i for i in found["encoded"].ids if i not in held] if finding.kind == "rows_missing" else []
+            explained = _explained(error, cache, split, found["encoded"])
+            error = explained if explained is not error else _remedied(error, cache, cache_dir, data, ref_model or
+                                                                       model_dir, split, missing)
+        raise error from None
     source, encoded = found["source"], found["encoded"]
     if cache.encoding.add_bos is True:
         log(f"note: {cache.root} was made with BOS always prepended (before refcache followed the tokenizer); "
@@ -201,11 +217,13 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
         "files_s": round(t_files, 3),
         "total_s": round(time.perf_counter() - t0, 3),
         "stamps": cache.stamps,
+        "version": cache.version,  # which version of the cache (schemas/history.py version_report)
         "dtype": (cache.manifest.get("computation") or {}).get("dtype"),  # the cached log-probs' precision
     }
     reasons = ", ".join(f"{k}: {v}" for k, v in report["skipped"].items())
     skipped = f", {len(encoded.skipped)} bad rows skipped ({reasons})" if encoded.skipped else ""
-    log(f"verified {cache.root}: {report['rows']} rows{skipped}, model/tokenizer/mask stamps match "
+    log(f"verified {cache.root}, {cache.version['line']}: {report['rows']} rows{skipped}, model/tokenizer/mask "
+        "stamps match "
         f"({report['total_s']:.2f} s; file hashes {report['files_s']:.2f} s)")
     return Verified(table, source.fingerprint, report)
 

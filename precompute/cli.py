@@ -53,7 +53,8 @@ def main(debug, **options):
     def body():
         given = given_values(options)
         encoding = {k: given.pop(k, None) for k in ENCODING_OPTIONS}
-        cfg = PrecomputeConfig(**given, encoding=encoding_from(**encoding))
+        cfg = PrecomputeConfig(**given, encoding=encoding_from(**encoding),
+                               given=frozenset(given) | {k for k, v in encoding.items() if v is not None})
         checked_inputs(cfg)  # a command line refused by its options alone imports no model library
         from .job import run_precompute
 

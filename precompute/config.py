@@ -6,7 +6,8 @@ bad command line, before precompute/job.py (torch, transformers, datasets) is im
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields, replace
 
 import click
 
@@ -110,6 +111,51 @@ class PrecomputeConfig:
     trust_remote_code: bool = field(default=False, metadata=field_help(
         "Allow custom model code from the checkpoint folder.", "Model"))
     progress: bool = field(default=True, metadata=field_help("Show the progress bar.", "Output"))
+    # the options given on the command line (precompute/cli.py); None (a config built in code): those at their default
+    # are taken as not given. --update takes the cache's settings for those not given (cache_settings)
+    given: frozenset | None = field(default=None, metadata={"cli": False})
+
+
+# --update: what a cache records of how it was made (manifest `computation` key -> option), taken from the cache for
+# every option not given; one given that differs is refused naming the option and the recorded value
+# (precompute/update.py). Not the device: a cache made on CUDA updated on a CPU machine is refused naming --device.
+RECORDED_SETTINGS = {"rows_per_shard": "rows_per_shard", "top_k": "top_k", "dtype": "dtype",
+                     "token_budget": "token_budget", "requested_attn_implementation": "attn_implementation",
+                     "requested_batching": "batching"}
+OPTION_OF = {**{k: "--" + v.replace("_", "-") for k, v in RECORDED_SETTINGS.items()}, "device_type": "--device"}
+
+
+def _given(cfg: PrecomputeConfig, holder, name: str, default) -> bool:
+    return name in cfg.given if cfg.given is not None else getattr(holder, name) != default
+
+
+def cache_settings(cfg: PrecomputeConfig) -> dict:
+    """--update: every setting of RECORDED_SETTINGS and every encoding option not given, set on `cfg` from the cache
+    in --out (its manifest); returns {option: value} of those taken. Nothing when --out holds no readable manifest
+    (the update refuses that itself)."""
+    if not cfg.update:
+        return {}
+    try:
+        manifest = json.loads((store.location(cfg.out) / "manifest.json").read_bytes())
+        computation, encoding = manifest.get("computation") or {}, EncodingConfig.from_dict(manifest["encoding"])
+    except Exception:  # missing, unreadable, not a manifest: precompute/update.py names it
+        return {}
+    defaults = {f.name: f.default for f in fields(PrecomputeConfig)}
+    taken = {}
+    for key, name in RECORDED_SETTINGS.items():
+        value = computation.get(key, 0 if key == "top_k" else None)
+        if value is not None and not _given(cfg, cfg, name, defaults[name]) and value != getattr(cfg, name):
+            setattr(cfg, name, value)
+            taken["--" + name.replace("_", "-")] = value
+    fresh = EncodingConfig()
+    keep = {f.name: getattr(cfg.encoding, f.name) for f in fields(EncodingConfig)
+            if _given(cfg, cfg.encoding, f.name, getattr(fresh, f.name)) and f.metadata.get("cli") is not False}
+    chosen = replace(encoding, **keep)
+    options = {f.name for f in fields(EncodingConfig) if f.metadata.get("cli") is not False}
+    taken |= {"--" + k.replace("_", "-"): v for k, v in chosen.to_dict().items()
+              if k in options and k not in keep and getattr(cfg.encoding, k) != v}
+    cfg.encoding = chosen
+    return taken
 
     def __post_init__(self):
         read_locations(self)

@@ -36,7 +36,7 @@ from schemas.card import write_card
 from schemas.stamps import combined_mask_checksum, tokenizer_hash, tokenizer_parts
 
 from .compiled import compiled_scorer
-from .config import PrecomputeConfig, checked_inputs
+from .config import PrecomputeConfig, cache_settings, checked_inputs
 from .modes import REGISTRY, choose_mode, effective_budget, score_pairs
 from .modes.choose import probe_pairs
 from .plan import plan_shards
@@ -98,6 +98,9 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
 
 def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     """Read and encode the data, compute the stamps and cut the rows into shards; nothing is written yet."""
+    taken = cache_settings(cfg)  # --update: the cache's settings for the options not given
+    if taken:
+        log("--update: the cache's settings: " + ", ".join(f"{k} {v}" for k, v in taken.items()))
     out, origins, inputs = checked_inputs(cfg)
     cfg.model = origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
@@ -247,6 +250,8 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
         if resume.computation is not None:  # compared after load, before any row is scored
             differs = rules.computation_findings(resume.computation, computation, where=str(job.out),
                                                   remedy=COMPUTATION)
+            if job.change is not None:  # --update: new rows another mode scores exactly (fmt.MODE_KEYS) are fine
+                differs = update.beyond_batching(differs, resume.computation, computation, log)
             if differs:
                 raise JobError(f"{differs[0].message}; {differs[0].remedy}")
         stats = {**_score_shards(model, job.encoded, mine, job.out, job.stamps, cfg, pad_id, mode, computation,
@@ -334,7 +339,8 @@ def _finish(cfg: PrecomputeConfig, job: Job, scored: dict) -> list[dict]:
     entries = [scored["written"].get(s["file"]) or fmt.shard_entry(out / s["file"], s["stop"] - s["start"],
                                                                     s["mask_checksum"], s["ids_checksum"])
                for s in job.plan]
-    _write_skipped(out, encoded)
+    if job.change is None or not job.change.nothing:  # a no-op update keeps the cache as it is, skipped.jsonl too
+        _write_skipped(out, encoded)
     manifest = {
         "format_version": fmt.FORMAT_VERSION,
         "stamps": job.stamps,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import JobError
@@ -36,6 +36,7 @@ class Resume:
     done: set  # shard files kept as they are
     computation: dict | None  # what scored them (None: nothing kept)
     rescore: list  # (file, reason) of damaged shards that will be scored again
+    reclaimed: list = field(default_factory=list)  # --update: shards of an interrupted update that no version names
 
 
 def _previous_manifest(out: Path, stamps: dict, encoding: EncodingConfig) -> dict | None:
@@ -64,18 +65,25 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
                     keep: set | None = None) -> Resume:
     """Shards already written by an earlier run of this same job with these settings (`claimed`: the computation
     values known before the model is loaded). `keep` (precompute-ref --update, precompute/update.py): the shards of
-    the cache's versions, which are not this run's to judge; the manifest is then the update's to judge."""
+    the cache's versions, which are not this run's to judge; the manifest is then the update's to judge. A shard an
+    interrupted update left (history.pending_shards: named for the next version, named by no version) that this
+    update does not plan, or plans for other rows, is reclaimed: removed, or scored again."""
     for path in own_files(out):
         if TEMP.match(path.name):
             store.remove(path)
     previous = _previous_manifest(out, stamps, encoding) if keep is None else None
     listed = {e["file"]: e for e in previous["shards"]} if previous else {}
     planned = {s["file"]: s for s in plan}
-    done, computations, rescore = set(), {}, []
+    pending = history.pending_shards(out) - set(keep) if keep is not None else set()
+    done, computations, rescore, reclaimed = set(), {}, [], []
     for path in sorted(out.glob("*.parquet")):
         if keep is not None and path.name in keep:
             continue
         want = planned.get(path.name)
+        if want is None and path.name in pending:  # no version owns it, and this update writes no shard of its name
+            store.remove(path)
+            reclaimed.append(path.name)
+            continue
         if want is None:
             raise JobError(f"{out} already holds a different cache; {UPDATE}\n  {path.name} is not a shard of this "
                            "job (other data or --rows-per-shard?)")
@@ -90,6 +98,11 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
                 recorded = rules.footer_computation(meta) or {}
                 differs = rules.computation_findings(recorded, claimed, partial=True, where=path.name,
                                                        remedy=COMPUTATION)
+                if (differs or found) and path.name in pending:  # another update's rows: this one's to rewrite
+                    why = (differs or found)[0].message
+                    rescore.append((path.name, f"left by an interrupted update of other rows ({why}), which no "
+                                    "version names"))
+                    continue
                 if differs or found:
                     _refuse(differs or found, f"{out} already holds a different cache")
                 computations[path.name] = recorded
@@ -97,7 +110,7 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
             rescore.append((path.name, damage[0].message))
         else:
             done.add(path.name)
-    return Resume(done, _agreed(previous, computations), rescore)
+    return Resume(done, _agreed(previous, computations), rescore, reclaimed)
 
 
 def _agreed(previous: dict | None, computations: dict[str, dict]) -> dict | None:

@@ -27,6 +27,10 @@ from schemas import history, rules
 from schemas import store
 from schemas.stamps import combined_mask_checksum, tokenizer_parts
 
+from runtime import remedies
+from runtime.cli import ENCODING_OPTIONS
+
+from .config import OPTION_OF
 from .plan import plan_shards
 from .resume import Resume, finished_shards
 
@@ -99,7 +103,7 @@ def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
             name = _name(version, copied)
             copied += 1
             layout.append({"file": name, "kind": "copied", "entry": _copy(out / entry["file"], out / name, rows, base,
-                                                                          cfg), "checks": checks})
+                                                                          entry, cfg), "checks": checks})
     new = set(changes["added"]) | set(changes["changed"])
     score = [n for n, rid in enumerate(encoded.ids) if rid in new]
     change = Change(version, store.sha256(out / fmt.MANIFEST), layout, score, changes["added"], changes["removed"],
@@ -109,6 +113,8 @@ def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
     resume = finished_shards(out, plan, job.stamps, cfg.encoding, claimed,
                              keep=history.named_shards(out) | {s["file"] for s in layout if s["kind"] == "copied"})
     resume.computation = base.get("computation") if isinstance(base.get("computation"), dict) else resume.computation
+    if resume.reclaimed:
+        log(f"removed {', '.join(resume.reclaimed)}: left by an interrupted update, named by no version of the cache")
     log(f"update to version {version}: {len(change.added)} rows added, {len(change.removed)} removed, "
         f"{len(change.replaced)} replaced; {sum(s['kind'] == 'kept' for s in layout)} shards kept, {copied} copied "
         f"without their removed rows, {len(score)} rows to score")
@@ -123,23 +129,47 @@ def _same_identity(out: Path, base: dict, job, cfg, claimed: dict) -> None:
     where = f"the cache {out}"
     for f in rules.stamp_findings(recorded, {**stamps, "encoding": cfg.encoding.to_dict()}, where=where,
                                   tokenizer_parts=tokenizer_parts(job.checkpoint.tokenizer)):
+        if f.kind == "encoding":  # an option given that the cache was made without: name it and its value
+            differ = {k: v for k, v in (f.found or {}).items() if (f.expected or {}).get(k) != v}
+            options = [f"--{k.replace('_', '-')} {v}" for k, v in differ.items() if k in ENCODING_OPTIONS]
+            if options:
+                raise JobError(f"--update: {f.message}: the cache was made with {', '.join(options)}\n  the cache: "
+                               f"{differ}\n  this run:  {({k: (f.expected or {}).get(k) for k in differ})}\n  "
+                               f"remedy:    {remedies.setting(options)}")
         raise JobError(f"--update: {f.message}\n  the cache: {f.found}\n  this run:  {f.expected}\n  remedy:    "
                        f"{NEW_CACHE}")
     computation = base.get("computation") if isinstance(base.get("computation"), dict) else {}
     for f in rules.computation_findings(computation, claimed, partial=True, where=where, remedy=NEW_CACHE):
-        raise JobError(f"--update: {f.message}; {f.remedy}")
+        key, value = next(iter(f.expected.items()))
+        option = OPTION_OF.get(key)
+        raise JobError(f"--update: {f.message}; "
+                       + (remedies.setting([f"{option} {value}"]) if option and value is not None else f.remedy))
+
+
+def beyond_batching(differs: list, recorded: dict, now: dict, log) -> list:
+    """The computation findings of an update's loaded model against the cache's that matter: a batching mode the
+    new rows cannot use (one a probe of them rejected, e.g. kv_cache for rows longer than a sliding window) fell back
+    to an exact one, which scores them as the model's own forward does; its shards record it (fmt.MODE_KEYS)."""
+    mode = [f for f in differs if set(f.expected) <= set(fmt.MODE_KEYS)]
+    if mode and recorded.get("mode") != now.get("mode"):
+        log(f"the cache's rows were scored with batching {recorded.get('mode')}, which the new rows cannot use: they "
+            f"are scored with {now.get('mode')} (proven on them like every mode), recorded with their shards")
+    return [f for f in differs if f not in mode]
 
 
 def _name(version: int, n: int) -> str:
     return f"shard-v{version:05d}-{n:05d}.parquet"
 
 
-def _copy(source: Path, dest: Path, rows: list[int], base: dict, cfg) -> dict:
-    """The kept rows of a shard that lost some, into a new shard: the stored values as they are."""
+def _copy(source: Path, dest: Path, rows: list[int], base: dict, entry: dict, cfg) -> dict:
+    """The kept rows of a shard that lost some, into a new shard: the stored values as they are, with the
+    computation that scored them (the shard's own, if it has one: fmt.MODE_KEYS)."""
     table = fmt.stored_rows(source, rows)
-    return fmt.write_shard(dest, table, model_hash=base["stamps"]["model_hash"],
-                           tokenizer_hash=base["stamps"]["tokenizer_hash"], encoding=cfg.encoding,
-                           computation=base.get("computation") or {})
+    own = entry.get("computation") if isinstance(entry.get("computation"), dict) else None
+    written = fmt.write_shard(dest, table, model_hash=base["stamps"]["model_hash"],
+                              tokenizer_hash=base["stamps"]["tokenizer_hash"], encoding=cfg.encoding,
+                              computation=own or base.get("computation") or {})
+    return written | ({"computation": own} if own else {})
 
 
 def _plan(job, change: Change, cfg, first: int) -> list[dict]:
@@ -169,12 +199,14 @@ def versioned(out: Path, manifest: dict, entries: list[dict], job, cfg) -> tuple
         return base, base["shards"]
     if store.sha256(out / fmt.MANIFEST) != change.base_sha256:
         raise JobError(f"--update: {out / fmt.MANIFEST} changed while the update ran; run the update again")
-    scored = {e["file"]: e for e in entries}
+    made = fmt.scored_computation(manifest.get("computation") or {})
+    own = {"computation": made} if made != fmt.scored_computation(base.get("computation") or {}) else {}
+    scored = {e["file"]: e | own for e in entries}  # scored in another mode than the cache's: said per shard
     checks = {s["file"]: [p.mask_checksum for p in job.encoded.pairs[s["start"]:s["stop"]]] for s in job.plan}
     shards = [s["entry"] if s["kind"] != "scored" else scored[s["file"]] for s in change.layout]
     every = [c for s in change.layout for c in (s["checks"] if s["kind"] != "scored" else checks[s["file"]])]
     _keep_version(out, base)
-    return {**manifest,
+    return {**manifest, "computation": base.get("computation"),  # the cache's; a shard scored otherwise says so
             "stamps": {**manifest["stamps"], "mask_checksum": combined_mask_checksum(every, cfg.encoding.to_json())},
             "rows": sum(e["rows"] for e in shards), "shards": shards, "version": change.version,
             "history": [*(base.get("history") or []), history.history_entry(out, base)],

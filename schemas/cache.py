@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from . import format as fmt
+from . import history
 from . import store
 from .encoding import EncodingConfig
 from .findings import CacheError  # noqa: F401  (re-exported)
@@ -27,6 +28,8 @@ class Cache:
     # shard -> the columns open_cache(keep=) read from an object's verified bytes (a cache on a store), which scan
     # takes from here rather than fetching them again
     held: dict = field(default_factory=dict)
+    # which version of the cache `manifest` is (schemas/history.py version_report: version, file, current, line)
+    version: dict = field(default_factory=dict)
 
     @property
     def stamps(self) -> dict:
@@ -109,14 +112,19 @@ class Cache:
         return fmt.read_columns(path, columns).replace_schema_metadata(None)
 
 
-def open_cache(root, *, verify_files: bool = True, keep=None) -> Cache:
+def open_cache(root, *, verify_files: bool = True, keep=None, version: int | None = None) -> Cache:
     """Open a cache and check it against its own manifest (schemas/rules.py, `cache_findings`); raise the first
     finding as a CacheError. verify_files=False skips the shards' sha256 (--fast-verify). `keep(manifest)`: columns
-    the caller will scan; on a store they are read from the bytes that were hashed, so no shard is fetched twice."""
+    the caller will scan; on a store they are read from the bytes that were hashed, so no shard is fetched twice.
+    `version`: an earlier version of an updated cache (--cache-version N: its kept manifest, schemas/history.py),
+    refused naming the versions kept when it is not one of them; default the current one."""
     root = store.location(root)
     if not store.is_remote(root) and not root.is_dir():  # a prefix without a manifest is refused below
         raise fmt.no_manifest(root)
-    manifest = fmt.read_manifest(root)
+    current = manifest = fmt.read_manifest(root)
+    name = history.CURRENT
+    if version is not None:
+        _, name, manifest = history.by_number(root, current, version)
     read: dict[str, pa.Table] = {}
     for finding in cache_findings(root, manifest, hash_files=verify_files, read=read,
                                   keep=keep(manifest) if keep else ()):
@@ -131,7 +139,8 @@ def open_cache(root, *, verify_files: bool = True, keep=None) -> Cache:
                      .append_column("row", pa.array(range(table.num_rows), pa.uint32())))
     schema = pa.schema([("id", pa.string()), ("mask_checksum", pa.string()), ("shard", pa.string()),
                         ("row", pa.uint32())])
-    return Cache(root, manifest, pa.concat_tables(parts) if parts else schema.empty_table(), held)
+    return Cache(root, manifest, pa.concat_tables(parts) if parts else schema.empty_table(), held,
+                 history.version_report(manifest, name, current))
 
 
 def read_cache(root, *, verify_files: bool = True):

@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from . import format as fmt
+from . import history
 from . import store
 from .stamps import cache_id
 
@@ -149,7 +150,13 @@ from it and is not part of the cache's identity).
 | mask checksum | `{stamps["mask_checksum"]}` |
 | cache id | `{meta["cache_id"]}` |
 | data fingerprint | `{source.get("fingerprint")}` |
-| format version | `{meta["format_version"]}` |
+| file format | `{meta["format_version"]}` |
+
+## Version
+
+{history.version_line(manifest, when=False)}. `precompute-ref --update` brings the cache to grown, shrunk or edited data as a new
+version; each earlier version's manifest is kept as `manifest-NNNNN.json`, and `train-dpo --cache-version N` or
+`audit-ref --cache-version N` reads that version.
 
 ## Encoding
 

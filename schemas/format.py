@@ -42,6 +42,11 @@ COMPUTATION_DEFAULTS = {"top_k": 0}  # a computation key a cache may leave out, 
 # itself is compared): kept in the manifest only, never in a shard's footer, and never compared on a rerun, so a split
 # or compiled model makes the same cache
 COMPUTATION_NOTES = ("layout", "token_budget_resolved", "compiled")
+# computation keys that say how rows were batched into forwards: every mode reproduces the model's own forward on a
+# probe of the job's rows before it runs, so the shards an --update adds may record another mode than the cache's
+# (one the new rows can use, e.g. full_forward for rows longer than a sliding window): their manifest entries then
+# carry their own `computation`, which differs from the manifest's in these keys only
+MODE_KEYS = ("mode", "batching")
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,13 @@ def scored_computation(computation):
     if not isinstance(computation, dict):
         return computation
     return {k: v for k, v in computation.items() if k not in COMPUTATION_NOTES}
+
+
+def shard_computation(manifest: dict, entry: dict):
+    """What scored one listed shard: its entry's own `computation` (an --update's shards scored in another mode,
+    MODE_KEYS), else the manifest's."""
+    own = entry.get("computation") if isinstance(entry, dict) else None
+    return own if isinstance(own, dict) else manifest.get("computation")
 
 
 def top_k_of(computation) -> int:

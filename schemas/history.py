@@ -123,3 +123,169 @@ def update_record(manifest: dict) -> dict | None:
     first version."""
     u = manifest.get("update")
     return u if isinstance(u, dict) else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a version by number (--cache-version N), and a version whose manifest is gone
+
+
+def _listed(manifest: dict) -> list[dict]:
+    """The earlier versions the manifest's history lists: {"version", "file", "sha256", "cache_id", "rows"}."""
+    return [e for e in manifest.get("history") or [] if isinstance(e, dict) and isinstance(e.get("version"), int)
+            and isinstance(e.get("file"), str) and VERSION_FILE.match(e["file"])]
+
+
+def _why_gone(root: Path, entry: dict) -> str:
+    path = store.location(root) / entry["file"]
+    if not path.exists():
+        return f"its manifest {entry['file']} is missing from the cache"
+    return f"its manifest {entry['file']} is not the one the history records (sha256 {entry.get('sha256')})"
+
+
+def available(root: Path, manifest: dict) -> str:
+    """The versions kept in the cache, as a refusal names them: "3 (manifest.json), 1 (manifest-00001.json)"."""
+    return ", ".join(f"{v} ({name})" for v, name, _ in versions(root, manifest))
+
+
+def by_number(root: Path, manifest: dict, number: int) -> tuple[int, str, dict]:
+    """(version, file, manifest) of version `number` of the cache whose current manifest is `manifest`; raises
+    CacheError naming the versions kept there when it is not one of them (its manifest missing or altered)."""
+    from .findings import CacheError
+
+    for found in versions(root, manifest):
+        if found[0] == number:
+            return found
+    gone = [e for e in _listed(manifest) if e["version"] == number]
+    why = (f"version {number} of the cache {root} cannot be read: {_why_gone(root, gone[0])}" if gone else
+           f"the cache {root} has no version {number}")
+    raise CacheError("version", f"{why}; the versions kept there: {available(root, manifest)}",
+                     remedy=f"pass one of those to {VERSION_OPTION}, or leave it out for the current version")
+
+
+def gone(root: Path) -> str | None:
+    """The earlier versions the current manifest's history lists whose manifest cannot be read, and why (None:
+    none): the shards only they named read as stray."""
+    manifest = current_manifest(root)
+    if manifest is None:
+        return None
+    readable = {name for _, name, _ in versions(root, manifest)}
+    lost = [f"version {e['version']}: {_why_gone(root, e)}" for e in _listed(manifest) if e["file"] not in readable]
+    return "; ".join(lost) or None
+
+
+def lost_version(root: Path, manifest: dict, records: list[dict]) -> str | None:
+    """Why a run's cache records (schemas.run_manifest.cache_record's) name a version of this cache that cannot be
+    read: its history lists a version with their cache_id whose manifest file is missing or altered. None when no
+    listed version is theirs."""
+    ids = {r.get("cache_id") for r in records if isinstance(r, dict) and r.get("cache_id")}
+    for entry in _listed(manifest):
+        if entry.get("cache_id") in ids:
+            return (f"the run was trained on version {entry['version']} of this cache, and {_why_gone(root, entry)} "
+                    f"(the versions kept: {available(root, manifest)}); put {entry['file']} back from a copy of the "
+                    "cache to audit the run against it")
+    return None
+
+
+VERSION_OPTION = "--cache-version"  # train-dpo's and audit-ref's option naming a version (dpo/recipe.py, audit/cli.py)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what happened between two versions, for a resume and for rows a version removed
+
+
+def _updates(root: Path, manifest: dict) -> dict[int, dict | None]:
+    """version -> the `update` record of that version (None: a first version, or a version whose file is gone)."""
+    out = {v: update_record(m) for v, _, m in versions(root, manifest)}
+    for entry in _listed(manifest):
+        out.setdefault(entry["version"], None)
+    return out
+
+
+def changed_between(root: Path, manifest: dict, a: int, b: int) -> set[str] | None:
+    """Every row id an update between versions a and b (either order) added, removed or replaced; None when the
+    record of one of those updates cannot be read (its version's manifest gone)."""
+    updates, ids = _updates(root, manifest), set()
+    for v in range(min(a, b) + 1, max(a, b) + 1):
+        u = updates.get(v)
+        if u is None:
+            return None
+        ids |= {i for k in ("added", "removed", "replaced") for i in u.get(k) or []}
+    return ids
+
+
+def removed_by(root: Path, manifest: dict, ids) -> tuple[list[int], int | None]:
+    """For rows the version `manifest` lacks: the versions whose updates removed them, and the newest earlier
+    version kept in the cache that holds them all (by the update records; None if there is none)."""
+    updates, missing = _updates(root, manifest), set(ids)
+    removing = sorted({v for v, u in updates.items() if u and missing & set(u.get("removed") or [])})
+    if not removing:
+        return [], None
+    kept = {v for v, _, _ in versions(root, manifest)}
+    for h in sorted(kept, reverse=True):
+        if h >= version_of(manifest):
+            continue
+        # in h: removed by an update after h, and not added after h before that (changed_between's records)
+        after = [updates.get(v) for v in range(h + 1, version_of(manifest) + 1)]
+        if None in after:
+            break
+        removed = {i for u in after for i in u.get("removed") or []}
+        added_later = {i for u in after for i in u.get("added") or []}
+        if missing <= removed and not (missing & added_later):
+            return removing, h
+    return removing, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the one version line of every report
+
+
+def version_report(manifest: dict, file: str = CURRENT, current: dict | None = None) -> dict:
+    """A version of a cache as every report records it: {"version", "file", "current" (the cache's current version),
+    "line" (version_line), "history": [{"version", "rows", "created_at"?, "added", "removed", "replaced"}...]} from
+    the current manifest (`current`, default `manifest`) alone."""
+    current = manifest if current is None else current
+    steps = [{"version": e["version"], "rows": e.get("rows")} for e in _listed(current)]
+    u = update_record(current) or {}
+    steps.append({"version": version_of(current), "rows": current.get("rows"), "created_at": current.get("created_at"),
+                  **{k: len(u.get(k) or []) for k in ("added", "removed", "replaced") if u}})
+    return {"version": version_of(manifest), "file": file, "current": version_of(current),
+            "line": version_line(manifest, file, current), "history": steps}
+
+
+def version_line(manifest: dict, file: str = CURRENT, current: dict | None = None, *, when: bool = True) -> str:
+    """"cache version N ..." for every report (train-dpo's verified line, its model card and run manifest, audit-ref,
+    the dataset card): which version, and how the cache came to it (when, rows added/removed/replaced). when=False:
+    without the time (the dataset card, a function of the cache's content)."""
+    current = manifest if current is None else current
+    if not when:
+        manifest = {k: v for k, v in manifest.items() if k != "created_at"}
+    v, now = version_of(manifest), version_of(current)
+    where = f"version {v} of {now}, kept as {file}" if file != CURRENT else f"version {v}"
+    u = update_record(manifest)
+    if u is None:
+        made = "the cache as first made" + (f" {manifest['created_at']}" if manifest.get("created_at") else "")
+        made += "; never updated" if now == 1 else ""
+    else:
+        made = (f"made by precompute-ref --update {manifest.get('created_at') or ''} from version "
+                f"{u.get('from_version')}: {len(u.get('added') or [])} rows added, {len(u.get('removed') or [])} "
+                f"removed, {len(u.get('replaced') or [])} replaced").replace("  ", " ")
+    kept = [f"{e['version']} as {e['file']} ({e.get('rows')} rows)" for e in _listed(current)]
+    later = f"; earlier versions kept: {', '.join(kept)}" if kept and file == CURRENT else ""
+    return f"cache {where} ({made}; {manifest.get('rows')} rows{later})"
+
+
+def current_manifest(root) -> dict | None:
+    """manifest.json of the cache in `root` as JSON (None: none there, or not a manifest)."""
+    path = store.location(root) / CURRENT
+    return _json(path) if path.is_file() else None
+
+
+def version_number(root: Path, manifest: dict, record: dict) -> int | None:
+    """The version of the cache (current manifest `manifest`) a run's cache record names by its cache_id, whether
+    its manifest is kept or not (the history lists the cache_id of each earlier version); None: none of them."""
+    wanted = record.get("cache_id") if isinstance(record, dict) else None
+    if not wanted:
+        return None
+    if cache_id(manifest) == wanted:
+        return version_of(manifest)
+    return next((e["version"] for e in _listed(manifest) if e.get("cache_id") == wanted), None)

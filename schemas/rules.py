@@ -51,6 +51,15 @@ def manifest_findings(manifest: dict) -> list[Finding]:
     if len(set(names)) != len(names):
         twice = next(n for n, c in Counter(names).items() if c > 1)
         out.append(Finding("manifest", "manifest", f"the manifest lists shard {twice} twice", shard=twice))
+    computation = manifest.get("computation") if isinstance(manifest.get("computation"), dict) else {}
+    batching_aside = lambda c: {k: v for k, v in fmt.scored_computation(c).items() if k not in fmt.MODE_KEYS}
+    for e in manifest["shards"]:  # a shard's own computation (an --update's mode) differs in the mode keys only
+        own = e.get("computation", computation)
+        if not isinstance(own, dict) or batching_aside(own) != batching_aside(computation):
+            out.append(Finding("manifest", "manifest", f"the manifest's entry of shard {e['file']} records a "
+                               "computation that differs from the cache's in more than the batching mode",
+                               expected=computation, found=own, shard=e["file"]))
+            break
     listed = sum(e["rows"] for e in manifest["shards"])
     if "rows" in manifest and manifest["rows"] != listed:
         out.append(Finding("manifest", "manifest", "the manifest's rows differ from the sum of its shards' rows",
@@ -87,6 +96,8 @@ def expected_footer(stamps: dict, encoding: EncodingConfig, entry: dict, computa
     """The footer metadata a shard must carry: the cache's stamps, its own checksums, the encoding and the
     computation that scored it (the manifest's; a manifest without one matches no shard). Resume compares the
     computation key by key instead (with_computation=False)."""
+    if isinstance(entry.get("computation"), dict):  # a shard an --update scored in another mode (fmt.MODE_KEYS)
+        computation = entry["computation"]
     want = {"format_version": str(fmt.FORMAT_VERSION), "model_hash": stamps["model_hash"],
             "tokenizer_hash": stamps["tokenizer_hash"], "mask_checksum": entry["mask_checksum"],
             "ids_checksum": entry["ids_checksum"], "encoding": encoding.to_json()}
@@ -137,9 +148,12 @@ def unlisted_findings(root: Path, listed) -> list[Finding]:
     unlisted = sorted(p.name for p in root.glob("*.parquet") if p.name not in listed)
     if not unlisted:
         return []
+    lost = history.gone(root)  # the shards of a version whose manifest is gone are its, not strays
     return [Finding("shard_files", "shard_unlisted", f"{root} holds shard files the manifest does not list: "
-                    + ", ".join(unlisted[:5]), shard=unlisted[0], count=len(unlisted),
-                    remedy="remove the stray files, or " + RERUN)]
+                    + ", ".join(unlisted[:5]) + (f" (the history lists a version it cannot read: {lost})"
+                                                 if lost else ""), shard=unlisted[0], count=len(unlisted),
+                    remedy="put the version's manifest back from a copy of the cache" if lost else
+                    "remove the stray files, or " + RERUN)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

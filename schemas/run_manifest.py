@@ -35,9 +35,12 @@ def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         manifest = None
+    from .history import version_of  # (polars: only where a run names a cache)
+
     model = manifest.get("model") if isinstance(manifest, dict) else None  # the reference, as the cache names it
     return {"path": str(cache_dir), "cache_id": cache_id(manifest) if isinstance(manifest, dict) else None,
-            "manifest_sha256": sha256(path), "stamps": dict(stamps), "model": model if isinstance(model, dict) else None}
+            "manifest_sha256": sha256(path), "stamps": dict(stamps), "model": model if isinstance(model, dict) else None,
+            "version": version_of(manifest) if isinstance(manifest, dict) else None}
 
 
 def reference_record(*, train_cache: dict | None, eval_cache: dict | None, live_model: str | None,

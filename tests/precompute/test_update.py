@@ -191,7 +191,9 @@ def test_another_model_encoding_or_computation_is_refused_naming_it(llama_dir, l
     result = update(model, grown, base, *extra)
     assert result.exit_code != 0
     named = {"model": "model_hash mismatch", "max_length": "encoding config mismatch", "dtype": "dtype="}[change]
-    assert named in result.output and "another --out" in result.output, result.output
+    # a setting given that differs: the option and the cache's value to pass (the update takes it when left out)
+    remedy = {"model": "another --out", "max_length": "pass --max-length 1024", "dtype": "pass --dtype float32"}[change]
+    assert named in result.output and remedy in result.output, result.output
     assert dir_state(base) == state
 
 
@@ -266,7 +268,7 @@ def test_audit_of_a_run_on_the_earlier_version_passes_against_that_version(llama
     assert update(llama_dir, grown, base).exit_code == 0
     code, report, output = audit_ref(base, "--run", run)
     assert code == 0, output
-    assert report["version"] == {"version": 1, "file": "manifest-00001.json", "current": 2}
+    assert report["version"] | {"version": 1, "file": "manifest-00001.json", "current": 2} == report["version"]
     assert "version 1 of the cache (manifest-00001.json)" in check_of(report, "run_cache")["detail"]
     assert report["stats"]["rows"] == ROWS  # the version's own rows
     assert "audited as version 1" in output
@@ -323,7 +325,8 @@ def test_two_updates_keep_both_earlier_versions_and_overwrite_clears_them(llama_
     for old in ("manifest-00001.json", "manifest-00002.json"):  # every file a version names is still there
         assert all((base / s["file"]).is_file() for s in json.loads((base / old).read_text())["shards"])
     code, report, output = audit_ref(base, "--run", run)
-    assert code == 0 and report["version"] == {"version": 1, "file": "manifest-00001.json", "current": 3}, output
+    assert code == 0, output
+    assert report["version"] | {"version": 1, "file": "manifest-00001.json", "current": 3} == report["version"]
     # a version file whose bytes are not the recorded ones is not taken for that version
     (base / "manifest-00001.json").write_text((base / "manifest-00001.json").read_text().replace('"rows"', '"rows" '))
     code, report, _ = audit_ref(base, "--run", run)

@@ -1,0 +1,55 @@
+"""The remedies that bring a cache to its data or pick one of its versions, in one vocabulary: precompute-ref
+--update (rows the cache lacks), --update --replace-changed (rows edited under an id the cache holds), --cache-version
+N (rows a later version removed, or a resume whose rows a later version changed), and an update's own settings. Every
+refusal that is answered by one of these takes its words from here (precompute/update.py, dpo/verify.py,
+dpo/provenance.py), so none still says "re-run precompute-ref into a fresh --out" where an update or a version does
+it."""
+
+from __future__ import annotations
+
+from schemas.history import VERSION_OPTION  # train-dpo's and audit-ref's option naming a version
+
+KEEPS_VERSIONS = "earlier runs keep their version: audit-ref --run finds it"
+
+
+def update_command(cache, data, model, *, replace_changed: bool = False, split: str | None = None) -> str:
+    """The precompute-ref --update command that brings `cache` to `data` (the cache's settings are its own)."""
+    extra = f" --split {split}" if split and split != "train" else ""
+    return (f"precompute-ref --model {model} --data {data}{extra} --out {cache} --update"
+            + (" --replace-changed" if replace_changed else ""))
+
+
+def rows_missing(cache, data, model, split: str | None = None) -> str:
+    """Data rows the cache does not hold."""
+    return (f"bring the cache to this data with `{update_command(cache, data, model, split=split)}` (it scores only "
+            f"the rows the cache lacks; {KEEPS_VERSIONS}), or train on rows the cache holds")
+
+
+def rows_changed(cache, data, model, split: str | None = None) -> str:
+    """Data rows whose content changed under an id the cache holds."""
+    command = update_command(cache, data, model, replace_changed=True, split=split)
+    return (f"bring the cache to the edited rows with `{command}` (it scores them again and replaces them; "
+            f"{KEEPS_VERSIONS}), or train on the data the cache was made from")
+
+
+def rows_removed(versions: list[int], holding: int | None) -> str:
+    """Data rows that an update of the cache removed (`versions`: the versions that removed them; `holding`: the
+    newest version kept that holds them all)."""
+    which = ", ".join(map(str, versions))
+    if holding is None:
+        return (f"version{'s' if len(versions) > 1 else ''} {which} of the cache removed them (precompute-ref "
+                "--update), and no version kept holds them all: train on the rows the cache holds")
+    return (f"version{'s' if len(versions) > 1 else ''} {which} of the cache removed them (precompute-ref --update): "
+            f"pass {VERSION_OPTION} {holding} to train on version {holding}, which holds them")
+
+
+def setting(options: list[str]) -> str:
+    """An update given a setting the cache was made without."""
+    return (f"pass {' '.join(options)} (the cache's own), or leave the option out: --update takes every setting from "
+            "the cache and scores new rows exactly as the cache's were")
+
+
+def resume_moved(old: int, new: int) -> str:
+    """A resume whose rows a later (or earlier) version of the cache changed."""
+    return (f"pass {VERSION_OPTION} {old} to keep training on version {old}, the one this checkpoint was trained on, "
+            "or start a new run (a fresh --output-dir)")
