@@ -34,7 +34,9 @@ log-sum-exps over the tokens outside S_t, never log(1 - sum)), and
 in either direction. Coarsening is a deterministic map of the outcomes, so by the data-processing inequality for
 relative entropy (e.g. Cover & Thomas, Elements of Information Theory) KL_t never exceeds the full-vocabulary KL at that
 position, and equals it when the tail is empty (K = vocabulary); q_t(S_t), the reference's top-k mass, says how
-tight it is. Metrics (per completion, means over its tokens): kl/policy_ref/* = KL_t(p||q), kl/ref_policy/* =
+tight it is. The inequality is about distributions: both coarsened ones sum to 1 (the cached one as read,
+schemas/format.py normalised_top_k; both again in float64 in coarse_kl), without which a KL is off by the missing
+mass, first order. Metrics (per completion, means over its tokens): kl/policy_ref/* = KL_t(p||q), kl/ref_policy/* =
 KL_t(q||p), ref_top_k_mass/* = q_t(S_t). They are not sampled estimators (k1, k3): exact sums over the outcomes.
 
   tdpo1  -log sig(b ((s+ - s-) + (K+ - K-)))                  TDPO1, Zeng et al. 2024 (ICML; arXiv 2404.11999)
@@ -72,12 +74,16 @@ class TopK:
 def coarse_kl(a_top, a_rest, b_top, b_rest) -> torch.Tensor:
     """Per position KL(a||b) between two distributions coarsened to K outcomes plus one for the rest (log-probs;
     [N, K] and [N]): sum over outcomes of a (log a - log b), an outcome a gives no mass contributing 0 (and no NaN
-    gradient)."""
-    la = torch.cat([a_top, a_rest[:, None]], 1)
-    lb = torch.cat([b_top, b_rest[:, None]], 1).to(la)
+    gradient). In float64, each side first less its own log-sum-exp: the outcomes of a true distribution sum to 1, so
+    this changes neither value nor gradient beyond rounding, but a float32 log-softmax's normaliser is rounded (about
+    1e-7 of mass), and a KL between distributions whose masses differ by m is off by about m, first order, where at
+    a small KL it would otherwise be second order. Returned in a's dtype."""
+    la = torch.cat([a_top, a_rest[:, None]], 1).double()
+    lb = torch.cat([b_top, b_rest[:, None]], 1).double().to(la.device)
+    la, lb = la - la.logsumexp(-1, keepdim=True), lb - lb.logsumexp(-1, keepdim=True)
     absent = torch.isneginf(la)
     la, lb = torch.where(absent, 0.0, la), torch.where(absent, 0.0, lb)
-    return torch.where(absent, 0.0, la.exp() * (la - lb)).sum(-1)
+    return torch.where(absent, 0.0, la.exp() * (la - lb)).sum(-1).to(a_top.dtype)
 
 
 def pair_loss(s_pos, s_neg, len_pos, len_neg, cfg: LossConfig, kl_pos=None, kl_neg=None) -> torch.Tensor:
