@@ -48,6 +48,10 @@ rewards logged for TDPO are b (s+ + K+) and b (s- + K-), as in the authors' code
 (Vance0124/Token-level-Direct-Preference-Optimization). At step 0 (pi = ref) every K is 0 and both losses are ln 2.
 kl_coef C adds C x the mean over the chosen completion's tokens of KL_t(p||q) to any loss ("DPO + KL penalty", e.g.
 Levanter's DPO documentation). tdpo1/tdpo2 and kl_coef > 0 need a top-k cache.
+
+The loss's parts are logged apart, per pair: loss/preference (the table's loss, TDPO's included), loss/kl_penalty
+(kl_coef x KL), loss/sft (rpo_alpha x NLL), and for TDPO tdpo/kl_term, the KL term inside its sigmoid (b (K+ - K-),
+TDPO2 b alpha (K+ - K-)).
 """
 
 from __future__ import annotations
@@ -159,11 +163,18 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | No
         seq_kl = sums(kl["ref_policy"])  # TDPO's sequential KL(ref || pi) of each completion
     tdpo = cfg.loss_type in TOP_K_LOSSES
     losses = pair_loss(s[:n], s[n:], lens[:n], lens[n:], cfg, *((seq_kl[:n], seq_kl[n:]) if tdpo else ()))
+    parts = {"loss/preference": losses.detach()}  # the loss's parts apart, per pair
     if cfg.kl_coef:
-        losses = losses + cfg.kl_coef * sums(kl["policy_ref"])[:n] / lens[:n]
+        penalty = cfg.kl_coef * sums(kl["policy_ref"])[:n] / lens[:n]
+        losses = losses + penalty
+        parts["loss/kl_penalty"] = penalty.detach()
     if cfg.rpo_alpha:
         nll_chosen = -sums(policy_logps)[:n] / lens[:n]
         losses = losses + cfg.rpo_alpha * nll_chosen
+        parts["loss/sft"] = cfg.rpo_alpha * nll_chosen.detach()
+    if tdpo:  # TDPO's KL term inside the sigmoid, b (K+ - K-) (TDPO2: b alpha (K+ - K-)), beside b d
+        weight = cfg.beta * (cfg.tdpo_alpha if cfg.loss_type == "tdpo2" else 1.0)
+        parts["tdpo/kl_term"] = weight * (seq_kl[:n] - seq_kl[n:]).detach()
     with torch.no_grad():
         ratio = (policy_logps - ref_logps.to(policy_logps)).detach()  # per token, log(pi / ref)
         tok = lambda v: sums(v)[: 2 * n] / lens  # per-sequence token means
@@ -180,6 +191,7 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | No
             "logratio/rejected": tok(ratio)[n:],
             "lengths/chosen": lengths[:n].to(policy.dtype),
             "lengths/rejected": lengths[n:].to(policy.dtype),
+            **{k: v.to(policy.dtype) for k, v in parts.items()},
         }
         if top_k is not None:
             for direction, values in kl.items():

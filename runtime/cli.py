@@ -52,7 +52,7 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
         if isinstance(e, click.UsageError):
             raise
         click.echo(f"error: {e}" + (f"\n  then: {carry_on()}" if isinstance(e, NoSpaceError) else ""), err=True)
-        sys.exit(EXIT_REFUSED)
+        sys.exit(getattr(e, "exit_code", EXIT_REFUSED))  # a refusal; dpo.kl_governor.KLAlarmStop has its own
     except KeyboardInterrupt:
         click.echo(f"interrupted; {carry_on()}", err=True)
         sys.exit(130)
