@@ -16,7 +16,7 @@ from schemas.stamps import (WeightsError, adapter_config_fingerprint, adapter_fi
                             model_hash)
 
 from .cache import CacheScan
-from .checks import FAIL, PASS, Check
+from .checks import FAIL, PASS, SKIP, Check
 from .checks import short as _short
 
 
@@ -168,7 +168,8 @@ def audit_kl_control(run_dir: str, run: dict) -> list[Check]:
 
     section = run.get("kl_control")
     if not section:
-        return []
+        return [Check("run_kl_control", SKIP, "β was fixed for the run (no --beta-schedule, --kl-target or "
+                      "--kl-alarm): no trajectory to recompute")]
     path = Path(run_dir) / "metrics.jsonl"
     try:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -269,12 +269,31 @@ def train(trainer, governor: KLGovernor | None, resume: str | None, metrics_file
     """trainer.train (resuming the governor's state too), then any rollback the governor asked for (resume from
     the checkpoint it chose), or its stop (KLAlarmStop: exit code 3, naming the step, the KL, the level and the
     command that resumes). `resume`: the checkpoint folder (--resume-from-checkpoint, resolved)."""
-    if governor is not None and resume:
-        governor.restore(Path(resume))
+    if resume:
+        if governor is not None:
+            governor.restore(Path(resume))
+        load_beta_dpo(trainer, Path(resume))
     result = trainer.train(resume_from_checkpoint=resume)
     while governor is not None and governor.pending is not None:
         if governor.pending["action"] == "stop":
             raise KLAlarmStop(governor.stop_message())
         folder = governor.roll_back(metrics_file)
+        load_beta_dpo(trainer, folder)
         result = trainer.train(resume_from_checkpoint=str(folder))
     return result
+
+
+BETA_DPO_FILE = "beta-dpo.json"
+
+
+def save_beta_dpo(trainer, folder: Path) -> None:
+    """β-DPO's moving state (dpo/losses.py BetaDPO) into a checkpoint, so a resume continues it exactly."""
+    if getattr(trainer, "beta_dpo", None) is not None and Path(folder).name.startswith("checkpoint-"):
+        data = json.dumps(trainer.beta_dpo.state_dict()).encode()
+        atomic_write(Path(folder) / BETA_DPO_FILE, lambda f: f.write(data))
+
+
+def load_beta_dpo(trainer, folder: Path) -> None:
+    path = Path(folder) / BETA_DPO_FILE
+    if getattr(trainer, "beta_dpo", None) is not None and path.is_file():
+        trainer.beta_dpo.load_state_dict(json.loads(path.read_text()))

@@ -56,6 +56,7 @@ TDPO2 b alpha (K+ - K-)).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,7 @@ def pair_loss(s_pos, s_neg, len_pos, len_neg, cfg: LossConfig, kl_pos=None, kl_n
     d = s_pos - s_neg
     logsig = F.logsigmoid
     t = cfg.loss_type
-    if t == "sigmoid":
+    if t in ("sigmoid", "beta_dpo"):  # beta_dpo: the batch's β comes in cfg.beta (BetaDPO.batch)
         return -(1 - e) * logsig(b * d) - e * logsig(-b * d)
     if t == "ipo":
         return (s_pos / len_pos - s_neg / len_neg - 1 / (2 * b)) ** 2
@@ -124,6 +125,56 @@ def pair_loss(s_pos, s_neg, len_pos, len_neg, cfg: LossConfig, kl_pos=None, kl_n
     raise ValueError(t)
 
 
+class BetaDPO:
+    """β-DPO's batch-level dynamic β and β-guided data filtering (Wu et al. 2024, "β-DPO: Direct Preference
+    Optimization with Dynamic β", NeurIPS; arXiv 2407.08639; authors' code junkangwu/beta-DPO). Per pair the
+    individual reward discrepancy M_i = d_i = s+ - s- (the log-ratio gap, as the authors' code takes it); per
+    training batch, in this order:
+
+      M_0 <- m M_0 + (1 - m) mean_i(M_i),   sigma <- m sigma + (1 - m) std_i(M_i)       (moving averages, from 0)
+      w_i = exp(-(M_i - M_0)^2 / (2 sigma^2))                 (the Gaussian density around M_0, unnormalised)
+      S = floor(n (1 - rho)) pairs drawn without replacement with probability proportional to w_i
+      beta = max(beta_0 (1 + alpha (mean_{i in S}(M_i) - M_0)), 0.001)
+      loss = mean over i in S of -log sig(beta d_i)          (beta a constant of the gradient, as in their code)
+
+    alpha = --beta-dpo-alpha (0.6), rho = --beta-dpo-rho (0.2), m = --beta-dpo-momentum (0.9); std is the sample
+    standard deviation (n - 1). The draw uses its own generator (seeded with the run's seed), so a run repeats. Eval
+    batches use beta_0 and every pair, and move nothing. State (M_0, sigma, the generator) goes in each
+    checkpoint."""
+
+    def __init__(self, cfg: LossConfig, seed: int = 0):
+        self.cfg = cfg
+        self.mean = 0.0
+        self.std = 0.0
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def batch(self, gaps: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """(this batch's β, the mask of the pairs kept) for the batch's M_i; updates the moving averages."""
+        m = self.cfg.beta_dpo_momentum
+        g = gaps.detach().double().cpu()
+        self.mean = m * self.mean + (1 - m) * float(g.mean())
+        self.std = m * self.std + (1 - m) * (float(g.std()) if len(g) > 1 else 0.0)
+        if self.std > 0:
+            weights = torch.exp(-0.5 * ((g - self.mean) / self.std) ** 2)
+        else:
+            weights = torch.ones_like(g)
+        if not float(weights.sum()) > 0:  # every pair far out: none more typical than another
+            weights = torch.ones_like(g)
+        keep = max(1, int(len(g) * (1 - self.cfg.beta_dpo_rho)))
+        chosen = torch.multinomial(weights, keep, replacement=False, generator=self.generator)
+        mask = torch.zeros(len(g), dtype=torch.bool)
+        mask[chosen] = True
+        beta = max(self.cfg.beta * (1 + self.cfg.beta_dpo_alpha * (float(g[mask].mean()) - self.mean)), 1e-3)
+        return beta, mask.to(gaps.device)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "std": self.std, "generator": self.generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.std = state["mean"], state["std"]
+        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
+
 def token_weights(lengths: torch.Tensor, n_pairs: int, ld_alpha: float, dtype=torch.float32) -> torch.Tensor:
     """Flat per-token weights: 1 up to the shorter completion of each pair, ld_alpha after it (LD-DPO)."""
     pos_in_seq = torch.arange(int(lengths.sum()), device=lengths.device) - torch.repeat_interleave(
@@ -135,7 +186,8 @@ def token_weights(lengths: torch.Tensor, n_pairs: int, ld_alpha: float, dtype=to
     return torch.where(pos_in_seq < limit, one.to(lengths.device), alpha.to(lengths.device))
 
 
-def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | None = None):
+def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | None = None,
+             beta_dpo: BetaDPO | None = None):
     """Loss and metrics for a batch laid out as [chosen_0..chosen_{B-1}, rejected_0..rejected_{B-1}].
 
     policy_logps and ref_logps are flat per-token values (see runtime.logprobs.completion_logps); lengths holds
@@ -162,6 +214,10 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | No
               "ref_policy": coarse_kl(top_k.ref, top_k.ref_rest, top_k.policy, top_k.policy_rest)}
         seq_kl = sums(kl["ref_policy"])  # TDPO's sequential KL(ref || pi) of each completion
     tdpo = cfg.loss_type in TOP_K_LOSSES
+    kept = None
+    if beta_dpo is not None and cfg.loss_type == "beta_dpo":  # a training batch: its own β and pairs (BetaDPO)
+        batch_beta, kept = beta_dpo.batch(s[:n] - s[n:])
+        cfg = dataclasses.replace(cfg, beta=batch_beta)
     losses = pair_loss(s[:n], s[n:], lens[:n], lens[n:], cfg, *((seq_kl[:n], seq_kl[n:]) if tdpo else ()))
     parts = {"loss/preference": losses.detach()}  # the loss's parts apart, per pair
     if cfg.kl_coef:
@@ -198,4 +254,9 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | No
                 metrics[f"kl/{direction}/chosen"], metrics[f"kl/{direction}/rejected"] = tok(values.detach()).split(n)
             mass = tok(top_k.ref.to(policy.dtype).logsumexp(-1).exp())
             metrics["ref_top_k_mass/chosen"], metrics["ref_top_k_mass/rejected"] = mass.split(n)
+        if kept is not None:
+            metrics["beta_dpo/beta"] = torch.full_like(rewards[:n], cfg.beta)
+            metrics["beta_dpo/kept"] = kept.to(policy.dtype)
+    if kept is not None:
+        return (losses * kept).sum() / kept.sum(), metrics
     return losses.mean(), metrics

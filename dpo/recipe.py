@@ -101,6 +101,12 @@ class TrainConfig:
     rpo_alpha: float = _f(0.0, "Weight of the SFT (NLL) term on chosen completions (RPO); 0 disables it.", "Loss")
     ld_alpha: float = _f(1.0, "LD-DPO: weight of tokens past the shorter completion's length; 1 disables it.", "Loss")
     tdpo_alpha: float = _f(0.5, "TDPO2: weight of the sequential-KL term (tdpo2 only).", "Loss")
+    beta_dpo_alpha: float = _f(0.6, "β-DPO (--loss-type beta_dpo): α, how far the batch's reward discrepancy "
+                                     "moves β.", "Loss", domain="finite")
+    beta_dpo_rho: float = _f(0.2, "β-DPO: ρ, the share of each batch its β-guided filtering leaves out.", "Loss",
+                             domain="probability")
+    beta_dpo_momentum: float = _f(0.9, "β-DPO: m, momentum of the discrepancy's moving mean and deviation.", "Loss",
+                                  domain="probability")
     kl_coef: float = _f(0.0, "Add C x the mean per-token KL(policy||reference) bound of the chosen completions to the "
                              "loss; needs a top-k cache (precompute-ref --top-k K). 0 disables it.", "Loss")
     # β over the run: schedules, KL controllers and alarms (dpo/kl_governor.py, runtime/kl_control.py; README
@@ -439,6 +445,7 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
     from .layout import PrefixSharedCollator
     from .provenance import record_in
     from .resume import start_run
+    from .kl_governor import save_beta_dpo
     from .trainer import DPOTrainer, MetricsFile, PairCollator
 
     pad = run.policy.pad_id
@@ -462,8 +469,13 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
         callbacks=[c for c in (governor, metrics) if c is not None],
         loss_config=cfg.loss_config(),
         ref_model=ref_model,
-        save_with=lambda folder: (record_in(folder, record), governor and governor.save(folder)),
+        save_with=lambda folder: (record_in(folder, record), governor and governor.save(folder),
+                                  save_beta_dpo(trainer, folder)),
     )
+    if cfg.loss_type == "beta_dpo":
+        from .losses import BetaDPO
+
+        trainer.beta_dpo = BetaDPO(cfg.loss_config(), cfg.seed)
     if governor is not None:
         governor.attach(trainer)
     return trainer, layout

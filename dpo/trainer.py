@@ -65,6 +65,7 @@ class DPOTrainer(Trainer):
         # with the split at each log for more keys of the record
         self.batch_observers: list = []
         self.log_extras: list = []
+        self.beta_dpo = None  # --loss-type beta_dpo: its moving state (dpo/losses.py BetaDPO), training batches only
 
     def save_model(self, output_dir=None, _internal_call=False):
         folder = Path(output_dir or self.args.output_dir)
@@ -100,7 +101,8 @@ class DPOTrainer(Trainer):
                 ref = pair_logps(self.ref_model, inputs).to(policy.device)  # split: its head may be elsewhere
         else:
             ref = inputs["ref_logps"]
-        loss, metrics = dpo_loss(policy, ref, lengths, self.loss_config, top_k)
+        loss, metrics = dpo_loss(policy, ref, lengths, self.loss_config, top_k,
+                                 beta_dpo=self.beta_dpo if model.training else None)
         split = "train" if model.training else "eval"
         metrics["loss"] = loss.detach().expand(len(lengths) // 2)
         # One gather of a [pairs, metrics] table per step: the means are over all pairs of all processes.

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from conftest import DATA, precompute_in_process, records
+from conftest import DATA, audit_ref, precompute_in_process, records
 from dpo.kl_governor import EXIT_KL_ALARM, KLAlarmStop, check_kl_options
 from dpo.recipe import TrainConfig, run_train
 from runtime.errors import JobError
@@ -87,6 +87,16 @@ def test_a_band_below_the_kl_raises_beta_by_the_factor_to_its_clamp_and_a_resume
     at = next(i for i, r in enumerate(edited) if r.get("step") == 4 and "loss" in r)
     edited[at]["beta"] = 0.1  # one step's β edited
     assert replay(settings, edited) == [f"step 4: beta logged as 0.1, the rule gives {0.1 * 1.2!r}"]
+    # audit-ref --run: PASS as written, FAIL once that one β is edited in the file
+    code, report, output = audit_ref(setup[1], "--run", out, json_path=tmp_path / "audit.json")
+    checked = {c["name"]: c for c in report["checks"]}["run_kl_control"]
+    assert code == 0 and checked["status"] == "PASS", output
+    assert "band controller" in checked["detail"] and "no KL alarm" in checked["detail"]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edited))
+    code, report, output = audit_ref(setup[1], "--run", out, json_path=tmp_path / "audit.json")
+    checked = {c["name"]: c for c in report["checks"]}["run_kl_control"]
+    assert code == 1 and checked["status"] == "FAIL" and "step 4: beta logged as 0.1" in checked["detail"], output
+    (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
     # killed after checkpoint-2 and resumed: the same β trajectory exactly, the same losses within 1e-6
     again = tmp_path / "again"
