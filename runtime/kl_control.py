@@ -7,7 +7,7 @@ Steps are optimizer steps, counted from 0 (step s weighs the loss of the Trainer
 Schedules (`--beta-schedule`, from --beta = b0 to --beta-end = b1), with W warm-up steps (the Trainer's, resolved)
 and T steps in all: b(s) = b0 for s < W; then, with t = min(1, (s - W) / (T - 1 - W)) (1 when T - 1 <= W),
   constant     b0
-  linear       b0 + (b1 - b0) t
+  linear       b0 (1 - t) + b1 t
   cosine       b1 + (b0 - b1) (1 + cos(pi t)) / 2
   exponential  b0 (b1 / b0)^t
 so the first step after warm-up uses b0 and the last b1.
@@ -47,7 +47,7 @@ def scheduled(schedule: str, start: float, end: float | None, step: int, total: 
     span = total - 1 - warmup
     t = 1.0 if span <= 0 else min(1.0, (step - warmup) / span)
     if schedule == "linear":
-        return start + (end - start) * t
+        return start * (1.0 - t) + end * t  # (not start + (end - start) t: the last step is `end` exactly)
     if schedule == "cosine":
         return end + (start - end) * (1.0 + math.cos(math.pi * t)) / 2.0
     if schedule == "exponential":

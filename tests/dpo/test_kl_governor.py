@@ -166,3 +166,20 @@ def test_the_plot_shows_beta_and_the_watched_kl_with_its_band_shaded_and_alarms_
     assert len(alarms) == 1 and list(alarms[0].get_xdata()) == [3, 3]
     beta = next(a for a in fig.axes if a.get_title().startswith("β"))
     assert [line.get_gid() for line in beta.lines] == ["beta"]
+
+
+def test_a_linear_schedule_after_the_warm_up_is_logged_and_replayed(llama_dir, dpo_data, dpo_cache, tmp_path):
+    """4 steps, 1 of warm-up (the Trainer's --warmup-steps): β 0.1, 0.1, then half way, then --beta-end; no top-k
+    cache needed for a schedule."""
+    out = tmp_path / "run"
+    run_train(TrainConfig(model=str(llama_dir), data=str(dpo_data), ref_cache=str(dpo_cache), output_dir=str(out),
+                          use_cpu=True, per_device_train_batch_size=4, max_steps=4, logging_steps=1, warmup_steps=1,
+                          save_strategy="no", plot=False, beta_schedule="linear", beta=0.1, beta_end=0.001),
+              log=lambda m: None)
+    assert betas(out) == {1: 0.1, 2: 0.1, 3: 0.1 * 0.5 + 0.001 * 0.5, 4: 0.001}
+    manifest = json.loads((out / "run-manifest.json").read_text())
+    settings = Settings.from_json(manifest["kl_control"]["settings"])
+    assert (settings.total, settings.warmup, manifest["kl_control"]["final"]) == (4, 1, 0.001)
+    assert replay(settings, records(out)) == []
+    card = (out / "README.md").read_text()
+    assert "linear schedule of beta" in card and "final beta" in card
