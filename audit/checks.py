@@ -15,7 +15,7 @@ SECTIONS = {
               "top_k_mass", "top_k_dataset", "skipped_counts", "card"),
     "model": ("model_hash", "tokenizer_hash", "replay", "replay_top_k"),
     "data": ("data_rows",),
-    "run": ("run_cache", "run_final_hash"),
+    "run": ("run_cache", "run_final_hash", "run_kl_control"),
 }
 
 

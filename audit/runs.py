@@ -16,7 +16,7 @@ from schemas.stamps import (WeightsError, adapter_config_fingerprint, adapter_fi
                             model_hash)
 
 from .cache import CacheScan
-from .checks import FAIL, PASS, Check
+from .checks import FAIL, PASS, SKIP, Check
 from .checks import short as _short
 
 
@@ -105,6 +105,7 @@ def audit_run(root: Path, manifest: dict, run_dir: str, version: dict | None = N
         checks = [Check("run_cache", PASS, f"{run_dir}: trained on this cache as its "
                         f"{'train' if role == 'cache' else 'eval'} cache (its content, cache_id, and stamps "
                         f"match){which}", info={"version": version} if version else {})]
+    checks += audit_kl_control(run_dir, run)
     if run.get("peft"):  # the checkpoint is an adapter (train-dpo --use-peft)
         return checks + [_audit_peft(run_dir, run["peft"], manifest)]
     recorded = run.get("final_model_hash")
@@ -159,3 +160,37 @@ def _audit_peft(run_dir: str, peft: dict, manifest: dict) -> Check:
         + (" and merged/ its merged_model_hash" if peft.get("merged_model_hash") else "")
         + f"; reference = {'base + init adapter' if init else 'base'} = the cache's model {_short(expected)}")
     return Check("run_final_hash", FAIL if problems else PASS, detail)
+
+
+def audit_kl_control(run_dir: str, run: dict) -> list[Check]:
+    """run_kl_control, for a run whose β was governed (train-dpo --beta-schedule, --kl-target, --kl-alarm; its
+    manifest's `kl_control`): the β trajectory recomputed from the KLs logged in its metrics.jsonl and the recorded
+    settings (runtime.kl_control.replay) must be the logged one exactly; the alarms and rollbacks are reported."""
+    import json
+
+    from runtime.kl_control import Settings, replay
+
+    section = run.get("kl_control")
+    if not section:
+        return [Check("run_kl_control", SKIP, "β was fixed for the run (no --beta-schedule, --kl-target or "
+                      "--kl-alarm): no trajectory to recompute")]
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        settings = Settings.from_json(section["settings"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [Check("run_kl_control", FAIL, f"{path}: the governed β cannot be recomputed ({e})")]
+    problems = replay(settings, records)
+    alarms = [r for r in records if r.get("event") == "kl_alarm"]
+    rollbacks = [r for r in records if r.get("event") == "kl_rollback"]
+    said = ", ".join(f"step {a['step']}: {a['action']}" for a in alarms)
+    told = (f"; {len(alarms)} KL alarm(s) ({said}), {len(rollbacks)} rollback(s)" if alarms or rollbacks
+            else "; no KL alarm")
+    rule = (f"{settings.controller} controller" if settings.controller else f"{settings.schedule} schedule")
+    info = {"alarms": alarms, "rollbacks": rollbacks, "final": section.get("final")}
+    if problems:
+        return [Check("run_kl_control", FAIL, f"{path}: the logged {settings.controlled} does not follow its rule "
+                      f"({rule}): {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                      + told, info=info)]
+    return [Check("run_kl_control", PASS, f"{path}: {settings.controlled} follows its rule ({rule}) at every logged "
+                  f"step, final {section.get('final')!r}{told}", info=info)]

@@ -116,7 +116,7 @@ def model_card(manifest: dict, records: list[dict], *, kind: str, plot: str | No
     return ModelCard.from_template(
         meta, template_str=TEMPLATE, title=_title(manifest), summary=_summary(manifest, kind),
         base=_base(base, peft), data=_data(data, eval_data), reference=_reference(manifest["reference"], peft),
-        options=_options(config, manifest.get("result") or {}, peft), results=_results(manifest, records),
+        options=_options(config, manifest.get("result") or {}, peft, manifest.get("kl_control")), results=_results(manifest, records),
         plot=plot, usage=_usage(kind, base, peft), software=_software(manifest.get("software") or {}))
 
 
@@ -256,8 +256,17 @@ def _cache_model(record: dict) -> str | None:
     return (model.get("hub_id") or model.get("path")) if isinstance(model, dict) else None
 
 
-def _options(config: dict, result: dict, peft: dict | None) -> str:
+def _options(config: dict, result: dict, peft: dict | None, kl: dict | None = None) -> str:
     rows = [[_code(k), _code(config.get(k))] for k in OPTIONS if k in config and _applies(k, config)]
+    if kl:  # β governed over the run (dpo/kl_governor.py): the rule, its settings, where it ended, its alarms
+        s = kl.get("settings") or {}
+        rule = (f"{s.get('controller')} controller on {s.get('controlled')}" if s.get("controller")
+                else f"{s.get('schedule')} schedule of {s.get('controlled')}")
+        shown = {k: v for k, v in s.items() if v is not None and k not in ("controller", "controlled")}
+        rows += [[_code("kl_control"), f"{rule}: {', '.join(f'{k} {v}' for k, v in shown.items())}"],
+                 [_code(f"final {s.get('controlled')}"), _code(kl.get("final"))],
+                 [_code("kl alarms"), f"{len([e for e in kl.get('alarms') or [] if e.get('event') == 'kl_alarm'])}, "
+                                      f"rollbacks {kl.get('rollbacks', 0)}"]]
     rows += [[_code(k), _code(v)] for k, v in sorted((config.get("training_args") or {}).items())]
     rows += [[_code("world_size"), _code(result.get("world_size"))], [_code("batch_layout"),
                                                                       _code(result.get("batch_layout"))]]

@@ -28,6 +28,7 @@ LOSSES = {
     "sigmoid_norm": EVERY_LOSS,
     "tdpo1": EVERY_LOSS,
     "tdpo2": EVERY_LOSS + ("tdpo_alpha",),
+    "beta_dpo": EVERY_LOSS + ("beta_dpo_alpha", "beta_dpo_rho", "beta_dpo_momentum"),
 }
 LOSS_TYPES = tuple(LOSSES)
 TOP_K_LOSSES = ("tdpo1", "tdpo2")
@@ -49,6 +50,9 @@ class LossConfig:
     ld_alpha: float = _option(1.0, "probability")
     tdpo_alpha: float = _option(0.5, "nonnegative")
     kl_coef: float = _option(0.0, "nonnegative")
+    beta_dpo_alpha: float = _option(0.6, "finite")  # β-DPO (Wu et al. 2024): α, the scaling of β by the batch's reward discrepancy
+    beta_dpo_rho: float = _option(0.2, "probability")  # ρ, the share of each batch its β-guided filtering leaves out (< 1)
+    beta_dpo_momentum: float = _option(0.9, "probability")  # m, of the moving mean and deviation of the discrepancy (< 1)
 
     @property
     def needs_top_k(self) -> str | None:
@@ -68,6 +72,9 @@ class LossConfig:
                     raise ValueError(f"{f.name}: {e}") from None
         if self.label_smoothing >= 0.5:
             raise ValueError(f"label_smoothing must be below 0.5 (robust divides by 1 - 2e), got {self.label_smoothing}")
+        if self.beta_dpo_rho >= 1 or self.beta_dpo_momentum >= 1:
+            raise ValueError(f"beta_dpo_rho and beta_dpo_momentum must be below 1, got {self.beta_dpo_rho} and "
+                             f"{self.beta_dpo_momentum}")
 
 
 def loss_field(name: str) -> dataclasses.Field:

@@ -34,7 +34,9 @@ log-sum-exps over the tokens outside S_t, never log(1 - sum)), and
 in either direction. Coarsening is a deterministic map of the outcomes, so by the data-processing inequality for
 relative entropy (e.g. Cover & Thomas, Elements of Information Theory) KL_t never exceeds the full-vocabulary KL at that
 position, and equals it when the tail is empty (K = vocabulary); q_t(S_t), the reference's top-k mass, says how
-tight it is. Metrics (per completion, means over its tokens): kl/policy_ref/* = KL_t(p||q), kl/ref_policy/* =
+tight it is. The inequality is about distributions: both coarsened ones sum to 1 (the cached one as read,
+schemas/format.py normalised_top_k; both again in float64 in coarse_kl), without which a KL is off by the missing
+mass, first order. Metrics (per completion, means over its tokens): kl/policy_ref/* = KL_t(p||q), kl/ref_policy/* =
 KL_t(q||p), ref_top_k_mass/* = q_t(S_t). They are not sampled estimators (k1, k3): exact sums over the outcomes.
 
   tdpo1  -log sig(b ((s+ - s-) + (K+ - K-)))                  TDPO1, Zeng et al. 2024 (ICML; arXiv 2404.11999)
@@ -46,10 +48,15 @@ rewards logged for TDPO are b (s+ + K+) and b (s- + K-), as in the authors' code
 (Vance0124/Token-level-Direct-Preference-Optimization). At step 0 (pi = ref) every K is 0 and both losses are ln 2.
 kl_coef C adds C x the mean over the chosen completion's tokens of KL_t(p||q) to any loss ("DPO + KL penalty", e.g.
 Levanter's DPO documentation). tdpo1/tdpo2 and kl_coef > 0 need a top-k cache.
+
+The loss's parts are logged apart, per pair: loss/preference (the table's loss, TDPO's included), loss/kl_penalty
+(kl_coef x KL), loss/sft (rpo_alpha x NLL), and for TDPO tdpo/kl_term, the KL term inside its sigmoid (b (K+ - K-),
+TDPO2 b alpha (K+ - K-)).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -72,12 +79,16 @@ class TopK:
 def coarse_kl(a_top, a_rest, b_top, b_rest) -> torch.Tensor:
     """Per position KL(a||b) between two distributions coarsened to K outcomes plus one for the rest (log-probs;
     [N, K] and [N]): sum over outcomes of a (log a - log b), an outcome a gives no mass contributing 0 (and no NaN
-    gradient)."""
-    la = torch.cat([a_top, a_rest[:, None]], 1)
-    lb = torch.cat([b_top, b_rest[:, None]], 1).to(la)
+    gradient). In float64, each side first less its own log-sum-exp: the outcomes of a true distribution sum to 1, so
+    this changes neither value nor gradient beyond rounding, but a float32 log-softmax's normaliser is rounded (about
+    1e-7 of mass), and a KL between distributions whose masses differ by m is off by about m, first order, where at
+    a small KL it would otherwise be second order. Returned in a's dtype."""
+    la = torch.cat([a_top, a_rest[:, None]], 1).double()
+    lb = torch.cat([b_top, b_rest[:, None]], 1).double().to(la.device)
+    la, lb = la - la.logsumexp(-1, keepdim=True), lb - lb.logsumexp(-1, keepdim=True)
     absent = torch.isneginf(la)
     la, lb = torch.where(absent, 0.0, la), torch.where(absent, 0.0, lb)
-    return torch.where(absent, 0.0, la.exp() * (la - lb)).sum(-1)
+    return torch.where(absent, 0.0, la.exp() * (la - lb)).sum(-1).to(a_top.dtype)
 
 
 def pair_loss(s_pos, s_neg, len_pos, len_neg, cfg: LossConfig, kl_pos=None, kl_neg=None) -> torch.Tensor:
@@ -87,7 +98,7 @@ def pair_loss(s_pos, s_neg, len_pos, len_neg, cfg: LossConfig, kl_pos=None, kl_n
     d = s_pos - s_neg
     logsig = F.logsigmoid
     t = cfg.loss_type
-    if t == "sigmoid":
+    if t in ("sigmoid", "beta_dpo"):  # beta_dpo: the batch's β comes in cfg.beta (BetaDPO.batch)
         return -(1 - e) * logsig(b * d) - e * logsig(-b * d)
     if t == "ipo":
         return (s_pos / len_pos - s_neg / len_neg - 1 / (2 * b)) ** 2
@@ -114,6 +125,56 @@ def pair_loss(s_pos, s_neg, len_pos, len_neg, cfg: LossConfig, kl_pos=None, kl_n
     raise ValueError(t)
 
 
+class BetaDPO:
+    """β-DPO's batch-level dynamic β and β-guided data filtering (Wu et al. 2024, "β-DPO: Direct Preference
+    Optimization with Dynamic β", NeurIPS; arXiv 2407.08639; authors' code junkangwu/beta-DPO). Per pair the
+    individual reward discrepancy M_i = d_i = s+ - s- (the log-ratio gap, as the authors' code takes it); per
+    training batch, in this order:
+
+      M_0 <- m M_0 + (1 - m) mean_i(M_i),   sigma <- m sigma + (1 - m) std_i(M_i)       (moving averages, from 0)
+      w_i = exp(-(M_i - M_0)^2 / (2 sigma^2))                 (the Gaussian density around M_0, unnormalised)
+      S = floor(n (1 - rho)) pairs drawn without replacement with probability proportional to w_i
+      beta = max(beta_0 (1 + alpha (mean_{i in S}(M_i) - M_0)), 0.001)
+      loss = mean over i in S of -log sig(beta d_i)          (beta a constant of the gradient, as in their code)
+
+    alpha = --beta-dpo-alpha (0.6), rho = --beta-dpo-rho (0.2), m = --beta-dpo-momentum (0.9); std is the sample
+    standard deviation (n - 1). The draw uses its own generator (seeded with the run's seed), so a run repeats. Eval
+    batches use beta_0 and every pair, and move nothing. State (M_0, sigma, the generator) goes in each
+    checkpoint."""
+
+    def __init__(self, cfg: LossConfig, seed: int = 0):
+        self.cfg = cfg
+        self.mean = 0.0
+        self.std = 0.0
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def batch(self, gaps: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """(this batch's β, the mask of the pairs kept) for the batch's M_i; updates the moving averages."""
+        m = self.cfg.beta_dpo_momentum
+        g = gaps.detach().double().cpu()
+        self.mean = m * self.mean + (1 - m) * float(g.mean())
+        self.std = m * self.std + (1 - m) * (float(g.std()) if len(g) > 1 else 0.0)
+        if self.std > 0:
+            weights = torch.exp(-0.5 * ((g - self.mean) / self.std) ** 2)
+        else:
+            weights = torch.ones_like(g)
+        if not float(weights.sum()) > 0:  # every pair far out: none more typical than another
+            weights = torch.ones_like(g)
+        keep = max(1, int(len(g) * (1 - self.cfg.beta_dpo_rho)))
+        chosen = torch.multinomial(weights, keep, replacement=False, generator=self.generator)
+        mask = torch.zeros(len(g), dtype=torch.bool)
+        mask[chosen] = True
+        beta = max(self.cfg.beta * (1 + self.cfg.beta_dpo_alpha * (float(g[mask].mean()) - self.mean)), 1e-3)
+        return beta, mask.to(gaps.device)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "std": self.std, "generator": self.generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.std = state["mean"], state["std"]
+        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
+
 def token_weights(lengths: torch.Tensor, n_pairs: int, ld_alpha: float, dtype=torch.float32) -> torch.Tensor:
     """Flat per-token weights: 1 up to the shorter completion of each pair, ld_alpha after it (LD-DPO)."""
     pos_in_seq = torch.arange(int(lengths.sum()), device=lengths.device) - torch.repeat_interleave(
@@ -125,7 +186,8 @@ def token_weights(lengths: torch.Tensor, n_pairs: int, ld_alpha: float, dtype=to
     return torch.where(pos_in_seq < limit, one.to(lengths.device), alpha.to(lengths.device))
 
 
-def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | None = None):
+def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | None = None,
+             beta_dpo: BetaDPO | None = None):
     """Loss and metrics for a batch laid out as [chosen_0..chosen_{B-1}, rejected_0..rejected_{B-1}].
 
     policy_logps and ref_logps are flat per-token values (see runtime.logprobs.completion_logps); lengths holds
@@ -152,12 +214,23 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | No
               "ref_policy": coarse_kl(top_k.ref, top_k.ref_rest, top_k.policy, top_k.policy_rest)}
         seq_kl = sums(kl["ref_policy"])  # TDPO's sequential KL(ref || pi) of each completion
     tdpo = cfg.loss_type in TOP_K_LOSSES
+    kept = None
+    if beta_dpo is not None and cfg.loss_type == "beta_dpo":  # a training batch: its own β and pairs (BetaDPO)
+        batch_beta, kept = beta_dpo.batch(s[:n] - s[n:])
+        cfg = dataclasses.replace(cfg, beta=batch_beta)
     losses = pair_loss(s[:n], s[n:], lens[:n], lens[n:], cfg, *((seq_kl[:n], seq_kl[n:]) if tdpo else ()))
+    parts = {"loss/preference": losses.detach()}  # the loss's parts apart, per pair
     if cfg.kl_coef:
-        losses = losses + cfg.kl_coef * sums(kl["policy_ref"])[:n] / lens[:n]
+        penalty = cfg.kl_coef * sums(kl["policy_ref"])[:n] / lens[:n]
+        losses = losses + penalty
+        parts["loss/kl_penalty"] = penalty.detach()
     if cfg.rpo_alpha:
         nll_chosen = -sums(policy_logps)[:n] / lens[:n]
         losses = losses + cfg.rpo_alpha * nll_chosen
+        parts["loss/sft"] = cfg.rpo_alpha * nll_chosen.detach()
+    if tdpo:  # TDPO's KL term inside the sigmoid, b (K+ - K-) (TDPO2: b alpha (K+ - K-)), beside b d
+        weight = cfg.beta * (cfg.tdpo_alpha if cfg.loss_type == "tdpo2" else 1.0)
+        parts["tdpo/kl_term"] = weight * (seq_kl[:n] - seq_kl[n:]).detach()
     with torch.no_grad():
         ratio = (policy_logps - ref_logps.to(policy_logps)).detach()  # per token, log(pi / ref)
         tok = lambda v: sums(v)[: 2 * n] / lens  # per-sequence token means
@@ -174,10 +247,16 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | No
             "logratio/rejected": tok(ratio)[n:],
             "lengths/chosen": lengths[:n].to(policy.dtype),
             "lengths/rejected": lengths[n:].to(policy.dtype),
+            **{k: v.to(policy.dtype) for k, v in parts.items()},
         }
         if top_k is not None:
             for direction, values in kl.items():
                 metrics[f"kl/{direction}/chosen"], metrics[f"kl/{direction}/rejected"] = tok(values.detach()).split(n)
             mass = tok(top_k.ref.to(policy.dtype).logsumexp(-1).exp())
             metrics["ref_top_k_mass/chosen"], metrics["ref_top_k_mass/rejected"] = mass.split(n)
+        if kept is not None:
+            metrics["beta_dpo/beta"] = torch.full_like(rewards[:n], cfg.beta)
+            metrics["beta_dpo/kept"] = kept.to(policy.dtype)
+    if kept is not None:
+        return (losses * kept).sum() / kept.sum(), metrics
     return losses.mean(), metrics

@@ -67,6 +67,8 @@ def resumed_step(checkpoint: str) -> int:
 
 
 def metrics_kind(record: dict) -> str:
+    if "event" in record:  # dpo/kl_governor.py's records: kl_control, kl_alarm
+        return record["event"]
     return "eval" if any(k.startswith("eval_") for k in record) else "train"
 
 

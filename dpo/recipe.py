@@ -17,7 +17,7 @@ from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
-from runtime import placement
+from runtime import kl_control, placement
 from runtime.terminal import echo
 from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig, column_mapping
 from schemas.stamps import model_hash
@@ -25,6 +25,7 @@ from schemas.stamps import model_hash
 from . import lora
 from .loss_config import LOSS_TYPES, LossConfig, loss_field
 from .outdir import check_no_links, check_output_dir, prepare_metrics
+from .kl_governor import check_kl_options
 from .phases import PhaseTimer
 from .preflight import check_reference_options, check_training_options, has_accelerator
 from .preflight import latest_checkpoint  # noqa: F401  (re-exported)
@@ -118,6 +119,39 @@ class TrainConfig:
     tdpo_alpha: float = _loss("tdpo_alpha", "TDPO2: weight of the sequential-KL term (tdpo2 only).")
     kl_coef: float = _loss("kl_coef", "Add C x the mean per-token KL(policy||reference) bound of the chosen completions "
                                       "to the loss; needs a top-k cache (precompute-ref --top-k K). 0 disables it.")
+    beta_dpo_alpha: float = _loss("beta_dpo_alpha", "β-DPO (--loss-type beta_dpo): α, how far the batch's reward "
+                                                    "discrepancy moves β.")
+    beta_dpo_rho: float = _loss("beta_dpo_rho", "β-DPO: ρ, the share of each batch its β-guided filtering leaves out "
+                                                "(< 1).")
+    beta_dpo_momentum: float = _loss("beta_dpo_momentum", "β-DPO: m, momentum of the discrepancy's moving mean and "
+                                                          "deviation (< 1).")
+    # β over the run: schedules, KL controllers and alarms (dpo/kl_governor.py, runtime/kl_control.py; README
+    # "Controlling KL")
+    beta_schedule: str = _f("constant", "β over the optimizer steps, from --beta to --beta-end (after the Trainer's "
+                                        "warm-up, if set).", "KL control", choices=kl_control.SCHEDULES)
+    beta_end: float | None = _f(None, "β of the last step with --beta-schedule.", "KL control", domain="positive")
+    kl_target: str | None = _f(None, "Adapt β to the KL(policy||reference) bound of a top-k cache: LO:HI, a band "
+                                     "(--kl-controller band), or T, a target (proportional); nats per token.",
+                               "KL control", metavar="LO:HI|T")
+    kl_controller: str = _f("band", "band: ×/÷ --kl-adapt-factor outside LO:HI; proportional: Ziegler et al.'s "
+                                    "controller on target T with --kl-horizon.", "KL control",
+                            choices=kl_control.CONTROLLERS)
+    kl_adapt_every: int = _f(1, "Decide every N optimizer steps, on the mean KL of their batches.", "KL control",
+                             domain="count")
+    kl_adapt_factor: float = _f(1.2, "Band controller's factor (and a KL rollback's).", "KL control",
+                                domain="factor")
+    kl_horizon: float = _f(10000.0, "Proportional controller's horizon, in pairs (OpenRLHF's kl_horizon).",
+                           "KL control", domain="positive")
+    kl_measure: str = _f("chosen", "The KL controllers and alarms watch: chosen completions, or both.", "KL control",
+                         choices=kl_control.MEASURES)
+    kl_control: str = _f("beta", "What the controller moves: beta, or kl_coef (--kl-coef).", "KL control",
+                         choices=kl_control.CONTROLLED)
+    beta_min: float = _f(0.001, "Lower clamp of the controlled coefficient.", "KL control", domain="positive")
+    beta_max: float = _f(0.5, "Upper clamp of the controlled coefficient.", "KL control", domain="positive")
+    kl_alarm: str | None = _f(None, "LEVEL[:warn|checkpoint|stop|rollback]: act when the logged KL bound exceeds "
+                                    "LEVEL nats per token (needs a top-k cache).", "KL control",
+                              metavar="LEVEL[:ACTION]")
+    kl_alarm_retries: int = _f(2, "Rollbacks at most, then stop.", "KL control", domain="natural")
     # transformers.TrainingArguments (same names and meaning; defaults as in TRL's DPOConfig where it sets one)
     learning_rate: float = _f(1e-6, "Initial AdamW learning rate.", "Training", domain="nonnegative")
     lr_scheduler_type: str = _f("linear", "Scheduler (transformers SchedulerType).", "Training")
@@ -256,6 +290,7 @@ def run_train(cfg: TrainConfig, log=echo) -> dict:
 
     timer.mark("imports")
     check_reference_options(cfg, log)
+    check_kl_options(cfg)
     policy = _open_policy(cfg, log)
     args = check_training_options(cfg)
     timer.mark("checks")
@@ -342,7 +377,9 @@ def _verify(cfg: TrainConfig, policy: Checkpoint, log) -> Run:
 def check_top_k(cfg: TrainConfig, run: Run) -> None:
     """A loss or option that needs the reference's top-k distribution (dpo/losses.py) refuses rows without it,
     before any model is loaded: a live reference, or a cache made without --top-k."""
-    option = cfg.loss_config().needs_top_k
+    from .kl_governor import needs_top_k
+
+    option = cfg.loss_config().needs_top_k or needs_top_k(cfg)
     if option is None:
         return
     wanted = [(run.train, cfg.data, cfg.split, cfg.ref_cache, "--ref-cache")]
@@ -436,6 +473,7 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
     from .layout import PrefixSharedCollator
     from .provenance import record_in
     from .resume import start_run
+    from .kl_governor import save_beta_dpo
     from .trainer import DPOTrainer, MetricsFile, PairCollator
 
     pad = run.policy.pad_id
@@ -447,6 +485,8 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
         cfg.run_id = start_run(cfg, log)
     seen = prepare_metrics(out / "metrics.jsonl", cfg.resume_from_checkpoint) if Dist.joined().rank == 0 else set()
     record = run.record | {"run_id": cfg.run_id}  # what each checkpoint says it was trained on, and by which run
+    metrics = MetricsFile(out / "metrics.jsonl", seen)
+    governor = _governor(cfg, out, metrics, log)
     trainer = DPOTrainer(
         model=policy,
         args=args,
@@ -454,19 +494,44 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
         train_dataset=datasets.Dataset(run.train.table),
         eval_dataset=datasets.Dataset(run.evaluation.table) if run.evaluation else None,
         processing_class=run.policy.tokenizer,
-        callbacks=[MetricsFile(out / "metrics.jsonl", seen)],
+        callbacks=[c for c in (governor, metrics) if c is not None],
         loss_config=cfg.loss_config(),
         ref_model=ref_model,
-        save_with=lambda folder: record_in(folder, record),
+        save_with=lambda folder: (record_in(folder, record), governor and governor.save(folder),
+                                  save_beta_dpo(trainer, folder)),
     )
+    if cfg.loss_type == "beta_dpo":
+        from .losses import BetaDPO
+
+        trainer.beta_dpo = BetaDPO(cfg.loss_config(), cfg.seed)
+    if governor is not None:
+        governor.attach(trainer)
     return trainer, layout
+
+
+def _governor(cfg: TrainConfig, out: Path, metrics, log):
+    """The KL governor (dpo/kl_governor.py) when the options ask for more than a fixed β; rank 0 writes its
+    records. The run id is every rank's (from the output dir's record) so that each can pick a rollback."""
+    from .kl_governor import KLGovernor, governs, settings_of
+
+    if not governs(cfg):
+        return None
+    rank0 = Dist.joined().rank == 0
+    run_id = Dist.joined().share(lambda: cfg.run_id, what="the run id")
+    return KLGovernor(settings_of(cfg), out, write=metrics.append if rank0 else None, log=log, run_id=run_id)
 
 
 def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) -> dict:
     """Train, evaluate, save; rank 0 writes the plot and the run manifest."""
     out = Path(cfg.output_dir)
     t_train = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
+    from .kl_governor import KLGovernor, train
+
+    governor = next((c for c in trainer.callback_handler.callbacks if isinstance(c, KLGovernor)), None)
+    metrics_file = next((c for c in trainer.callback_handler.callbacks if type(c).__name__ == "MetricsFile"), None)
+    result = train(trainer, governor, cfg.resume_from_checkpoint, metrics_file if trainer.is_world_process_zero()
+                   else None)
+
     train_s = time.perf_counter() - t_train
     final_eval = {}
     if run.evaluation and cfg.evaluation_strategy() != "no":  # reuse the eval of the last step when there was one
@@ -483,6 +548,8 @@ def _train(cfg: TrainConfig, trainer, run: Run, layout: str, timer: PhaseTimer) 
                "reference": "live" if cfg.ref_cache is None else "cache",
                "train_loss": result.training_loss, "train_s": train_s, "verify_s": run.verify_s, "eval": final_eval,
                "phases": timer.phases}
+    if governor is not None:
+        summary["kl_control"] = governor.summary()
     if trainer.is_world_process_zero():
         from .run_summary import closing_facts
 
@@ -524,6 +591,8 @@ def _finish(cfg, out: Path, run: Run, summary: dict, timer: PhaseTimer) -> None:
         sections = {"final_model_hash": peft["merged_model_hash"], "peft": peft}
     else:
         sections = {"final_model_hash": model_hash(out)}
+    if "kl_control" in summary:  # the rule, its final state and every alarm (dpo/kl_governor.py)
+        sections["kl_control"] = summary["kl_control"]
     timer.mark("final_hash")
     manifest = write_run_manifest(cfg, out, run.record, run.train, run.policy.base_hash, summary, run_id=cfg.run_id,
                                   live_layout=run.ref_layout, **sections)

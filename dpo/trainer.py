@@ -64,6 +64,11 @@ class DPOTrainer(Trainer):
         self.model_accepts_loss_kwargs = False  # our loss is a per-batch mean; let the Trainer scale for accumulation
         self.last_checkpoint: Path | None = None  # the checkpoint this run last wrote (or resumed from)
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        # hooks (dpo/kl_governor.py): called with (split, {metric: mean over all ranks' pairs}, pairs) per batch, and
+        # with the split at each log for more keys of the record
+        self.batch_observers: list = []
+        self.log_extras: list = []
+        self.beta_dpo = None  # --loss-type beta_dpo: its moving state (dpo/losses.py BetaDPO), training batches only
 
     # --- the guard: a non-finite loss, gradient norm or weight stops the run (exit 3), before anything is saved
     # from it. One rule for the three, checked where each is known on every process alike: the loss as gathered for
@@ -145,16 +150,21 @@ class DPOTrainer(Trainer):
                 ref = pair_logps(self.ref_model, inputs).to(policy.device)  # split: its head may be elsewhere
         else:
             ref = inputs["ref_logps"]
-        loss, metrics = dpo_loss(policy, ref, lengths, self.loss_config, top_k)
+        loss, metrics = dpo_loss(policy, ref, lengths, self.loss_config, top_k,
+                                 beta_dpo=self.beta_dpo if model.training else None)
         split = "train" if model.training else "eval"
         metrics["loss"] = loss.detach().expand(len(lengths) // 2)
         # One gather of a [pairs, metrics] table per step: the means are over all pairs of all processes.
         table = torch.stack([v.float() for v in metrics.values()], dim=1)
         gather = self.accelerator.gather if split == "train" else self.accelerator.gather_for_metrics
-        for name, value in zip(metrics, gather(table).mean(0).tolist()):
+        gathered = gather(table)
+        means = dict(zip(metrics, gathered.mean(0).tolist()))
+        for name, value in means.items():
             self._metrics[split][name].append(value)
         if split == "train":  # the loss over every process's pairs: each process stops alike
             self._stop_if_not_finite("the loss is", self._metrics[split]["loss"][-1], self.state.global_step + 1)
+        for observe in self.batch_observers:
+            observe(split, means, len(gathered))
         return (loss, {}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -170,6 +180,8 @@ class DPOTrainer(Trainer):
             if name != "loss" or split == "eval":
                 logs[prefix + name] = sum(values) / len(values)
         self._metrics[split].clear()
+        for extra in self.log_extras:
+            logs.update(extra(split))
         super().log(logs, start_time)
 
 
@@ -195,6 +207,27 @@ def finite_or_null(record: dict) -> dict:
     """A log record as JSON can hold it honestly: a NaN or infinite value is null (never 0.0, never a bare NaN
     token that strict JSON readers refuse)."""
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+    def append(self, record: dict) -> None:
+        """A record of our own (`event`: kl_control, once per step; kl_alarm and kl_rollback, each as it happens;
+        dpo/kl_governor.py)."""
+        key = (record["step"], record["event"])
+        if key in self.seen:
+            return
+        if record["event"] == "kl_control":
+            self.seen.add(key)
+        with writing(self.path):
+            append_text(self.path, json.dumps(record) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """A KL rollback to the checkpoint of `step`: the records of the steps after it go (they are run again), the
+        alarm records stay."""
+        kept = [r for r in metrics_records(self.path)
+                if r.get("step", 0) <= step or r.get("event") in ("kl_alarm", "kl_rollback")]
+        data = "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8")
+        with writing(self.path):
+            atomic_write(self.path, lambda f: f.write(data))
+        self.seen = {k for k in self.seen if k[0] <= step}
 
 
 def metrics_records(path: Path) -> list[dict]:
@@ -234,14 +267,36 @@ KL_PANELS = (
     Panel("KL(reference ‖ policy), top-k bound", "nats per token (a lower bound)", _sides("kl/ref_policy")),
     Panel("reference's top-k mass", "probability (1: the KL bounds are exact)", _sides("ref_top_k_mass"), SHARE),
 )
+# with β governed (dpo/kl_governor.py): β, the KL it watches with the band shaded and alarms marked, the loss's parts
+KL_WATCHED = "KL watched by the controller and alarms"
+GOVERNOR_PANELS = (
+    Panel("β (the governed coefficient)", "β", (("beta", ""),)),
+    Panel(KL_WATCHED, "nats per token (a lower bound)", (("kl/measured", "measured"),)),
+    Panel("the loss's parts", "per pair", (("loss/preference", "preference"), ("loss/kl_penalty", "KL penalty"),
+                                           ("loss/sft", "SFT"), ("tdpo/kl_term", "TDPO KL term"))),
+)
 SPLITS = (("", "train", dict(linestyle="-")), ("eval_", "eval", dict(linestyle="--", marker="o", markersize=4)))
-COLOURS = {"": ("tab:blue", "tab:orange"), "chosen": ("tab:green",) * 2, "rejected": ("tab:red",) * 2}
+COLOURS = {"": ("tab:blue", "tab:orange"), "chosen": ("tab:green",) * 2, "rejected": ("tab:red",) * 2,
+           "measured": ("tab:purple",) * 2, "preference": ("tab:blue",) * 2, "KL penalty": ("tab:purple",) * 2,
+           "SFT": ("tab:brown",) * 2, "TDPO KL term": ("tab:olive",) * 2}
 
 
 def metric_panels(records: list[dict]) -> tuple[Panel, ...]:
     """The plot's panels; the KL panels when the run logged the top-k KL metrics."""
     logged_kl = any(prefix + KL_PANELS[0].series[0][0] in r for r in records for prefix in ("", "eval_"))
-    return PANELS + KL_PANELS if logged_kl else PANELS
+    governed = any("beta" in r and "loss" in r for r in records)
+    return (PANELS + KL_PANELS if logged_kl else PANELS) + (GOVERNOR_PANELS if governed else ())
+
+
+def mark_kl_control(ax, records: list[dict]) -> None:
+    """The watched KL's panel: the band shaded (or the target drawn), each alarm a dotted line at its step."""
+    first = next((r for r in records if "loss" in r and ("kl/band_low" in r or "kl/target" in r)), None)
+    if first and "kl/band_low" in first:
+        ax.axhspan(first["kl/band_low"], first["kl/band_high"], color="tab:green", alpha=0.15, label="band")
+    elif first:
+        ax.axhline(first["kl/target"], color="tab:green", linestyle="--", label="target")
+    for n, alarm in enumerate(r for r in records if r.get("event") == "kl_alarm"):
+        ax.axvline(alarm["step"], color="tab:red", linestyle=":", label=None if n else "KL alarm")
 
 
 def plot_title(run_name: str, loss_type: str, beta: float, learning_rate: float) -> str:
@@ -268,6 +323,8 @@ def metrics_figure(records: list[dict], title: str):
                 if points:
                     ax.plot(*zip(*points), color=colour, label=f"{split}, {name}" if name else split,
                             gid=prefix + key, **style)
+        if panel.title == KL_WATCHED:
+            mark_kl_control(ax, records)
         ax.set_title(panel.title)
         ax.set_xlabel("step")
         ax.set_ylabel(panel.ylabel)
@@ -275,7 +332,7 @@ def metrics_figure(records: list[dict], title: str):
             ax.set_ylim(*panel.ylim)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        if ax.lines:
+        if ax.lines or ax.patches:
             ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
     return fig
 

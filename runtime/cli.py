@@ -62,7 +62,7 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
         # messages are built in many places from data (ids, row text, paths, keys): the whole text is made
         # printable here (runtime/terminal.py), keeping only the newlines the message lays out
         echo(f"error: {e}" + (f"\n  then: {carry_on()}" if isinstance(e, NoSpaceError) else ""), err=True)
-        sys.exit(getattr(e, "exit_code", EXIT_REFUSED))  # NonFiniteError: EXIT_NON_FINITE
+        sys.exit(getattr(e, "exit_code", EXIT_REFUSED))  # NonFiniteError: EXIT_NON_FINITE; KLAlarmStop: EXIT_KL_ALARM
     except KeyboardInterrupt:
         echo(f"interrupted; {carry_on()}", err=True)
         sys.exit(130)

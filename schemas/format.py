@@ -208,6 +208,47 @@ def decode_logps(codes) -> np.ndarray:
     return np.where(c == _NEG_INF, -np.inf, v).astype(np.float32)
 
 
+# How far the true top-k mass plus the tail's may be from 1 before any code is rounded: float32 log_softmax and
+# log-sum-exp of the same logits agree within about 1e-6 (tests/precompute/test_topk.py); 1e-5 leaves room.
+MASS_SLACK = 1e-5
+
+
+def code_allowance(decoded) -> np.ndarray:
+    """How far a decoded log-prob may be from the value it was encoded from, as the top-k rules state it: 2.45e-4 x
+    max(1, |v|) (the codes' error is at most LOGP_ERROR above -24 and 2.45e-4 of |v| below), plus the float32
+    rounding of a decoded value (2e-6); 0 for -inf (stored exactly)."""
+    a = np.abs(np.asarray(decoded, np.float64))
+    return np.where(np.isfinite(a), 2.45e-4 * np.maximum(1.0, a) + 2e-6, 0.0)
+
+
+def mass_allowance(top_logps, tail) -> np.ndarray:
+    """Per position ([T, K] decoded log-probs, [T] tails), how far their mass plus the tail's may be from 1 when each
+    value is within `code_allowance` of a true one and the true mass is 1 within MASS_SLACK:
+    sum_i exp(v_i) exp(a_i) (exp(a_i) - 1) + MASS_SLACK (exp(v_i + a_i) bounds the true p_i)."""
+    v = np.asarray(top_logps, np.float64)
+    a = code_allowance(v)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (np.exp(v + a) * np.expm1(a)).sum(-1) + MASS_SLACK
+
+
+def normalised_top_k(top_logps, tail) -> tuple[np.ndarray, np.ndarray]:
+    """The decoded top-k log-probs ([T, K]) and tails ([T]) less log Z per position, Z their mass plus the tail's
+    (float64), so that the distribution they stand for sums to 1 (within float32 rounding) wherever the codes'
+    rounding explains how far Z is from 1 (`mass_allowance`). Why: a KL against a distribution of mass Z is off by
+    about log Z (first order, up to 2.4e-4 nats per token), against a normalised one of the same accuracy by half the
+    variance of the rounding (under 3e-8). A position the rounding cannot explain (a damaged value or tail) is
+    returned as decoded, so the top-k rules (schemas/rules.py `top_k_mass`) still see and name it."""
+    v = np.asarray(top_logps, np.float64)
+    t = np.asarray(tail, np.float64)
+    every = np.concatenate([v, t[:, None]], axis=1)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        top = np.max(every, axis=1, initial=-np.inf)
+        log_z = top + np.log(np.exp(every - np.where(np.isfinite(top), top, 0.0)[:, None]).sum(1))
+        explained = np.isfinite(log_z) & (np.abs(np.expm1(log_z)) <= mass_allowance(v, t))
+    shift = np.where(explained, log_z, 0.0)
+    return (v - shift[:, None]).astype(np.float32), (t - shift).astype(np.float32)
+
+
 def _code_steps(codes: np.ndarray) -> np.ndarray:
     """Per token, the first code and then each code's step from the one before, modulo 2**16 (lossless whatever
     the order; a descending top-k's steps are small and non-negative, which zstd packs tighter than the codes)."""
@@ -345,11 +386,16 @@ def read_shard_metadata(path: Path) -> dict[str, str]:
 
 def read_columns(path: Path, columns=None) -> pa.Table:
     """A shard's columns, in their logical types (shard_columns: the top-k columns as [T, K] lists of float32 and
-    int32, whatever their storage). A file that passed its size and sha256 checks can still be damaged where the
+    int32, whatever their storage; each side's top-k log-probs and tail normalised together, `normalised_top_k`). A
+    file that passed its size and sha256 checks can still be damaged where the
     manifest was forged to match it; that is a CacheError like any other damage."""
+    # a side's top-k log-probs are normalised with its tail (normalised_top_k), so the tail is read with them
+    wanted = list(columns) if columns is not None else None
+    if wanted is not None:
+        wanted += [f"{side}_tail" for side in SIDES if f"{side}_top_logps" in wanted and f"{side}_tail" not in wanted]
     try:
         with store.source(path) as src:
-            table = pq.read_table(src, columns=columns)
+            table = pq.read_table(src, columns=wanted)
         table.validate(full=True)  # Parquet's reader leaves e.g. a string's UTF-8 unchecked until it is used
     except (pa.ArrowException, OSError, ValueError) as e:
         raise CacheError("shard_unreadable", f"shard {path.name} is not a readable Parquet file ({e})", remedy=RERUN,
@@ -368,7 +414,34 @@ def read_columns(path: Path, columns=None) -> pa.Table:
                 raise CacheError("shard_unreadable", f"shard {path.name}: column {column.name} does not hold {k} "
                                  f"values per token ({e})", remedy=RERUN, shard=path.name) from None
             table = table.set_column(at, pa.field(column.name, column.logical), logical)
+    for side in SIDES:
+        if f"{side}_top_logps" in table.column_names and f"{side}_tail" in table.column_names:
+            table = _normalised(table, side, k)
+    return table.select(list(columns)) if columns is not None else table
+
+
+def _normalised(table: pa.Table, side: str, k: int) -> pa.Table:
+    """`table` with one side's top-k log-probs and tail through normalised_top_k (the decoded distribution)."""
+    top, tail = table[f"{side}_top_logps"].combine_chunks(), table[f"{side}_tail"].combine_chunks()
+    torn = (top.null_count or tail.null_count or tail.flatten().null_count
+            or not np.array_equal(_offsets(top).to_numpy(), _offsets(tail).to_numpy()))
+    if torn:  # a tail missing or not one per token: left as it is for the top-k rules (top_k_shape) to name
+        return table
+    values = top.flatten().flatten().to_numpy(zero_copy_only=False).reshape(-1, k)
+    tails = tail.flatten().to_numpy(zero_copy_only=False)
+    values, tails = normalised_top_k(values, tails)
+    tokens = pa.ListArray.from_arrays(pa.array(np.arange(0, values.size + 1, k, dtype=np.int32)),
+                                      pa.array(values.ravel()))
+    top = pa.ListArray.from_arrays(_offsets(top), tokens)
+    tail = pa.ListArray.from_arrays(_offsets(tail), pa.array(tails))
+    for name, column in ((f"{side}_top_logps", top), (f"{side}_tail", tail)):
+        table = table.set_column(table.column_names.index(name), table.schema.field(name), column)
     return table
+
+
+def _offsets(rows: pa.ListArray) -> pa.Array:
+    offsets = rows.offsets.to_numpy()
+    return pa.array((offsets - offsets[0]).astype(np.int32))
 
 
 def stored_rows(path: Path, rows) -> pa.Table:

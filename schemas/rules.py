@@ -282,9 +282,10 @@ def value_findings(df: pl.DataFrame, name: str | None = None) -> list[Finding]:
 # log-probs and the log of the mass outside them (`tail`), from the forward that gave the token's own log-prob
 
 # The storage may round a top-k log-prob v for size (FORMAT.md: by at most 2**-12 above -24, 2**-12 of |v| below),
-# so a stored value may be TOP_K_TOLERANCE x max(1, |v|) from the one it stands for (`top_k_allowance`, 4x that
-# bound), and the mass the sum of its terms' allowances (and TOP_K_TOLERANCE) from 1. Unrounded float32 values agree
-# within about 1e-6; a smaller edit of a value is the replay's to find (audit-ref --model).
+# and the reader normalises the decoded distribution (shifting every value by log Z, |log Z| within that bound), so a
+# stored value may be TOP_K_TOLERANCE x max(1, |v|) from the one it stands for (`top_k_allowance`, 2x the two
+# together); the mass may be from 1 only what the codes' rounding explains (format.mass_allowance). Unrounded float32
+# values agree within about 1e-6; a smaller edit of a value is the replay's to find (audit-ref --model).
 TOP_K_TOLERANCE = 1e-3
 
 # name: what it checks. A position that fails a rule is not judged by the rules after it (a duplicate id makes its
@@ -366,8 +367,9 @@ def _side_flags(table: pa.Table, side: str, k: int, vocab, tol: float):
     top = np.maximum(lp[:, 0], tail)  # the largest term on a live (sorted) position
     with np.errstate(invalid="ignore", divide="ignore"):
         mass = top + np.log(np.exp(every - top[:, None]).sum(1))
-        slack = tol + (np.exp(every) * top_k_allowance(every, tol)).sum(1)
-    flags["top_k_mass"] = live & ~(np.abs(mass) <= slack)
+    # the codes' own bound: read_columns normalises every position within it (format.normalised_top_k), so what
+    # is left beyond it is damage
+    flags["top_k_mass"] = live & ~(np.abs(np.expm1(mass)) <= fmt.mass_allowance(lp, tail))
     live &= ~flags["top_k_mass"]
     judged = live & np.isfinite(own) & (own <= 0)  # a bad own log-prob is logprob_values' (or list_lengths')
     match = ids == token[:, None]

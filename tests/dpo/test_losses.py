@@ -124,7 +124,8 @@ CASES = [
 
 def test_cases_cover_every_loss_type():
     # the losses that need the reference's distribution: tests/dpo/test_topk_train.py
-    assert {c[0] for c in CASES} == set(LOSS_TYPES) - set(TOP_K_LOSSES)
+    # beta_dpo is sigmoid at its batch's β, with a state: tests/dpo/test_beta_dpo.py
+    assert {c[0] for c in CASES} == set(LOSS_TYPES) - set(TOP_K_LOSSES) - {"beta_dpo"}
 
 
 @pytest.mark.parametrize("loss_type,beta,e", CASES, ids=[f"{c[0]}-b{c[1]}-e{c[2]}" for c in CASES])
@@ -279,3 +280,39 @@ def test_ld_weights_are_built_in_the_values_dtype():
     _, m = dpo_loss(policy, ref, lengths, LossConfig(beta=1.0, ld_alpha=0.3))
     # chosen_0: 0.25 * (1 + 0.3 + 0.3) exactly in float64 (a float32 0.3 would give 0.30000001...)
     assert m["rewards/chosen"][0].item() == pytest.approx(0.25 * (1 + 0.3 + 0.3), rel=1e-13, abs=0)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "tdpo1", "tdpo2"])
+def test_the_losss_parts_are_logged_apart_and_add_up_to_it(loss_type):
+    """loss/preference + loss/kl_penalty + loss/sft is the loss, per pair; TDPO's KL term is b (alpha) (K+ - K-)."""
+    from dpo.losses import TopK, coarse_kl
+
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([3, 2, 4, 1])
+    n_tok, k = int(lengths.sum()), 4
+    policy = -torch.rand(n_tok, generator=gen, dtype=torch.float64) * 3
+    ref = -torch.rand(n_tok, generator=gen, dtype=torch.float64) * 3
+
+    def dist():
+        full = torch.randn(n_tok, k + 1, generator=gen, dtype=torch.float64).log_softmax(-1)
+        return full[:, :k], full[:, k]
+
+    (pt, pr), (qt, qr) = dist(), dist()
+    cfg = LossConfig(beta=0.2, loss_type=loss_type, kl_coef=0.3, rpo_alpha=0.5)
+    loss, m = dpo_loss(policy, ref, lengths, cfg, TopK(pt, pr, qt, qr))
+    total = m["loss/preference"] + m["loss/kl_penalty"] + m["loss/sft"]
+    assert float(total.mean()) == pytest.approx(float(loss), abs=1e-12)
+    kl = coarse_kl(pt, pr, qt, qr)
+    chosen_kl = torch.stack([kl[:3].mean(), kl[3:5].mean()])
+    assert m["loss/kl_penalty"].tolist() == pytest.approx((0.3 * chosen_kl).tolist(), abs=1e-12)
+    nll = torch.stack([-policy[:3].mean(), -policy[3:5].mean()])
+    assert m["loss/sft"].tolist() == pytest.approx((0.5 * nll).tolist(), abs=1e-12)
+    if loss_type.startswith("tdpo"):
+        seq = coarse_kl(qt, qr, pt, pr)
+        sums = [seq[:3].sum(), seq[3:5].sum(), seq[5:9].sum(), seq[9:].sum()]
+        weight = 0.2 * (0.5 if loss_type == "tdpo2" else 1.0)
+        want = [weight * float(sums[0] - sums[2]), weight * float(sums[1] - sums[3])]
+        assert m["tdpo/kl_term"].tolist() == pytest.approx(want, abs=1e-12)
+    else:
+        assert "tdpo/kl_term" not in m
+    assert not math.isnan(float(loss))

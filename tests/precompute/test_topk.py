@@ -179,7 +179,7 @@ def test_a_top_k_cache_reads_back_in_logical_types_and_moves_kl_by_less_than_1e_
             ref, exact_ids, exact, exact_tail = plain_top_k(model, pair.prompt_ids, completion, 16)
             assert np.array_equal(top_ids, exact_ids)
             kept, kept_tail = np.array(row[f"ref_{side}_top_logps"], np.float64), np.array(row[f"ref_{side}_tail"])
-            assert np.abs(kept - exact).max() <= fmt.LOGP_ERROR * 1.01 + 1e-6
+            assert np.abs(kept - exact).max() <= 2 * fmt.LOGP_ERROR * 1.01 + 1e-6  # rounded, then normalised (FORMAT.md)
             q_full = plain_top_k(policy, pair.prompt_ids, completion, 16)[0]
             q = q_full.gather(-1, torch.as_tensor(top_ids)).numpy()
             q_tail = np.log1p(-np.minimum(np.exp(q).sum(-1), 1 - 1e-12))
