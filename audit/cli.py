@@ -25,7 +25,7 @@ from pathlib import Path
 
 import click
 
-from runtime.cli import EXIT_FAILED, EXIT_OK, dataclass_options, field_help, given_values, quiet_libraries, run_cli
+from runtime.cli import EXIT_FAILED, EXIT_OK, Command, dataclass_options, field_help, given_values, quiet_libraries, run_cli
 from runtime.errors import JobError
 from runtime.paths import check_apart
 from runtime.placement import DEVICE_MAPS, check_placement, parse_max_memory
@@ -170,7 +170,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
     }
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("cache", type=CacheLocation())
 @dataclass_options(AuditOptions)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")

@@ -19,6 +19,7 @@ import polars as pl
 from runtime.errors import JobError
 from runtime.placement import describe
 from schemas import format as fmt
+from schemas.findings import labelled
 from schemas.rules import stamp_findings
 from schemas.stamps import tokenizer_hash
 
@@ -96,9 +97,11 @@ def verified_tokenizer(manifest: dict, source: str | None, trust_remote_code: bo
     tokenizer = load_tokenizer(source, trust_remote_code)
     differ = stamp_findings(manifest["stamps"], {"tokenizer_hash": tokenizer_hash(tokenizer)})
     if differ:
-        raise JobError(f"{source}: its tokenizer hashes to {differ[0].found}, the cache was made with "
-                       f"{differ[0].expected}: the token text would be wrong; pass --model (or --tokenizer) with the "
-                       "checkpoint the cache was made with")
+        f = differ[0]
+        hashes = "\n".join(labelled(("this tokenizer", "the cache"), f.expected, f.found))
+        raise JobError(f"{source}: not the tokenizer the cache was made with (tokenizer_hash), so the token text "
+                       f"would be wrong; pass --model (or --tokenizer) with the checkpoint the cache was made with\n"
+                       f"{hashes}")
     return tokenizer
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from runtime.cli import GroupedCommand, ParsedText, exit_without_teardown, click_type, dataclass_options, given_values, quiet_libraries, run_cli, spec_options
+from runtime.cli import TRL_ALIASES  # TRL's names of our options: one table, precompute-ref takes them too
 
 from .lora import LoraOptions
 from .recipe import TrainConfig
@@ -29,10 +30,6 @@ NOT_TRAINER_OPTIONS = set(OURS) | {"remove_unused_columns", "debug"}
 TRAINER_SPECS = trainer_specs(NOT_TRAINER_OPTIONS)
 TRAINER = {s.name for s in TRAINER_SPECS if not s.name.startswith("_")}
 REQUIRED = tuple(name for name, f in OURS.items() if f.metadata.get("required"))
-# TRL's names for our options (`trl dpo`'s ScriptArguments / ModelConfig fields): the one table of them, --config keys
-# and command-line options alike (--model_name_or_path is --model)
-TRL_ALIASES = {"model_name_or_path": "model", "dataset_name": "data", "dataset_train_split": "split",
-               "dataset_test_split": "eval_split", "dtype": "model_dtype"}
 # DPOConfig keys whose job refcache's reference cache does: noted, not refused
 REPLACED_BY_CACHE = ("precompute_ref_log_probs", "precompute_ref_batch_size")
 

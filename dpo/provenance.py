@@ -33,8 +33,8 @@ def check_resume_reference(checkpoint: str, record: dict) -> None:
     found = rm.reference_findings(recorded, record)
     if found:
         f = found[0]
-        raise JobError(f"--resume-from-checkpoint {checkpoint}: {f.message}\n  checkpoint: {f.expected}\n"
-                       f"  this run:   {f.found}\n  remedy:     {f.remedy}")
+        raise JobError(f"--resume-from-checkpoint {checkpoint}: {f.message}\n{f.sides_text()}\n"
+                       f"  remedy:       {f.remedy}")
 
 
 def record_in(folder: Path, record: dict) -> None:

@@ -118,8 +118,7 @@ def _same_identity(out: Path, base: dict, job, cfg, claimed: dict) -> None:
     where = f"the cache {out}"
     for f in rules.stamp_findings(recorded, {**stamps, "encoding": cfg.encoding.to_dict()}, where=where,
                                   tokenizer_parts=tokenizer_parts(job.checkpoint.tokenizer)):
-        raise JobError(f"--update: {f.message}\n  the cache: {f.found}\n  this run:  {f.expected}\n  remedy:    "
-                       f"{NEW_CACHE}")
+        raise JobError(f"--update: {f.message}\n{f.sides_text()}\n  remedy:    {NEW_CACHE}")
     computation = base.get("computation") if isinstance(base.get("computation"), dict) else {}
     for f in rules.computation_findings(computation, claimed, partial=True, where=where, remedy=NEW_CACHE):
         raise JobError(f"--update: {f.message}; {f.remedy}")

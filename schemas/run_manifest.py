@@ -127,10 +127,19 @@ def reference_findings(recorded: dict, now: dict) -> list[Finding]:
         a, b = recorded.get(key), now.get(key)
         same = same_cache(a, b) if key in ("cache", "eval_cache") else a == b
         if not same:
-            out.append(Finding("resume", "reference", f"the checkpoint was trained with another {key}", expected=a,
-                               found=b, remedy="resume with the --ref-cache/--ref-model, --data and --eval-data the "
+            out.append(Finding("resume", "reference", f"the checkpoint was trained with another {key}",
+                               expected=_named(a), found=_named(b), sides=("trained with", "you gave"),
+                               remedy="resume with the --ref-cache/--ref-model, --data and --eval-data the "
                                "checkpoint was trained on, or start a new run into a fresh --output-dir"))
     return out
+
+
+def _named(value) -> str:
+    """A recorded reference in one line: a cache by its cache_id and path, anything else as it is (none: 'none')."""
+    if isinstance(value, dict):
+        name = value.get("cache_id") or f"manifest sha256 {value.get('manifest_sha256')}"
+        return f"{name} ({value.get('path')})"
+    return "none" if value is None else str(value)
 
 
 def run_cache_findings(run: dict, cache_root, stamps: dict,

@@ -113,9 +113,19 @@ def test_show_unknown_row_is_refused_naming_it_and_how_to_find_ids(dpo_cache):
 
 
 def test_show_checks_the_tokenizer_before_showing_anything(dpo_cache, other_tokenizer):
+    from transformers import AutoTokenizer
+
+    from schemas.stamps import tokenizer_hash
+
     code, out, err = audit(dpo_cache, "--show", "0", "--tokenizer", other_tokenizer)
     assert code == 2 and out == ""
-    assert "tokenizer hashes to" in err and "the cache was made with" in err
+    assert "not the tokenizer the cache was made with" in err
+    # each hash labelled by its owner: the cache's recorded stamp, and the one of the tokenizer given
+    cached = json.loads((dpo_cache / fmt.MANIFEST).read_text())["stamps"]["tokenizer_hash"]
+    given = tokenizer_hash(AutoTokenizer.from_pretrained(other_tokenizer))
+    assert cached != given
+    assert re.search(rf"^\s+the cache:\s+{cached}$", err, re.M), err
+    assert re.search(rf"^\s+this tokenizer:\s+{given}$", err, re.M), err
 
 
 def test_show_without_the_recorded_model_asks_for_model(dpo_cache, tmp_path):
