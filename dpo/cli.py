@@ -279,8 +279,16 @@ def command_line(config_file, given: dict, **changes) -> str:
             words.append(flag if value else f"--no-{flag[2:]}")
         else:
             for v in value if isinstance(value, list) else [value]:
-                words += [flag, str(v)]
+                words += [flag, _number_text(v)]
     return " ".join(shlex.quote(w) for w in words)
+
+
+def _number_text(value) -> str:
+    """A value as the user would type it: a whole number given to a float option (TrainingArguments' save_steps,
+    logging_steps, ...) as an integer, 50 and not 50.0."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return str(value)
 
 
 def next_step(cfg, config_file, given: dict) -> str:
