@@ -200,7 +200,9 @@ def load_rows(path, split: str = "train") -> Source:
 
     path = Path(resolve_data(str(path)))
     if not path.exists():
-        raise DataError(path, None, "no such file or directory")
+        from .hub import not_here
+
+        raise DataError(path, None, not_here(path))
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
