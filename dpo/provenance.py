@@ -54,7 +54,7 @@ def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, s
                                    | ({"layout": live_layout} if live_layout else {}))
     manifest = rm.build_run_manifest(
         reference=reference,
-        initial_model={"path": cfg.model, "model_hash": initial_hash} | _hub(cfg.origins.get("model", {})),
+        initial_model={"path": rm.absolute(cfg.model), "model_hash": initial_hash} | _hub(cfg.origins.get("model", {})),
         data=origin(cfg.data, "dataset") | {"split": cfg.split, "fingerprint": train.fingerprint,
                                             "rows": train.table.num_rows},
         eval_data=origin(cfg.eval_data, "dataset") | {"split": cfg.eval_split,

@@ -65,7 +65,9 @@ def resolve_data(name: str | None) -> str | None:
 def origin(name: str, repo_type: str) -> dict:
     """Where a model or data set comes from, for the manifests and cards: {"path": the local path}, and for a hub id
     also {"hub_id": the id as given, "revision": the snapshot's commit (its folder's name in the HF cache)}."""
+    from schemas.run_manifest import absolute
+
     path = resolve(name, repo_type)
     if path == str(name):
-        return {"path": path}
+        return {"path": absolute(path)}
     return {"path": path, "hub_id": str(name), "revision": Path(path).name}

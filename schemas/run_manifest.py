@@ -5,6 +5,7 @@ them. See FORMAT.md, "Run manifest"."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .files import atomic_write
@@ -23,6 +24,15 @@ class RunManifestError(ValueError):
     """A run manifest or checkpoint record that is missing or malformed."""
 
 
+def absolute(where) -> str:
+    """A path as recorded in manifests and cards, meaningful once shared: a local path made absolute, a URL
+    (s3://, gs://, ...) as it is."""
+    text = str(where)
+    if "://" in text and not text.startswith("file://"):
+        return text
+    return os.path.abspath(text.removeprefix("file://"))  # ".." taken away by the text, no symlink followed
+
+
 def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -> dict:
     """How a run names a cache: its path, its `cache_id` and stamps (what is compared), and the sha256 of its
     manifest.json as it was (recorded only; the identity of runs recorded before cache_id). `manifest_file`: an
@@ -34,7 +44,7 @@ def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         manifest = None
-    return {"path": str(cache_dir), "cache_id": cache_id(manifest) if isinstance(manifest, dict) else None,
+    return {"path": absolute(cache_dir), "cache_id": cache_id(manifest) if isinstance(manifest, dict) else None,
             "manifest_sha256": sha256(path), "stamps": dict(stamps)}
 
 
