@@ -304,7 +304,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         echo(f"note: {note}", err=True)
     picks = (show.pick_rows(scan.index, opts.show, cache) if opts.show else
              show.sample_rows(scan.index, sample, opts.seed))
-    policy = None
+    policy, run_named = None, None
     if opts.run:
         try:
             recorded = run_manifest.read_run_manifest(opts.run)
@@ -314,12 +314,13 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         if problems:  # a log-ratio against a reference the run did not train with means nothing
             raise JobError(f"--run {opts.run}: {problems[0].message}")
         policy = show.load_policy(opts.run, opts.model, manifest, opts.trust_remote_code)
+        run_named = show.run_label(opts.run, recorded)
     views = show.row_views(root, picks, tokenizer, policy)
     if opts.show:
         colour = colour_wanted(sys.stdout)
         echo(show.render_text(views, colour=colour), colour=colour)
     if opts.html:
-        page = show.render_html(views, root, manifest, notes).encode("utf-8")
+        page = show.render_html(views, root, manifest, notes, run_named).encode("utf-8")
         output_file(opts.html, "--html", inputs(cache, opts, manifest), page)
         echo(f"wrote {opts.html}: {len(views)} row(s) token by token")
 

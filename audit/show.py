@@ -21,6 +21,7 @@ from runtime.terminal import escaped
 from runtime.terminal import style as styled
 from schemas import format as fmt
 from schemas import store
+from schemas.findings import labelled
 from schemas.rules import stamp_findings
 from schemas.stamps import tokenizer_hash
 
@@ -35,6 +36,7 @@ TERMINAL_COLOURS = {"likely": "green", "plausible": "yellow", "unlikely": "magen
 FIND_IDS = ("give a row id (the cache's `id` column: the data's `id` field, or the one precompute-ref gave the row; "
             "here {some}) or a row index 0..{last}; `audit-ref CACHE --html FILE --all` lists every row with its id")
 TOP_CONTRIBUTIONS = 3
+TOP_ALTERNATIVES = 3  # the reference's alternatives shown per token of a top-k cache
 
 
 @dataclass
@@ -47,6 +49,29 @@ class Part:
     texts: list[str]
     ref: np.ndarray | None = None
     ratio: np.ndarray | None = None
+    top: "TopK | None" = None  # a top-k cache's distribution at each completion token
+
+
+@dataclass
+class TopK:
+    """A completion's reference distribution as a top-k cache holds it: per token the K most probable ids ([T, K]),
+    their texts and log-probs, the log of the mass outside them (the tail), and with a policy the KL(policy ||
+    reference) over those K tokens and the rest (the bound train-dpo logs as kl/policy_ref)."""
+
+    ids: np.ndarray
+    texts: list[list[str]]
+    logps: np.ndarray
+    tail: np.ndarray
+    kl: np.ndarray | None = None
+
+    @property
+    def mass(self) -> np.ndarray:
+        """The probability the K tokens hold at each position (1 - exp(tail))."""
+        return -np.expm1(self.tail)
+
+    def alternatives(self, j: int, n: int = TOP_ALTERNATIVES) -> list[tuple[str, float]]:
+        """The reference's n most probable tokens at position j: (text, probability)."""
+        return [(self.texts[j][i], float(np.exp(self.logps[j][i]))) for i in range(min(n, len(self.texts[j])))]
 
 
 @dataclass
@@ -111,9 +136,11 @@ def verified_tokenizer(manifest: dict, source: str | None, trust_remote_code: bo
     tokenizer = load_tokenizer(source, trust_remote_code)
     differ = stamp_findings(manifest["stamps"], {"tokenizer_hash": tokenizer_hash(tokenizer)})
     if differ:
-        raise JobError(f"{source}: its tokenizer hashes to {differ[0].found}, the cache was made with "
-                       f"{differ[0].expected}: the token text would be wrong; pass --model (or --tokenizer) with the "
-                       "checkpoint the cache was made with")
+        f = differ[0]
+        hashes = "\n".join(labelled(("this tokenizer", "the cache"), f.expected, f.found))
+        raise JobError(f"{source}: not the tokenizer the cache was made with (tokenizer_hash), so the token text "
+                       f"would be wrong; pass --model (or --tokenizer) with the checkpoint the cache was made with\n"
+                       f"{hashes}")
     return tokenizer
 
 
@@ -163,14 +190,56 @@ def row_views(root: Path, picks: pl.DataFrame, tokenizer, policy=None) -> list[R
             parts = {"prompt": Part("prompt", r["prompt_input_ids"], _texts(tokenizer, r["prompt_input_ids"]))}
             for side in fmt.SIDES:
                 ids = r[f"{side}_input_ids"]
+                top = _top_k(r, side, tokenizer)
                 ratio = None
-                if policy is not None:
+                if policy is not None and top is not None:  # one forward: the log-ratios and the KL
+                    ratio, top.kl = _policy_against(policy, r["prompt_input_ids"], ids, r[f"{side}_logps"], top)
+                elif policy is not None:
                     policy_logps = reference_logps(policy, r["prompt_input_ids"], ids).cpu().double().numpy()
                     ratio = policy_logps - np.asarray(r[f"{side}_logps"], np.float64)
-                parts[side] = Part(side, ids, _texts(tokenizer, ids), np.asarray(r[f"{side}_logps"], np.float64), ratio)
+                parts[side] = Part(side, ids, _texts(tokenizer, ids), np.asarray(r[f"{side}_logps"], np.float64), ratio,
+                                   top)
             views[r["index"]] = RowView(r["id"], r["index"], shard, r["row"], **parts,
                                         chosen_logp=float(r["chosen_logp"]), rejected_logp=float(r["rejected_logp"]))
     return [views[i] for i in picks["index"].to_list()]
+
+
+def _top_k(row: dict, side: str, tokenizer) -> TopK | None:
+    """One completion's top-k columns (None for a cache without them), the ids' texts decoded once."""
+    if row.get(f"{side}_top_ids") is None:
+        return None
+    listed = row[f"{side}_top_ids"]
+    width = len(listed[0]) if len(listed) else 0
+    ids = np.asarray(listed, np.int64).reshape(len(listed), width)
+    flat = _texts(tokenizer, ids.ravel().tolist())
+    return TopK(ids, [flat[i * width:(i + 1) * width] for i in range(len(ids))],
+                np.asarray(row[f"{side}_top_logps"], np.float64).reshape(ids.shape),
+                np.asarray(row[f"{side}_tail"], np.float64))
+
+
+def _policy_against(policy, prompt_ids, ids, ref_logps, top: TopK) -> tuple[np.ndarray, np.ndarray]:
+    """The policy's log-ratio at each completion token and its KL(policy || reference) over the reference's K tokens
+    and the rest, from the policy's own distribution (runtime.logprobs.reference_log_softmax, the one definition)."""
+    import torch
+
+    from runtime.logprobs import reference_log_softmax
+
+    logps = reference_log_softmax(policy, prompt_ids, ids).double().cpu()
+    at_tokens = logps.gather(-1, torch.as_tensor(ids)[:, None]).squeeze(-1).numpy()
+    top_ids = torch.as_tensor(top.ids)
+    p_top = logps.gather(-1, top_ids).numpy()
+    p_rest = logps.scatter(-1, top_ids, float("-inf")).logsumexp(-1).numpy()
+    return at_tokens - np.asarray(ref_logps, np.float64), coarse_kl(p_top, p_rest, top.logps, top.tail)
+
+
+def coarse_kl(p_top: np.ndarray, p_rest: np.ndarray, q_top: np.ndarray, q_rest: np.ndarray) -> np.ndarray:
+    """Per position KL(p || q) of two distributions coarsened to K outcomes and the rest (log-probs, [T, K] and [T]):
+    the sum of p (log p - log q) over the outcomes, an outcome p gives no mass counting 0."""
+    lp = np.concatenate([p_top, p_rest[:, None]], 1)
+    lq = np.concatenate([q_top, q_rest[:, None]], 1)
+    with np.errstate(invalid="ignore"):
+        terms = np.where(np.isneginf(lp), 0.0, np.exp(lp) * (lp - lq))
+    return terms.sum(-1)
 
 
 def load_policy(run_dir: str, model_dir: str | None, manifest: dict, trust_remote_code: bool = False):
@@ -237,7 +306,8 @@ def render_text(views: list[RowView], colour: bool = True) -> str:
                 total += f", policy log-ratio {_signed(part.ratio.sum())}"
             out.append(f"  {part.name}: {len(part.ids)} tokens, {total}")
             header = f"    {'pos':>4} {'id':>7}  {'token':<18} {'ref logp':>9}"
-            out.append(header + (f" {'log-ratio':>10}" if part.ratio is not None else ""))
+            header += f" {'log-ratio':>10}" if part.ratio is not None else ""
+            out.append(header + (_top_k_header(part.top) if part.top is not None else ""))
             for j, (i, text, lp) in enumerate(zip(part.ids, part.texts, part.ref)):
                 shown = quoted(text)
                 line = (f"    {j:>4} {i:>7}  {style(shown.ljust(18), fg=TERMINAL_COLOURS[band(lp)])} "
@@ -245,13 +315,32 @@ def render_text(views: list[RowView], colour: bool = True) -> str:
                 if part.ratio is not None:
                     r = part.ratio[j]
                     line += " " + style(f"{_signed(r):>10}", fg="green" if r > 0 else "red" if r < 0 else None)
-                out.append(line)
+                out.append(line + (_top_k_cells(part.top, j) if part.top is not None else ""))
         margin = f"  margin: reference chosen - rejected {v.margin:+.3f}"
         if v.policy_margin is not None:
             margin += f"; policy log-ratio chosen - rejected {_signed(v.policy_margin)}"
         out += [margin, "  most of it from: " + _contribution_text(v), ""]
     out.append(f"bands: {legend}")
     return "\n".join(out)
+
+
+def _top_k_header(top: TopK) -> str:
+    k = top.ids.shape[1]
+    return (f" {'KL':>7}" if top.kl is not None else "") + f" {f'top-{k} mass':>12}  reference's top {min(k, TOP_ALTERNATIVES)}"
+
+
+def _top_k_cells(top: TopK, j: int) -> str:
+    """A token's KL (with a policy), the mass of the reference's top K and its most probable tokens."""
+    alternatives = ", ".join(f"{visible(text)!r} {p:.3f}" for text, p in top.alternatives(j))
+    width = len(f"top-{top.ids.shape[1]} mass")
+    return (f" {top.kl[j]:>7.4f}" if top.kl is not None else "") + f" {top.mass[j]:>{max(width, 12)}.4f}  {alternatives}"
+
+
+def _alternatives_title(top: TopK, j: int) -> str:
+    """The hover text of a top-k cache's token: its KL, the top-k mass and the reference's most probable tokens."""
+    kl = f", KL(policy||reference) {top.kl[j]:.4f}" if top.kl is not None else ""
+    alternatives = ", ".join(f"{visible(text)!r} {p:.3f}" for text, p in top.alternatives(j))
+    return f"{kl}, top-{top.ids.shape[1]} mass {top.mass[j]:.4f}; reference's most probable: {alternatives}"
 
 
 def _contributions(v: RowView) -> list[str]:
@@ -297,10 +386,13 @@ def _token_html(part: Part, j: int) -> str:
         return f'<span class="tok" title="id {part.ids[j]}">{text}</span>'
     lp = part.ref[j]
     extra = f" log-ratio {_signed(part.ratio[j])}" if part.ratio is not None else ""
+    extra += _alternatives_title(part.top, j) if part.top is not None else ""
     ratio = (f'<small class="{"up" if part.ratio[j] >= 0 else "down"}">{_signed(part.ratio[j])}</small>'
              if part.ratio is not None else "")
-    return (f'<span class="tok {band(lp)}" title="id {part.ids[j]}, log-prob {lp:.4f}{extra}">{text}'
-            f"<small>{lp:.2f}</small>{ratio}</span>")
+    kl = (f'<small class="kl">KL {part.top.kl[j]:.3f}</small>' if part.top is not None and part.top.kl is not None
+          else "")
+    return (f'<span class="tok {band(lp)}" title="id {part.ids[j]}, log-prob {lp:.4f}{html.escape(extra)}">{text}'
+            f"<small>{lp:.2f}</small>{ratio}{kl}</span>")
 
 
 def _row_html(v: RowView) -> str:
@@ -353,9 +445,22 @@ def _stamps_html(cache, manifest: dict, notes: list[str]) -> str:
     return table + "".join(f"<p><strong>{e(note)}</strong></p>" for note in notes)
 
 
-def render_html(views: list[RowView], cache, manifest: dict, notes: list[str] = ()) -> str:
-    """One self-contained page: the cache's stamps, a summary of where each row's margin comes from, and every row
-    token by token (coloured by log-prob band; hover a token for its id and values)."""
+def run_label(run_dir: str, recorded: dict) -> str:
+    """The run whose policy a view scores, as the page names it: its folder, run id, steps and final weights."""
+    config = recorded.get("config") if isinstance(recorded.get("config"), dict) else {}
+    result = recorded.get("result") if isinstance(recorded.get("result"), dict) else {}
+    facts = [f"run id {config['run_id']}" if config.get("run_id") else None,
+             f"{result['steps']} steps" if result.get("steps") is not None else None,
+             f"final model hash {recorded['final_model_hash']}" if recorded.get("final_model_hash") else None]
+    facts = [f for f in facts if f]
+    return str(Path(run_dir).resolve()) + (f" ({', '.join(facts)})" if facts else "")
+
+
+def render_html(views: list[RowView], cache, manifest: dict, notes: list[str] = (), run: str | None = None) -> str:
+    """One self-contained page: the cache's stamps (and the run whose log-ratios it shows), a summary of where each
+    row's margin comes from, and every row token by token (coloured by log-prob band; hover a token for its id and
+    values, and in a top-k cache the reference's most probable tokens)."""
+    top_k = any(p.top is not None for v in views for p in (v.chosen, v.rejected))
     legend = " ".join(f'<span class="tok {name}">{name}<small>p &ge; {np.exp(bound):.2g}</small></span>'
                       if np.isfinite(bound) else f'<span class="tok {name}">{name}<small>lower</small></span>'
                       for bound, name in BANDS)
@@ -366,9 +471,15 @@ def render_html(views: list[RowView], cache, manifest: dict, notes: list[str] = 
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
         f"<title>{title}</title><style>{CSS}</style></head><body>",
         f"<h1>{title}</h1>", _stamps_html(cache, manifest, list(notes)),
+        *([f"<p>Policy: the train-dpo run <code>{html.escape(run)}</code>; its log-ratios are shown.</p>"] if run
+          else []),
         f"<p>Reference log-prob bands: {legend}. Grey tokens are the prompt (not scored); the black bar is where it "
         "ends. Under each completion token: its reference log-prob"
         + (" and the policy's log-ratio (policy minus reference)" if any(v.policy_margin is not None for v in views)
-           else "") + ".</p>",
+           else "")
+        + (", and its KL(policy || reference) over the reference's top-k tokens and the rest" if top_k and run
+           else "") + "."
+        + (" Hover a token for the top-k mass and the reference's most probable tokens with their probabilities."
+           if top_k else "") + "</p>",
         f"<h2>Where the margin comes from ({len(views)} rows)</h2>", _summary_html(views),
         *(_row_html(v) for v in views), "</body></html>", ""])

@@ -112,12 +112,44 @@ def model_card(manifest: dict, records: list[dict], *, kind: str, plot: str | No
     meta = ModelCardData(
         base_model=base.get("hub_id"), datasets=datasets or None, license=base_license(base["path"]),
         library_name="peft" if kind == "adapter" else "transformers", pipeline_tag="text-generation",
-        tags=["dpo", TAG] + (["lora"] if peft else []), **{RUN_KEY: manifest.get("run_id")})
+        tags=["dpo", TAG] + (["lora"] if peft else []), **{RUN_KEY: manifest.get("run_id")},
+        refcache_reference=reference_metadata(manifest["reference"]))
     return ModelCard.from_template(
         meta, template_str=TEMPLATE, title=_title(manifest), summary=_summary(manifest, kind),
         base=_base(base, peft), data=_data(data, eval_data), reference=_reference(manifest["reference"], peft),
         options=_options(config, manifest.get("result") or {}, peft, manifest.get("kl_control")), results=_results(manifest, records),
         plot=plot, usage=_usage(kind, base, peft), software=_software(manifest.get("software") or {}))
+
+
+def reference_metadata(reference: dict) -> dict:
+    """The reference a run trained against, machine-readable in the card's YAML header (`refcache_reference`): the
+    reference model (hub id, else absolute path) and its model hash, and per cache its cache_id, version and path."""
+    caches = {role: reference.get(key) for role, key in (("train", "cache"), ("eval", "eval_cache"))
+              if isinstance(reference.get(key), dict)}
+    if not caches:
+        live = reference.get("live_model") or {}
+        return {"model": live.get("hub_id") or live.get("path"), "model_hash": live.get("model_hash"), "cache": None}
+    train = next(iter(caches.values()))
+    out = {"model": _cache_model(train.get("path")), "model_hash": (train.get("stamps") or {}).get("model_hash")}
+    for role, record in caches.items():
+        out[f"{role}_cache"] = {"cache_id": record.get("cache_id"), "version": _cache_version(record),
+                                "path": record.get("path")}
+    return out
+
+
+def _cache_version(record: dict) -> int | None:
+    """The version of an updated cache a run used (precompute-ref --update): the record's, else that of the cache's
+    manifest when it is still the one recorded (same cache_id); None when it cannot be told."""
+    if record.get("version") is not None:
+        return record["version"]
+    try:
+        from schemas.history import version_of
+        from schemas.run_manifest import cache_id
+
+        manifest = json.loads((Path(record["path"]) / "manifest.json").read_text(encoding="utf-8"))
+        return version_of(manifest) if cache_id(manifest) == record.get("cache_id") else None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 def base_license(model_dir: str) -> str | None:

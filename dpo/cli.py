@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
-from runtime.cli import (GroupedCommand, Location, dataclass_options, exit_without_teardown, given_values, option_specs,
-                         quiet_libraries, run_cli, spec_options)
+from runtime.cli import (TRL_ALIASES, GroupedCommand, Location, dataclass_options, exit_without_teardown,
+                         given_values, option_specs, quiet_libraries, run_cli, spec_options)
 from runtime.terminal import echo
 
 from .lora import LoraOptions
@@ -35,10 +35,6 @@ TRAINER = {s.name for s in TRAINER_SPECS if not s.name.startswith("_")}
 SPECS = {s.name: s for s in [*TRAINER_SPECS, *option_specs(LoraOptions),
                              *option_specs(TrainConfig, enforce_required=False, aliases=None)]}
 REQUIRED = tuple(name for name, f in OURS.items() if f.metadata.get("required"))
-# TRL's names for our options (`trl dpo`'s ScriptArguments / ModelConfig fields): the one table of them, --config keys
-# and command-line options alike (--model_name_or_path is --model)
-TRL_ALIASES = {"model_name_or_path": "model", "dataset_name": "data", "dataset_train_split": "split",
-               "dataset_test_split": "eval_split", "dtype": "model_dtype"}
 # DPOConfig keys whose job refcache's reference cache does: noted, not refused
 REPLACED_BY_CACHE = ("precompute_ref_log_probs", "precompute_ref_batch_size")
 # older TRL's DPOConfig.ref_model_init_kwargs (from_pretrained's keyword arguments for the reference): the keys that
@@ -350,8 +346,16 @@ def command_line(config_file, given: dict, **changes) -> str:
             words.append(flag if value else f"--no-{flag[2:]}")
         else:
             for v in value if isinstance(value, list) else [value]:
-                words += [flag, str(v)]
+                words += [flag, _number_text(v)]
     return " ".join(shlex.quote(w) for w in words)
+
+
+def _number_text(value) -> str:
+    """A value as the user would type it: a whole number given to a float option (TrainingArguments' save_steps,
+    logging_steps, ...) as an integer, 50 and not 50.0."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return str(value)
 
 
 def next_step(cfg, config_file, given: dict) -> str:

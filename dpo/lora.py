@@ -164,6 +164,18 @@ def base_name(base: dict) -> str:
     return base.get("hub_id") or str(Path(base["path"]).resolve())
 
 
+def target_modules(given: str | None) -> str | list[str]:
+    """--lora-target-modules as peft takes it: module names as a list, and `all-linear` (alone) as peft's own special
+    value, a string (in a list peft would look for a module named all-linear)."""
+    targets = [t.strip() for t in given.split(",") if t.strip()] if given else []
+    if not targets or targets == [DEFAULT_TARGETS]:
+        return DEFAULT_TARGETS
+    if DEFAULT_TARGETS in targets:
+        raise JobError(f"--lora-target-modules {given}: {DEFAULT_TARGETS} already names every linear layer; give it "
+                       "alone, or only module names")
+    return targets
+
+
 def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: int, base: dict):
     """The base (with --init-adapter merged in when it was loaded) wrapped with a fresh, trainable LoRA adapter, its
     random lora_A drawn from `seed` (the Trainer seeds only after the model is built; without this the run would not
@@ -180,10 +192,9 @@ def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: in
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
         model.enable_input_require_grads()  # the frozen embeddings' output must carry grad through checkpoints
-    targets = [t.strip() for t in opts.lora_target_modules.split(",") if t.strip()] if opts.lora_target_modules else []
     config = peft.LoraConfig(
         r=opts.lora_r, lora_alpha=opts.lora_alpha, lora_dropout=opts.lora_dropout, bias="none", task_type="CAUSAL_LM",
-        target_modules=targets or DEFAULT_TARGETS,
+        target_modules=target_modules(opts.lora_target_modules),
     )
     try:
         with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # QLoRA: on the GPU

@@ -57,8 +57,8 @@ def check_resume_reference(checkpoint: str, record: dict, train=None, evaluation
     found = rm.reference_findings(recorded, record)
     if found:
         f = found[0]
-        raise JobError(f"--resume-from-checkpoint {checkpoint}: {f.message}\n  checkpoint: {f.expected}\n"
-                       f"  this run:   {f.found}\n  remedy:     {f.remedy}")
+        raise JobError(f"--resume-from-checkpoint {checkpoint}: {f.message}\n{f.sides_text()}\n"
+                       f"  remedy:       {f.remedy}")
 
 
 def _moved_on(recorded, now, rows) -> tuple[int, int, list[str]] | None:
@@ -103,7 +103,7 @@ def write_run_manifest(cfg, out: Path, record: dict, train, initial_hash: str, s
                                    | ({"layout": live_layout} if live_layout else {}))
     manifest = rm.build_run_manifest(
         reference=reference,
-        initial_model={"path": cfg.model, "model_hash": initial_hash} | _hub(cfg.origins.get("model", {})),
+        initial_model={"path": rm.absolute(cfg.model), "model_hash": initial_hash} | _hub(cfg.origins.get("model", {})),
         data=origin(cfg.data, "dataset") | {"split": cfg.split, "fingerprint": train.fingerprint,
                                             "rows": train.table.num_rows},
         eval_data=origin(cfg.eval_data, "dataset") | {"split": cfg.eval_split,

@@ -296,6 +296,7 @@ def run_train(cfg: TrainConfig, log=echo) -> dict:
     timer.mark("checks")
     run = _verify(cfg, policy, log)
     check_top_k(cfg, run)
+    note_eval_without_top_k(cfg, run, log)
     timer.mark("verify")
     with contextlib.ExitStack() as held:  # the lock of --output-dir, and a split reference's offload folder
         model, ref_model = _load_models(cfg, run, args, held, log)
@@ -395,6 +396,17 @@ def check_top_k(cfg: TrainConfig, run: Run) -> None:
             f"{option} needs the reference's top-k distribution at every completion token, and {held}: run "
             f"`precompute-ref --model {cfg.ref_model or cfg.model} --data {data} --split {split} --out NEW_CACHE "
             f"--top-k 32` (the same encoding options; any K > 0) and pass {flag} NEW_CACHE")
+
+
+def note_eval_without_top_k(cfg: TrainConfig, run: Run, log) -> None:
+    """A top-k train cache with eval rows without top-k: the train steps log the KL figures, the evaluations cannot;
+    one note, so a missing eval KL is not a surprise."""
+    has = lambda rows: rows is not None and "ref_chosen_top_ids" in rows.table.column_names
+    if has(run.train) and run.evaluation is not None and not has(run.evaluation):
+        where = (f"the eval cache {cfg.eval_ref_cache} was made without --top-k" if cfg.eval_ref_cache else
+                 "the eval rows have no top-k distribution")
+        log(f"note: {where}, so the evaluations log no KL figures (the train steps do, from --ref-cache's top-k); "
+            f"precompute-ref the eval split with --top-k for them")
 
 
 def _same_folder(a: str | None, b: str) -> bool:

@@ -7,8 +7,8 @@ import os
 import click
 
 from precompute.config import PrecomputeConfig, checked_inputs
-from runtime.cli import (ENCODING_OPTIONS, GroupedCommand, dataclass_options, encoding_from, encoding_options,
-                         exit_without_teardown, given_values, quiet_libraries, run_cli)
+from runtime.cli import (ENCODING_OPTIONS, TRL_ALIASES, GroupedCommand, dataclass_options, encoding_from,
+                         encoding_options, exit_without_teardown, given_values, quiet_libraries, run_cli)
 from runtime.terminal import echo
 
 
@@ -38,11 +38,13 @@ def summary_text(s: dict) -> str:
         f"  skipped rows: {s['skipped']} ({skipped}); identical chosen/rejected: {s['identical_pairs']}\n{work}\n"
         f"  cache size: {s['bytes'] / 2**20:.2f} MiB"
         + (f" ({per_token:.1f} bytes per completion token)" if per_token is not None else "")
+        + (f"\n  top-{s['top_k']}: every completion token's {s['top_k']} most probable tokens (ids, log-probs) and "
+           "the mass outside them, for train-dpo's KL figures" if s.get("top_k") else "")
     )
 
 
 @click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@dataclass_options(PrecomputeConfig)
+@dataclass_options(PrecomputeConfig, aliases=TRL_ALIASES)
 @encoding_options
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def main(debug, **options):

@@ -87,7 +87,9 @@ class PrecomputeConfig:
     top_k: int = field(default=0, metadata=field_help(
         "Also store, for every completion token, the reference's K most probable token ids, their log-probs and "
         "the log of the probability mass outside them (the tail), from the same forward: what train-dpo's KL "
-        "figures and token-level losses read. 0: only the log-prob of each completion token.", "Computation",
+        "figures and token-level losses read. 0: only the log-prob of each completion token. Size, measured on "
+        "data/ (README): about 7 bytes per completion token at K = 0, 31 at K = 8, 86 at K = 32, 288 at K = 128 "
+        "(2 to 3 bytes per K per completion token).", "Computation",
         domain="natural"))
     torch_compile: bool = field(default=False, metadata=field_help(
         "Compile the scoring forward with torch.compile (dynamic shapes): used only where it reproduces the model's "

@@ -414,6 +414,7 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
         "tokens": scored["tokens"],
         "padding_fraction": 1 - scored["processed"] / scored["slots"] if scored["slots"] else 0.0,
         "mode": scored["computation"]["mode"],
+        "top_k": scored["computation"].get("top_k") or 0,
         "wall_s": wall,
         "tokens_per_s": scored["tokens"] / wall if wall else 0.0,
         "rank_wall_s": scored["rank_wall_s"],  # each rank's (group's) scoring wall time (torchrun: spread = max - min)

@@ -49,16 +49,15 @@ def _previous_manifest(out: Path, stamps: dict, encoding: EncodingConfig) -> dic
     recorded = {**manifest["stamps"], "encoding": manifest["encoding"]}
     for f in rules.stamp_findings(recorded, {**{k: stamps[k] for k in fmt.STAMPS}, "encoding": encoding.to_dict()}):
         remedy = UPDATE if f.kind == "mask_checksum" else OVERWRITE
-        raise JobError(f"{out} already holds a different cache; {remedy}\n  {f.kind}: existing {f.found}, "
-                       f"this job {f.expected}")
+        raise JobError(f"{out} already holds a different cache; {remedy}\n  {f.kind}:\n{f.sides_text('    ')}")
     return manifest
 
 
 def _refuse(findings, what: str):
     f = findings[0]
     if f.kind == "computation":
-        raise JobError(f"{what}: {f.message}\n  recorded: {f.expected}\n  this run: {f.found}\n  remedy:   {f.remedy}")
-    raise JobError(f"{what}; {OVERWRITE}\n  {f.message}\n  this job: {f.expected}\n  found:    {f.found}")
+        raise JobError(f"{what}: {f.message}\n{f.sides_text()}\n  remedy:   {f.remedy}")
+    raise JobError(f"{what}; {OVERWRITE}\n  {f.message}\n{f.sides_text()}")
 
 
 def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: EncodingConfig, claimed: dict, *,

@@ -136,8 +136,7 @@ def _same_identity(out: Path, base: dict, job, cfg, claimed: dict) -> None:
                 raise JobError(f"--update: {f.message}: the cache was made with {', '.join(options)}\n  the cache: "
                                f"{differ}\n  this run:  {({k: (f.expected or {}).get(k) for k in differ})}\n  "
                                f"remedy:    {remedies.setting(options)}")
-        raise JobError(f"--update: {f.message}\n  the cache: {f.found}\n  this run:  {f.expected}\n  remedy:    "
-                       f"{NEW_CACHE}")
+        raise JobError(f"--update: {f.message}\n{f.sides_text()}\n  remedy:    {NEW_CACHE}")
     computation = base.get("computation") if isinstance(base.get("computation"), dict) else {}
     for f in rules.computation_findings(computation, claimed, partial=True, where=where, remedy=NEW_CACHE):
         key, value = next(iter(f.expected.items()))

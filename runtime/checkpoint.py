@@ -59,6 +59,10 @@ class Checkpoint:
         """Refuse a folder we will not load (no config.json, pickle-only or missing weights, custom code not
         allowed, an unusable adapter), before any expensive work."""
         path = Path(model_dir)
+        if not path.exists():
+            from .hub import not_here
+
+            raise JobError(f"{model_dir}: {not_here(path)}")
         if not (path / "config.json").is_file():
             raise JobError(f"{model_dir}: not a Hugging Face checkpoint folder (no config.json)")
         try:

@@ -164,6 +164,13 @@ def quiet_libraries() -> None:
     logging.getLogger("accelerate").setLevel(logging.ERROR)  # --device-map: precompute-ref prints the layout itself
 
 
+# TRL's names for our options (`trl dpo`'s ScriptArguments / ModelConfig fields): the one table of them, for every
+# command (precompute-ref and train-dpo take the same spellings) and train-dpo's --config keys alike
+# (--model_name_or_path is --model); a command takes those whose field it has.
+TRL_ALIASES = {"model_name_or_path": "model", "dataset_name": "data", "dataset_train_split": "split",
+               "dataset_test_split": "eval_split", "dtype": "model_dtype"}
+
+
 def encoding_options(f):
     """Encoding options shared by every command that encodes data (generated from EncodingConfig)."""
     return dataclass_options(EncodingConfig, group="Encoding")(f)
@@ -299,15 +306,51 @@ class GroupedOption(click.Option):
         self.group = group
 
 
+# the words transformers' HfArgumentParser takes after a boolean option (its string_to_bool), case-insensitive
+TRUE_WORDS, FALSE_WORDS = frozenset({"true", "t", "yes", "y", "1"}), frozenset({"false", "f", "no", "n", "0"})
+
+
+def bool_words(params, args: list[str]) -> list[str]:
+    """The command line with each boolean option's true/false word folded into the option, as TRL's scripts and docs
+    write them for transformers' HfArgumentParser (`--bf16 True`, `--disable-tqdm=false`, `--gradient_checkpointing
+    True`): `--x true` is `--x`, `--x false` is `--no-x` (a flag without a --no- form: not given). Every boolean option
+    of every command (Command.parse_args); anything after `--` is left as it is."""
+    opposite: dict[str, str | None] = {}
+    for p in params:
+        if isinstance(p, click.Option) and p.is_flag and p.is_bool_flag:
+            for on in p.opts:
+                opposite[on] = p.secondary_opts[0] if p.secondary_opts else None
+            for off in p.secondary_opts:
+                opposite[off] = p.opts[0]
+    out, i = [], 0
+    while i < len(args):
+        word = args[i]
+        if word == "--":
+            return out + args[i:]
+        flag, eq, value = word.partition("=")
+        if flag in opposite and (eq or (i + 1 < len(args) and args[i + 1].lower() in TRUE_WORDS | FALSE_WORDS)):
+            value = value if eq else args[i + 1]
+            if value.lower() not in TRUE_WORDS | FALSE_WORDS:
+                raise click.UsageError(f"{flag}={value}: a boolean option takes true or false (or no value)")
+            i += 1 if eq else 2
+            chosen = flag if value.lower() in TRUE_WORDS else opposite[flag]
+            out += [chosen] if chosen else []
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
 class Command(click.Command):
-    """A command whose command-line errors (click's own, raised while the options are parsed: a value that is not a
-    choice, a path that does not exist) print their text by the terminal rule too (runtime/terminal.py)."""
+    """Every command's parser: a boolean option may be followed by a true/false word (bool_words), and command-line
+    errors (click's own, raised while the options are parsed: a value that is not a choice, a path that does not
+    exist) print their text by the terminal rule too (runtime/terminal.py)."""
 
     def parse_args(self, ctx, args):
         from .terminal import printable
 
         try:
-            return super().parse_args(ctx, args)
+            return super().parse_args(ctx, bool_words(self.get_params(ctx), list(args)))
         except click.UsageError as e:
             e.message = printable(e.message)
             raise

@@ -280,7 +280,9 @@ def load_rows(path, split: str = "train", config: str | None = None) -> Source:
 
     path = Path(resolve_data(str(path)))
     if not path.exists():
-        raise DataError(path, None, "no such file or directory")
+        from .hub import not_here
+
+        raise DataError(path, None, not_here(path))
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
         if config is not None:
             raise DataError(path, None, f"--data-config {config!r}: a save_to_disk folder has no configs; leave "

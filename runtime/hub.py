@@ -13,6 +13,31 @@ def _looks_like_repo_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not str(name).startswith((".", "~"))
 
 
+def not_here(name) -> str:
+    """Why a local path that does not exist is not there, for its refusal: "does not exist", what its folder holds
+    and the closest name there (a typo such as d1/trian.jsonl: did you mean d1/train.jsonl?), or the nearest folder
+    up that does exist."""
+    import difflib
+
+    path = Path(str(name))
+    parent = path.parent
+    while not parent.is_dir() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return "does not exist"
+    if parent != path.parent:
+        return f"does not exist (nor does {path.parent}; the nearest folder that does is {parent})"
+    try:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in parent.iterdir() if not p.name.startswith("."))
+    except OSError:
+        return "does not exist"
+    closest = difflib.get_close_matches(path.name, [n.rstrip("/") for n in names], n=1, cutoff=0.6)
+    where = "the current folder" if str(parent) in ("", ".") else str(parent)
+    held = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "") if names else "nothing"
+    return ("does not exist" + (f"; did you mean {parent / closest[0]}?" if closest else "")
+            + f" ({where} holds: {held})")
+
+
 def resolve(name: str, repo_type: str) -> str:
     """`name` itself when it is a local path; else the snapshot folder of hub repo `name` in the local HF cache."""
     name = str(name)  # a command line's location (runtime.cli.Location): a hub id reads as a relative path
@@ -23,6 +48,8 @@ def resolve(name: str, repo_type: str) -> str:
     try:
         return snapshot_download(repo_id=name, repo_type=repo_type, local_files_only=True)
     except Exception:  # huggingface_hub raises LocalEntryNotFoundError (and friends) for anything not cached
+        if Path(name).parent.is_dir() and Path(name).parent != Path("."):  # a local path mistyped, not a hub id
+            raise JobError(f"{name}: {not_here(name)}") from None
         flag = " --repo-type dataset" if repo_type == "dataset" else ""
         raise JobError(f"{name}: no such local path, and the {repo_type} {name} was not found locally in the Hugging "
                        f"Face cache; download with `hf download {name}{flag}` (or pass a local folder)") from None
@@ -39,9 +66,11 @@ def resolve_data(name: str | None) -> str | None:
 def origin(name: str, repo_type: str) -> dict:
     """Where a model or data set comes from, for the manifests and cards: {"path": the local path}, and for a hub id
     also {"hub_id": the id as given, "revision": the snapshot's commit (its folder's name in the HF cache)}."""
+    from schemas.run_manifest import absolute
+
     path = resolve(name, repo_type)
     if path == str(name):
-        return {"path": path}
+        return {"path": absolute(path)}
     return {"path": path, "hub_id": str(name), "revision": Path(path).name}
 
 

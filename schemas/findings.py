@@ -12,18 +12,39 @@ STAMP_KINDS = frozenset({"model_hash", "tokenizer_hash", "mask_checksum", "encod
                          "ids_checksum", "computation"})
 
 
-class CacheError(Exception):
-    """A cache that must not be used. `kind` is a stable key (tests and audit-ref match on it)."""
+# The owners of a mismatch's two values as every message names them: the recorded value first (the cache's, a
+# checkpoint's), then the caller's (train-dpo's run, precompute-ref's job). A finding without owners (a shard against
+# its manifest entry) keeps "expected" / "found".
+CACHE_SIDE, RUN_SIDE = "the cache", "this run"
+RECORDED_SIDES = (CACHE_SIDE, "the checkpoint", "trained with")
+UNOWNED = ("expected", "found")
 
-    def __init__(self, kind, message, *, remedy, expected=None, found=None, shard=None, row=None):
+
+def labelled(sides: tuple[str, str] | None, expected, found, indent: str = "  ") -> list[str]:
+    """The two values of a mismatch, one line each, labelled by their owners (`sides`: the owners of `expected` and
+    of `found`), the cache's side first where one is the cache, the values aligned. The one way every mismatch
+    message labels its sides."""
+    sides = tuple(sides or UNOWNED)
+    pairs = list(zip(sides, (expected, found)))
+    if sides[1].startswith(RECORDED_SIDES):
+        pairs.reverse()
+    width = max(len(name) for name, _ in pairs) + 1
+    return [f"{indent}{(name + ':').ljust(width)} {value}" for name, value in pairs]
+
+
+class CacheError(Exception):
+    """A cache that must not be used. `kind` is a stable key (tests and audit-ref match on it). `sides`: the owners of
+    `expected` and `found` (labelled)."""
+
+    def __init__(self, kind, message, *, remedy, expected=None, found=None, shard=None, row=None, sides=None):
         self.kind, self.message, self.remedy = kind, message, remedy
-        self.expected, self.found, self.shard, self.row = expected, found, shard, row
+        self.expected, self.found, self.shard, self.row, self.sides = expected, found, shard, row, sides
         super().__init__(str(self))
 
     def __str__(self):
         lines = [self.message]
         if self.expected is not None or self.found is not None:
-            lines += [f"  expected: {self.expected}", f"  found:    {self.found}"]
+            lines += labelled(self.sides, self.expected, self.found)
         if self.shard is not None:
             lines.append(f"  where:    shard {self.shard}" + (f", row {self.row}" if self.row is not None else ""))
         lines.append(f"  remedy:   {self.remedy}")
@@ -45,8 +66,13 @@ class Finding:
     row: int | None = None  # row index inside `shard`
     count: int = 1  # rows or shards failing this rule in the same place (the first is described)
     remedy: str = RERUN
+    sides: tuple[str, str] | None = None  # the owners of expected and found (labelled); None: "expected", "found"
 
     def error(self) -> CacheError:
         cls = StampMismatch if self.kind in STAMP_KINDS else CacheError
         return cls(self.kind, self.message, remedy=self.remedy, expected=self.expected, found=self.found,
-                   shard=self.shard, row=self.row)
+                   shard=self.shard, row=self.row, sides=self.sides)
+
+    def sides_text(self, indent: str = "  ") -> str:
+        """expected and found, one line each, labelled by owner (labelled)."""
+        return "\n".join(labelled(self.sides, self.expected, self.found, indent))

@@ -29,7 +29,7 @@ from . import store
 from .card import DEFINED, card_metadata, read_card_metadata
 from .format import TOP_K_COLUMNS
 from .encoding import EncodingConfig, row_mask_checksum
-from .findings import RERUN, CacheError, Finding
+from .findings import CACHE_SIDE, RERUN, RUN_SIDE, CacheError, Finding
 from .stamps import canonical_json, combined_mask_checksum, ids_checksum
 
 SUM_TOLERANCE = 1e-6  # a stored float64 sum vs the float64 sum of the stored float32 values
@@ -488,7 +488,7 @@ def computation_findings(recorded: dict, now: dict, *, partial: bool = False, wh
         if was != uses:
             out.append(Finding("computation", "computation", f"{where} was computed with {key}={was!r}, "
                                f"this run uses {key}={uses!r}", expected={key: was}, found={key: uses},
-                               remedy=remedy))
+                               remedy=remedy, sides=(CACHE_SIDE, RUN_SIDE)))
     return out
 
 
@@ -626,7 +626,7 @@ def stamp_findings(stamps: dict, now: dict, *, where: str = "the cache", remedie
         else:
             message = f"{key} mismatch with {where}"
         out.append(Finding("stamps", key, message, expected=value, found=found,
-                           remedy=(remedies or {}).get(key, RERUN)))
+                           remedy=(remedies or {}).get(key, RERUN), sides=(RUN_SIDE, CACHE_SIDE)))
     return out
 
 
@@ -649,7 +649,7 @@ def option_findings(recorded: EncodingConfig, requested: dict, *, where: str = "
         if value is not None and getattr(recorded, key) != value:
             out.append(Finding("stamps", "encoding", f"{option(key)} {value} conflicts with {where}, made with "
                                f"{key}={getattr(recorded, key)}", expected=value, found=getattr(recorded, key),
-                               remedy=remedy))
+                               remedy=remedy, sides=(RUN_SIDE, CACHE_SIDE)))
     return out
 
 
@@ -671,7 +671,8 @@ def row_findings(index, expected: dict[str, str], *, where: str = "the cache",
             return [Finding("rows", "mask_checksum", f"mask checksum mismatch for row {rid!r}: its token ids differ "
                             "from the cached ones (data edited, or a different tokenizer or encoding)",
                             expected=checksum, found=checks[i], shard=index.column("shard")[i].as_py(),
-                            row=index.column("row")[i].as_py(), remedy=remedies.get("mask_checksum", RERUN))]
+                            row=index.column("row")[i].as_py(), remedy=remedies.get("mask_checksum", RERUN),
+                            sides=(RUN_SIDE, CACHE_SIDE))]
     return []
 
 

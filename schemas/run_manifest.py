@@ -5,6 +5,7 @@ them. See FORMAT.md, "Run manifest"."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .files import atomic_write
@@ -23,6 +24,15 @@ class RunManifestError(ValueError):
     """A run manifest or checkpoint record that is missing or malformed."""
 
 
+def absolute(where) -> str:
+    """A path as recorded in manifests and cards, meaningful once shared: a local path made absolute, a URL
+    (s3://, gs://, ...) as it is."""
+    text = str(where)
+    if "://" in text and not text.startswith("file://"):
+        return text
+    return os.path.abspath(text.removeprefix("file://"))  # ".." taken away by the text, no symlink followed
+
+
 def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -> dict:
     """How a run names a cache: its path, its `cache_id` and stamps (what is compared), the sha256 of its
     manifest.json as it was (recorded only; the identity of runs recorded before cache_id) and the reference model
@@ -38,7 +48,7 @@ def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -
     from .history import version_of  # (polars: only where a run names a cache)
 
     model = manifest.get("model") if isinstance(manifest, dict) else None  # the reference, as the cache names it
-    return {"path": str(cache_dir), "cache_id": cache_id(manifest) if isinstance(manifest, dict) else None,
+    return {"path": absolute(cache_dir), "cache_id": cache_id(manifest) if isinstance(manifest, dict) else None,
             "manifest_sha256": sha256(path), "stamps": dict(stamps), "model": model if isinstance(model, dict) else None,
             "version": version_of(manifest) if isinstance(manifest, dict) else None}
 
@@ -132,10 +142,19 @@ def reference_findings(recorded: dict, now: dict) -> list[Finding]:
         a, b = recorded.get(key), now.get(key)
         same = same_cache(a, b) if key in ("cache", "eval_cache") else a == b
         if not same:
-            out.append(Finding("resume", "reference", f"the checkpoint was trained with another {key}", expected=a,
-                               found=b, remedy="resume with the --ref-cache/--ref-model, --data and --eval-data the "
+            out.append(Finding("resume", "reference", f"the checkpoint was trained with another {key}",
+                               expected=_named(a), found=_named(b), sides=("trained with", "you gave"),
+                               remedy="resume with the --ref-cache/--ref-model, --data and --eval-data the "
                                "checkpoint was trained on, or start a new run into a fresh --output-dir"))
     return out
+
+
+def _named(value) -> str:
+    """A recorded reference in one line: a cache by its cache_id and path, anything else as it is (none: 'none')."""
+    if isinstance(value, dict):
+        name = value.get("cache_id") or f"manifest sha256 {value.get('manifest_sha256')}"
+        return f"{name} ({value.get('path')})"
+    return "none" if value is None else str(value)
 
 
 def run_cache_findings(run: dict, cache_root, stamps: dict,

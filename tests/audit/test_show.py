@@ -113,9 +113,19 @@ def test_show_unknown_row_is_refused_naming_it_and_how_to_find_ids(dpo_cache):
 
 
 def test_show_checks_the_tokenizer_before_showing_anything(dpo_cache, other_tokenizer):
+    from transformers import AutoTokenizer
+
+    from schemas.stamps import tokenizer_hash
+
     code, out, err = audit(dpo_cache, "--show", "0", "--tokenizer", other_tokenizer)
     assert code == 2 and out == ""
-    assert "tokenizer hashes to" in err and "the cache was made with" in err
+    assert "not the tokenizer the cache was made with" in err
+    # each hash labelled by its owner: the cache's recorded stamp, and the one of the tokenizer given
+    cached = json.loads((dpo_cache / fmt.MANIFEST).read_text())["stamps"]["tokenizer_hash"]
+    given = tokenizer_hash(AutoTokenizer.from_pretrained(other_tokenizer))
+    assert cached != given
+    assert re.search(rf"^\s+the cache:\s+{cached}$", err, re.M), err
+    assert re.search(rf"^\s+this tokenizer:\s+{given}$", err, re.M), err
 
 
 def test_show_without_the_recorded_model_asks_for_model(dpo_cache, tmp_path):
@@ -342,3 +352,97 @@ def test_show_and_html_of_a_row_with_a_nan_logprob(dpo_cache, tmp_path):
     code, _, err = audit(cache, "--html", page, "--show", "0")
     assert code == 0, err
     assert 'class="tok invalid"' in page.read_text()
+# ---------------------------------------------------------------------------------------------------------------
+# a top-k cache: the reference's alternatives, the top-k mass, and with --run the per-token KL
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def top_k_cache(tmp_path_factory, llama_dir, dpo_data):
+    return precompute_in_process(llama_dir, dpo_data, tmp_path_factory.mktemp("top-k") / "cache", top_k=K)
+
+
+def top_k_lines(out: str, part: str) -> list[str]:
+    """The token lines of one part's table in --show's output of a top-k cache."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  {part}: ")) + 2
+    rows = []
+    for line in lines[start:]:
+        if not re.match(r"^\s+\d+\s+\d+\s", line):
+            break
+        rows.append(line)
+    return rows
+
+
+def by_hand(model, row: dict, side: str):
+    """The model's own distribution at each completion token, by hand: [T, vocabulary] log-probs."""
+    ids = row["prompt_input_ids"] + row[f"{side}_input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    start = len(row["prompt_input_ids"])
+    return logits.log_softmax(-1)[start - 1 : -1]
+
+
+def test_show_of_a_top_k_cache_gives_each_tokens_alternatives_and_top_k_mass(top_k_cache, llama_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    code, out, err = audit(top_k_cache, "--show", "3")
+    assert code == 0, err
+    assert f"top-{K} mass" in out and "reference's top 3" in out
+    reference = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    row = read_cache(top_k_cache).row(3, named=True)
+    for side in fmt.SIDES:
+        logps = by_hand(reference, row, side)
+        lines = top_k_lines(out, side)
+        assert len(lines) == len(row[f"{side}_input_ids"])
+        for j, line in enumerate(lines):
+            top = logps[j].topk(3)
+            mass = float(logps[j].topk(K).values.exp().sum())
+            shown_mass, alternatives = re.search(r"\s([01]\.\d{4})  (.*)$", line).groups()
+            assert abs(float(shown_mass) - mass) < 2e-3, (line, mass)
+            probabilities = [float(p) for p in re.findall(r" (\d\.\d{3})(?:,|$)", alternatives)]
+            np.testing.assert_allclose(probabilities, top.values.exp().numpy(), atol=2e-3)
+            # (an untrained model: near ties, which float32 may order either way)
+            texts = [repr(visible(tokenizer.decode([i]))) for i in logps[j].topk(K + 2).indices.tolist()]
+            assert any(alternatives.startswith(t + " ") for t in texts), (alternatives, texts)
+
+
+def test_show_of_a_top_k_cache_with_a_run_gives_each_tokens_kl(top_k_cache, llama_dir, tokenizer, tmp_path):
+    """The KL column is KL(policy || reference) over the reference's K tokens and the rest, against a hand
+    computation from both models' full distributions."""
+    from transformers import AutoModelForCausalLM
+
+    policy_dir = save_checkpoint(build_llama(len(tokenizer), seed=5), tokenizer, tmp_path / "policy")
+    run = fake_run(tmp_path / "run", policy_dir, top_k_cache)
+    code, out, err = audit(top_k_cache, "--show", "2", "--run", run, "--model", llama_dir)
+    assert code == 0, err
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    row = read_cache(top_k_cache).row(2, named=True)
+    for side in fmt.SIDES:
+        p, q = by_hand(policy, row, side), by_hand(reference, row, side)
+        top = q.topk(K).indices
+        outside = torch.ones_like(p, dtype=torch.bool).scatter(-1, top, False)
+        p_rest = torch.where(outside, p.exp(), 0).sum(-1)
+        q_rest = torch.where(outside, q.exp(), 0).sum(-1)
+        p_top, q_top = p.gather(-1, top).exp(), q.gather(-1, top).exp()
+        kl = (p_top * (p_top / q_top).log()).sum(-1) + p_rest * (p_rest / q_rest).log()
+        cells = [re.search(r"[+-]\d+\.\d{3}\s+(-?\d+\.\d{4})\s+[01]\.\d{4}  ", line) for line in
+                 top_k_lines(out, side)]
+        shown = [float(c.group(1)) for c in cells]
+        assert kl.max() > 5e-4  # another model than the reference: the KL says something
+        np.testing.assert_allclose(shown, kl.numpy(), atol=1e-4, rtol=0.05)
+
+
+def test_html_of_a_top_k_cache_with_a_run_names_the_run_and_shows_the_distribution(top_k_cache, llama_dir,
+                                                                                    tokenizer, tmp_path):
+    policy_dir = save_checkpoint(build_llama(len(tokenizer), seed=5), tokenizer, tmp_path / "policy")
+    run = fake_run(tmp_path / "run", policy_dir, top_k_cache)
+    page_path = tmp_path / "view.html"
+    code, out, err = audit(top_k_cache, "--html", page_path, "--show", "1", "--run", run, "--model", llama_dir)
+    assert code == 0, err
+    page = page_path.read_text()
+    assert f"Policy: the train-dpo run <code>{run.resolve()}" in page
+    assert "KL(policy || reference)" in page and '<small class="kl">KL ' in page
+    assert f"top-{K} mass" in page and "reference&#x27;s most probable: " in page

@@ -408,3 +408,27 @@ def test_a_live_reference_split_under_torchrun_is_refused(tmp_path, llama_dir, d
     with pytest.raises(JobError, match="--ref-device-map auto splits one model over this process's devices, and this "
                                        "job runs 2 processes"):
         check_reference_split(cfg)
+
+
+def test_the_resume_command_after_ctrl_c_writes_whole_numbers_as_integers(tmp_path):
+    """`--save-steps 50 --logging-steps 10` (float options of TrainingArguments) come back as typed, not 50.0."""
+    import shlex
+
+    from dpo.cli import next_step, resolve_config
+    from schemas import run_manifest as rm
+
+    out = tmp_path / "run"
+    (out / "checkpoint-50").mkdir(parents=True)
+    rm.write_json(out / rm.RUN_RECORD, rm.run_record("d" * 32, "2026-01-01T00:00:00+00:00"))
+    (out / "checkpoint-50" / "trainer_state.json").write_text('{"global_step": 50}')
+    (out / "checkpoint-50" / rm.CHECKPOINT_RECORD).write_text(json.dumps({"run_id": "d" * 32}))
+    ctx = main.make_context("train-dpo", ["--model", "m", "--data", "d.jsonl", "--output-dir", str(out),
+                                          "--save-steps", "50", "--logging-steps", "10", "--learning-rate", "5e-7",
+                                          "--beta", "0.5"])
+    given = {k: v for k, v in ctx.params.items() if k not in ("config_file", "debug")}
+    assert isinstance(given["save_steps"], float)  # what click hands over
+    cfg = resolve_config(None, given)
+    cfg.run_id = "d" * 32
+    words = shlex.split(next_step(cfg, None, given).splitlines()[-1])
+    assert words[words.index("--save-steps") + 1] == "50" and words[words.index("--logging-steps") + 1] == "10"
+    assert float(words[words.index("--learning-rate") + 1]) == 5e-7 and words[words.index("--beta") + 1] == "0.5"

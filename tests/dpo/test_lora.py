@@ -366,3 +366,20 @@ def test_lora_options_come_from_the_command_line_and_config_files(tmp_path):
     cfg = resolve_config(str(path), {"model": "m", "data": "d", "output_dir": "o", "lora_r": 8, "lora_alpha": None})
     assert cfg.lora == LoraOptions(use_peft=True, lora_r=8, lora_dropout=0.1, lora_target_modules="q_proj,v_proj")
     assert not hasattr(cfg, "lora_r")
+
+
+def test_lora_target_modules_all_linear_is_peft_s_special_value(tmp_path, llama_dir, dpo_data, dpo_cache):
+    """`--lora-target-modules all-linear` (the default --help names, TRL's usual recipe value) adapts the same
+    modules as the default; mixed with module names it is refused naming why."""
+    args = ["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--use-peft", "--use-cpu",
+            "--max-steps", "1", "--per-device-train-batch-size", "4", "--no-plot"]
+    given = cli([*args, "--output-dir", tmp_path / "given", "--lora-target-modules", "all-linear"])
+    assert given.exit_code == 0, given.output
+    default = cli([*args, "--output-dir", tmp_path / "default"])
+    assert default.exit_code == 0, default.output
+    modules = [sorted(json.loads((tmp_path / d / "adapter_config.json").read_text())["target_modules"])
+               for d in ("given", "default")]
+    assert modules[0] == modules[1]
+    assert {m.rsplit(".", 1)[-1] for m in modules[0]} >= {"q_proj", "v_proj", "down_proj"}
+    mixed = cli([*args, "--output-dir", tmp_path / "mixed", "--lora-target-modules", "all-linear,q_proj"])
+    assert mixed.exit_code == 2 and "all-linear already names every linear layer" in mixed.output

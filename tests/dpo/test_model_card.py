@@ -51,8 +51,10 @@ def runs(tmp_path_factory, llama_dir, dpo_data, dpo_cache):
         mp.chdir(root)
         relative = os.path.relpath(llama_dir, root)
         assert not Path(relative).is_absolute()
-        cached = train(relative, dpo_data, "cached", LoraOptions(use_peft=True, lora_r=4, merge_adapter=True),
-                       ref_cache=str(dpo_cache), eval_data=str(dpo_data), eval_split="train",
+        # the data and the cache typed as relative paths too: the records make them absolute
+        cached = train(relative, os.path.relpath(dpo_data, root), "cached",
+                       LoraOptions(use_peft=True, lora_r=4, merge_adapter=True),
+                       ref_cache=os.path.relpath(dpo_cache, root), eval_data=str(dpo_data), eval_split="train",
                        eval_ref_cache=str(dpo_cache), plot=True)
     license_card = root / "README.md"  # the base model's own card, declaring its license
     license_card.write_text("---\nlicense: apache-2.0\n---\n# the base model\n")
@@ -152,6 +154,26 @@ def test_the_adapter_and_merged_cards_say_what_was_trained_on_what_against_which
     assert "AutoPeftModelForCausalLM" in cards["adapter"].text
     assert "merged in" in cards["merged"].text
     assert f"`{manifest['peft']['merged_model_hash']}`" in cards["merged"].text
+
+
+def test_cards_and_the_run_manifest_record_absolute_paths_and_the_reference_in_the_yaml_header(runs, dpo_data,
+                                                                                                dpo_cache):
+    """A run given its data and cache as relative paths records them absolutely (meaningful once shared); the card's
+    YAML header names the reference machine-readably: model, model hash, cache id, version, path."""
+    out = runs["cached"][0]
+    manifest = json.loads((out / "run-manifest.json").read_text())
+    assert manifest["data"]["path"] == str(dpo_data.absolute())
+    assert manifest["reference"]["cache"]["path"] == str(dpo_cache.absolute())
+    cache = json.loads((dpo_cache / "manifest.json").read_text())
+    for card in (load_card(out / "README.md"), load_card(out / "merged" / "README.md")):
+        assert f"`{dpo_data.absolute()}`" in card.text and f"`{dpo_cache.absolute()}`" in card.text
+        reference = card.data.to_dict()["refcache_reference"]
+        entry = {"cache_id": manifest["reference"]["cache"]["cache_id"], "version": 1, "path": str(dpo_cache.absolute())}
+        assert reference == {"model": cache["model"].get("hub_id") or cache["model"]["path"],
+                             "model_hash": cache["stamps"]["model_hash"], "train_cache": entry, "eval_cache": entry}
+    live = load_card(runs["live"][0] / "README.md").data.to_dict()["refcache_reference"]
+    live_record = json.loads((runs["live"][0] / "run-manifest.json").read_text())["reference"]["live_model"]
+    assert live == {"model": "acme/card-base", "model_hash": live_record["model_hash"], "cache": None}
 
 
 def test_the_card_of_a_hub_run_carries_the_hub_metadata_and_says_the_reference_was_live(runs):

@@ -490,3 +490,24 @@ def test_the_plot_gets_a_kl_panel_when_the_run_logged_kls(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in with_kl) + "\n")
     plot_metrics(path, tmp_path / "metrics.png", "a title")
     assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_top_k_train_cache_with_an_eval_cache_without_top_k_notes_once_that_eval_logs_no_kl(llama_dir, dpo_data,
+                                                                                               dpo_cache, tmp_path):
+    from click.testing import CliRunner
+
+    from conftest import precompute_in_process
+    from dpo.cli import main
+
+    top_k = precompute_in_process(llama_dir, dpo_data, tmp_path / "top-k", top_k=4)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, [str(a) for a in (
+        "--model", llama_dir, "--data", dpo_data, "--ref-cache", top_k, "--eval-data", dpo_data, "--eval-ref-cache",
+        dpo_cache, "--output-dir", out, "--use-cpu", "--max-steps", 1, "--per-device-train-batch-size", 8,
+        "--eval-strategy", "steps", "--eval-steps", 1, "--no-plot")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    note = f"note: the eval cache {dpo_cache} was made without --top-k, so the evaluations log no KL figures"
+    assert result.stderr.count(note) == 1, result.stderr
+    logged = records(out)
+    assert any("kl/policy_ref/chosen" in r for r in logged)  # the train steps do log it
+    assert not any("eval_kl/policy_ref/chosen" in r for r in logged)

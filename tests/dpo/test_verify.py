@@ -86,7 +86,7 @@ CASES = [
     ("max_length", lambda v: ["--max-length", "64"],
      lambda v: ["--max-length 64 conflicts with the cache", "max_length=1024"]),
     ("weights", lambda v: ["--model", v["other_weights"]],
-     lambda v: ["model_hash mismatch", "not computed with this model", "expected: " + model_hash(v["other_weights"])]),
+     lambda v: ["model_hash mismatch", "not computed with this model", "this run:  " + model_hash(v["other_weights"])]),
     ("shard_hash", lambda v: ["--ref-cache", v["edited_shard"]],
      lambda v: ["shard shard-00001.parquet content differs from the manifest (file sha256)"]),
     ("mask_checksum", lambda v: ["--data", v["edited_data"]],
@@ -94,9 +94,9 @@ CASES = [
     ("rows_missing", lambda v: ["--data", v["more_data"]],
      lambda v: ["4 of 44 data rows are not in the cache", "first ids: 'r0040', 'r0041', 'r0042', 'r0043'", "--update"]),
     ("ref_model_hash", lambda v: ["--ref-model-hash", "0" * 64],
-     lambda v: ["model_hash mismatch", "expected: " + "0" * 64]),
+     lambda v: ["model_hash mismatch", "this run:  " + "0" * 64]),
     ("ref_model", lambda v: ["--ref-model", v["other_weights"]],
-     lambda v: ["model_hash mismatch", "expected: " + model_hash(v["other_weights"])]),
+     lambda v: ["model_hash mismatch", "this run:  " + model_hash(v["other_weights"])]),
 ]
 
 

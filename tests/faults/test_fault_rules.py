@@ -262,6 +262,12 @@ def test_8_resume_against_another_cache_is_refused(trained, tmp_path):
     refused = train(*other, "--output-dir", run, "--resume-from-checkpoint", ckpt)
     assert refused.exit_code == 2, refused.output
     assert "trained with another cache" in refused.output
+    # the two caches by their ids and paths, one line each (not two dict reprs)
+    theirs = json.loads((trained["run"] / "run-manifest.json").read_text())["reference"]["cache"]["cache_id"]
+    lines = refused.output.splitlines()
+    gave = next(line for line in lines if line.strip().startswith("you gave:"))
+    assert next(line for line in lines if line.strip().startswith("trained with:")).split()[2] == theirs
+    assert str(trained["other_cache"]) in gave and theirs not in gave and "{" not in refused.output
     (ckpt / "refcache-reference.json").unlink()
     refused = train(*args, "--output-dir", run, "--resume-from-checkpoint", ckpt)
     assert refused.exit_code == 2 and "does not say which reference" in refused.output, refused.output

@@ -189,3 +189,23 @@ def test_the_progress_bar_counts_pairs(llama_dir, tmp_path):
     data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(10, seed=43))
     out = in_process("--model", llama_dir, "--data", data, "--out", tmp_path / "cache", "--token-budget", 64).output
     assert "10/10" in out and ("pair/s" in out or "s/pair" in out) and "row/s" not in out, out
+
+
+def test_trl_spellings_and_a_top_k_summary(llama_dir, tmp_path):
+    """precompute-ref takes TRL's --model_name_or_path / --dataset_name / --dataset_train_split as train-dpo does (one
+    alias table), and the summary of a top-k cache says top-8."""
+    data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(6, seed=3))
+    out = tmp_path / "cache"
+    result = in_process("--model_name_or_path", llama_dir, "--dataset_name", data, "--dataset_train_split", "train",
+                        "--out", out, "--top-k", 8, "--no-progress")
+    assert open_cache(out).manifest["computation"]["top_k"] == 8
+    assert "top-8: every completion token's 8 most probable tokens" in result.stdout
+    plain = in_process("--model", llama_dir, "--data", data, "--out", tmp_path / "plain", "--no-progress")
+    assert "top-" not in plain.stdout
+
+
+def test_top_k_help_gives_the_size_per_k():
+    text = " ".join(CliRunner().invoke(main, ["--help"]).output.split())
+    assert "--model-name-or-path" in text and "--dataset-name" in text
+    # the README's measured bytes per completion token, K = 0 / 8 / 32 / 128
+    assert "about 7 bytes per completion token at K = 0, 31 at K = 8, 86 at K = 32, 288 at K = 128" in text

@@ -108,3 +108,67 @@ def test_unexpected_errors_exit_1_and_point_to_debug():
 
 def test_a_body_that_succeeds_exits_0():
     assert invoke(lambda: None).exit_code == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a boolean option followed by a true/false word, as transformers' HfArgumentParser (TRL's docs and scripts) takes it
+
+
+def _commands():
+    from audit.cli import main as audit_ref
+    from dpo.cli import main as train_dpo
+    from precompute.cli import main as precompute_ref
+
+    return {"train-dpo": train_dpo, "precompute-ref": precompute_ref, "audit-ref": audit_ref}
+
+
+def _bool_options():
+    """(command, its click command, the option, one of its spellings) for every boolean option of every command."""
+    for name, command in _commands().items():
+        for p in command.params:
+            if isinstance(p, click.Option) and p.is_flag and p.is_bool_flag:
+                for spelling in p.opts:
+                    yield name, command, p, spelling
+
+
+@pytest.mark.parametrize("word", ["True", "true", "1", "yes", "False", "false", "0", "no"])
+def test_every_boolean_option_of_every_command_takes_a_true_false_word(word):
+    """Each spelling of each boolean option (enumerated from the commands, so a new one cannot skip the mechanism),
+    given as `--x WORD` and as `--x=WORD`, parses as the flag (or its --no- form) would."""
+    truth = word.lower() in ("true", "1", "yes")
+    seen = 0
+    for name, command, p, spelling in _bool_options():
+        for args in ([spelling, word], [f"{spelling}={word}"]):
+            positional = ["cache"] if name == "audit-ref" else []
+            ctx = command.make_context(name, [*positional, *args], resilient_parsing=True)
+            value = ctx.params[p.name]
+            if truth:
+                assert value is True, (name, args, value)
+            else:  # the --no- form, or for a flag without one: not given (its default)
+                assert value in ((False,) if p.secondary_opts else (False, None)), (name, args, value)
+            assert "cache" not in ctx.args, (name, args)  # the word was taken, not left as an extra argument
+        seen += 1
+    assert seen > 50  # train-dpo alone has dozens (TrainingArguments)
+
+
+def test_trl_boolean_spellings_on_train_dpo_reach_training_arguments():
+    """`--bf16 True --disable-tqdm true --gradient_checkpointing True --use_cpu False` as TRL's README writes them."""
+    from dpo.cli import main, resolve_config
+
+    ctx = main.make_context("train-dpo", ["--model", "m", "--data", "d", "--output-dir", "o", "--bf16", "True",
+                                          "--disable-tqdm", "true", "--gradient_checkpointing", "True",
+                                          "--use_cpu", "False", "--plot", "false"])
+    given = {k: v for k, v in ctx.params.items() if k not in ("config_file", "debug")}
+    cfg = resolve_config(None, given)
+    assert cfg.bf16 is True and cfg.training_args["disable_tqdm"] is True
+    assert cfg.gradient_checkpointing is True and cfg.use_cpu is False and cfg.plot is False
+
+
+def test_a_boolean_option_with_a_word_that_is_not_true_or_false_is_a_usage_error():
+    from dpo.cli import main
+
+    result = CliRunner().invoke(main, ["--model", "m", "--data", "d", "--output-dir", "o", "--bf16=maybe"])
+    assert result.exit_code == 2 and "--bf16=maybe: a boolean option takes true or false" in result.output
+    # a word that is not true/false after a flag is left alone: here, the next option
+    result = CliRunner().invoke(main, ["--bf16", "--model", "m"])
+    assert "no such option" not in result.output.lower()

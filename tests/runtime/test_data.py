@@ -404,3 +404,25 @@ def test_the_demo_data_keeps_its_stamps():
     for name, checksum in pinned.items():
         encoded = encode_rows(load_rows(Path(__file__).parents[2] / "data" / name, "train"), tok, cfg)
         assert combined_mask_checksum([p.mask_checksum for p in encoded.pairs], cfg.to_json()) == checksum, name
+
+
+def test_a_mistyped_local_path_lists_the_folder_and_suggests_the_closest_file(tmp_path, llama_dir, monkeypatch):
+    """`precompute-ref --data d1/trian.jsonl` (a typo of d1/train.jsonl): not hub download advice but what d1 holds
+    and the closest name; a --model folder that does not exist is said not to exist."""
+    from click.testing import CliRunner
+
+    from precompute.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d1").mkdir()
+    for name in ("train.jsonl", "test.jsonl"):
+        (tmp_path / "d1" / name).write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
+    result = CliRunner().invoke(main, ["--model", str(llama_dir), "--data", "d1/trian.jsonl", "--out", "o"])
+    assert result.exit_code == 2, result.output
+    assert "d1/trian.jsonl: does not exist; did you mean d1/train.jsonl? (d1 holds: test.jsonl, train.jsonl)" in (
+        result.output)
+    assert "hf download" not in result.output and not (tmp_path / "o").exists()
+    result = CliRunner().invoke(main, ["--model", str(llama_dir) + "x", "--data", "d1/train.jsonl", "--out", "o"])
+    assert result.exit_code == 2, result.output
+    assert f"{llama_dir}x: does not exist; did you mean {llama_dir}?" in result.output
+    assert "no config.json" not in result.output
