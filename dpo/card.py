@@ -226,6 +226,12 @@ def _reference(reference: dict, peft: dict | None) -> str:
                                    [r for r in rows if any(v is not None for v in r[1:])]))
 
 
+def reference_section(reference: dict, peft: dict | None = None) -> str:
+    """The card's reference section (markdown) of a run manifest's `reference`: also written by dpo/trl.py into the
+    card of a TRL DPOTrainer run."""
+    return _reference(reference, peft)
+
+
 def _cache_model(cache_dir: str | None) -> str | None:
     """The reference model a cache names in its manifest (hub id, else path); recorded there, not verified."""
     try:
