@@ -217,7 +217,8 @@ class DPOTrainer(_trl.DPOTrainer):
         self._caches = {"train": ref_cache, "eval": eval_ref_cache or ref_cache}
         self._row_names: dict[str, list[str]] = {}
         self._reports: dict[str, dict] = {}
-        self._model_arg = model
+        self._sums: dict[str, tuple[list[float], list[float]]] = {}
+        self._given_collator = data_collator
         self._peft = peft_config is not None
         args.precompute_ref_log_probs = True  # TRL then loads no reference and asks _precompute_ref_logps for values
         super().__init__(model=model, ref_model=None, args=args, data_collator=data_collator,
@@ -228,48 +229,60 @@ class DPOTrainer(_trl.DPOTrainer):
     # TRL's hooks -------------------------------------------------------------------------------------------------
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-        """TRL's processing, with each row's refcache id kept (TRL may drop rows: keep_start drops a row whose prompt
-        fills max_length)."""
+        """TRL's processing, then the verification of its rows against the cache (TRL calls this before its Trainer
+        is built, so a refusal leaves nothing behind). Each row keeps its refcache id through TRL's processing, which
+        may drop rows (keep_start drops a row whose prompt fills max_length)."""
         if ROW in dataset.column_names or "prompt_ids" in dataset.column_names:
             return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
-        cache = self._caches["train" if dataset_name == "train" else "eval"]
+        from datasets import IterableDataset
+
         from schemas.cache import open_cache
 
-        columns = open_cache(cache, verify_files=False).encoding.columns if cache else None
-        names = _row_ids(dataset, columns)
-        processed = super()._prepare_dataset(dataset.add_column(ROW, list(range(len(names)))), processing_class,
-                                             args, dataset_name)
-        self._row_names[dataset_name] = [names[i] for i in processed[ROW]]
-        return processed
-
-    def _precompute_ref_logps(self, dataset, name, batch_size):
-        """The reference sums TRL's loss reads, from the verified cache; no reference model, no forward."""
-        from datasets import IterableDataset
+        from .verify import scanned_columns
 
         if isinstance(dataset, IterableDataset):
             raise JobError("an IterableDataset cannot be joined to a cache row by row; pass a map-style Dataset")
-        key = "train" if name == "train" else "eval"
-        ids = self._row_names.get(name) or self._row_names.get(key)
-        if ids is None or len(ids) != len(dataset):
+        cache = open_cache(self._caches["train" if dataset_name == "train" else "eval"], keep=scanned_columns)
+        names = _row_ids(dataset, cache.encoding.columns)
+        processed = super()._prepare_dataset(dataset.add_column(ROW, list(range(len(names)))), processing_class,
+                                             args, dataset_name)
+        names = [names[i] for i in processed[ROW]]
+        self._row_names[dataset_name] = names
+        self._sums[dataset_name] = self._verified_sums(cache, dataset_name, names,
+                                                       trl_rows(processed, self._collator(args)), args)
+        return processed
+
+    def _collator(self, args):
+        """The collator TRL will batch with (the one given, else TRL's own, built as TRL builds it): its
+        truncation decides which tokens are scored."""
+        if self._given_collator is not None:
+            return self._given_collator
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+        return DataCollatorForPreference(pad_token_id=self._tokenizer.pad_token_id, max_length=args.max_length,
+                                         truncation_mode=args.truncation_mode,
+                                         pad_to_multiple_of=args.pad_to_multiple_of)
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        """The reference sums TRL's loss reads, from the verified cache; no reference model, no forward."""
+        sums = self._sums.get(name)
+        if sums is None or len(sums[0]) != len(dataset):
             raise JobError(f"the {name} dataset was not processed by this trainer; pass it to DPOTrainer")
-        sums = self._verified_sums(self._caches[key], name, ids, trl_rows(dataset, self.data_collator))
         return dataset.add_column("ref_chosen_logps", sums[0]).add_column("ref_rejected_logps", sums[1])
 
-    def _verified_sums(self, cache_dir, name: str, ids: list[str], rows) -> tuple[list[float], list[float]]:
+    def _verified_sums(self, cache, name: str, ids: list[str], rows, args) -> tuple[list[float], list[float]]:
         import time
 
         import torch
 
-        from schemas.cache import open_cache
         from schemas.encoding import row_mask_checksum
         from schemas.rules import use_findings
 
-        from .verify import check_values, scanned_columns
+        from .verify import check_values
 
         t0 = time.perf_counter()
-        cache = open_cache(cache_dir, keep=scanned_columns)
         checks = {rid: row_mask_checksum(*row) for rid, row in zip(ids, rows)}
-        request = {"max_length": self.args.max_length, "truncation_mode": self.args.truncation_mode}
+        request = {"max_length": args.max_length, "truncation_mode": args.truncation_mode}
         for finding in use_findings(cache, model_hash=self._ref_hash, tokenizer_hash=self._tokenizer_stamp[0],
                                     tokenizer_parts=self._tokenizer_stamp[1], encoding_request=request,
                                     rows=lambda _encoding: checks, option=_option, remedies=TRL_REMEDIES):
@@ -278,7 +291,7 @@ class DPOTrainer(_trl.DPOTrainer):
             raise finding.error() from None
         values = check_values(cache, ids)  # train-dpo's value rules, the per-token columns as ref_<column>
         chosen, rejected = values.column("ref_chosen_logps").to_pylist(), values.column("ref_rejected_logps").to_pylist()
-        alpha = self.ld_alpha
+        alpha = args.ld_alpha
         sums = ([], [])
         for c, r in zip(chosen, rejected):
             c, r = torch.tensor(c, dtype=torch.float32), torch.tensor(r, dtype=torch.float32)
@@ -293,7 +306,7 @@ class DPOTrainer(_trl.DPOTrainer):
                                "total_s": round(time.perf_counter() - t0, 3), "stamps": cache.stamps,
                                "dtype": (cache.manifest.get("computation") or {}).get("dtype"),
                                "encoding": "TRL's (ids from DPOTrainer's tokenization and collator)"}
-        if self.accelerator.is_main_process:
+        if args.process_index == 0:
             print(f"verified {cache.root}: {len(ids)} {name} rows, model/tokenizer/mask stamps match TRL's "
                   f"({self._reports[name]['total_s']:.2f} s)")
         return sums
