@@ -326,8 +326,8 @@ class DPOTrainer(_trl.DPOTrainer):
                 raise JobError(
                     f"row {rid!r}: TRL scores {len(tail)} token(s) the chat template writes after the completion's "
                     f"final EOS ({self._tokenizer.decode(tail)!r}), and the cache {cache.root} ends each completion at "
-                    "that EOS (refcache's encoding), so its reference sums would not be TRL's; train this data with "
-                    "train-dpo, or use a chat template that writes nothing after the EOS (and a cache made with it)")
+                    "that EOS (refcache's encoding, completion_end eos), so its reference sums would not be TRL's; "
+                    "make the cache in TRL's encoding: precompute-ref --completion-end template into a new --out")
 
     # provenance ----------------------------------------------------------------------------------------------------
 

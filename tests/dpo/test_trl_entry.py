@@ -37,6 +37,9 @@ def conversational_rows():
     return [json.loads(line) for line in (DATA / "prefs" / "train.jsonl").read_text().splitlines()[:ROWS]]
 
 
+from schemas.encoding import EncodingConfig  # noqa: E402
+
+
 def precompute(model, rows, out: Path, **options) -> Path:
     from precompute.job import PrecomputeConfig, run_precompute
 
@@ -52,6 +55,8 @@ def caches(tmp_path_factory):
     return {"standard": precompute(MODEL, standard_rows(), root / "standard"),
             "implicit": precompute(MODEL, implicit_rows(), root / "implicit"),
             "conversational": precompute(MODEL, conversational_rows(), root / "conversational"),
+            "conversational-trl": precompute(MODEL, conversational_rows(), root / "conversational-trl",
+                                             encoding=EncodingConfig(completion_end="template")),
             "eval": precompute(MODEL, standard_rows(24)[ROWS:], root / "eval"),
             "root": root}
 
@@ -202,17 +207,33 @@ def _construct_only(trainer_class, tmp_path, rows, **extra):
 
 
 def test_conversational_rows_whose_template_writes_after_the_eos_are_refused_saying_so(tmp_path, caches):
-    """data/'s template writes a newline after each message's EOS: TRL scores it, the cache ends at the EOS."""
+    """data/'s template writes a newline after each message's EOS: TRL scores it, a cache in refcache's own encoding
+    (completion_end eos) ends at the EOS. The refusal says so and names the cache TRL needs."""
     from dpo.trl import DPOTrainer
     from runtime.errors import JobError
 
     with pytest.raises(JobError, match=r"^row 'train-00000': TRL scores 1 token\(s\) the chat template writes after "
                                        r"the completion's final EOS \('\\n'\), and the cache .* ends each completion "
-                                       "at that EOS"):
+                                       r"at that EOS \(refcache's encoding, completion_end eos\), so its reference "
+                                       r"sums would not be TRL's; make the cache in TRL's encoding: precompute-ref "
+                                       "--completion-end template into a new --out$"):
         _construct_only(DPOTrainer, tmp_path, conversational_rows(), ref_cache=caches["conversational"])
 
 
-def test_conversational_rows_train_as_trl_precompute(tmp_path, clean_template_model):
+def test_conversational_rows_train_as_trl_precompute_on_a_cache_in_trls_encoding(tmp_path, caches):
+    """data/'s conversational set and its template, the cache made with --completion-end template."""
+    import trl
+
+    from dpo.trl import DPOTrainer
+
+    rows = conversational_rows()
+    ours, fwd, built, _ = trl_script(DPOTrainer, tmp_path / "ours", rows, ref_cache=caches["conversational-trl"])
+    theirs, *_ = trl_script(trl.DPOTrainer, tmp_path / "trl", rows, config={"precompute_ref_log_probs": True})
+    assert_same_metrics(ours, theirs)
+    assert fwd == 0 and built == []
+
+
+def test_a_template_without_text_after_the_eos_needs_no_trl_encoding(tmp_path, clean_template_model):
     import trl
 
     from dpo.trl import DPOTrainer
@@ -225,6 +246,23 @@ def test_conversational_rows_train_as_trl_precompute(tmp_path, clean_template_mo
                             config={"precompute_ref_log_probs": True})
     assert_same_metrics(ours, theirs)
     assert fwd == 0 and built == []
+
+
+def test_train_dpo_refuses_the_other_completion_end(tmp_path, caches):
+    """The two encodings are told apart by the cache's encoding (and so its stamps): train-dpo asked for refcache's
+    own end refuses a cache in TRL's, with its encoding message."""
+    from faultkit import EXIT_REFUSED, TRAIN, train
+
+    a, b = (json.loads((caches[k] / "manifest.json").read_text()) for k in ("conversational", "conversational-trl"))
+    assert a["stamps"]["mask_checksum"] != b["stamps"]["mask_checksum"]
+    assert b["encoding"]["completion_end"] == "template" and "completion_end" not in a["encoding"]
+    data = caches["root"] / "conversational-trl.jsonl"
+    result = train("--model", MODEL, "--data", data, "--ref-cache", caches["conversational-trl"], "--output-dir",
+                   tmp_path / "run", "--completion-end", "eos", *TRAIN)
+    assert result.exit_code == EXIT_REFUSED, result.output
+    assert (f"--completion-end eos conflicts with the cache {caches['conversational-trl']}, made with "
+            "completion_end=template") in result.output
+    assert not (tmp_path / "run").exists()
 
 
 def test_peft_gradient_accumulation_and_an_eval_cache(tmp_path, caches):
