@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from conftest import DATA, audit_ref, count_models, write_jsonl
+from conftest import DATA, HELPERS, REPO, TORCHRUN, audit_ref, count_models, run_in_session, write_jsonl
 
 MODEL = DATA / "sft-model"
 ROWS = 16
@@ -383,6 +383,32 @@ def test_rows_missing_from_the_cache_are_refused_by_count(tmp_path, caches):
     message = refused(tmp_path, rows, caches["standard"])
     assert message.startswith(f"2 of {ROWS + 2} data rows are not in the cache {caches['standard']}; first ids: "
                               f"{rows[ROWS]['id']}, {rows[ROWS + 1]['id']}")
+
+
+def test_two_processes_under_torchrun_on_cpu(tmp_path, caches):
+    """The example script under `torchrun --nproc-per-node 2` on CPU: each rank verifies, the two train as one job
+    (world size 2), with the metrics of TRL's own precompute under the same launch."""
+    logs = {}
+    for which in ("refcache", "trl"):
+        p = run_in_session([*TORCHRUN, str(HELPERS / "trl_script.py"), str(caches["root"] / "standard.jsonl"),
+                            str(caches["standard"]), str(tmp_path / which), which, str(MODEL)], REPO,
+                           env={"PYTHONPATH": str(REPO), "HF_DATASETS_CACHE": str(tmp_path / f"ds-{which}")},
+                           timeout=600)
+        assert "WORLD 2" in p.stdout, p.stdout[-2000:]
+        logs[which] = json.loads(next(line[4:] for line in p.stdout.splitlines() if line.startswith("LOG ")))
+    assert [r["step"] for r in logs["refcache"]] == [1, 2]
+    assert_same_metrics(logs["refcache"], logs["trl"])
+    assert (tmp_path / "refcache" / "run-manifest.json").is_file()
+
+
+def test_the_trl_extra_is_the_tested_range():
+    import tomllib
+
+    from dpo.trl import TRL_TESTED
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    wanted = f"trl>={TRL_TESTED[0].removesuffix('.0')},<{TRL_TESTED[1]}"
+    assert extras["trl"] == [wanted] and wanted in extras["dev"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
