@@ -219,6 +219,7 @@ class DPOTrainer(_trl.DPOTrainer):
         self._reports: dict[str, dict] = {}
         self._sums: dict[str, tuple[list[float], list[float]]] = {}
         self._given_collator = data_collator
+        self._model_arg = model
         self._peft = peft_config is not None
         args.precompute_ref_log_probs = True  # TRL then loads no reference and asks _precompute_ref_logps for values
         super().__init__(model=model, ref_model=None, args=args, data_collator=data_collator,
@@ -232,8 +233,12 @@ class DPOTrainer(_trl.DPOTrainer):
         """TRL's processing, then the verification of its rows against the cache (TRL calls this before its Trainer
         is built, so a refusal leaves nothing behind). Each row keeps its refcache id through TRL's processing, which
         may drop rows (keep_start drops a row whose prompt fills max_length)."""
-        if ROW in dataset.column_names or "prompt_ids" in dataset.column_names:
+        if ROW in dataset.column_names:  # processed here already (evaluate() passes it again)
             return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        if "prompt_ids" in dataset.column_names:
+            raise JobError(f"the {dataset_name} dataset is already tokenized (prompt_ids): its rows cannot be matched "
+                           "to the cache's; pass the preference rows as text (prompt/chosen/rejected), as precompute-ref "
+                           "read them")
         from datasets import IterableDataset
 
         from schemas.cache import open_cache
@@ -265,6 +270,8 @@ class DPOTrainer(_trl.DPOTrainer):
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         """The reference sums TRL's loss reads, from the verified cache; no reference model, no forward."""
+        if "ref_chosen_logps" in dataset.column_names and ROW in dataset.column_names:  # joined here already
+            return dataset
         sums = self._sums.get(name)
         if sums is None or len(sums[0]) != len(dataset):
             raise JobError(f"the {name} dataset was not processed by this trainer; pass it to DPOTrainer")
@@ -384,7 +391,7 @@ class DPOTrainer(_trl.DPOTrainer):
         steps = self.state.global_step
         manifest = rm.build_run_manifest(
             reference=record | {"verification": self._reports.get("train")},
-            initial_model={"path": self._ref_folder, "model_hash": self._ref_hash},
+            initial_model=self._initial_model(),
             data={"fingerprint": record["data_fingerprint"], "rows": len(self._row_names.get("train", []))},
             eval_data={"fingerprint": record["eval_data_fingerprint"]} if record["eval_data_fingerprint"] else None,
             config={"trainer": "trl.DPOTrainer (dpo.trl)", "training_args": json.loads(self.args.to_json_string())},
@@ -400,6 +407,14 @@ class DPOTrainer(_trl.DPOTrainer):
         else:
             self._add_reference_section(out / CARD)
         return manifest
+
+    def _initial_model(self) -> dict:
+        """The policy's starting checkpoint: the reference's folder unless ref_model named another one."""
+        from schemas.stamps import model_hash
+
+        folder = _folder_of(self._model_arg, "model")
+        same = Path(folder).resolve() == Path(self._ref_folder).resolve()
+        return {"path": folder, "model_hash": self._ref_hash if same else model_hash(folder)}
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card, and after it train-dpo's reference section (once the run has a manifest)."""
