@@ -295,9 +295,11 @@ def test_provenance_run_manifest_card_and_audit(tmp_path, caches):
     from dpo.trl import DPOTrainer
 
     _, _, _, trainer = trl_script(DPOTrainer, tmp_path, standard_rows(), ref_cache=caches["standard"],
-                                  config={"max_steps": 1})
+                                  config={"max_steps": 1, "save_strategy": "steps", "save_steps": 1})
     out = Path(trainer.args.output_dir)
     run = json.loads((out / "run-manifest.json").read_text())
+    record = json.loads((out / "checkpoint-1" / "refcache-reference.json").read_text())
+    assert record["cache"] == run["reference"]["cache"] and record["live_model"] is None
     cache_manifest = json.loads((caches["standard"] / "manifest.json").read_text())
     assert run["reference"]["cache"]["stamps"] == cache_manifest["stamps"]
     assert run["reference"]["cache"]["path"] == str(caches["standard"])
