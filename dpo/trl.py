@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections import Counter
 from pathlib import Path
 
 from runtime.errors import JobError
@@ -167,6 +168,28 @@ def _row_ids(dataset, columns) -> list[str]:
     return [row_id(_clean(rename_columns(row, columns))) for row in dataset]
 
 
+def _skipped_by_the_cache(error, cache, checks: dict):
+    """Rows missing because the cache's precompute-ref left them out as bad rows (--on-bad-row skip, listed in its
+    skipped.jsonl, e.g. special-token text, which TRL would read as control tokens): say so, and which remedy."""
+    from schemas.format import SKIPPED
+
+    try:
+        listed = [json.loads(line) for line in (cache.root / SKIPPED).read_text(encoding="utf-8").splitlines()
+                  if line.strip()]
+    except (OSError, ValueError):
+        return error
+    cached = set(cache.index.column("id").to_pylist())
+    bad = [s for s in listed if isinstance(s, dict) and s.get("id") in checks and s.get("id") not in cached]
+    if not bad:
+        return error
+    reasons = ", ".join(f"{r}: {n}" for r, n in sorted(Counter(s.get("reason") for s in bad).items()))
+    return type(error)(error.kind, f"{error.message}; {len(bad)} of them were left out by precompute-ref as bad rows "
+                       f"({reasons}; listed in its {SKIPPED}), which TRL would train on as they are",
+                       remedy="remove those rows from the dataset (refcache refuses them: e.g. special-token text "
+                              "would be read as control tokens), or fix them and re-run precompute-ref",
+                       expected=error.expected, found=error.found)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the trainer
 
@@ -295,7 +318,8 @@ class DPOTrainer(_trl.DPOTrainer):
                                     rows=lambda _encoding: checks, option=_option, remedies=TRL_REMEDIES):
             if finding.kind == "mask_checksum":
                 self._refuse_post_eos(cache, ids, rows)
-            raise finding.error() from None
+            error = finding.error()
+            raise (_skipped_by_the_cache(error, cache, checks) if finding.kind == "rows_missing" else error) from None
         values = check_values(cache, ids)  # train-dpo's value rules, the per-token columns as ref_<column>
         chosen, rejected = values.column("ref_chosen_logps").to_pylist(), values.column("ref_rejected_logps").to_pylist()
         alpha = args.ld_alpha

@@ -413,6 +413,19 @@ def test_the_trl_extra_is_the_tested_range():
     assert extras["trl"] == [wanted] and wanted in extras["dev"]
 
 
+def test_rows_precompute_ref_left_out_as_bad_rows_are_refused_saying_why(tmp_path):
+    """Special-token text in a row: TRL reads it as the control token, precompute-ref refuses the row
+    (special_token_text) and with --on-bad-row skip leaves it out; TRL's dataset still has it."""
+    rows = standard_rows()
+    rows[2] = rows[2] | {"chosen": rows[2]["chosen"] + " </s> more"}
+    cache = precompute(MODEL, rows, tmp_path / "cache", on_bad_row="skip")
+    message = refused(tmp_path, rows, cache)
+    assert message.startswith(f"1 of {ROWS} data rows are not in the cache {cache}; first ids: {rows[2]['id']}; 1 of "
+                              "them were left out by precompute-ref as bad rows (special_token_text: 1; listed in its "
+                              "skipped.jsonl), which TRL would train on as they are")
+    assert "remove those rows from the dataset" in message
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the long comparison of the issue's acceptance (10 steps on data/'s standard set)
 
