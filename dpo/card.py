@@ -272,6 +272,12 @@ def _version_line(reference: dict) -> str | None:
     return version.get("line") if isinstance(version, dict) else None
 
 
+def reference_section(reference: dict, peft: dict | None = None) -> str:
+    """The card's reference section (markdown) of a run manifest's `reference`: also written by dpo/trl.py into the
+    card of a TRL DPOTrainer run."""
+    return _reference(reference, peft)
+
+
 def _cache_model(record: dict) -> str | None:
     """The reference model a cache names in its manifest (hub id, else path; recorded there, not verified), as the
     run manifest's cache record holds it; for a record written before it did, read from the cache's manifest.json

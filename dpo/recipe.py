@@ -19,7 +19,8 @@ from runtime.errors import JobError
 from runtime.hub import origin
 from runtime import kl_control, placement
 from runtime.terminal import echo
-from schemas.encoding import CHAT_TEMPLATE_MODES, TRUNCATION_MODES, EncodingConfig, column_mapping
+from schemas.encoding import (CHAT_TEMPLATE_MODES, COMPLETION_END_MODES, TRUNCATION_MODES, EncodingConfig,
+                              column_mapping)
 from schemas.stamps import model_hash
 
 from . import lora
@@ -104,6 +105,8 @@ class TrainConfig:
                                      show_default="the cache's")
     chat_template: str | None = _f(None, "Must agree with the cache's value.", "Data", choices=CHAT_TEMPLATE_MODES,
                                    show_default="the cache's")
+    completion_end: str | None = _f(None, "Must agree with the cache's value.", "Data", choices=COMPLETION_END_MODES,
+                                    show_default="the cache's")
     columns: str | None = _f(None, "Data columns under other names (TARGET=COLUMN pairs joined by commas, e.g. "
                                    "prompt=question,chosen=good); must agree with the cache's value.", "Data",
                              parse=column_mapping, metavar="TARGET=COLUMN,...", show_default="the cache's")
@@ -227,7 +230,8 @@ class TrainConfig:
 
     def encoding_request(self) -> dict:
         return {"max_length": self.max_length, "truncation_mode": self.truncation_mode,
-                "chat_template": self.chat_template, "columns": column_mapping(self.columns)}
+                "chat_template": self.chat_template, "columns": column_mapping(self.columns),
+                "completion_end": self.completion_end}
 
     def training_arguments(self):
         import transformers

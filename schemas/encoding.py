@@ -37,6 +37,9 @@ TRUNCATION_MODES = ("keep_start", "keep_end", "error")
 # True / False: always / never prepend BOS (True is what every cache written before the "tokenizer" rule records).
 BOS_MODES = ("tokenizer", True, False)
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+# where a chat-templated completion ends: at its final EOS (refcache's own), or where the template's text ends (TRL's
+# DPOTrainer, which scores whatever the template writes after the EOS, e.g. a newline)
+COMPLETION_END_MODES = ("eos", "template")
 ROLES = ("system", "user", "assistant", "tool")
 # the columns the encoder reads, in the order a column mapping is written
 COLUMNS = ("id", "prompt", "chosen", "rejected", "tools", "chat_template_kwargs")
@@ -116,6 +119,11 @@ class EncodingConfig:
     # one of BOS_MODES (see the module docstring); not an option: "tokenizer" is what the SFT model saw
     add_bos: bool | str = dataclasses.field(default="tokenizer", metadata={"cli": False})
     add_eos: bool = dataclasses.field(default=True, metadata={"cli": False})  # end completions with EOS
+    completion_end: str = dataclasses.field(default="eos", metadata={
+        "choices": COMPLETION_END_MODES, "help": "Where a chat-templated completion ends: eos (at its final EOS; "
+                                                 "template text after it is not scored) or template (all the text "
+                                                 "the template writes after the prompt, as TRL's DPOTrainer scores "
+                                                 "it). Recorded in the cache."})
     # which data columns are prompt/chosen/rejected/...; recorded only when set, so that every encoding made without
     # it keeps its JSON (and the mask checksums over it)
     columns: str | None = dataclasses.field(default=None, metadata={
@@ -129,6 +137,8 @@ class EncodingConfig:
             raise ValueError(f"max_length must be at least 2, got {self.max_length}")
         if self.truncation_mode not in TRUNCATION_MODES:
             raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {self.truncation_mode!r}")
+        if self.completion_end not in COMPLETION_END_MODES:
+            raise ValueError(f"completion_end must be one of {COMPLETION_END_MODES}, got {self.completion_end!r}")
         if self.chat_template not in CHAT_TEMPLATE_MODES:
             raise ValueError(f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}")
         if not any(self.add_bos is m or self.add_bos == m and isinstance(m, str) for m in BOS_MODES):
@@ -142,6 +152,8 @@ class EncodingConfig:
         d = dataclasses.asdict(self)
         if d["columns"] is None:  # as every encoding before column mappings: same JSON, same checksums
             del d["columns"]
+        if d["completion_end"] == "eos":  # likewise: recorded only for TRL's end
+            del d["completion_end"]
         return d
 
     def to_json(self) -> str:
@@ -557,7 +569,7 @@ def _render(tokenizer, prompt, completion, conversational: bool, config: Encodin
         )
     completion_text = full_text[len(prompt_text) :]
     eos = tokenizer.eos_token
-    if eos and eos in completion_text:  # the encoder keeps the completion through its final EOS (_finish_completion)
+    if eos and eos in completion_text and config.completion_end == "eos":  # kept through its final EOS only
         last = completion_text.rindex(eos)
         before, after = completion_text[:last], completion_text[last + len(eos) :]
         for where, value in (text for texts in data[len(prompt) :] for text in texts):
@@ -595,7 +607,9 @@ def _bos_prefix(tokenizer, prompt_ids: list[int], templated: bool, config: Encod
     return [] if prefix and prompt_ids[: len(prefix)] == prefix else prefix
 
 
-def _finish_completion(ids: list[int], eos_id, config: EncodingConfig) -> list[int]:
+def _finish_completion(ids: list[int], eos_id, config: EncodingConfig, templated: bool) -> list[int]:
+    if templated and config.completion_end == "template":  # the template's text as it is (TRL adds no EOS to it)
+        return ids
     if eos_id is not None and eos_id in ids:
         last = len(ids) - 1 - ids[::-1].index(eos_id)
         ids = ids[: last + 1]  # template text after the final EOS (e.g. a newline) is not scored
@@ -617,9 +631,10 @@ def encode_pair(row: dict, tokenizer, config: EncodingConfig) -> EncodedPair:
                                                  "chosen and the rejected completion")
     prompt_ids = _tokenize(tokenizer, p_text)
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    prompt_ids = _bos_prefix(tokenizer, prompt_ids, _uses_template(conversational, config), config) + prompt_ids
-    chosen_ids = _finish_completion(_tokenize(tokenizer, c_text), eos, config)
-    rejected_ids = _finish_completion(_tokenize(tokenizer, r_text), eos, config)
+    templated = _uses_template(conversational, config)
+    prompt_ids = _bos_prefix(tokenizer, prompt_ids, templated, config) + prompt_ids
+    chosen_ids = _finish_completion(_tokenize(tokenizer, c_text), eos, config, templated)
+    rejected_ids = _finish_completion(_tokenize(tokenizer, r_text), eos, config, templated)
     if not prompt_ids:
         raise BadRowError("empty_prompt", "the prompt encodes to no tokens; nothing to condition the completion on")
     for name, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):

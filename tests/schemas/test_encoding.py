@@ -782,3 +782,22 @@ def test_a_control_token_formed_across_messages_only_after_normalisation_is_refu
                                         "rendered chat template form '</s>', the text of the tokenizer's special "
                                         "token; data text is never read as control tokens")
     assert bad_row(conv([SYSTEM("hi ＜/"), USER("there")], [ASSISTANT("yes")]), tok).reason == "template_not_prefix"
+def test_completion_end_template_keeps_what_the_template_writes_after_the_eos(tokenizer):
+    """completion_end template (TRL's DPOTrainer's completion): the template's text after the final EOS (here a
+    newline) is part of the completion and scored, message text rendered there is kept rather than refused; the
+    default (eos) ends the completion at the EOS, and is not written into the encoding's JSON (old caches keep it)."""
+    tok = templated(tokenizer, TOOL_TEMPLATE.replace("</s>\n{% endfor %}", "</s>{{ m.note }}\n{% endfor %}"))
+    trl_end = EncodingConfig(add_bos=True, completion_end="template")
+    row = conv([USER("why?")], [ASSISTANT("yes")])
+    eos, template = encode_pair(row, tok, CFG), encode_pair(row, tok, trl_end)
+    assert eos.chosen_ids[-1] == tok.eos_token_id and eos.prompt_ids == template.prompt_ids
+    assert template.chosen_ids[:len(eos.chosen_ids)] == eos.chosen_ids
+    assert tok.decode(template.chosen_ids[len(eos.chosen_ids):]) == "\n"
+    noted = conv([USER("why?")], [{**ASSISTANT("yes"), "note": "said kindly"}])
+    assert "said kindly" in tok.decode(encode_pair(noted, tok, trl_end).chosen_ids)
+    plain = {"prompt": "why?", "chosen": " yes", "rejected": " no"}  # not templated: EOS added in both modes
+    assert encode_pair(plain, tok, trl_end) == encode_pair(plain, tok, CFG)
+    assert "completion_end" not in CFG.to_dict() and trl_end.to_dict()["completion_end"] == "template"
+    assert EncodingConfig.from_dict(trl_end.to_dict()) == trl_end
+    with pytest.raises(ValueError, match="completion_end must be one of"):
+        EncodingConfig(completion_end="newline")

@@ -421,6 +421,10 @@ VARIANTS = {
         lambda ws, tok: {"cfg": dataclasses.replace(BASE_CFG, columns="prompt=question")},
         {"mask_checksum"},
     ),
+    "completion_end template (TRL's completion: the template's text after the EOS is hashed in too)": (
+        lambda ws, tok: {"cfg": dataclasses.replace(BASE_CFG, completion_end="template")},
+        {"mask_checksum"},
+    ),
     # nothing that matters
     "tokenizer_config model_max_length": (
         lambda ws, tok: {"tok": ws.tokenizer(
