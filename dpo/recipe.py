@@ -26,7 +26,6 @@ from schemas.stamps import model_hash
 from . import lora
 from .loss_config import LOSS_TYPES, LossConfig, loss_field
 from .outdir import check_no_links, check_output_dir, prepare_metrics
-from .kl_governor import check_kl_options
 from .phases import PhaseTimer
 from .preflight import check_reference_options, check_training_options, has_accelerator
 from .preflight import latest_checkpoint  # noqa: F401  (re-exported)
@@ -294,6 +293,8 @@ def run_train(cfg: TrainConfig, log=echo) -> dict:
 
     timer.mark("imports")
     check_reference_options(cfg, log)
+    from .kl_governor import check_kl_options  # (transformers: not for --help and the options' refusals)
+
     check_kl_options(cfg)
     policy = _open_policy(cfg, log)
     args = check_training_options(cfg)
