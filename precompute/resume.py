@@ -17,6 +17,7 @@ from pathlib import Path
 
 from runtime.errors import JobError
 from runtime.locks import is_lock_file
+from runtime.remedies import OVERWRITE, UPDATE  # UPDATE: the remedy when only the data differs
 from schemas import format as fmt
 from schemas import history, rules
 from schemas import store
@@ -25,9 +26,6 @@ from schemas.encoding import EncodingConfig
 from schemas.files import TEMP
 
 SHARD = re.compile(r"^shard-(v\d{5}-)?\d{5}\.parquet$")  # plan_shards' names (and --update's: precompute/update.py)
-OVERWRITE = "use --overwrite to replace it, or choose another --out"
-UPDATE = ("to bring it to this data (keeping its rows, scoring only new ones, with the same model and settings) pass "
-          "--update; else " + OVERWRITE)  # the remedy when only the data differs
 COMPUTATION = "run with the recorded settings to resume, or pass --overwrite to start over"  # the remedy of a resume
 
 

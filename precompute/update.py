@@ -28,14 +28,13 @@ from schemas import store
 from schemas.stamps import combined_mask_checksum, tokenizer_parts
 
 from runtime import remedies
+from runtime.remedies import NEW_CACHE
 from runtime.cli import ENCODING_OPTIONS
 
 from .config import OPTION_OF
 from .plan import plan_shards
 from .resume import Resume, finished_shards
 
-NEW_CACHE = ("an update scores new rows exactly as the cache's were scored: make a new cache for this model, tokenizer, "
-             "encoding or these settings with another --out (precompute-ref without --update)")
 SHOWN = 5  # ids named in a refusal
 
 

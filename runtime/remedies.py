@@ -11,6 +11,13 @@ from schemas.history import VERSION_OPTION  # train-dpo's and audit-ref's option
 
 KEEPS_VERSIONS = "earlier runs keep their version: audit-ref --run finds it"
 
+# precompute-ref's: a --out that holds another cache, and an --update given another model, tokenizer or device
+OVERWRITE = "use --overwrite to replace it, or choose another --out"
+UPDATE = ("to bring it to this data (keeping its rows, scoring only new ones, with the same model and settings) pass "
+          "--update; else " + OVERWRITE)
+NEW_CACHE = ("an update scores new rows exactly as the cache's were scored: make a new cache for this model, tokenizer, "
+             "encoding or device with another --out (precompute-ref without --update)")
+
 
 def update_command(cache, data, model, *, replace_changed: bool = False, split: str | None = None) -> str:
     """The precompute-ref --update command that brings `cache` to `data` (the cache's settings are its own)."""

@@ -324,3 +324,11 @@ def test_a_cache_never_updated_says_so(base):
     code, report, output = audit_ref(base)
     assert code == 0 and "cache version 1 (the cache as first made" in output and "never updated" in output
     assert report["version"]["version"] == 1 and report["version"]["file"] == "manifest.json"
+
+
+def test_cache_version_without_a_cache_is_refused(llama_dir, rows, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", rows[:8])
+    result = train("--model", llama_dir, "--data", data, "--ref-model", llama_dir, "--cache-version", "1",
+                   "--output-dir", tmp_path / "run", *TRAIN, "--max-steps", "1")
+    assert result.exit_code == 2 and "--cache-version 1 names a version of the --ref-cache" in result.output
+    assert not (tmp_path / "run").exists()
