@@ -339,7 +339,10 @@ def test_tdpo_trains_with_gradient_accumulation_in_both_layouts_to_the_same_metr
     assert train[-1]["kl/policy_ref/chosen"] > 1e-6  # the policy moved away from the reference
     for x, y in zip(a, b):
         for key in x:
-            if isinstance(x[key], float) and not any(t in key for t in ("runtime", "per_second", "flos", "epoch")):
+            # at the reference every reward is 0 up to rounding (1e-8): which side of a tie that lands on is no metric
+            tie = key.endswith("accuracies") and abs(x.get(key.replace("accuracies", "margins"), 1.0)) < 1e-6
+            if isinstance(x[key], float) and not tie and not any(t in key for t in ("runtime", "per_second", "flos",
+                                                                                   "epoch")):
                 assert abs(x[key] - y[key]) <= 1e-5 * max(1.0, abs(x[key])), (key, x[key], y[key])
 
 
