@@ -267,7 +267,7 @@ def read_state(folder: Path) -> dict | None:
 
 def train(trainer, governor: KLGovernor | None, resume: str | None, metrics_file) -> object:
     """trainer.train (resuming the governor's state too), then any rollback the governor asked for (resume from
-    the checkpoint it chose), or its stop (KLAlarmStop: exit code 3, naming the step, the KL, the level and the
+    the checkpoint it chose), or its stop (KLAlarmStop: exit code 4, naming the step, the KL, the level and the
     command that resumes). `resume`: the checkpoint folder (--resume-from-checkpoint, resolved)."""
     if resume:
         if governor is not None:

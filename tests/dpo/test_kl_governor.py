@@ -114,7 +114,7 @@ def test_an_alarm_rolls_back_to_the_checkpoint_under_its_level_tightens_beta_the
                                                                                          monkeypatch):
     """KL per step rises with lr 1e-4 (about 2e-4, 7e-4, 1e-3, 3e-3 at steps 2-5): the alarm at 0.002 fires at step
     5; checkpoint-4's weights measured the step-5 KL (over the level), checkpoint-2's the step-3 one (under it), so
-    the run rolls back to checkpoint-2 with β x 1.2, fires again, and with no retry left stops (exit code 3)."""
+    the run rolls back to checkpoint-2 with β x 1.2, fires again, and with no retry left stops (exit code 4)."""
     from dpo.trainer import MetricsFile
 
     before = {}
