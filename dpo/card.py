@@ -130,7 +130,7 @@ def reference_metadata(reference: dict) -> dict:
         live = reference.get("live_model") or {}
         return {"model": live.get("hub_id") or live.get("path"), "model_hash": live.get("model_hash"), "cache": None}
     train = next(iter(caches.values()))
-    out = {"model": _cache_model(train.get("path")), "model_hash": (train.get("stamps") or {}).get("model_hash")}
+    out = {"model": _cache_model(train), "model_hash": (train.get("stamps") or {}).get("model_hash")}
     for role, record in caches.items():
         out[f"{role}_cache"] = {"cache_id": record.get("cache_id"), "version": _cache_version(record),
                                 "path": record.get("path")}
