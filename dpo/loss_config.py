@@ -28,7 +28,7 @@ LOSSES = {
     "sigmoid_norm": EVERY_LOSS,
     "tdpo1": EVERY_LOSS,
     "tdpo2": EVERY_LOSS + ("tdpo_alpha",),
-    "beta_dpo": EVERY_LOSS + ("beta_dpo_alpha", "beta_dpo_rho", "beta_dpo_momentum"),
+    "beta_dpo": EVERY_LOSS + ("label_smoothing", "beta_dpo_alpha", "beta_dpo_rho", "beta_dpo_momentum"),
 }
 LOSS_TYPES = tuple(LOSSES)
 TOP_K_LOSSES = ("tdpo1", "tdpo2")

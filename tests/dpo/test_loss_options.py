@@ -13,11 +13,12 @@ from click.testing import CliRunner
 
 from dpo.cli import main, resolve_config
 from dpo.loss_config import LOSSES, LOSS_TYPES, LossConfig, readers
-from dpo.losses import TopK, dpo_loss
+from dpo.losses import BetaDPO, TopK, dpo_loss
 
 OPTIONS = [f.name for f in dataclasses.fields(LossConfig) if f.name != "loss_type"]
 # a value of each option other than its default, inside its domain, that the formulas would feel
-OTHER = {"beta": 0.3, "label_smoothing": 0.2, "rpo_alpha": 0.5, "ld_alpha": 0.5, "tdpo_alpha": 0.9, "kl_coef": 0.5}
+OTHER = {"beta": 0.3, "label_smoothing": 0.2, "rpo_alpha": 0.5, "ld_alpha": 0.5, "tdpo_alpha": 0.9, "kl_coef": 0.5,
+         "beta_dpo_alpha": 1.5, "beta_dpo_rho": 0.5, "beta_dpo_momentum": 0.5}
 REQUIRED = {"model": "m", "data": "d", "output_dir": "o"}
 
 
@@ -47,8 +48,13 @@ def batch(seed=0):
 def test_a_loss_reads_exactly_the_options_it_declares(loss_type, option):
     """Changing an option away from its default moves the loss if and only if the registry says the loss reads it."""
     policy, ref, lengths, top_k = batch()
-    base, _ = dpo_loss(policy, ref, lengths, LossConfig(loss_type=loss_type), top_k)
-    moved, _ = dpo_loss(policy, ref, lengths, LossConfig(loss_type=loss_type, **{option: OTHER[option]}), top_k)
+
+    def loss(cfg):  # a training batch of beta_dpo carries its state (BetaDPO: the batch's beta and kept pairs)
+        state = {"beta_dpo": BetaDPO(cfg)} if loss_type == "beta_dpo" else {}
+        return dpo_loss(policy, ref, lengths, cfg, top_k, **state)[0]
+
+    base = loss(LossConfig(loss_type=loss_type))
+    moved = loss(LossConfig(loss_type=loss_type, **{option: OTHER[option]}))
     reads = option in LOSSES[loss_type]
     assert (abs(moved.item() - base.item()) > 1e-9) == reads, (loss_type, option, base.item(), moved.item())
 
