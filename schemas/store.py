@@ -178,7 +178,7 @@ def _neighbours(root: StorePath) -> list[str]:
         siblings = {p.name: p.url for p in root.parent.iterdir()}
     except (FileNotFoundError, StoreUnavailable):
         return []
-    return [siblings[n] for n in difflib.get_close_matches(root.name, list(siblings), n=3, cutoff=0.5)]
+    return [siblings[n] for n in difflib.get_close_matches(root.name, list(siblings), n=3, cutoff=0.75)]
 
 
 class LeaseHeld(StoreConflict):

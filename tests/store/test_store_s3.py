@@ -429,7 +429,7 @@ def test_missing_bucket_is_named_by_every_command(s3, job, tmp_path, llama_dir):
 def test_empty_and_mistyped_prefixes_hold_no_cache(s3, job, prefix, tmp_path, llama_dir):
     upload(s3, job["clean"], prefix)
     mistyped = prefix[:-1]  # ".../cach"
-    for url, near in ((mistyped, prefix), (f"s3://{BUCKET}/never-written-{os.getpid()}", None)):
+    for url, near in ((mistyped, prefix), (f"s3://{BUCKET}/qqqqqqqqqqqq", None)):
         results = _all_three(job, url, tmp_path, llama_dir)
         for command in ("train-dpo", "audit-ref"):
             code, output = results[command]
