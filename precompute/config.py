@@ -117,6 +117,9 @@ class PrecomputeConfig:
     # are taken as not given. --update takes the cache's settings for those not given (cache_settings)
     given: frozenset | None = field(default=None, metadata={"cli": False})
 
+    def __post_init__(self):
+        read_locations(self)
+
 
 # --update: what a cache records of how it was made (manifest `computation` key -> option), taken from the cache for
 # every option not given; one given that differs is refused naming the option and the recorded value
@@ -158,9 +161,6 @@ def cache_settings(cfg: PrecomputeConfig) -> dict:
               if k in options and k not in keep and getattr(cfg.encoding, k) != v}
     cfg.encoding = chosen
     return taken
-
-    def __post_init__(self):
-        read_locations(self)
 
 
 def checked_inputs(cfg: PrecomputeConfig) -> tuple[object, dict, dict]:
