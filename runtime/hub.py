@@ -31,7 +31,9 @@ def not_here(name) -> str:
         names = sorted(p.name + ("/" if p.is_dir() else "") for p in parent.iterdir() if not p.name.startswith("."))
     except OSError:
         return "does not exist"
-    closest = difflib.get_close_matches(path.name, [n.rstrip("/") for n in names], n=1, cutoff=0.6)
+    # names of the same suffix, by their stems (a shared ".jsonl" alone makes no two names close)
+    stems = {Path(n).stem: n for n in (n.rstrip("/") for n in names) if Path(n).suffix == path.suffix}
+    closest = [stems[s] for s in difflib.get_close_matches(path.stem, list(stems), n=1, cutoff=0.6)]
     where = "the current folder" if str(parent) in ("", ".") else str(parent)
     held = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "") if names else "nothing"
     return ("does not exist" + (f"; did you mean {parent / closest[0]}?" if closest else "")

@@ -276,10 +276,9 @@ ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, exit c
 }
 JOB_ARG_CASES = {  # refusals of ours (exit 2, "error: ...")
     # --model and --data may be hub ids, so a missing path is judged by the job, not by click
-    "model_path_missing": ({"--model": "{tmp}/nowhere"}, ["error: {tmp}/nowhere: not a Hugging Face checkpoint "
-                                                          "folder (no config.json)"]),
-    "data_path_missing": ({"--data": "{tmp}/nowhere.jsonl"}, ["error: {tmp}/nowhere.jsonl: no such file or "
-                                                              "directory"]),
+    "model_path_missing": ({"--model": "{tmp}/nowhere"}, ["error: {tmp}/nowhere: does not exist ({tmp} holds: "]),
+    "data_path_missing": ({"--data": "{tmp}/nowhere.jsonl"}, ["error: {tmp}/nowhere.jsonl: does not exist ({tmp} "
+                                                              "holds: "]),
     "out_under_a_file": ({"--out": "{tmp}/a-file/cache"}, ["error: --out {tmp}/a-file/cache: cannot write the cache "
                                                            "directory there (Not a directory)"]),
     "device_unknown": (["--device", "tpu9"], ["error: --device tpu9: Invalid device string: 'tpu9'"]),
@@ -374,10 +373,9 @@ def test_train_bad_model_folder(models, dpo_data, dpo_cache, tmp_path, variant):
 TRAIN_ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, usage error?, message parts)
     "model_missing": ({"--model": None}, True, ["missing --model"]),
     "output_dir_missing": ({"--output-dir": None}, True, ["missing --output-dir"]),
-    "model_path_missing": ({"--model": "{tmp}/nowhere"}, False, ["error: {tmp}/nowhere: not a Hugging Face checkpoint "
-                                                                 "folder (no config.json)"]),
-    "data_path_missing": ({"--data": "{tmp}/nowhere.jsonl"}, False, ["error: {tmp}/nowhere.jsonl: no such file or "
-                                                                     "directory"]),
+    "model_path_missing": ({"--model": "{tmp}/nowhere"}, False, ["error: {tmp}/nowhere: does not exist ({tmp} holds: "]),
+    "data_path_missing": ({"--data": "{tmp}/nowhere.jsonl"}, False, ["error: {tmp}/nowhere.jsonl: does not exist ({tmp} "
+                                                                     "holds: "]),
     "data_unsupported_suffix": ({"--data": "{tmp}/prefs.txt"}, False, ["error: {tmp}/prefs.txt: unsupported file "
                                                                        "type '.txt'"]),
     "data_empty_file": ({"--data": "{tmp}/empty.jsonl"}, False, ["error: {tmp}/empty.jsonl: no rows"]),

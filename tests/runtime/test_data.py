@@ -141,7 +141,7 @@ def test_an_invalid_chat_template_is_a_job_error_not_a_bad_row(tokenizer, tmp_pa
 
 
 def test_missing_path_and_unsupported_file_type_are_refused(tmp_path):
-    with pytest.raises(DataError, match="no such file or directory"):
+    with pytest.raises(DataError, match="nothing.jsonl: does not exist"):
         load_rows(tmp_path / "nothing.jsonl")
     (tmp_path / "prefs.txt").write_text("hello\n")
     with pytest.raises(DataError, match=r"unsupported file type '\.txt'"):
