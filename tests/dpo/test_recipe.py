@@ -248,7 +248,7 @@ def test_other_losses_train_end_to_end(tmp_path, llama_dir, dpo_data, dpo_cache,
 def test_loss_config_takes_every_loss_option_by_name():
     """Each LossConfig field comes from the TrainConfig option of the same name (set apart from its default)."""
     given = {"beta": 0.3, "loss_type": "ipo", "label_smoothing": 0.2, "rpo_alpha": 0.5, "ld_alpha": 0.7,
-             "tdpo_alpha": 0.2, "kl_coef": 0.1}
+             "tdpo_alpha": 0.2, "kl_coef": 0.1, "beta_dpo_alpha": 1.0, "beta_dpo_rho": 0.3, "beta_dpo_momentum": 0.5}
     assert set(given) == {f.name for f in dataclasses.fields(LossConfig)}  # a new loss option: add it here too
     assert all(given[k] != getattr(LossConfig(), k) for k in given)
     cfg = TrainConfig(model="m", data="d", output_dir="o", **given)

@@ -123,7 +123,7 @@ def test_ref_model_init_kwargs_is_the_ref_options_the_readme_maps_it_to(tmp_path
     kwargs = {"device_map": "auto", "max_memory": {0: "2GiB", "cpu": "3GiB"}, "offload_folder": str(tmp_path / "off")}
     values = load_config_file(_yaml(tmp_path, {"ref_model_init_kwargs": kwargs}))
     assert values == {"ref_device_map": "auto", "ref_max_memory": f"0={2 * 2**30},cpu={3 * 2**30}",
-                      "ref_offload_folder": str(tmp_path / "off")}
+                      "ref_offload_folder": tmp_path / "off"}  # a path option: read by the location type
     assert load_config_file(_yaml(tmp_path, {"ref_model_init_kwargs": {"max_memory": "cpu=1GiB"}})) == {
         "ref_max_memory": f"cpu={2**30}"}
     assert load_config_file(_yaml(tmp_path, {"ref_model_init_kwargs": None, "beta": 0.2})) == {"beta": 0.2}
@@ -133,7 +133,7 @@ def test_ref_model_init_kwargs_is_the_ref_options_the_readme_maps_it_to(tmp_path
         load_config_file(_yaml(tmp_path, {"ref_model_init_kwargs": {"max_memory": "lots"}}))
     cfg = resolve_config(_yaml(tmp_path, {"ref_model_init_kwargs": kwargs}),
                          _parsed(["--model", "m", "--data", "d", "--output-dir", tmp_path / "o"]))
-    assert (cfg.ref_device_map, cfg.ref_offload_folder) == ("auto", str(tmp_path / "off"))
+    assert (cfg.ref_device_map, cfg.ref_offload_folder) == ("auto", tmp_path / "off")
 
 
 @pytest.mark.parametrize("kwargs, message", [

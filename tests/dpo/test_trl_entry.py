@@ -384,7 +384,7 @@ def test_rows_missing_from_the_cache_are_refused_by_count(tmp_path, caches):
     rows = standard_rows(ROWS + 2)
     message = refused(tmp_path, rows, caches["standard"])
     assert message.startswith(f"2 of {ROWS + 2} data rows are not in the cache {caches['standard']}; first ids: "
-                              f"{rows[ROWS]['id']}, {rows[ROWS + 1]['id']}")
+                              f"{rows[ROWS]['id']!r}, {rows[ROWS + 1]['id']!r}")
 
 
 def test_two_processes_under_torchrun_on_cpu(tmp_path, caches):
@@ -420,7 +420,7 @@ def test_rows_precompute_ref_left_out_as_bad_rows_are_refused_saying_why(tmp_pat
     rows[2] = rows[2] | {"chosen": rows[2]["chosen"] + " </s> more"}
     cache = precompute(MODEL, rows, tmp_path / "cache", on_bad_row="skip")
     message = refused(tmp_path, rows, cache)
-    assert message.startswith(f"1 of {ROWS} data rows are not in the cache {cache}; first ids: {rows[2]['id']}; 1 of "
+    assert message.startswith(f"1 of {ROWS} data rows are not in the cache {cache}; first ids: {rows[2]['id']!r}; 1 of "
                               "them were left out by precompute-ref as bad rows (special_token_text: 1; listed in its "
                               "skipped.jsonl), which TRL would train on as they are")
     assert "remove those rows from the dataset" in message
