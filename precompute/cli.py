@@ -30,9 +30,12 @@ def summary_text(s: dict) -> str:
                  f"(spread {spread:.1f} s, {spread / max(ranks) if max(ranks) else 0:.0%} of the slowest)")
     per_token = s["bytes_per_completion_token"]
     u = s.get("update")
-    version = (f"  update: version {u['version']}: {u['added']} rows added, {u['removed']} removed, {u['replaced']} "
-               f"replaced; {u['kept_shards']} shards kept, {u['copied_shards']} copied without removed rows\n"
-               if u else "")
+    if u and not (u["added"] or u["removed"] or u["replaced"]):  # a no-op update writes no version
+        version = f"  update: nothing to change; the cache stays at version {u['version'] - 1}\n"
+    else:
+        version = (f"  update: version {u['version']}: {u['added']} rows added, {u['removed']} removed, "
+                   f"{u['replaced']} replaced; {u['kept_shards']} shards kept, {u['copied_shards']} copied without "
+                   "removed rows\n" if u else "")
     return (
         f"wrote {s['rows']} pairs ({s['rows_scored']} scored now) in {s['shards']} shards to {s['out']}\n{version}"
         f"  skipped rows: {s['skipped']} ({skipped}); identical chosen/rejected: {s['identical_pairs']}\n{work}\n"

@@ -95,7 +95,8 @@ def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
     for entry in base["shards"]:
         table = read[entry["file"]]
         rows = pc.indices_nonzero(pc.invert(pc.is_in(table.column("id"), value_set=drop))).to_pylist()
-        checks = table.column("mask_checksum").take(rows).to_pylist()
+        # (a typed index: an empty list is an array of nulls, which take() refuses when a shard loses every row)
+        checks = table.column("mask_checksum").take(pa.array(rows, pa.int64())).to_pylist()
         if len(rows) == entry["rows"]:
             layout.append({"file": entry["file"], "kind": "kept", "entry": entry, "checks": checks})
         elif rows:
@@ -114,9 +115,12 @@ def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
     resume.computation = base.get("computation") if isinstance(base.get("computation"), dict) else resume.computation
     if resume.reclaimed:
         log(f"removed {', '.join(resume.reclaimed)}: left by an interrupted update, named by no version of the cache")
-    log(f"update to version {version}: {len(change.added)} rows added, {len(change.removed)} removed, "
-        f"{len(change.replaced)} replaced; {sum(s['kind'] == 'kept' for s in layout)} shards kept, {copied} copied "
-        f"without their removed rows, {len(score)} rows to score")
+    if change.nothing:  # no version is written: the cache stays at the one it is
+        log(f"update: nothing to change (no row added, removed or replaced); the cache stays at version {version - 1}")
+    else:
+        log(f"update to version {version}: {len(change.added)} rows added, {len(change.removed)} removed, "
+            f"{len(change.replaced)} replaced; {sum(s['kind'] == 'kept' for s in layout)} shards kept, {copied} "
+            f"copied without their removed rows, {len(score)} rows to score")
     return resume, change
 
 

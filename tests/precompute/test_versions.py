@@ -332,3 +332,19 @@ def test_cache_version_without_a_cache_is_refused(llama_dir, rows, tmp_path):
                    "--output-dir", tmp_path / "run", *TRAIN, "--max-steps", "1")
     assert result.exit_code == 2 and "--cache-version 1 names a version of the --ref-cache" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_an_update_that_empties_a_shard_and_a_no_op_update(llama_dir, rows, base, tmp_path):
+    """Data that drops every row of the first shard: that shard is left out of the new version (no crash on an empty
+    selection), and audit-ref passes it; then the same data again: nothing to change, said so, and no version named
+    that is never written (found by the UX pass)."""
+    data = write_jsonl(tmp_path / "v2.jsonl", rows[PER_SHARD:ROWS])
+    result = update(llama_dir, data, base)
+    assert result.exit_code == 0, result.output
+    manifest = manifest_of(base)
+    assert manifest["version"] == 2 and sum(e["rows"] for e in manifest["shards"]) == ROWS - PER_SHARD
+    assert audit_ref(base)[0] == 0
+    again = update(llama_dir, data, base)
+    assert again.exit_code == 0, again.output
+    assert "nothing to change" in again.output and "version 3" not in again.output
+    assert manifest_of(base)["version"] == 2
