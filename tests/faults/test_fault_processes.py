@@ -235,6 +235,7 @@ def test_real_process_exit_codes_and_tracebacks(world):
     code, _, stderr = procs.result("bad_row_debug")
     assert code == 2 and "Traceback (most recent call last)" in stderr and "DataError" in stderr and reason in stderr
     code, _, stderr = procs.result("train_incomplete")
-    assert code == 2 and "has no manifest.json: the cache is incomplete" in stderr and "Traceback" not in stderr
+    # a folder with no shard, lock or temporary file of a writer: no cache there, not an interrupted one
+    assert code == 2 and "holds no cache (no manifest.json and no shard" in stderr and "Traceback" not in stderr
     code, _, stderr = procs.result("audit_incomplete")
-    assert code == 2 and "has no manifest.json" in stderr and "Traceback" not in stderr
+    assert code == 2 and "holds no cache" in stderr and "Traceback" not in stderr

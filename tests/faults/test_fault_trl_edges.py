@@ -191,8 +191,8 @@ def test_train_with_on_bad_row_skip_on_a_skip_cache_trains_and_says_so(tmp_path,
     result = train("--model", llama_dir, "--data", skip_cache["data"], "--ref-cache", skip_cache["cache"],
                    "--output-dir", tmp_path / "run", "--on-bad-row", "skip", *TRAIN)
     assert result.exit_code == 0, result.output
-    verified = f"verified {skip_cache['cache']}: 28 rows, 2 bad rows skipped (bad_json: 1, missing_field: 1)"
-    assert verified in result.output
+    assert f"verified {skip_cache['cache']}, cache version 1 " in result.output  # (the version line)
+    assert ": 28 rows, 2 bad rows skipped (bad_json: 1, missing_field: 1)" in result.output
     manifest = json.loads((tmp_path / "run" / "run-manifest.json").read_text())
     assert manifest["data"]["rows"] == 28
 
