@@ -157,7 +157,7 @@ def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: st
     else:
         return error
     return type(error)(error.kind, error.message, remedy=remedy, expected=error.expected, found=error.found,
-                       shard=error.shard, row=error.row)
+                       shard=error.shard, row=error.row, sides=error.sides)
 
 
 def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> DataError:

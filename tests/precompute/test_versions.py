@@ -292,6 +292,11 @@ def test_train_dpo_remedies_name_update(llama_dir, rows, base, tmp_path):
     result = train("--model", llama_dir, "--data", write_jsonl(tmp_path / "edited.jsonl", edited), "--ref-cache",
                    base, "--output-dir", tmp_path / "b", *TRAIN, "--max-steps", "1")
     assert result.exit_code == 2 and "--update --replace-changed" in result.output, result.output
+    # the two checksums labelled by their owners, the cache's first (found by the UX pass: 'expected' / 'found')
+    lines = result.output.splitlines()
+    assert any(line.strip().startswith("the cache:") for line in lines), result.output
+    assert any(line.strip().startswith("this run:") for line in lines), result.output
+    assert not any(line.strip().startswith(("expected:", "found:")) for line in lines), result.output
 
 
 # ---------------------------------------------------------------------------------------------------------------
