@@ -202,12 +202,6 @@ class MetricsFile(TrainerCallback):
             with writing(self.path):
                 append_text(self.path, json.dumps(finite_or_null(record), allow_nan=False) + "\n")
 
-
-def finite_or_null(record: dict) -> dict:
-    """A log record as JSON can hold it honestly: a NaN or infinite value is null (never 0.0, never a bare NaN
-    token that strict JSON readers refuse)."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-
     def append(self, record: dict) -> None:
         """A record of our own (`event`: kl_control, once per step; kl_alarm and kl_rollback, each as it happens;
         dpo/kl_governor.py)."""
@@ -228,6 +222,12 @@ def finite_or_null(record: dict) -> dict:
         with writing(self.path):
             atomic_write(self.path, lambda f: f.write(data))
         self.seen = {k for k in self.seen if k[0] <= step}
+
+
+def finite_or_null(record: dict) -> dict:
+    """A log record as JSON can hold it honestly: a NaN or infinite value is null (never 0.0, never a bare NaN
+    token that strict JSON readers refuse)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
 def metrics_records(path: Path) -> list[dict]:
