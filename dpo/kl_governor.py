@@ -11,6 +11,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from runtime.terminal import echo
 from runtime.errors import JobError
 from runtime.kl_control import ALARM_ACTIONS, Rule, Settings, State, measured
 from schemas.files import atomic_write
@@ -115,7 +116,7 @@ class KLGovernor(TrainerCallback):
     append, else None) and the console, saves its state in each checkpoint, and leaves a pending stop or rollback
     for `train` to carry out after the Trainer's loop returns."""
 
-    def __init__(self, settings: Settings, output_dir: Path, write=None, log=print, run_id: str | None = None):
+    def __init__(self, settings: Settings, output_dir: Path, write=None, log=echo, run_id: str | None = None):
         self.settings, self.out, self.write, self.log, self.run_id = settings, Path(output_dir), write, log, run_id
         self.rule = Rule(settings)
         self.trainer = None

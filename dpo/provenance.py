@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 from pathlib import Path
 
+from runtime.terminal import echo
 from runtime.checkpoint import software_versions
 from runtime.errors import JobError
 from runtime import remedies
@@ -29,7 +30,7 @@ def reference_record(cfg, train, evaluation, live_hash: str | None = None) -> di
         eval_data_fingerprint=evaluation.fingerprint if evaluation else None)
 
 
-def check_resume_reference(checkpoint: str, record: dict, train=None, evaluation=None, log=print) -> None:
+def check_resume_reference(checkpoint: str, record: dict, train=None, evaluation=None, log=echo) -> None:
     """This run's record against the checkpoint's. A cache updated since the checkpoint (another version of it,
     precompute-ref --update) is no difference when no update between the two versions added, removed or replaced a
     row of this run (`train`, `evaluation`: the verified rows): every value it trains on is the one it trained on.

@@ -26,6 +26,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from runtime.terminal import echo
 from runtime.errors import JobError
 
 TRL_TESTED = ("1.16.0", "1.17")  # >= first, < second: the TRL versions whose private hooks this module was tested on
@@ -338,7 +339,7 @@ class DPOTrainer(_trl.DPOTrainer):
                                "dtype": (cache.manifest.get("computation") or {}).get("dtype"),
                                "encoding": "TRL's (ids from DPOTrainer's tokenization and collator)"}
         if args.process_index == 0:
-            print(f"verified {cache.root}: {len(ids)} {name} rows, model/tokenizer/mask stamps match TRL's "
+            echo(f"verified {cache.root}: {len(ids)} {name} rows, model/tokenizer/mask stamps match TRL's "
                   f"({self._reports[name]['total_s']:.2f} s)")
         return sums
 

@@ -45,7 +45,9 @@ def card_metadata(manifest: dict) -> dict:
                 "rows": sum(e["rows"] for e in manifest["shards"]), "shards": len(shards)}
     # file names, not a glob: the shards and only they, whatever else the folder holds
     configs = [{"config_name": "default", "data_files": [{"split": split_of(manifest), "path": shards}]}]
-    stored = [c.name for c in fmt.shard_columns(identity["top_k"]) if c.physical is None]
+    # a top-k cache's tails too: the reader normalises them with the top-k log-probs (format.normalised_top_k)
+    stored = [c.name for c in fmt.shard_columns(identity["top_k"])
+              if c.physical is None and not (identity["top_k"] and c.name.endswith("_tail"))]
     if len(stored) < len(fmt.shard_columns(identity["top_k"])):  # (a cache without top-k: every column, as before)
         configs[0]["columns"] = stored  # `datasets` reads files as stored: never a storage code under a value's name
     return {"configs": configs, "refcache": identity}

@@ -393,6 +393,7 @@ def read_columns(path: Path, columns=None) -> pa.Table:
     wanted = list(columns) if columns is not None else None
     if wanted is not None:
         wanted += [f"{side}_tail" for side in SIDES if f"{side}_top_logps" in wanted and f"{side}_tail" not in wanted]
+        wanted += [f"{side}_top_logps" for side in SIDES if f"{side}_tail" in wanted and f"{side}_top_logps" not in wanted]
     try:
         with store.source(path) as src:
             table = pq.read_table(src, columns=wanted)
