@@ -39,7 +39,8 @@ def ident(value) -> str:
 # What makes a parameter's help say it names a place; a flag (a yes/no) never does.
 NAMES_A_PLACE = re.compile(r"\b(paths?|files?|folders?|director(y|ies)|dirs?|urls?|prefix)\b", re.I)
 # Options whose help mentions a place without taking one, and why.
-NOT_A_PLACE = {"split": "a split's name; the file or folder it selects is found under --data"}
+NOT_A_PLACE = {"split": "a split's name; the file or folder it selects is found under --data",
+               "data_config": "a name among the dataset card's configs; the files it selects are found under --data"}
 
 
 @pytest.mark.parametrize("command, param", params(), ids=ident)
