@@ -62,6 +62,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime.distributed import Dist
+
 from .loss_config import LOSS_TYPES, TOP_K_LOSSES, LossConfig  # noqa: F401  (re-exported; apart from torch for the CLI)
 
 
@@ -147,11 +149,17 @@ class BetaDPO:
         self.mean = 0.0
         self.std = 0.0
         self.generator = torch.Generator().manual_seed(seed)
+        self.share = 1.0
 
     def batch(self, gaps: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """(this batch's β, the mask of the pairs kept) for the batch's M_i; updates the moving averages."""
+        """(this batch's β, the mask of this rank's pairs kept) for the batch's M_i; updates the moving averages.
+        Under torchrun the batch is every rank's pairs (the global batch, as the authors' code gathers them): each
+        rank computes the same statistics, draw and β from the same gathered values, and keeps its own slice."""
         m = self.cfg.beta_dpo_momentum
-        g = gaps.detach().double().cpu()
+        mine = gaps.detach().double().cpu()
+        every_rank = Dist.joined().gather(mine.tolist())
+        offset = sum(len(part) for part in every_rank[:Dist.joined().rank])
+        g = torch.tensor([x for part in every_rank for x in part], dtype=torch.float64)
         self.mean = m * self.mean + (1 - m) * float(g.mean())
         self.std = m * self.std + (1 - m) * (float(g.std()) if len(g) > 1 else 0.0)
         if self.std > 0:
@@ -165,7 +173,10 @@ class BetaDPO:
         mask = torch.zeros(len(g), dtype=torch.bool)
         mask[chosen] = True
         beta = max(self.cfg.beta * (1 + self.cfg.beta_dpo_alpha * (float(g[mask].mean()) - self.mean)), 1e-3)
-        return beta, mask.to(gaps.device)
+        # the loss is the mean over every rank's kept pairs: this rank's sum x world / kept, which DDP's gradient
+        # average turns into exactly that mean (a rank that keeps none adds nothing, never 0 / 0)
+        self.share = Dist.joined().world / keep
+        return beta, mask[offset:offset + len(mine)].to(gaps.device)
 
     def state_dict(self) -> dict:
         return {"mean": self.mean, "std": self.std, "generator": self.generator.get_state().tolist()}
@@ -258,5 +269,5 @@ def dpo_loss(policy_logps, ref_logps, lengths, cfg: LossConfig, top_k: TopK | No
             metrics["beta_dpo/beta"] = torch.full_like(rewards[:n], cfg.beta)
             metrics["beta_dpo/kept"] = kept.to(policy.dtype)
     if kept is not None:
-        return (losses * kept).sum() / kept.sum(), metrics
+        return (losses * kept).sum() * beta_dpo.share, metrics
     return losses.mean(), metrics

@@ -77,3 +77,66 @@ def test_the_loss_is_the_mean_over_the_kept_pairs_at_the_batchs_beta():
     # without the state (eval) it is sigmoid DPO at beta_0 over every pair
     plain, _ = dpo_loss(policy, ref, lengths, cfg)
     assert float(plain) == pytest.approx(np.mean([math.log1p(math.exp(-0.2 * x)) for x in d]), abs=1e-9)
+
+
+def _rank(rank: int, init: str, results: str, n: int, seed: int) -> None:
+    """One of two gloo ranks: its own half of the pairs, the loss of its slice (tests below)."""
+    import json
+
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        policy, ref, lengths = _pairs(n)
+        mine = _pair_slice(policy, ref, lengths, n, rank)
+        state = BetaDPO(LossConfig(beta=0.2, loss_type="beta_dpo", beta_dpo_rho=0.75), seed=seed)
+        losses, betas, kept = [], [], []
+        for _ in range(3):  # three batches: the moving averages and the generator carry on alike on both ranks
+            loss, metrics = dpo_loss(*mine, state.cfg, beta_dpo=state)
+            losses.append(float(loss))
+            betas.append(float(metrics["beta_dpo/beta"][0]))
+            kept.append(metrics["beta_dpo/kept"].bool().tolist())
+        with open(f"{results}-{rank}.json", "w") as f:
+            json.dump({"loss": losses, "beta": betas, "kept": kept, "mean": state.mean, "std": state.std}, f)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _pairs(n):
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 4, (2 * n,), generator=gen)
+    policy = -torch.rand(int(lengths.sum()), generator=gen, dtype=torch.float64)
+    ref = -torch.rand(int(lengths.sum()), generator=gen, dtype=torch.float64)
+    return policy, ref, lengths
+
+
+def _pair_slice(policy, ref, lengths, n, rank):
+    """Rank `rank`'s half of the n pairs, in the [chosen..., rejected...] layout dpo_loss takes."""
+    half = n // 2
+    starts = torch.cumsum(lengths, 0) - lengths
+    seqs = [*range(rank * half, (rank + 1) * half), *range(n + rank * half, n + (rank + 1) * half)]
+    take = torch.cat([torch.arange(int(starts[i]), int(starts[i] + lengths[i])) for i in seqs])
+    return policy[take], ref[take], lengths[seqs]
+
+
+def test_under_two_gloo_ranks_the_batch_is_every_ranks_pairs(tmp_path):
+    """Each rank's β, moving averages and draw are those of one process over the whole global batch, each rank keeps
+    its own slice of that draw, and the mean of the ranks' losses (what DDP's gradient average sees) is the one
+    process's loss over every kept pair, also where a rank keeps none of its pairs (rho 0.75: 2 of 8 pairs kept)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    n, seed = 8, 0
+    init, results = f"file://{tmp_path / 'rendezvous'}", str(tmp_path / "rank")
+    mp.start_processes(_rank, args=(init, results, n, seed), nprocs=2, start_method="spawn", join=True)
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+
+    policy, ref, lengths = _pairs(n)
+    whole = BetaDPO(LossConfig(beta=0.2, loss_type="beta_dpo", beta_dpo_rho=0.75), seed=seed)
+    for step in range(3):
+        loss, metrics = dpo_loss(policy, ref, lengths, whole.cfg, beta_dpo=whole)
+        kept = metrics["beta_dpo/kept"].bool().tolist()
+        assert ranks[0]["beta"][step] == ranks[1]["beta"][step] == float(metrics["beta_dpo/beta"][0])
+        assert ranks[0]["kept"][step] + ranks[1]["kept"][step] == kept
+        assert (ranks[0]["loss"][step] + ranks[1]["loss"][step]) / 2 == pytest.approx(float(loss), abs=1e-12)
+    assert any(not any(kept) for kept in ranks[1]["kept"])  # the case a per-rank mean would make 0 / 0
+    assert ranks[0]["mean"] == ranks[1]["mean"] == whole.mean and ranks[0]["std"] == ranks[1]["std"] == whole.std
