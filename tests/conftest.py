@@ -18,7 +18,7 @@ import pytest
 
 from support import (  # noqa: F401  re-exported: test files import these by name from conftest
     CHAT_TEMPLATE, DATA, DPO_PAIRS, HELPERS, LLAMA_TEMPLATE, REPO, TORCHRUN, WORDS, assert_close, assert_not_valid,
-    assert_same_values, audit_ref, build_gpt2, build_llama, build_tokenizer, check_of, corpus, count_models,
+    assert_same_values, audit_ref, build_gpt2, paused_in_shard, build_llama, build_tokenizer, check_of, corpus, count_models,
     dir_state, edit_manifest, fake_run, float32_sum, gpt2_style, llama_style, make_lora_adapter, manifest_of,
     precompute_cli, precompute_in_process, precompute_ok, pref_rows, read_cache, records, rewrite_shard,
     rewrite_top_k_shard, run_in_session, save_checkpoint, scored_now, shard_hashes, statuses, step_records,

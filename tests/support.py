@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -444,6 +445,29 @@ def run_in_session(cmd, cwd, env=None, check=True, timeout=240) -> subprocess.Co
     if check and p.returncode != 0:
         raise AssertionError(f"{cmd} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
+
+
+@contextlib.contextmanager
+def paused_in_shard(args, shard: int, marker: Path, cwd=None, timeout: float = 240):
+    """precompute-ref ARGS as a real process (tests/helpers/precompute_pause.py) stopped inside the write of its
+    `shard`-th shard (counting write_table calls from 0): yields the process once it is there, then kills it -9 and
+    checks it died of that (a process the test left early is killed too)."""
+    env = {**os.environ, "REFCACHE_PAUSE_AT_SHARD": str(shard), "REFCACHE_PAUSE_MARKER": str(marker)}
+    proc = subprocess.Popen([sys.executable, str(HELPERS / "precompute_pause.py"), *map(str, args)], env=env,
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"precompute-ref never reached the write of shard {shard}"
+            time.sleep(0.05)
+        yield proc
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def make_lora_adapter(model_dir: Path, out: Path, seed: int = 3) -> Path:

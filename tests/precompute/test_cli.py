@@ -6,15 +6,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from click.testing import CliRunner
 
-from conftest import HELPERS, dir_state, pref_rows, shard_hashes, write_jsonl
+from conftest import HELPERS, dir_state, paused_in_shard, pref_rows, shard_hashes, write_jsonl
 from precompute.cli import main
 from schemas import format as fmt
 from schemas.cache import open_cache
@@ -36,32 +34,22 @@ def in_process(*args):
 def test_run_killed_mid_shard_resumes_to_the_clean_run_bytes(llama_dir, tmp_path):
     data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(40, seed=29))
     args = ["--model", str(llama_dir), "--data", str(data), "--rows-per-shard", "4", "--no-progress"]
-    out, marker = tmp_path / "killed", tmp_path / "paused"
-    env = {**os.environ, "REFCACHE_PAUSE_AT_SHARD": "3", "REFCACHE_PAUSE_MARKER": str(marker)}
+    out = tmp_path / "killed"
     # The uninterrupted run is a fresh process too (same environment, same threads), started alongside.
     clean_run = subprocess.Popen([PRECOMPUTE_REF, *args, "--out", str(tmp_path / "clean")], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
-    proc = subprocess.Popen([sys.executable, PAUSE_HELPER, *args, "--out", str(out)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
-        while not marker.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the run never reached shard 3"
-            time.sleep(0.05)
-        # Mid-run: shards 0-2 finished, shard 3 half-written into its temp file, no manifest.
-        assert sorted(p.name for p in out.glob("shard-*.parquet")) == [f"shard-{i:05d}.parquet" for i in range(3)]
-        assert len(list(out.glob(".shard-00003.parquet.tmp-*"))) == 1
-        assert not (out / fmt.MANIFEST).exists()
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=60) == -signal.SIGKILL
+        with paused_in_shard([*args, "--out", out], 3, tmp_path / "paused", timeout=300):
+            # Mid-run: shards 0-2 finished, shard 3 half-written into its temp file, no manifest; then kill -9.
+            assert sorted(p.name for p in out.glob("shard-*.parquet")) == [f"shard-{i:05d}.parquet" for i in range(3)]
+            assert len(list(out.glob(".shard-00003.parquet.tmp-*"))) == 1
+            assert not (out / fmt.MANIFEST).exists()
         _, err = clean_run.communicate(timeout=300)
         assert clean_run.returncode == 0, err
     finally:
-        for p in (proc, clean_run):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        if clean_run.poll() is None:
+            clean_run.kill()
+            clean_run.wait()
     partial = shard_hashes(out)
 
     rerun = run(*args, "--out", out)

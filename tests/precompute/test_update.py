@@ -5,12 +5,7 @@ rerun; audit-ref of a run trained on the earlier version; train-dpo on a subset 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +13,7 @@ import polars as pl
 import pytest
 import transformers
 
-from conftest import (HELPERS, REPO, audit_ref, check_of, count_models, dir_state, fake_run, manifest_of, pref_rows,
+from conftest import (HELPERS, REPO, audit_ref, paused_in_shard, check_of, count_models, dir_state, fake_run, manifest_of, pref_rows,
                       shard_hashes, write_jsonl)
 from conftest import precompute_cli as cli, precompute_ok as ok, scored_now
 import precompute.job as job_module
@@ -225,26 +220,11 @@ def test_update_killed_mid_shard_then_rerun_gives_the_uninterrupted_result(llama
     clean = tmp_path / "clean"
     shutil.copytree(base, clean)
     assert update(llama_dir, grown, clean).exit_code == 0
-    marker = tmp_path / "paused"
     # write_table calls: the copied shard (0), then new shards 1, 2: pause in the second scored shard
-    env = {**os.environ, "REFCACHE_PAUSE_AT_SHARD": "2", "REFCACHE_PAUSE_MARKER": str(marker)}
     args = ["--model", str(llama_dir), "--data", str(grown), "--out", str(base), "--rows-per-shard", str(PER_SHARD),
             "--update", "--no-progress"]
-    proc = subprocess.Popen([sys.executable, PAUSE_HELPER, *args], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not marker.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the update never reached its second new shard"
-            time.sleep(0.05)
+    with paused_in_shard(args, 2, tmp_path / "paused", cwd=REPO):
         assert manifest_of(base).get("version") is None  # still version 1: the manifest is written last
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert (base / "shard-v00002-00001.parquet").is_file() and not (base / "shard-v00002-00002.parquet").exists()
     assert open_cache(base).manifest.get("version") is None  # version 1 still reads, the update's shards aside
     result = update(llama_dir, grown, base)

@@ -6,16 +6,11 @@ by file; an update takes the cache's settings; remedies that know --update; the 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 from click.testing import CliRunner
 
-from conftest import (HELPERS, REPO, audit_ref, check_of, dir_state, fake_run, manifest_of, pref_rows, write_jsonl)
+from conftest import (REPO, audit_ref, paused_in_shard, check_of, dir_state, fake_run, manifest_of, pref_rows, write_jsonl)
 from conftest import precompute_cli as cli, precompute_ok as ok, scored_now
 from schemas import format as fmt
 
@@ -75,23 +70,9 @@ def test_an_interrupted_update_leaves_shards_no_version_owns_and_the_next_update
         llama_dir, rows, base, tmp_path):
     more = [{**r, "id": f"n{i:04d}"} for i, r in enumerate(pref_rows(20, seed=63))]
     killed_data = write_jsonl(tmp_path / "killed.jsonl", rows[:ROWS] + more)  # 3 new shards
-    marker = tmp_path / "paused"
-    env = {**os.environ, "REFCACHE_PAUSE_AT_SHARD": "1", "REFCACHE_PAUSE_MARKER": str(marker)}
-    proc = subprocess.Popen([sys.executable, str(HELPERS / "precompute_pause.py"), "--model", str(llama_dir),
-                             "--data", str(killed_data), "--out", str(base), "--update", "--no-progress"],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not marker.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the update never reached its second new shard"
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)  # kill -9 in the middle of the second new shard
-        assert proc.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    args = ["--model", llama_dir, "--data", killed_data, "--out", base, "--update", "--no-progress"]
+    with paused_in_shard(args, 1, tmp_path / "paused", cwd=REPO):
+        pass  # kill -9 in the middle of the second new shard
     left = sorted(p.name for p in base.glob("shard-v00002-*.parquet"))
     assert left == ["shard-v00002-00000.parquet"]  # the first new shard: named by no version
     code, _, output = audit_ref(base)
