@@ -30,3 +30,8 @@ trainer.save_model(out)
 if trainer.is_world_process_zero():
     print("LOG " + json.dumps([r for r in trainer.state.log_history if "loss" in r]))
     print(f"WORLD {trainer.args.world_size}")
+# A rank that leaves while rank 0 still writes the model can abort in gloo's teardown ("terminate called without an
+# active exception", exit -6, after training succeeded): every rank waits for the others, then ends the job as
+# accelerate documents (end_training destroys the process group).
+trainer.accelerator.wait_for_everyone()
+trainer.accelerator.end_training()
