@@ -176,11 +176,26 @@ def audit_kl_control(run_dir: str, run: dict) -> list[Check]:
                       "--kl-alarm): no trajectory to recompute")]
     path = Path(run_dir) / "metrics.jsonl"
     try:
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         settings = Settings.from_json(section["settings"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return [Check("run_kl_control", FAIL, f"{path}: the governed β cannot be recomputed ({e})")]
-    problems = replay(settings, records)
+    except (KeyError, TypeError, ValueError) as e:
+        return [Check("run_kl_control", FAIL, f"{Path(run_dir) / 'run-manifest.json'}: the recorded kl_control "
+                      f"settings are damaged ({type(e).__name__}: {e}), so the governed β cannot be recomputed")]
+    records = []
+    try:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                records.append(json.loads(line))
+                if not isinstance(records[-1], dict):
+                    raise ValueError("not a JSON object")
+        problems = replay(settings, records)
+    except OSError as e:
+        return [Check("run_kl_control", FAIL, f"{path}: unreadable ({e}), so the governed β cannot be recomputed")]
+    except ValueError as e:
+        return [Check("run_kl_control", FAIL, f"{path} line {number}: not a metrics record ({e}), so the governed "
+                      "β cannot be recomputed")]
+    except (KeyError, TypeError) as e:  # a record without the fields the rule reads
+        return [Check("run_kl_control", FAIL, f"{path}: a record lacks what the rule reads ({type(e).__name__}: "
+                      f"{e}), so the governed β cannot be recomputed")]
     alarms = [r for r in records if r.get("event") == "kl_alarm"]
     rollbacks = [r for r in records if r.get("event") == "kl_rollback"]
     said = ", ".join(f"step {a['step']}: {a['action']}" for a in alarms)

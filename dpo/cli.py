@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from runtime import kl_control
 from runtime.cli import (TRL_ALIASES, GroupedCommand, Location, dataclass_options, exit_without_teardown,
                          given_values, option_specs, quiet_libraries, run_cli, spec_options)
 from runtime.terminal import echo
@@ -211,13 +212,37 @@ def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
     return {k: v for k, v in data.items() if k not in inert}, given_as
 
 
+def yaml_12(text: str):
+    """YAML read with the core schema of YAML 1.2 (what TRL's YAML configs are written for), not PyYAML's YAML 1.1:
+    `kl_target: 1:2` stays the text "1:2" (1.1 reads it as 62, base 60), `on`/`yes`/`no` stay words, `010` is ten and
+    `1e-6` a number; every value then goes through its option's own type as on the command line (`_convert`)."""
+    import re
+
+    import yaml
+
+    class Core12Loader(yaml.SafeLoader):
+        pass
+
+    Core12Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag.rsplit(":", 1)[-1] not in ("bool", "int", "float")]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    core = {"bool": (r"^(?:true|True|TRUE|false|False|FALSE)$", list("tTfF")),
+            "int": (r"^[-+]?[0-9]+$", list("-+0123456789")),
+            "float": (r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
+                      r"|\.(?:nan|NaN|NAN))$", list("-+.0123456789"))}
+    for kind, (pattern, first) in core.items():
+        Core12Loader.add_implicit_resolver(f"tag:yaml.org,2002:{kind}", re.compile(pattern), first)
+    Core12Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: int(loader.construct_scalar(node)))
+    return yaml.load(text, Loader=Core12Loader)  # a SafeLoader: plain data only, no object ever built
+
+
 def load_config_file(path) -> dict:
     import yaml
 
     path = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        data = json.loads(text) if path.endswith(".json") else yaml_12(text)
     except (ValueError, yaml.YAMLError) as e:  # ValueError: JSON errors and UnicodeDecodeError
         detail = " ".join(str(e).split())
         raise click.UsageError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'} ({detail})") from None
@@ -234,7 +259,7 @@ def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
     missing = [f"--{k.replace('_', '-')}" for k in REQUIRED if not values.get(k)]
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
-    _check_loss_options(config_file, from_file, command_line)
+    _check_unread_options(config_file, from_file, command_line)
     trainer = {k: values.pop(k) for k in list(values) if k in TRAINER}
     lora = {k: values.pop(k) for k in list(values) if k in LORA}
     cfg = TrainConfig(**values, training_args=trainer, lora=LoraOptions(**lora), config_file=config_file)
@@ -245,16 +270,25 @@ def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
     return cfg
 
 
-def _check_loss_options(config_file: str | None, from_file: dict, command_line: dict) -> None:
-    """A loss option the chosen loss does not read is refused (dpo/loss_config.py's registry): given on the command
-    line, whatever its value; in a config file, unless it holds the default (a DPOConfig written by TRL carries
-    every key)."""
+def _check_unread_options(config_file: str | None, from_file: dict, command_line: dict) -> None:
+    """A loss option the chosen loss does not read, or a KL option nothing this run uses reads, is refused
+    (dpo/loss_config.py's and runtime/kl_control.py's tables): given on the command line, whatever its value; in a
+    config file, unless it holds the default (a DPOConfig written by TRL carries every key)."""
     loss_type = command_line.get("loss_type", from_file.get("loss_type", OURS["loss_type"].default))
     for name in unread_options(loss_type, command_line):
         raise click.UsageError(unread_message(loss_type, name, command_line[name], f"--{name.replace('_', '-')}"))
     for name in unread_options(loss_type, from_file):
         if name not in command_line and from_file[name] != OURS[name].default:
             raise click.UsageError(unread_message(loss_type, name, from_file[name], f"{config_file}: {name}"))
+    values = from_file | command_line
+    # the KL options by the same rule: read by what switches them on (runtime/kl_control.py's READ_BY)
+    in_file = [name for name in from_file
+               if name in kl_control.READ_BY and name not in command_line and from_file[name] != OURS[name].default]
+    for given, where in ((list(command_line), "--{}"), (in_file, f"{config_file}: {{}}")):
+        for name, reader in kl_control.unread_options(values, given):
+            shown = where.format(name.replace("_", "-") if where.startswith("--") else name)
+            raise click.UsageError(f"{shown} {values[name]}: only {reader} reads it, which this run does not use, so "
+                                   f"it would be ignored; drop it, or add what reads it")
 
 
 def summary_text(s: dict) -> str:

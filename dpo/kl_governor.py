@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 
 from runtime.terminal import echo
 from runtime.errors import JobError
-from runtime.kl_control import ALARM_ACTIONS, Rule, Settings, State, measured
+from runtime.kl_control import Rule, Settings, State, measured, parse_alarm, parse_target
 from schemas.files import atomic_write
 
 STATE_FILE = "kl-control.json"
@@ -25,32 +25,6 @@ class KLAlarmStop(JobError):
     with its own exit code."""
 
     exit_code = EXIT_KL_ALARM
-
-
-def parse_target(text: str) -> tuple[float, ...]:
-    """--kl-target: LO:HI (band) or T (proportional), nats per token."""
-    try:
-        values = tuple(float(v) for v in str(text).split(":"))
-    except ValueError:
-        raise ValueError(f"{text!r} is not LO:HI or T (numbers, nats per token)") from None
-    if len(values) not in (1, 2) or not all(v > 0 and v < float("inf") for v in values):
-        raise ValueError(f"{text!r}: give LO:HI (a band) or T (a target), each a finite KL > 0")
-    return values
-
-
-def parse_alarm(text: str) -> tuple[float, str]:
-    """--kl-alarm: LEVEL[:warn|checkpoint|stop|rollback]."""
-    level, _, action = str(text).partition(":")
-    action = action or "warn"
-    try:
-        value = float(level)
-    except ValueError:
-        raise ValueError(f"{text!r}: LEVEL must be a number (nats per token)") from None
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{text!r}: LEVEL must be a finite KL > 0")
-    if action not in ALARM_ACTIONS:
-        raise ValueError(f"{text!r}: the action must be one of {', '.join(ALARM_ACTIONS)}")
-    return value, action
 
 
 def governs(cfg) -> bool:
@@ -204,10 +178,13 @@ class KLGovernor(TrainerCallback):
     def _rollback_target(self) -> tuple[int, Path] | None:
         """The newest complete checkpoint of this run (its run id in kl-control.json) whose weights measured a KL
         at most the level (on the batches of the step after it)."""
+        from .resume import resumable  # this run's complete checkpoints by their record; never a symbolic link
+
+        own = {folder.name: folder for folder in resumable(self.out, self.run_id)}
         for step in self.rule.rollback_candidates(self.settings.alarm_level):
-            folder = self.out / f"checkpoint-{step}"
-            saved = read_state(folder)
-            if saved is not None and saved.get("run_id") == self.run_id and (folder / "trainer_state.json").is_file():
+            folder = own.get(f"checkpoint-{step}")
+            saved = read_state(folder) if folder is not None and not (folder / STATE_FILE).is_symlink() else None
+            if saved is not None and saved.get("run_id") == self.run_id:
                 return step, folder
         return None
 
@@ -226,11 +203,10 @@ class KLGovernor(TrainerCallback):
         atomic_write(Path(folder) / STATE_FILE, lambda f: f.write(data.encode()))
 
     def restore(self, folder: Path) -> None:
-        """A resume: the state the checkpoint kept (a checkpoint without one started from the plain rule)."""
-        saved = read_state(Path(folder))
-        if saved is not None:
-            self.rule.state = State.from_json(saved["state"])
-            self.events = list(saved.get("events", []))
+        """A resume: the state the checkpoint kept, once check_resumed_rule has found its rule to be this run's."""
+        saved = check_resumed_rule(Path(folder), self.settings)
+        self.rule.state = State.from_json(saved["state"])
+        self.events = list(saved.get("events", []))
 
     def roll_back(self, metrics_file) -> Path:
         """Carry out the pending rollback: the checkpoint's state, tightened; metrics.jsonl without the records the
@@ -258,6 +234,66 @@ class KLGovernor(TrainerCallback):
                 "--kl-alarm, --learning-rate or β if the KL should not be stopped there again)")
 
 
+# Settings field -> the option that sets it (the total and warm-up are the Trainer's, resolved when training starts)
+OPTION_OF = {"start": "--beta / --kl-coef", "controlled": "--kl-control", "schedule": "--beta-schedule",
+             "end": "--beta-end", "controller": "--kl-controller", "low": "--kl-target", "high": "--kl-target",
+             "target": "--kl-target", "horizon": "--kl-horizon", "every": "--kl-adapt-every",
+             "factor": "--kl-adapt-factor", "vmin": "--beta-min", "vmax": "--beta-max", "measure": "--kl-measure",
+             "alarm_level": "--kl-alarm", "alarm_action": "--kl-alarm", "alarm_retries": "--kl-alarm-retries"}
+
+
+def check_resumed_rule(folder: Path, settings: Settings | None) -> dict | None:
+    """A resumed run goes on under the β rule its checkpoint was trained with, or is refused (exit 2) naming the
+    difference: a checkpoint of a KL-governed run resumed without its options (or with other values), one of a
+    fixed-β run resumed with a rule, a damaged kl-control.json. Returns the checkpoint's saved rule (None: none)."""
+    path = Path(folder) / STATE_FILE
+    remedy = ("resume with the options the checkpoint was trained with, or start a new run with these into another "
+              "--output-dir")
+    if not path.exists() and not path.is_symlink():
+        if settings is not None and settings.active:
+            raise JobError(f"--resume-from-checkpoint {folder}: the checkpoint was trained with a fixed β (it holds "
+                           f"no {STATE_FILE}), this run sets β by a rule ({describe(settings)}); {remedy}")
+        return None
+    saved = read_state(folder)
+    if saved is None or path.is_symlink() or not isinstance(saved.get("state"), dict):
+        raise JobError(f"--resume-from-checkpoint {folder}: {path} is damaged (not the β rule's state train-dpo "
+                       "wrote), so the rule cannot go on from it; resume from an earlier checkpoint of this run")
+    try:
+        theirs = Settings.from_json(saved["settings"])
+        State.from_json(saved["state"])
+    except (KeyError, TypeError, ValueError):
+        raise JobError(f"--resume-from-checkpoint {folder}: {path} is damaged (its settings or state do not read); "
+                       "resume from an earlier checkpoint of this run") from None
+    if settings is None or not settings.active:
+        raise JobError(f"--resume-from-checkpoint {folder}: the checkpoint was trained under a β rule "
+                       f"({describe(theirs)}), this run has a fixed β; {remedy}")
+    ignore = {"total", "warmup"}
+    ours, recorded = settings.to_json(), theirs.to_json()
+    differ = sorted({OPTION_OF[k] for k in ours if k not in ignore and ours[k] != recorded.get(k)})
+    if differ:
+        raise JobError(f"--resume-from-checkpoint {folder}: the β rule differs in {', '.join(differ)}\n"
+                       f"  the checkpoint: {describe(theirs)}\n  this run:       {describe(settings)}\n  {remedy}")
+    return saved
+
+
+def describe(s: Settings) -> str:
+    """A β rule in the options' words, one line."""
+    parts = [f"{'--kl-coef' if s.controlled == 'kl_coef' else '--beta'} {s.start:g}"]
+    if s.schedule != "constant":
+        parts.append(f"--beta-schedule {s.schedule} --beta-end {s.end:g}")
+    if s.controller == "band":
+        parts.append(f"--kl-target {s.low:g}:{s.high:g} --kl-adapt-every {s.every} --kl-adapt-factor {s.factor:g}")
+    elif s.controller == "proportional":
+        parts.append(f"--kl-controller proportional --kl-target {s.target:g} --kl-horizon {s.horizon:g} "
+                     f"--kl-adapt-every {s.every}")
+    if s.controller is not None:
+        parts.append(f"--beta-min {s.vmin:g} --beta-max {s.vmax:g} --kl-measure {s.measure}")
+    if s.alarm_level is not None:
+        parts.append(f"--kl-alarm {s.alarm_level:g}:{s.alarm_action}"
+                     + (f" --kl-alarm-retries {s.alarm_retries}" if s.alarm_action == "rollback" else ""))
+    return " ".join(parts)
+
+
 def read_state(folder: Path) -> dict | None:
     path = Path(folder) / STATE_FILE
     try:
@@ -273,6 +309,8 @@ def train(trainer, governor: KLGovernor | None, resume: str | None, metrics_file
     if resume:
         if governor is not None:
             governor.restore(Path(resume))
+        else:
+            check_resumed_rule(Path(resume), None)
         load_beta_dpo(trainer, Path(resume))
     result = trainer.train(resume_from_checkpoint=resume)
     while governor is not None and governor.pending is not None:

@@ -18,6 +18,7 @@ from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
 from runtime import kl_control, placement
+from runtime.kl_control import alarm_text, target_text  # (the class body has a field named kl_control)
 from runtime.terminal import echo
 from schemas.encoding import (CHAT_TEMPLATE_MODES, COMPLETION_END_MODES, TRUNCATION_MODES, EncodingConfig,
                               column_mapping)
@@ -134,7 +135,7 @@ class TrainConfig:
     beta_end: float | None = _f(None, "β of the last step with --beta-schedule.", "KL control", domain="positive")
     kl_target: str | None = _f(None, "Adapt β to the KL(policy||reference) bound of a top-k cache: LO:HI, a band "
                                      "(--kl-controller band), or T, a target (proportional); nats per token.",
-                               "KL control", metavar="LO:HI|T")
+                               "KL control", parse=target_text, metavar="LO:HI|T")
     kl_controller: str = _f("band", "band: ×/÷ --kl-adapt-factor outside LO:HI; proportional: Ziegler et al.'s "
                                     "controller on target T with --kl-horizon.", "KL control",
                             choices=kl_control.CONTROLLERS)
@@ -152,7 +153,7 @@ class TrainConfig:
     beta_max: float = _f(0.5, "Upper clamp of the controlled coefficient.", "KL control", domain="positive")
     kl_alarm: str | None = _f(None, "LEVEL[:warn|checkpoint|stop|rollback]: act when the logged KL bound exceeds "
                                     "LEVEL nats per token (needs a top-k cache).", "KL control",
-                              metavar="LEVEL[:ACTION]")
+                              parse=alarm_text, metavar="LEVEL[:ACTION]")
     kl_alarm_retries: int = _f(2, "Rollbacks at most, then stop.", "KL control", domain="natural")
     # transformers.TrainingArguments (same names and meaning; defaults as in TRL's DPOConfig where it sets one)
     learning_rate: float = _f(1e-6, "Initial AdamW learning rate.", "Training", domain="nonnegative")

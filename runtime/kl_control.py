@@ -40,6 +40,83 @@ ALARM_ACTIONS = ("warn", "checkpoint", "stop", "rollback")
 PROPORTIONAL_CLIP = 0.2  # Ziegler et al.'s clip of the proportional error
 
 
+def parse_target(text: str) -> tuple[float, ...]:
+    """--kl-target: LO:HI (band) or T (proportional), nats per token."""
+    try:
+        values = tuple(float(v) for v in str(text).split(":"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not LO:HI or T (numbers, nats per token)") from None
+    if len(values) not in (1, 2) or not all(v > 0 and v < float("inf") for v in values):
+        raise ValueError(f"{text!r}: give LO:HI (a band) or T (a target), each a finite KL > 0")
+    return values
+
+
+def parse_alarm(text: str) -> tuple[float, str]:
+    """--kl-alarm: LEVEL[:warn|checkpoint|stop|rollback]."""
+    level, _, action = str(text).partition(":")
+    action = action or "warn"
+    try:
+        value = float(level)
+    except ValueError:
+        raise ValueError(f"{text!r}: LEVEL must be a number (nats per token)") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{text!r}: LEVEL must be a finite KL > 0")
+    if action not in ALARM_ACTIONS:
+        raise ValueError(f"{text!r}: the action must be one of {', '.join(ALARM_ACTIONS)}")
+    return value, action
+
+
+def target_text(text) -> str:
+    """--kl-target's option type: the text as given, once parse_target accepts it."""
+    parse_target(text)
+    return str(text)
+
+
+def alarm_text(text) -> str:
+    """--kl-alarm's option type: the text as given, once parse_alarm accepts it."""
+    parse_alarm(text)
+    return str(text)
+
+
+# Which KL option is read by what. An option given where nothing reads it is refused (train-dpo's command line and
+# --config, dpo/cli.py), as an unread loss option is, so that nothing ignored is recorded as used. name -> (what reads
+# it, whether the options `o` (TrainConfig's names and values) have it read); every KL option of train-dpo but the
+# three that switch something on (--beta-schedule, --kl-target, --kl-alarm) is here (tests/runtime/test_kl_control.py
+# enumerates them).
+def _controller(o: dict) -> bool:
+    return o.get("kl_target") is not None
+
+
+def _watched(o: dict) -> bool:
+    return o.get("kl_target") is not None or o.get("kl_alarm") is not None
+
+
+def _rollback(o: dict) -> bool:
+    return o.get("kl_alarm") is not None and str(o["kl_alarm"]).partition(":")[2] == "rollback"
+
+
+READ_BY = {
+    "beta_end": ("--beta-schedule linear, cosine or exponential", lambda o: o.get("beta_schedule", "constant")
+                 != "constant"),
+    "kl_controller": ("--kl-target", _controller),
+    "kl_adapt_every": ("--kl-target", _controller),
+    "kl_control": ("--kl-target", _controller),
+    "kl_adapt_factor": ("--kl-target with --kl-controller band, or --kl-alarm LEVEL:rollback",
+                        lambda o: (_controller(o) and o.get("kl_controller", "band") == "band") or _rollback(o)),
+    "kl_horizon": ("--kl-target with --kl-controller proportional",
+                   lambda o: _controller(o) and o.get("kl_controller") == "proportional"),
+    "beta_min": ("--kl-target (the clamp of the controlled coefficient)", _controller),
+    "beta_max": ("--kl-target (the clamp of the controlled coefficient)", _controller),
+    "kl_measure": ("--kl-target or --kl-alarm", _watched),
+    "kl_alarm_retries": ("--kl-alarm LEVEL:rollback", _rollback),
+}
+
+
+def unread_options(options: dict, given) -> list[tuple[str, str]]:
+    """(name, what would read it) for each KL option in `given` (names) that the options `options` do not read."""
+    return [(name, READ_BY[name][0]) for name in given if name in READ_BY and not READ_BY[name][1](options)]
+
+
 def scheduled(schedule: str, start: float, end: float | None, step: int, total: int, warmup: int) -> float:
     """β of optimizer step `step` (0-based) under `schedule` (module docstring)."""
     if schedule == "constant" or step < warmup or end is None:
@@ -268,8 +345,10 @@ def replay(settings: Settings, records: list[dict]) -> list[str]:
             if r.get("after") != rule.coefficient(to):
                 problems.append(f"rollback at step {step}: {key} logged as {r.get('after')!r}, the rule gives "
                                 f"{rule.coefficient(to)!r}")
-        elif event is None and "loss" in r and key in r:
+        elif event is None and "loss" in r:  # a training step's record: it must say the coefficient it used
             want = in_effect(step)
-            if r[key] != want:
+            if key not in r:
+                problems.append(f"step {step}: no {key} logged, the rule gives {want!r}")
+            elif r[key] != want:
                 problems.append(f"step {step}: {key} logged as {r[key]!r}, the rule gives {want!r}")
     return problems

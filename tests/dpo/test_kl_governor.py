@@ -96,6 +96,21 @@ def test_a_band_below_the_kl_raises_beta_by_the_factor_to_its_clamp_and_a_resume
     code, report, output = audit_ref(setup[1], "--run", out, json_path=tmp_path / "audit.json")
     checked = {c["name"]: c for c in report["checks"]}["run_kl_control"]
     assert code == 1 and checked["status"] == "FAIL" and "step 4: beta logged as 0.1" in checked["detail"], output
+    # a line that is not a record, a record without the rule's fields, a damaged recorded rule: FAIL, never a crash
+    damaged = {"metrics.jsonl": [("\n".join(lines[:3] + ['{"step": 4, "beta"'] + lines[4:]) + "\n", "line 4: not a "
+                                  "metrics record"),
+                                 ("\n".join(line if line != lines[at] else '{"step": 4, "loss": 0.6}'
+                                            for line in lines) + "\n", "step 4: no beta logged")]}
+    text = (out / "run-manifest.json").read_text()
+    manifest["kl_control"]["settings"]["bogus"] = 1
+    damaged["run-manifest.json"] = [(json.dumps(manifest), "the recorded kl_control settings are damaged")]
+    for name, cases in damaged.items():
+        for content, says in cases:
+            (out / name).write_text(content)
+            code, report, output = audit_ref(setup[1], "--run", out, json_path=tmp_path / "audit.json")
+            checked = {c["name"]: c for c in report["checks"]}["run_kl_control"]
+            assert code == 1 and checked["status"] == "FAIL" and says in checked["detail"], output
+    (out / "run-manifest.json").write_text(text)
     (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
     # killed after checkpoint-2 and resumed: the same β trajectory exactly, the same losses within 1e-6
