@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import click
 
-from runtime.cli import (EXIT_FAILED, EXIT_OK, Command, Location, dataclass_options, field_help, given_values,
-                         quiet_libraries, read_locations, run_cli)
+from runtime.cli import (EXIT_FAILED, EXIT_OK, Command, Location, dataclass_options, exit_without_teardown,
+                         field_help, given_values, quiet_libraries, read_locations, run_cli)
 from runtime.errors import JobError
 from runtime.hub import hub_path_type
 from runtime.paths import check_apart, check_output_file, write_output_file
@@ -325,5 +325,11 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         echo(f"wrote {opts.html}: {len(views)} row(s) token by token")
 
 
+def process_main():
+    """The console script and `python -m audit.cli`: the command as the whole process, without the interpreter's
+    teardown at exit (runtime.cli.exit_without_teardown), as precompute-ref and train-dpo run."""
+    exit_without_teardown(main)
+
+
 if __name__ == "__main__":
-    main()
+    process_main()

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from runtime.cli import heap_settled
 from runtime.placement import describe
 from schemas.encoding import EncodedPair
 from schemas.format import TokenScores, top_k_of
@@ -96,6 +97,7 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
                                           comp.get("attn_implementation"), **placed)
         except (ImportError, ValueError):  # e.g. flash_attention_2 recorded, not installed here
             model = _load_sdpa(checkpoint, resolve_dtype(dtype, device), None if split else device, split, placed)
+        heap_settled()  # the libraries and the model: alive until the audit ends (audit.cli.process_main)
         if split:
             layout = placement.layout(model, split["device_map"], split.get("max_memory"),
                                       any(Path(placed["offload_folder"]).iterdir()))

@@ -84,7 +84,7 @@ def write_cards(out: Path, manifest: dict) -> list[Path]:
     """README.md in the output dir (the adapter or the full model) and, where the LoRA adapter was merged, in
     merged/; each written atomically, never through a link. Returns the paths written."""
     out = Path(out)
-    from .trainer import metrics_records
+    from .metrics import metrics_records
 
     records = metrics_records(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
     plot = manifest.get("config", {}).get("plot") and (out / "metrics.png").is_file()

@@ -9,7 +9,7 @@ from pathlib import Path
 from schemas.rules import stamp_findings
 
 from .losses import LossConfig, pair_loss
-from .trainer import metrics_records
+from .metrics import metrics_records
 
 
 def whole_run_train_loss(records: list[dict], resumed_from: int, session_loss: float, global_step: int) -> float:

@@ -20,6 +20,7 @@ from runtime.errors import NonFiniteError
 from runtime.logprobs import pad_sequences
 from schemas.files import append_text, atomic_write
 
+from .metrics import metrics_records
 from .layout import pair_logps, reference_columns
 from .losses import LossConfig, TopK, dpo_loss
 
@@ -230,11 +231,6 @@ def finite_or_null(record: dict) -> dict:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
-def metrics_records(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl (MetricsFile), in file order."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @dataclass(frozen=True)
 class Panel:
     """One quantity against step: its title, y-axis label and series (metric key, legend name; "" for a panel of one
@@ -341,14 +337,9 @@ PNG_DPI = 90
 
 
 def plot_metrics(metrics_path: Path, out_png: Path, title: str) -> None:
-    """metrics.png of the run's metrics.jsonl (metrics_figure), the bytes `savefig(png, format="png", dpi=PNG_DPI)`
-    writes, from one draw of the figure instead of savefig's two (one to lay it out, one to render): the figure at
-    the PNG's resolution, laid out and rendered by its Agg canvas, its pixels written as savefig writes them."""
-    from matplotlib.image import imsave
-
+    """metrics.png of the run's metrics.jsonl (metrics_figure), as matplotlib's savefig writes it; written whole or
+    not at all (atomic_write)."""
     fig = metrics_figure(metrics_records(metrics_path), title)
-    fig.set_dpi(PNG_DPI)
-    fig.canvas.draw()
     png = io.BytesIO()
-    imsave(png, fig.canvas.buffer_rgba(), format="png", origin="upper", dpi=fig.dpi)
+    fig.savefig(png, format="png", dpi=PNG_DPI)
     atomic_write(out_png, lambda f: f.write(png.getvalue()))

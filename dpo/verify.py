@@ -77,7 +77,7 @@ TRAINED_ON = ("chosen_input_ids", "rejected_input_ids", "chosen_logps", "rejecte
 
 def cached_columns(cache: Cache) -> list[str]:
     """The per-token columns of the cache (schemas.format.per_token_columns of its top_k), joined as ref_<name>."""
-    return per_token_columns(top_k_of(cache.manifest.get("computation")))
+    return per_token_columns(cache.top_k)
 
 
 def scanned_columns(manifest: dict) -> list[str]:
@@ -99,7 +99,7 @@ def check_values(cache: Cache, ids: list[str]) -> pa.Table:
     # matched) with a CacheError; polars' own reader, and polars given metadata that is not UTF-8, can panic on one.
     columns = cached_columns(cache)
     values = pl.from_arrow(cache.scan(scanned_columns(cache.manifest))).join(want, on="id", how="inner").sort("order")
-    k = top_k_of(cache.manifest.get("computation"))
+    k = cache.top_k
     tokenizer = cache.manifest.get("tokenizer") or {}
     found = value_findings(values)  # the value rules of schemas/rules.py; the first one found is raised
     if k:  # the top-k rules too: ids in the vocabulary and unique, sorted, mass plus tail 1, the dataset token

@@ -1,4 +1,4 @@
-"""What an architecture allows the fast paths of both jobs (precompute-ref's batching modes, train-dpo's batch
+"""What an architecture allows the fast paths of the jobs (precompute-ref's batching modes, train-dpo's batch
 layout): facts read from the model's config, and the reasons given when a path cannot reproduce the plain forward.
 Each rule is written here once."""
 

@@ -1,4 +1,5 @@
-"""The command-line frame both jobs share: errors as one paragraph and an exit code, quiet libraries, encoding options."""
+"""The command-line frame the three commands share (precompute-ref, train-dpo, audit-ref): errors as one paragraph and
+an exit code, quiet libraries, encoding options."""
 
 from __future__ import annotations
 

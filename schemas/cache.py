@@ -40,13 +40,18 @@ class Cache:
         return EncodingConfig.from_dict(self.manifest["encoding"])
 
     @property
+    def top_k(self) -> int:
+        """K of a top-k cache (computation.top_k), 0 without one."""
+        return fmt.top_k_of(self.manifest.get("computation"))
+
+    @property
     def shard_paths(self) -> list[Path]:
         return [self.root / s["file"] for s in self.manifest["shards"]]
 
     def scan(self, columns=None) -> pa.Table:
         """`columns` (default: every column of a shard) beside the index, each shard read once, in manifest order;
         the index's columns are not read again."""
-        names = fmt.shard_schema(fmt.top_k_of(self.manifest.get("computation"))).names
+        names = fmt.shard_schema(self.top_k).names
         extra = [c for c in (columns or names) if c not in INDEX]
         tables = [self._columns(entry["file"], p, extra) for entry, p in zip(self.manifest["shards"], self.shard_paths)]
         table = pa.concat_tables(tables) if tables else pa.table({c: [] for c in extra})
@@ -57,7 +62,7 @@ class Cache:
     @property
     def columns(self) -> list[fmt.Column]:
         """The shard columns of this cache; their `logical` types are what every reader here returns."""
-        return fmt.shard_columns(fmt.top_k_of(self.manifest.get("computation")))
+        return fmt.shard_columns(self.top_k)
 
     def rows(self, columns=None):
         """The current version's rows, shard by shard in manifest order, as pyarrow tables of `columns` (default:
