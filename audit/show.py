@@ -450,7 +450,8 @@ def run_label(run_dir: str, recorded: dict) -> str:
     config = recorded.get("config") if isinstance(recorded.get("config"), dict) else {}
     result = recorded.get("result") if isinstance(recorded.get("result"), dict) else {}
     facts = [f"run id {config['run_id']}" if config.get("run_id") else None,
-             f"{result['steps']} steps" if result.get("steps") is not None else None,
+             f"{result['steps']} step{'' if result.get('steps') == 1 else 's'}" if result.get("steps") is not None
+             else None,
              f"final model hash {recorded['final_model_hash']}" if recorded.get("final_model_hash") else None]
     facts = [f for f in facts if f]
     return str(Path(run_dir).resolve()) + (f" ({', '.join(facts)})" if facts else "")

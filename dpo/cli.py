@@ -287,7 +287,7 @@ def _check_unread_options(config_file: str | None, from_file: dict, command_line
     for given, where in ((list(command_line), "--{}"), (in_file, f"{config_file}: {{}}")):
         for name, reader in kl_control.unread_options(values, given):
             shown = where.format(name.replace("_", "-") if where.startswith("--") else name)
-            raise click.UsageError(f"{shown} {values[name]}: only {reader} reads it, which this run does not use, so "
+            raise click.UsageError(f"{shown} {_number_text(values[name])}: only {reader} reads it, which this run does not use, so "
                                    f"it would be ignored; drop it, or add what reads it")
 
 
