@@ -44,6 +44,22 @@ def gpt2_dir(tmp_path_factory) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# KL-governed train-dpo (tests/dpo/test_kl_*.py): 16 pairs of data/ and their top-k cache (K = 8) under data/'s model
+
+
+@pytest.fixture(scope="session")
+def kl_pairs(tmp_path_factory) -> tuple[Path, Path]:
+    """(the 16 pairs' jsonl, their top-k cache); read only: a test that damages the cache copies it first."""
+    base = tmp_path_factory.mktemp("kl-pairs")
+    data = base / "pairs.jsonl"
+    data.write_text("".join((DATA / "prefs" / "train.jsonl").read_text().splitlines(keepends=True)[:KL_PAIRS]))
+    return data, precompute_in_process(DATA / "sft-model", data, base / "cache", rows_per_shard=KL_PAIRS, top_k=8)
+
+
+KL_PAIRS = 16
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # train-dpo (tests/dpo/, tests/faults/): one small conversational data set and its reference cache, shared by the session
 
 

@@ -15,22 +15,13 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from conftest import DATA, HELPERS, precompute_in_process, records
+from conftest import DATA, HELPERS, records
 from dpo.cli import main as train_dpo
 from dpo.recipe import TrainConfig, run_train
 from dpo.kl_governor import EXIT_KL_ALARM
 
 MODEL = DATA / "sft-model"
-PAIRS = 16
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    base = tmp_path_factory.mktemp("kl-alarms")
-    data = base / "pairs.jsonl"
-    data.write_text("".join((DATA / "prefs" / "train.jsonl").read_text().splitlines(keepends=True)[:PAIRS]))
-    return data, precompute_in_process(MODEL, data, base / "cache", rows_per_shard=PAIRS, top_k=8)
 
 
 # one table of options, written once as TrainConfig keywords and once as the command line a user types
@@ -38,8 +29,8 @@ BASE = dict(per_device_train_batch_size=4, max_steps=STEPS, logging_steps=1, sav
             use_cpu=True)
 
 
-def options(setup, out, **extra) -> dict:
-    data, cache = setup
+def options(kl_pairs, out, **extra) -> dict:
+    data, cache = kl_pairs
     return dict(model=str(MODEL), data=str(data), ref_cache=str(cache), output_dir=str(out)) | BASE | extra
 
 
@@ -65,10 +56,10 @@ def events(out, kind=None) -> list[dict]:
 
 
 def test_a_band_above_the_kl_lowers_beta_to_its_clamp_and_a_run_killed_after_a_checkpoint_resumes_to_it(
-        setup, tmp_path):
+        kl_pairs, tmp_path):
     band = dict(kl_target="1:2", kl_adapt_every=2, beta=0.1, beta_min=0.08, learning_rate=5e-7)
     whole = tmp_path / "whole"
-    run_train(TrainConfig(**options(setup, whole, **band)), log=lambda m: None)
+    run_train(TrainConfig(**options(kl_pairs, whole, **band)), log=lambda m: None)
     decisions = events(whole, "kl_control")
     assert [d["step"] for d in decisions] == [2, 4, 6]
     assert [d["after"] for d in decisions] == [0.1 / 1.2, 0.08, 0.08]  # exactly /1.2, then the clamp holds
@@ -80,11 +71,11 @@ def test_a_band_above_the_kl_lowers_beta_to_its_clamp_and_a_run_killed_after_a_c
     killed = tmp_path / "killed"
     env = {**os.environ, "FAULT_AT": "checkpoint", "FAULT_STEP": "4"}
     proc = subprocess.run([sys.executable, str(HELPERS / "fault_launcher.py"), "train-dpo",
-                           *command_line(options(setup, killed, **band))], env=env, capture_output=True, text=True,
+                           *command_line(options(kl_pairs, killed, **band))], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert (killed / "checkpoint-4" / "kl-control.json").is_file() and not (killed / "run-manifest.json").exists()
-    resumed = CliRunner().invoke(train_dpo, command_line(options(setup, killed, **band))
+    resumed = CliRunner().invoke(train_dpo, command_line(options(kl_pairs, killed, **band))
                                  + ["--resume-from-checkpoint", str(killed / "checkpoint-4")], catch_exceptions=False)
     assert resumed.exit_code == 0, resumed.output
     assert {s: r["beta"] for s, r in losses(killed).items()} == {s: r["beta"] for s, r in losses(whole).items()}
@@ -95,7 +86,7 @@ def test_a_band_above_the_kl_lowers_beta_to_its_clamp_and_a_run_killed_after_a_c
 
 
 @pytest.fixture(scope="module")
-def runaway(setup, tmp_path_factory):
+def runaway(kl_pairs, tmp_path_factory):
     """lr 1e-4 makes the KL per step rise (about 2e-4, 7e-4, 1e-3, 3e-3 at steps 2-5): an alarm at 5e-4 fires from
     step 3 on. One run per action, warn and checkpoint in process, stop through the command line."""
     base = tmp_path_factory.mktemp("runaway")
@@ -103,11 +94,11 @@ def runaway(setup, tmp_path_factory):
     for action in ("warn", "checkpoint"):
         lines = []
         out = base / action
-        run_train(TrainConfig(**options(setup, out, learning_rate=1e-4, save_steps=100,
+        run_train(TrainConfig(**options(kl_pairs, out, learning_rate=1e-4, save_steps=100,
                                         kl_alarm=f"5e-4:{action}")), log=lines.append)
         runs[action] = out, lines
     out = base / "stop"
-    result = CliRunner().invoke(train_dpo, command_line(options(setup, out, learning_rate=1e-4, save_steps=100,
+    result = CliRunner().invoke(train_dpo, command_line(options(kl_pairs, out, learning_rate=1e-4, save_steps=100,
                                                                 kl_alarm="5e-4:stop")))
     runs["stop"] = out, result
     return runs

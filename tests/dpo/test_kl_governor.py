@@ -11,26 +11,17 @@ import shutil
 
 import pytest
 
-from conftest import DATA, audit_ref, precompute_in_process, records
+from conftest import DATA, audit_ref, records
 from dpo.kl_governor import EXIT_KL_ALARM, KLAlarmStop, check_kl_options
 from dpo.recipe import TrainConfig, run_train
 from runtime.errors import JobError
 from runtime.kl_control import Settings, replay
 
 MODEL = DATA / "sft-model"
-PAIRS = 16
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    base = tmp_path_factory.mktemp("kl-governor")
-    data = base / "pairs.jsonl"
-    data.write_text("".join((DATA / "prefs" / "train.jsonl").read_text().splitlines(keepends=True)[:PAIRS]))
-    return data, precompute_in_process(MODEL, data, base / "cache", rows_per_shard=PAIRS, top_k=8)
-
-
-def config(setup, out, **options) -> TrainConfig:
-    data, cache = setup
+def config(kl_pairs, out, **options) -> TrainConfig:
+    data, cache = kl_pairs
     base = dict(model=str(MODEL), data=str(data), ref_cache=str(cache), output_dir=str(out), use_cpu=True,
                 per_device_train_batch_size=4, max_steps=6, logging_steps=1, learning_rate=1e-4, save_steps=2,
                 plot=False, seed=1)
@@ -68,9 +59,9 @@ def betas(out) -> dict[int, float]:
     return {r["step"]: r["beta"] for r in records(out) if "loss" in r}
 
 
-def test_a_band_below_the_kl_raises_beta_by_the_factor_to_its_clamp_and_a_resume_equals_it(setup, tmp_path):
+def test_a_band_below_the_kl_raises_beta_by_the_factor_to_its_clamp_and_a_resume_equals_it(kl_pairs, tmp_path):
     out = tmp_path / "run"
-    cfg = config(setup, out, kl_target="1e-9:2e-9", kl_adapt_every=2, beta=0.1, beta_max=0.15)
+    cfg = config(kl_pairs, out, kl_target="1e-9:2e-9", kl_adapt_every=2, beta=0.1, beta_max=0.15)
     run_train(cfg, log=lambda m: None)
     decisions = [r for r in records(out) if r.get("event") == "kl_control"]
     assert [d["step"] for d in decisions] == [2, 4, 6]
@@ -88,12 +79,12 @@ def test_a_band_below_the_kl_raises_beta_by_the_factor_to_its_clamp_and_a_resume
     edited[at]["beta"] = 0.1  # one step's β edited
     assert replay(settings, edited) == [f"step 4: beta logged as 0.1, the rule gives {0.1 * 1.2!r}"]
     # audit-ref --run: PASS as written, FAIL once that one β is edited in the file
-    code, report, output = audit_ref(setup[1], "--run", out, json_path=tmp_path / "audit.json")
+    code, report, output = audit_ref(kl_pairs[1], "--run", out, json_path=tmp_path / "audit.json")
     checked = {c["name"]: c for c in report["checks"]}["run_kl_control"]
     assert code == 0 and checked["status"] == "PASS", output
     assert "band controller" in checked["detail"] and "no KL alarm" in checked["detail"]
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edited))
-    code, report, output = audit_ref(setup[1], "--run", out, json_path=tmp_path / "audit.json")
+    code, report, output = audit_ref(kl_pairs[1], "--run", out, json_path=tmp_path / "audit.json")
     checked = {c["name"]: c for c in report["checks"]}["run_kl_control"]
     assert code == 1 and checked["status"] == "FAIL" and "step 4: beta logged as 0.1" in checked["detail"], output
     # a line that is not a record, a record without the rule's fields, a damaged recorded rule: FAIL, never a crash
@@ -107,7 +98,7 @@ def test_a_band_below_the_kl_raises_beta_by_the_factor_to_its_clamp_and_a_resume
     for name, cases in damaged.items():
         for content, says in cases:
             (out / name).write_text(content)
-            code, report, output = audit_ref(setup[1], "--run", out, json_path=tmp_path / "audit.json")
+            code, report, output = audit_ref(kl_pairs[1], "--run", out, json_path=tmp_path / "audit.json")
             checked = {c["name"]: c for c in report["checks"]}["run_kl_control"]
             assert code == 1 and checked["status"] == "FAIL" and says in checked["detail"], output
     (out / "run-manifest.json").write_text(text)
@@ -116,7 +107,7 @@ def test_a_band_below_the_kl_raises_beta_by_the_factor_to_its_clamp_and_a_resume
     # killed after checkpoint-2 and resumed: the same β trajectory exactly, the same losses within 1e-6
     again = tmp_path / "again"
     shutil.copytree(out, again, ignore=shutil.ignore_patterns("checkpoint-4", "checkpoint-6"))
-    run_train(config(setup, again, kl_target="1e-9:2e-9", kl_adapt_every=2, beta=0.1, beta_max=0.15,
+    run_train(config(kl_pairs, again, kl_target="1e-9:2e-9", kl_adapt_every=2, beta=0.1, beta_max=0.15,
                      resume_from_checkpoint=str(again / "checkpoint-2")), log=lambda m: None)
     assert betas(again) == betas(out)
     resumed = {r["step"]: r for r in records(again) if "loss" in r}
@@ -125,7 +116,7 @@ def test_a_band_below_the_kl_raises_beta_by_the_factor_to_its_clamp_and_a_resume
     assert [r for r in records(again) if r.get("event")] == [r for r in records(out) if r.get("event")]
 
 
-def test_an_alarm_rolls_back_to_the_checkpoint_under_its_level_tightens_beta_then_stops(setup, tmp_path,
+def test_an_alarm_rolls_back_to_the_checkpoint_under_its_level_tightens_beta_then_stops(kl_pairs, tmp_path,
                                                                                          monkeypatch):
     """KL per step rises with lr 1e-4 (about 2e-4, 7e-4, 1e-3, 3e-3 at steps 2-5): the alarm at 0.002 fires at step
     5; checkpoint-4's weights measured the step-5 KL (over the level), checkpoint-2's the step-3 one (under it), so
@@ -143,7 +134,7 @@ def test_an_alarm_rolls_back_to_the_checkpoint_under_its_level_tightens_beta_the
     out = tmp_path / "run"
     lines = []
     with pytest.raises(KLAlarmStop) as stopped:
-        run_train(config(setup, out, kl_alarm="0.002:rollback", kl_alarm_retries=1, max_steps=8), log=lines.append)
+        run_train(config(kl_pairs, out, kl_alarm="0.002:rollback", kl_alarm_retries=1, max_steps=8), log=lines.append)
     assert stopped.value.exit_code == EXIT_KL_ALARM == 4
     message = str(stopped.value)
     events = [r for r in records(out) if r.get("event") in ("kl_alarm", "kl_rollback")]

@@ -8,13 +8,11 @@ import json
 import math
 from pathlib import Path
 
-import pytest
 
-from conftest import DATA, TORCHRUN, precompute_in_process, records, run_in_session
+from conftest import DATA, TORCHRUN, records, run_in_session
 
 MODEL = DATA / "sft-model"
-PAIRS = 16  # 4 steps of 2 ranks x 2 pairs
-STEPS = 4
+STEPS = 4  # of 2 ranks x 2 pairs: the 16 pairs of kl_pairs
 
 # train-dpo as the whole process, with each rank noting the β its training loss was computed with (dpo/trainer.py
 # reads it from loss_config, which the governor sets before every step); the only way to see a rank other than 0,
@@ -39,16 +37,8 @@ process_main()
 """
 
 
-@pytest.fixture(scope="module")
-def top_k_cache(tmp_path_factory):
-    base = tmp_path_factory.mktemp("kl-ranks")
-    data = base / "pairs.jsonl"
-    data.write_text("".join((DATA / "prefs" / "train.jsonl").read_text().splitlines(keepends=True)[:PAIRS]))
-    return data, precompute_in_process(MODEL, data, base / "cache", rows_per_shard=PAIRS, top_k=8)
-
-
-def test_two_gloo_ranks_hold_the_same_beta_at_every_step_of_a_band_controller(top_k_cache, tmp_path):
-    data, cache = top_k_cache
+def test_two_gloo_ranks_hold_the_same_beta_at_every_step_of_a_band_controller(kl_pairs, tmp_path):
+    data, cache = kl_pairs
     repo = Path(__file__).resolve().parent.parent.parent
     notes = tmp_path / "notes"
     notes.mkdir()
