@@ -31,7 +31,8 @@ SCRIPTS = {**PARTS, "sweep": "bench_sweep.py", "memory": "bench_memory.py",  # t
            "offload": "bench_offload.py", "flops": "bench_flops.py", "vocab": "bench_vocab.py",
            "topk": "bench_topk.py", "topk-train": "bench_topk_train.py", "ranks": "bench_ranks.py",
            "compile": "bench_compile.py", "update": "bench_update.py", "store": "bench_store.py",
-           "probe": "bench_probe.py", "kl-control": "bench_kl_control.py"}
+           "probe": "bench_probe.py", "kl-control": "bench_kl_control.py", "truth-memory": "bench_truth_memory.py",
+           "trl-entry": "bench_trl_entry.py"}
 
 
 def run_parts(parts: list[str], quick: bool, results: Path) -> dict:

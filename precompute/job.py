@@ -308,11 +308,12 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     requested = DEFAULT_TOKEN_BUDGET if cfg.token_budget == "auto" else cfg.token_budget
     budget = effective_budget(model, requested, longest)
     _check_top_k(cfg.top_k, model.get_output_embeddings().weight.shape[0])  # the head itself decides
+    notes = {}  # the truth's record, when the probe's longest sequence is scored in pieces (runtime/truth.py)
     mode = choose_mode(model, job.batching or cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair],
-                       top_k=cfg.top_k)
+                       top_k=cfg.top_k, notes=notes)
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
                    "head": verified_head(model), "batching": REGISTRY[mode].description,
-                   **({"layout": layout} if layout else {})}  # a note, not compared on a rerun (COMPUTATION_NOTES)
+                   **({"layout": layout} if layout else {}), **notes}  # notes, not compared on a rerun (COMPUTATION_NOTES)
     sized = auto_budget(model, mode, computation["head"], longest) if cfg.token_budget == "auto" else None
     if cfg.torch_compile:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
         model, computation["compiled"] = compiled_scorer(

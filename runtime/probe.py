@@ -13,12 +13,26 @@ from schemas.format import TokenScores
 
 from .logprobs import reference_logps, reference_scores, reference_top_k, unwrap
 from .tolerance import probe_tolerance
+from .truth import chosen_truth, chunked_scores
 
 
-def reference_values(model, pairs: list[EncodedPair], top_k: int = 0) -> list:
+def reference_values(model, pairs: list[EncodedPair], top_k: int = 0, notes: dict | None = None) -> list:
     """reference_logps of each pair's chosen, then its rejected completion: [chosen 0, rejected 0, chosen 1, ...];
-    with top_k, TokenScores holding reference_top_k's ids, log-probs and tail beside them."""
-    return [reference_value(model, p.prompt_ids, c, top_k) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+    with top_k, TokenScores holding reference_top_k's ids, log-probs and tail beside them. A sequence whose whole
+    forward's logits would pass runtime/truth.py's WHOLE_ELEMENTS is scored by the chunked truth once that is proven
+    on this model (truth.chosen_truth); its record goes to `notes["truth"]`."""
+    sequences = [(p.prompt_ids, c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+    chunked, record = chosen_truth(model, sequences, top_k)
+    if record is not None and notes is not None:
+        notes["truth"] = record
+    return [chunked_value(model, *s, top_k) if i in chunked else reference_value(model, *s, top_k)
+            for i, s in enumerate(sequences)]
+
+
+def chunked_value(model, prompt_ids: list[int], completion_ids: list[int], top_k: int = 0):
+    """reference_value's values from the chunked truth."""
+    scores = chunked_scores(model, prompt_ids, completion_ids, top_k).map(_numpy)
+    return scores if top_k else scores.logps
 
 
 def reference_value(model, prompt_ids: list[int], completion_ids: list[int], top_k: int = 0):

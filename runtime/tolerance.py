@@ -22,6 +22,11 @@ Two named parts of the same policy:
                   the model's own logits. Only the projection's summation order differs, and the head it picks
                   also runs where no probe follows (train-dpo's padded layout, the live policy), so it may use a
                   tenth of the budget: 1e-5 in float32, 0.025 in bf16/fp16.
+  truth share     the chunked truth (runtime/truth.py: the model's own forward with `logits_to_keep` piece by piece,
+                  for sequences whose whole-forward logits are too large) is taken only where it equals the whole
+                  forward on the job's sequences that fit within a tenth of the budget, relative to max(1, |value|):
+                  1e-5 in float32 (the head on fewer rows rounds differently: at most 1.8e-6 measured over the
+                  architecture matrix), 0.025 in bf16/fp16. HEAD_SHARE names that tenth too.
   across_devices  (a field of each row) a replay on another device type than the cache records (a CUDA cache
                   replayed on a CPU) runs other kernels (matmul blocking, fused attention, reductions) that round
                   differently at every layer. In float32 that is about the size of the budget on a deep model, hence x10 (1e-3). In
@@ -64,6 +69,12 @@ def probe_tolerance(dtype: torch.dtype | str) -> float:
 
 def head_tolerance(dtype: torch.dtype | str) -> float:
     """Largest per-token difference from the model's own logits that a head path may show on the head check."""
+    return precision(dtype).per_token * HEAD_SHARE
+
+
+def truth_tolerance(dtype: torch.dtype | str) -> float:
+    """Largest difference, per value and relative to max(1, |value|), of the chunked truth from the whole forward on
+    the sequences it is proven on (runtime/truth.py)."""
     return precision(dtype).per_token * HEAD_SHARE
 
 

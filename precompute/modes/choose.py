@@ -44,13 +44,14 @@ def _order(model, requested: str, sample: list[EncodedPair], token_budget: int) 
 
 
 def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, pad_id: int, token_budget: int,
-                log, long_pairs: list[EncodedPair] = (), top_k: int = 0) -> str:
+                log, long_pairs: list[EncodedPair] = (), top_k: int = 0, notes: dict | None = None) -> str:
     """The mode to run: `requested`, or for auto the cheapest by estimated_cost. Whatever the mode (full_forward
     and single included), it must first reproduce `reference_logps` on probe pairs (short ones of `sample`, and
     the longest of `sample` and `long_pairs`); one that does not falls back to the next (auto: the next cheapest;
     a requested mode: full_forward, then single), the reason logged once. A model whose numbers depend on batch
     shape runs single. With top_k the mode's top-k ids, log-probs and tail must also reproduce `reference_top_k`.
-    Refuses (JobError) if nothing reproduces the reference."""
+    Refuses (JobError) if nothing reproduces the reference. `notes` receives the truth's record when a probe
+    sequence is too long for the whole forward (runtime/truth.py)."""
     attn = model.config._attn_implementation
     if requested != "auto":
         warning = lookup(requested).warning(attn)  # an unknown name is refused here (ValueError)
@@ -58,7 +59,12 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
             log(warning)
     order, cost = _order(model, requested, sample, token_budget)
     probe = probe_pairs(sample, long_pairs=long_pairs)
-    truth = reference_values(model, probe, top_k)
+    truth = reference_values(model, probe, top_k, notes=notes)
+    if notes and "truth" in notes:
+        t = notes["truth"]
+        log(f"truth: {t['kind']} for the {t['long_sequences']} probe sequence(s) past {t['whole_elements']:,} logits"
+            + (f" (equal to the whole forward within {t['max_relative_difference']:.1e} on the job's sequences that "
+               "fit)" if t["kind"] == "chunked" else f" ({t['why']})"))
     rejected = []
     for mode in order:
         reason = unsupported(mode, model, longest) or disagreement(

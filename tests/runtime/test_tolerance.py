@@ -186,7 +186,7 @@ def test_the_tolerance_policy_has_one_definition():
     modules = list(product_modules())
     outside = [(m, t) for m, t in modules if m != "runtime/tolerance.py"]
     assert [d.split(" ")[1] for d in tolerance_definitions(modules)] == \
-        ["probe_tolerance", "head_tolerance", "replay_tolerance"]
+        ["probe_tolerance", "head_tolerance", "truth_tolerance", "replay_tolerance"]
     assert all(d.startswith("runtime/tolerance.py:") for d in tolerance_definitions(modules))
     assert figure_comparisons(outside) == []
 

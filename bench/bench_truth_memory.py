@@ -1,0 +1,86 @@
+"""precompute-ref's peak memory set by the truth (issue 39 item 2): the probe runs the truth on the job's longest
+pair, so with the whole forward that pair's logits over the vocabulary (and their log_softmax) set the peak; the
+chunked truth (runtime/truth.py) holds one piece of them. Side by side in one run, each in a process of its own:
+
+  baseline  a process that loads the model and runs a 16-token forward (what any job pays)
+  whole     precompute-ref on one pair with the truth forced to the whole forward (WHOLE_ELEMENTS set past it)
+  chunked   precompute-ref as shipped
+
+on a Llama-style model with a small body (hidden 64, 2 layers: the head over the vocabulary is the memory) at a 128k
+vocabulary x 2k tokens and at a 32k vocabulary x one 16k-token pair. Reported: each peak RSS (wait4's ru_maxrss) and
+its excess over the baseline. Targets: chunked excess <= 0.5 GiB at 128k x 2k, <= 1 GiB at 32k x 16k.
+
+    .venv/bin/python bench/bench_truth_memory.py [--quick]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import common
+
+BODY = dict(hidden=64, layers=2, heads=4, kv=2, inter=128)
+FULL = [("128k x 2k", 128256, 2048), ("32k x 16k", 32000, 16384)]
+QUICK = [("32k x 2k", 32000, 2048)]
+
+BASELINE = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+with torch.no_grad():
+    model(torch.arange(3, 19)[None])
+"""
+WHOLE = """
+import sys
+import runtime.truth
+runtime.truth.WHOLE_ELEMENTS = 1 << 62
+from precompute.cli import main
+main(sys.argv[1:])
+"""
+
+
+def case(work: Path, name: str, vocab: int, tokens: int) -> tuple[Path, Path]:
+    """A checkpoint of that vocabulary and one pair: a prompt and two completions of tokens/2 words each, so each
+    scored sequence is `tokens` long (the word tokenizer gives one token a word)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = work / f"model-{vocab}"
+    if not (folder / "config.json").exists():
+        config = LlamaConfig(vocab_size=vocab, hidden_size=BODY["hidden"], intermediate_size=BODY["inter"],
+                             num_hidden_layers=BODY["layers"], num_attention_heads=BODY["heads"],
+                             num_key_value_heads=BODY["kv"], max_position_embeddings=max(tokens, 2048) + 8,
+                             bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+        LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+        common.word_tokenizer(vocab).save_pretrained(folder)
+    half = tokens // 2 - 2
+    words = lambda start: " ".join(f"w{3 + (start + i) % (vocab - 3)}" for i in range(half))
+    data = common.write_jsonl(work / name.replace(" ", "") / "train.jsonl",
+                              [{"id": "p0", "prompt": words(0), "chosen": " " + words(7), "rejected": " " + words(11)}])
+    return folder, data
+
+
+def main():
+    args = common.parser(__doc__).parse_args()
+    log = lambda m: print(m, flush=True)
+    results = {}
+    with common.workdir("truth-memory") as work:
+        for name, vocab, tokens in QUICK if args.quick else FULL:
+            model, data = case(work, name, vocab, tokens)
+            run = lambda what, cmd: common.run_process(cmd, work / f"{name}-{what}.log".replace(" ", ""))
+            cli = ["--model", str(model), "--data", str(data), "--max-length", str(tokens + 8), "--no-progress"]
+            row = {"baseline": run("baseline", [sys.executable, "-c", BASELINE, str(model)]),
+                   "whole": run("whole", [sys.executable, "-c", WHOLE, *cli, "--out", str(work / f"whole-{vocab}")]),
+                   "chunked": run("chunked", [sys.executable, "-m", "precompute.cli", *cli,
+                                              "--out", str(work / f"chunked-{vocab}")])}
+            base = row["baseline"]["maxrss_mb"]
+            row["excess_gib"] = {k: (row[k]["maxrss_mb"] - base) / 1024 for k in ("whole", "chunked")}
+            results[name] = row
+            log(f"{name}: peak RSS over a load + 16-token forward: whole {row['excess_gib']['whole']:.2f} GiB, "
+                f"chunked {row['excess_gib']['chunked']:.2f} GiB (baseline {base / 1024:.2f} GiB; wall whole "
+                f"{row['whole']['wall_s']:.1f} s, chunked {row['chunked']['wall_s']:.1f} s)")
+    print(f"wrote {common.save('truth-memory', results, args)}")
+
+
+if __name__ == "__main__":
+    main()
