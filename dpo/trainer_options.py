@@ -19,6 +19,7 @@ from pathlib import Path
 
 from runtime import cli
 from runtime.cli import OptionSpec, option_specs
+from runtime.paths import refcache_home
 
 GROUP = "Training (every other transformers.TrainingArguments)"
 FORMAT = 2  # 2: numeric kinds carry their domain
@@ -44,10 +45,8 @@ TRAINER_DOMAINS = {
 
 
 def cache_folder() -> Path:
-    """$REFCACHE_HOME, else refcache/ in the user's cache folder ($XDG_CACHE_HOME or ~/.cache)."""
-    if os.environ.get("REFCACHE_HOME"):
-        return Path(os.environ["REFCACHE_HOME"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "refcache"
+    """refcache's own folder of caches (runtime.paths.refcache_home)."""
+    return refcache_home()
 
 
 def _version(name: str) -> str | None:

@@ -12,10 +12,13 @@ kv_cache: each layer reads its own slot of the key/value cache, so each layer co
 from __future__ import annotations
 
 import contextlib
+import os
+from pathlib import Path
 
 import torch
 
 from runtime.logprobs import unwrap
+from runtime.paths import refcache_home
 from runtime.probe import disagreement, reference_values
 from schemas.encoding import EncodedPair
 
@@ -62,6 +65,55 @@ def compile_scoring(model):
     if model is not inner or decoder is None or decoder is inner or "forward" in vars(decoder):
         return torch.compile(model, dynamic=True)
     return CompiledDecoder(model, decoder)
+
+
+# --torch-compile auto (neither flag): compile where it pays. Compiling costs a fixed time C, then scores at the
+# compiled rate, SPEEDUP x the eager one; on a job whose eager scoring would take E it pays when E (1 - 1/SPEEDUP) > C.
+# Measured (bench/RESULTS.md part 16, 35M long-prompt case, 2-core CPU): the compiled scoring 1.03x the eager rate;
+# precompute-ref end to end 55.5 s with a cold inductor cache against 11.6 s eager (C about 44 s), 28.2 s warm (C
+# about 17 s): so on CPU compiling pays past E = C / (1 - 1/1.03), about 10 minutes of eager scoring warm, 25 cold.
+# No GPU has measured it here yet: on CUDA the same rule runs with the CPU's figures until one does (bench_compile.py).
+SPEEDUP = 1.03
+COMPILE_SECONDS = {"cold": 44.0, "warm": 17.0}
+
+
+def inductor_cache() -> Path:
+    """Where torch.compile's inductor caches go (refcache's home, unless TORCHINDUCTOR_CACHE_DIR says otherwise), so
+    a second job of the same model and shapes compiles warm."""
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or refcache_home() / "inductor")
+
+
+def compile_choice(requested: bool | None, eager_seconds: float | None, *, split: bool = False,
+                   warm: bool = False) -> tuple[bool, str]:
+    """(compile or not, why, in words that do not depend on the machine's speed: the manifest notes them):
+    --torch-compile (True) and --no-torch-compile (False) as given; auto (None) compiles when the job's estimated
+    eager scoring time, `eager_seconds`, saves more at SPEEDUP than compiling costs (cold, or `warm` with an
+    inductor cache already there); a split model (--device-map, --tp-size) scores eager."""
+    if requested is not None:
+        return requested, "--torch-compile" if requested else "--no-torch-compile"
+    if split:
+        return False, "auto: a split model scores uncompiled"
+    if eager_seconds is None:
+        return False, "auto: eager, no measured eager rate"
+    cache = "warm" if warm else "cold"
+    if eager_seconds * (1 - 1 / SPEEDUP) > COMPILE_SECONDS[cache]:
+        return True, "auto: compiled, the job's estimated eager scoring is past the break-even"
+    return False, "auto: eager, the job's estimated eager scoring is under the break-even"
+
+
+def estimate_text(eager_seconds: float | None, warm: bool) -> str:
+    """The figures behind an auto choice, for the log."""
+    if eager_seconds is None:
+        return "no estimate"
+    cost = COMPILE_SECONDS["warm" if warm else "cold"]
+    return (f"eager scoring estimated at {eager_seconds:.0f} s; compiling would save {eager_seconds * (1 - 1 / SPEEDUP):.0f}"
+            f" s for about {cost:.0f} s of compiling with a {'warm' if warm else 'cold'} inductor cache, at {SPEEDUP:g}x "
+            "the eager rate compiled")
+
+
+def warm_cache() -> bool:
+    """Whether inductor's FX graph cache under inductor_cache() holds anything yet."""
+    return any((inductor_cache() / "fxgraph").glob("*")) if (inductor_cache() / "fxgraph").is_dir() else False
 
 
 def compiled_scorer(model, mode: str, probe: list[EncodedPair], pad_id: int, top_k: int, log,

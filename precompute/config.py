@@ -91,11 +91,14 @@ class PrecomputeConfig:
         "data/ (README): about 7 bytes per completion token at K = 0, 31 at K = 8, 86 at K = 32, 288 at K = 128 "
         "(2 to 3 bytes per K per completion token).", "Computation",
         domain="natural"))
-    torch_compile: bool = field(default=False, metadata=field_help(
+    torch_compile: bool | None = field(default=None, metadata=field_help(
         "Compile the scoring forward with torch.compile (dynamic shapes): used only where it reproduces the model's "
-        "own eager forward on the probe of the job's pairs, else the job scores uncompiled and says why. The "
-        "manifest notes computation.compiled; the cache is the same either way. Needs a C++ compiler on CPU.",
-        "Computation"))
+        "own eager forward on the probe of the job's pairs, else the job scores uncompiled and says why. Neither "
+        "flag (auto): compiled when the job's eager scoring, estimated from the probe's measured rate, would save "
+        "more than compiling costs (measured on CPU: past about 10 minutes of eager scoring with a warm inductor "
+        "cache, 25 cold; the caches are kept in refcache's home); a split model scores uncompiled. The manifest "
+        "notes computation.compiled and compile_choice; the cache is the same either way. Needs a C++ compiler on "
+        "CPU.", "Computation", show_default="auto"))
     overwrite: bool = field(default=False, metadata=field_help(
         "Delete the existing cache first (default: resume, keeping finished shards of this same job).", "Output"))
     update: bool = field(default=False, metadata=field_help(

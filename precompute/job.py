@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from schemas import store
 from schemas.card import write_card
 from schemas.stamps import combined_mask_checksum, tokenizer_hash, tokenizer_parts
 
-from .compiled import compiled_scorer
+from .compiled import compile_choice, compiled_scorer, estimate_text, inductor_cache, warm_cache
 from .config import PrecomputeConfig, cache_settings, checked_inputs
 from .modes import REGISTRY, choose_mode, effective_budget, score_pairs
 from .modes.choose import probe_pairs
@@ -82,6 +83,9 @@ def run_precompute(cfg: PrecomputeConfig, log=echo) -> dict:
 
 def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
     t0 = time.perf_counter()
+    # torch.compile's caches under refcache's home unless the user placed them, set before anything of inductor runs
+    # (it fills the variable in with its own default, /tmp/torchinductor_USER, when it first reads it)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
     rank_log = log if dist.world > 1 else None  # every rank's own progress lines
     log = log if dist.rank == 0 else (lambda _m: None)
     job = _plan(cfg, log, dist)
@@ -311,11 +315,20 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     notes = {}  # the truth's record, when the probe's longest sequence is scored in pieces (runtime/truth.py)
     mode = choose_mode(model, job.batching or cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair],
                        top_k=cfg.top_k, notes=notes)
+    rate = notes.pop("probe_rate", None)  # tokens a second of the chosen mode, eager, on the probe
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
                    "head": verified_head(model), "batching": REGISTRY[mode].description,
                    **({"layout": layout} if layout else {}), **notes}  # notes, not compared on a rerun (COMPUTATION_NOTES)
     sized = auto_budget(model, mode, computation["head"], longest) if cfg.token_budget == "auto" else None
-    if cfg.torch_compile:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
+    # --torch-compile auto: each loading rank on its own estimate of a rank's share of the job (no collective here:
+    # a rank dealt no shard loads nothing); compiled or not, the same numbers and the same cache
+    tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs) / dist.world
+    eager, warm = tokens / rate if rate else None, warm_cache()
+    compile_it, why = compile_choice(cfg.torch_compile, eager, split=layout is not None, warm=warm)
+    computation["compile_choice"] = why  # a note
+    if cfg.torch_compile is None:
+        log(f"torch.compile {why} ({estimate_text(eager, warm)})")
+    if compile_it:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
         model, computation["compiled"] = compiled_scorer(
             model, mode, probe_pairs(first, long_pairs=[longest_pair]), pad, cfg.top_k, log, budget)
     return model, computation, mode, pad, budget, sized

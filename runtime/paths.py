@@ -97,3 +97,11 @@ def write_output_file(path, label: str, inputs: dict, data: bytes, *, ours, kind
     place = check_output_file(path, label, inputs, ours=ours, kind=kind)
     atomic_write(place, lambda f: f.write(data))
     return place
+
+
+def refcache_home() -> Path:
+    """$REFCACHE_HOME, else refcache/ in the user's cache folder ($XDG_CACHE_HOME or ~/.cache): what refcache keeps
+    between jobs (train-dpo's table of options, torch.compile's inductor caches)."""
+    if os.environ.get("REFCACHE_HOME"):
+        return Path(os.environ["REFCACHE_HOME"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "refcache"

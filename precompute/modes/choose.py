@@ -10,6 +10,7 @@ device, so a resumed job picks the same mode again. Reads the registry only: a n
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 from schemas.encoding import EncodedPair
@@ -68,7 +69,7 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
     rejected = []
     for mode in order:
         reason = unsupported(mode, model, longest) or disagreement(
-            model, partial(mode_values, model, mode, pad_id=pad_id, top_k=top_k), probe, truth=truth)
+            model, partial(_timed, notes, model, mode, pad_id=pad_id, top_k=top_k), probe, truth=truth)
         if reason is None:
             ratio = (f"; estimated {cost['full_forward'] / cost[mode]:.2f}x less work than full_forward"
                      if mode in cost else "")
@@ -115,6 +116,18 @@ def probe_pairs(sample: list[EncodedPair], prompt_cap: int = 24, completion_cap:
 
 def _shape(pair: EncodedPair) -> tuple[int, int, int]:
     return len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
+
+
+def _timed(notes: dict | None, model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: int = 0) -> list:
+    """mode_values, its seconds and tokens (prompt and both completions of each pair) put in `notes["probe_rate"]`:
+    the eager rate precompute-ref's --torch-compile auto weighs the job with (the probe's first call of a mode,
+    one-time costs included, so the rate is if anything low)."""
+    start = time.perf_counter()
+    values = mode_values(model, mode, pairs, pad_id, top_k)
+    if notes is not None:
+        tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+        notes["probe_rate"] = tokens / max(time.perf_counter() - start, 1e-9)
+    return values
 
 
 def mode_values(model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: int = 0) -> list:

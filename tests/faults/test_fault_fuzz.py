@@ -211,7 +211,8 @@ def assert_sound(root: Path):
         for stamp in ("model_hash", "tokenizer_hash"):
             assert meta[f"refcache.{stamp}"] == m["stamps"][stamp]
         assert (meta["refcache.mask_checksum"], meta["refcache.ids_checksum"]) == (e["mask_checksum"], e["ids_checksum"])
-        assert meta["refcache.encoding"] == enc and json.loads(meta["refcache.computation"]) == m["computation"]
+        scored = {k: v for k, v in m["computation"].items() if k not in fmt.COMPUTATION_NOTES}  # notes: manifest only
+        assert meta["refcache.encoding"] == enc and json.loads(meta["refcache.computation"]) == scored
         rows = table.column("id").to_pylist()
         checks = table.column("mask_checksum").to_pylist()
         assert len(rows) == e["rows"]

@@ -1,0 +1,68 @@
+"""precompute-ref --torch-compile auto (neither flag, the default; issue 39 item 1): compile where the job's estimated
+eager scoring saves more than compiling costs, by precompute/compiled.py's measured figures; the cost model's inputs
+are faked here, never timed: a tiny job stays eager, a long one compiles, a warm inductor cache lowers the bar, the
+flags force either way, a split model stays eager; the choice is logged and noted in the manifest, and inductor's
+caches go under refcache's home."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import DATA, manifest_of
+from precompute import compiled, job
+from precompute.job import PrecomputeConfig, run_precompute
+
+COLD, WARM = compiled.COMPILE_SECONDS["cold"], compiled.COMPILE_SECONDS["warm"]
+BREAK_EVEN = {kind: c / (1 - 1 / compiled.SPEEDUP) for kind, c in compiled.COMPILE_SECONDS.items()}
+
+
+@pytest.mark.parametrize("requested, eager, split, warm, compiles, says", [
+    (None, 3.0, False, False, False, "auto: eager, the job's estimated eager scoring is under"),  # data/: seconds
+    (None, BREAK_EVEN["cold"] * 1.1, False, False, True, "auto: compiled, the job's estimated eager scoring is past"),
+    (None, BREAK_EVEN["cold"] * 0.9, False, False, False, "under the break-even"),
+    (None, BREAK_EVEN["cold"] * 0.9, False, True, True, "past the break-even"),  # the same job, compiled warm
+    (None, BREAK_EVEN["warm"] * 0.9, False, True, False, "auto: eager"),
+    (None, 1e9, True, False, False, "a split model scores uncompiled"),
+    (None, None, False, False, False, "no measured eager rate"),
+    (True, 1.0, False, False, True, "--torch-compile"),
+    (False, 1e9, False, True, False, "--no-torch-compile"),
+])
+def test_auto_compiles_where_the_estimate_says_it_pays(requested, eager, split, warm, compiles, says):
+    decided, why = compiled.compile_choice(requested, eager, split=split, warm=warm)
+    assert decided is compiles and says in why
+
+
+def test_the_break_even_is_the_measured_compile_time_over_the_saved_share():
+    """E (1 - 1/SPEEDUP) = C, by hand: about 10 minutes warm and 25 cold on CPU (the help text's figures)."""
+    assert 9 * 60 < BREAK_EVEN["warm"] < 11 * 60 and 24 * 60 < BREAK_EVEN["cold"] < 26 * 60
+
+
+def test_a_small_job_stays_eager_and_a_long_one_compiles(tmp_path, monkeypatch):
+    """run_precompute on 12 rows of data/: auto keeps it eager (logged, noted); with the probe's rate faked 10^6
+    times lower the same job is estimated long and compiles (compiled_scorer stubbed: what it proves is
+    tests/precompute/test_compile.py's); the inductor cache goes under refcache's home."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join((DATA / "prefs" / "train.jsonl").read_text().splitlines(keepends=True)[:12]))
+    monkeypatch.setenv("REFCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    lines = []
+
+    def run(out):
+        run_precompute(PrecomputeConfig(model=str(DATA / "sft-model"), data=str(data), out=str(out), progress=False),
+                       log=lines.append)
+        return manifest_of(out)["computation"]
+
+    small = run(tmp_path / "small")
+    assert small["compile_choice"].startswith("auto: eager") and "compiled" not in small
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "home" / "inductor")
+    assert any(line.startswith("torch.compile auto: eager") and "eager scoring estimated at" in line for line in lines)
+
+    calls = []
+    monkeypatch.setattr(job, "compiled_scorer", lambda model, *a, **k: calls.append(a[0]) or (model, True))
+    original = compiled.compile_choice
+    monkeypatch.setattr(job, "compile_choice", lambda r, eager, **k: original(r, eager * 1e6, **k))
+    long = run(tmp_path / "long")
+    assert long["compile_choice"].startswith("auto: compiled") and long["compiled"] is True and len(calls) == 1
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")  # what the job set, not left to later tests
