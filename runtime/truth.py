@@ -22,8 +22,8 @@ import torch
 from schemas.format import TokenScores
 
 from .tolerance import truth_tolerance
-from .logprobs import (CHUNK_ELEMENTS, input_device, reference_logps, reference_scores, reset_position_state,
-                       uncompiled, unwrap)
+from .logprobs import (CHUNK_ELEMENTS, _at_tokens, _top_k, input_device, reference_logps, reference_scores,
+                       reset_position_state, uncompiled, unwrap)
 
 # positions x vocabulary above which the truth runs in pieces: 128 MiB of float32 logits (and as much again for their
 # log_softmax), what the scoring's own head holds at once (runtime.logprobs.CHUNK_ELEMENTS); the proof's whole
@@ -85,14 +85,9 @@ def chunked_scores(model, prompt_ids: list[int], completion_ids: list[int], top_
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()
             if s == 0:
                 hold()  # the backbone ran once, for the first piece; the rest reuse its output
-            logps = logits.log_softmax(-1)
-            picked = logps.gather(-1, targets[s : s + len(keep), None]).squeeze(-1)
-            if top_k:
-                top_logps, top_ids = logps.topk(top_k, dim=-1)
-                tail = logps.scatter(-1, top_ids, float("-inf")).logsumexp(-1)
-                parts.append((picked, top_ids, top_logps, tail))
-            else:
-                parts.append((picked,))
+            logps = logits.log_softmax(-1)  # the whole forward's own scoring functions, on one piece
+            picked = _at_tokens(logps, completion_ids[s : s + len(keep)])
+            parts.append((picked, *_top_k(logps, top_k)) if top_k else (picked,))
     reset_position_state(model)
     if "output" not in caught:
         raise RuntimeError("the model's forward did not call its backbone")
