@@ -26,7 +26,9 @@ Two named parts of the same policy:
                   for sequences whose whole-forward logits are too large) is taken only where it equals the whole
                   forward on the job's sequences that fit within a tenth of the budget, relative to max(1, |value|):
                   1e-5 in float32 (the head on fewer rows rounds differently: at most 1.8e-6 measured over the
-                  architecture matrix), 0.025 in bf16/fp16. HEAD_SHARE names that tenth too.
+                  architecture matrix, hyperclovax's top-k, about one float32 step of its largest logit, 18.5, so
+                  1e-6 relative to |value| cannot hold on every model), 0.025 in bf16/fp16. HEAD_SHARE names that
+                  tenth too.
   across_devices  (a field of each row) a replay on another device type than the cache records (a CUDA cache
                   replayed on a CPU) runs other kernels (matmul blocking, fused attention, reductions) that round
                   differently at every layer. In float32 that is about the size of the budget on a deep model, hence x10 (1e-3). In
