@@ -57,8 +57,8 @@ def parse_target(text: str) -> tuple[float, ...]:
 
 def parse_alarm(text: str) -> tuple[float, str]:
     """--kl-alarm: LEVEL[:warn|checkpoint|stop|rollback]."""
-    level, _, action = str(text).partition(":")
-    action = action or "warn"
+    level, colon, action = str(text).partition(":")
+    action = action or ("" if colon else "warn")  # "2:" names no action: refused, not taken as a warning
     try:
         value = float(level)
     except ValueError:

@@ -70,6 +70,7 @@ def _as_fields(args: list[str]) -> dict:
     (["--kl-alarm", "nan"], "Invalid value for '--kl-alarm'"),
     (["--kl-alarm", "0.5:explode"], "the action must be one of warn, checkpoint, stop, rollback"),
     (["--kl-alarm", ":stop"], "LEVEL must be a number"),
+    (["--kl-alarm", "0.5:"], "the action must be one of warn, checkpoint, stop, rollback"),
 ])
 def test_malformed_kl_target_and_alarm_are_usage_errors(tmp_path, args, says):
     r = train_dpo(tmp_path, *args)
