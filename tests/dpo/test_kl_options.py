@@ -139,6 +139,11 @@ def test_a_resume_that_drops_or_adds_a_rule_or_finds_it_damaged_is_refused(tmp_p
     (damaged / STATE_FILE).write_text(json.dumps({"settings": {"start": 0.1, "bogus": 1}, "state": {"value": 1}}))
     with pytest.raises(JobError, match="is damaged"):
         check_resumed_rule(damaged, BAND)
+    for text in ("[1, 2]", "7", json.dumps({"settings": {**BAND.to_json(), "every": 0}, "state": {"value": 1}}),
+                 json.dumps({"settings": {**BAND.to_json(), "controller": "pid"}, "state": {"value": 1}})):
+        (damaged / STATE_FILE).write_text(text)
+        with pytest.raises(JobError, match="is damaged"):
+            check_resumed_rule(damaged, BAND)
 
 
 def test_a_rollback_never_restores_a_checkpoint_through_a_symbolic_link(tmp_path):
