@@ -170,35 +170,39 @@ def audit_kl_control(run_dir: str, run: dict) -> list[Check]:
 
     from runtime.kl_control import Settings, replay
 
-    section = run.get("kl_control")
-    if not section:
+    if run.get("kl_control") is None:
         return [Check("run_kl_control", SKIP, "β was fixed for the run (no --beta-schedule, --kl-target or "
                       "--kl-alarm): no trajectory to recompute")]
+    section, manifest = run["kl_control"], Path(run_dir) / "run-manifest.json"
     path = Path(run_dir) / "metrics.jsonl"
     try:
-        settings = Settings.from_json(section["settings"])
-    except (KeyError, TypeError, ValueError) as e:
-        return [Check("run_kl_control", FAIL, f"{Path(run_dir) / 'run-manifest.json'}: the recorded kl_control "
-                      f"settings are damaged ({type(e).__name__}: {e}), so the governed β cannot be recomputed")]
+        if not isinstance(section, dict):
+            raise ValueError(f"not an object ({type(section).__name__})")
+        settings = Settings.from_json(section.get("settings"))
+    except ValueError as e:
+        return [Check("run_kl_control", FAIL, f"{manifest}: the recorded kl_control settings are damaged ({e}), so "
+                      "the governed β cannot be recomputed")]
     records = []
     try:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if line.strip():
-                records.append(json.loads(line))
-                if not isinstance(records[-1], dict):
+                record = json.loads(line)
+                if not isinstance(record, dict):
                     raise ValueError("not a JSON object")
-        problems = replay(settings, records)
+                records.append(record)
     except OSError as e:
         return [Check("run_kl_control", FAIL, f"{path}: unreadable ({e}), so the governed β cannot be recomputed")]
     except ValueError as e:
         return [Check("run_kl_control", FAIL, f"{path} line {number}: not a metrics record ({e}), so the governed "
                       "β cannot be recomputed")]
-    except (KeyError, TypeError) as e:  # a record without the fields the rule reads
-        return [Check("run_kl_control", FAIL, f"{path}: a record lacks what the rule reads ({type(e).__name__}: "
-                      f"{e}), so the governed β cannot be recomputed")]
-    alarms = [r for r in records if r.get("event") == "kl_alarm"]
-    rollbacks = [r for r in records if r.get("event") == "kl_rollback"]
-    said = ", ".join(f"step {a['step']}: {a['action']}" for a in alarms)
+    try:
+        problems = replay(settings, records)
+        alarms = [r for r in records if r.get("event") == "kl_alarm"]
+        rollbacks = [r for r in records if r.get("event") == "kl_rollback"]
+        said = ", ".join(f"step {a['step']}: {a['action']}" for a in alarms)
+    except Exception as e:  # any record the rule cannot read: a damaged run, reported, not a crash
+        return [Check("run_kl_control", FAIL, f"{path}: a record lacks or garbles what the rule reads "
+                      f"({type(e).__name__}: {e}), so the governed β cannot be recomputed")]
     told = (f"; {len(alarms)} KL alarm(s) ({said}), {len(rollbacks)} rollback(s)" if alarms or rollbacks
             else "; no KL alarm")
     rule = (f"{settings.controller} controller" if settings.controller else f"{settings.schedule} schedule")

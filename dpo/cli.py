@@ -276,10 +276,10 @@ def _check_unread_options(config_file: str | None, from_file: dict, command_line
     config file, unless it holds the default (a DPOConfig written by TRL carries every key)."""
     loss_type = command_line.get("loss_type", from_file.get("loss_type", OURS["loss_type"].default))
     for name in unread_options(loss_type, command_line):
-        raise click.UsageError(unread_message(loss_type, name, command_line[name], f"--{name.replace('_', '-')}"))
+        raise click.UsageError(unread_message(loss_type, name, _number_text(command_line[name]), f"--{name.replace('_', '-')}"))
     for name in unread_options(loss_type, from_file):
         if name not in command_line and from_file[name] != OURS[name].default:
-            raise click.UsageError(unread_message(loss_type, name, from_file[name], f"{config_file}: {name}"))
+            raise click.UsageError(unread_message(loss_type, name, _number_text(from_file[name]), f"{config_file}: {name}"))
     values = from_file | command_line
     # the KL options by the same rule: read by what switches them on (runtime/kl_control.py's READ_BY)
     in_file = [name for name in from_file

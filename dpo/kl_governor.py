@@ -297,9 +297,10 @@ def describe(s: Settings) -> str:
 def read_state(folder: Path) -> dict | None:
     path = Path(folder) / STATE_FILE
     try:
-        return json.loads(path.read_text())
+        saved = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return saved if isinstance(saved, dict) else None  # a list or a number is no state of ours: damaged
 
 
 def train(trainer, governor: KLGovernor | None, resume: str | None, metrics_file) -> object:

@@ -43,14 +43,14 @@ class LossConfig:
     """A loss and its options; each numeric option's domain (runtime/domains.py) is declared here once, and
     train-dpo's option of the same name takes it from here (dpo/recipe.py)."""
 
-    beta: float = _option(0.1, "positive")
+    beta: float = _option(0.1, "coefficient")
     loss_type: str = "sigmoid"
     label_smoothing: float = _option(0.0, "probability")  # and < 0.5: __post_init__
-    rpo_alpha: float = _option(0.0, "nonnegative")
+    rpo_alpha: float = _option(0.0, "weight")
     ld_alpha: float = _option(1.0, "probability")
-    tdpo_alpha: float = _option(0.5, "nonnegative")
-    kl_coef: float = _option(0.0, "nonnegative")
-    beta_dpo_alpha: float = _option(0.6, "finite")  # β-DPO (Wu et al. 2024): α, the scaling of β by the batch's reward discrepancy
+    tdpo_alpha: float = _option(0.5, "weight")
+    kl_coef: float = _option(0.0, "weight")
+    beta_dpo_alpha: float = _option(0.6, "scale")  # β-DPO (Wu et al. 2024): α, the scaling of β by the batch's reward discrepancy
     beta_dpo_rho: float = _option(0.2, "probability")  # ρ, the share of each batch its β-guided filtering leaves out (< 1)
     beta_dpo_momentum: float = _option(0.9, "probability")  # m, of the moving mean and deviation of the discrepancy (< 1)
 

@@ -132,7 +132,7 @@ class TrainConfig:
     # "Controlling KL")
     beta_schedule: str = _f("constant", "β over the optimizer steps, from --beta to --beta-end (after the Trainer's "
                                         "warm-up, if set).", "KL control", choices=kl_control.SCHEDULES)
-    beta_end: float | None = _f(None, "β of the last step with --beta-schedule.", "KL control", domain="positive")
+    beta_end: float | None = _f(None, "β of the last step with --beta-schedule.", "KL control", domain="coefficient")
     kl_target: str | None = _f(None, "Adapt β to the KL(policy||reference) bound of a top-k cache: LO:HI, a band "
                                      "(--kl-controller band), or T, a target (proportional); nats per token.",
                                "KL control", parse=target_text, metavar="LO:HI|T")
@@ -149,8 +149,8 @@ class TrainConfig:
                          choices=kl_control.MEASURES)
     kl_control: str = _f("beta", "What the controller moves: beta, or kl_coef (--kl-coef).", "KL control",
                          choices=kl_control.CONTROLLED)
-    beta_min: float = _f(0.001, "Lower clamp of the controlled coefficient.", "KL control", domain="positive")
-    beta_max: float = _f(0.5, "Upper clamp of the controlled coefficient.", "KL control", domain="positive")
+    beta_min: float = _f(0.001, "Lower clamp of the controlled coefficient.", "KL control", domain="coefficient")
+    beta_max: float = _f(0.5, "Upper clamp of the controlled coefficient.", "KL control", domain="coefficient")
     kl_alarm: str | None = _f(None, "LEVEL[:warn|checkpoint|stop|rollback]: act when the logged KL bound exceeds "
                                     "LEVEL nats per token (needs a top-k cache).", "KL control",
                               parse=alarm_text, metavar="LEVEL[:ACTION]")

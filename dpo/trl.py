@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -219,6 +220,10 @@ class DPOTrainer(_trl.DPOTrainer):
         if ref_cache is None:
             raise JobError("ref_cache= is required (a precompute-ref cache folder or URL); without a cache use "
                            "trl.DPOTrainer")
+        for name, given in (("ref_cache", ref_cache), ("eval_ref_cache", eval_ref_cache)):
+            if given is not None and (not isinstance(given, (str, os.PathLike)) or not str(given).strip()):
+                raise TypeError(f"{name}= takes a precompute-ref cache folder or URL (a str or path), not "
+                                f"{type(given).__name__} {given!r}")
         if args is None:  # as TRL names its default
             from trl.trainer.utils import get_config_model_id
 

@@ -9,6 +9,8 @@ import math
 
 import click
 
+COEFFICIENT_MAX = 1e6
+
 # domain -> (number kind, what it means, test of a finite value of that kind)
 DOMAINS = {
     "finite": (float, "a finite number", lambda v: True),
@@ -17,6 +19,13 @@ DOMAINS = {
     "probability": (float, "a probability (a number in [0, 1])", lambda v: 0 <= v <= 1),
     "open_probability": (float, "a number strictly between 0 and 1", lambda v: 0 < v < 1),
     "factor": (float, "a finite number > 1", lambda v: v > 1),
+    # a loss coefficient (β, its schedule's and clamp's ends, the weights of added terms): it multiplies a per-sequence
+    # log-ratio in float32/bf16 (max 3.4e38), so it is bounded far above any coefficient in use (TRL's β 0.1) and far
+    # below an overflow: 1e6 leaves a log-ratio of 1e32, and at β 1e6 the sigmoid is already a step function
+    "coefficient": (float, "a finite number > 0 and <= 1e6", lambda v: 0 < v <= COEFFICIENT_MAX),
+    "weight": (float, "a finite number >= 0 and <= 1e6", lambda v: 0 <= v <= COEFFICIENT_MAX),
+    "scale": (float, "a finite number between -1e6 and 1e6",
+              lambda v: abs(v) <= COEFFICIENT_MAX),
     "count": (int, "a whole number >= 1", lambda v: v >= 1),
     "natural": (int, "a whole number >= 0", lambda v: v >= 0),
     # options whose negative values have a meaning of their own (max_steps -1: train by epochs instead)

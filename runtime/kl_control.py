@@ -30,13 +30,17 @@ LEVEL raises the alarm. A rollback restores a checkpoint (its state, `state`) an
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 SCHEDULES = ("constant", "linear", "cosine", "exponential")
 CONTROLLERS = ("band", "proportional")
 CONTROLLED = ("beta", "kl_coef")
 MEASURES = ("chosen", "both")
 ALARM_ACTIONS = ("warn", "checkpoint", "stop", "rollback")
+# the recorded settings' fields that hold a word (None: no controller), and those whose number may be absent
+_CHOICES = {"controlled": CONTROLLED, "schedule": SCHEDULES, "controller": (None, *CONTROLLERS),
+            "measure": MEASURES, "alarm_action": ALARM_ACTIONS}
+_OPTIONAL = ("end", "low", "high", "target", "horizon", "alarm_level")
 PROPORTIONAL_CLIP = 0.2  # Ziegler et al.'s clip of the proportional error
 
 
@@ -53,8 +57,8 @@ def parse_target(text: str) -> tuple[float, ...]:
 
 def parse_alarm(text: str) -> tuple[float, str]:
     """--kl-alarm: LEVEL[:warn|checkpoint|stop|rollback]."""
-    level, _, action = str(text).partition(":")
-    action = action or "warn"
+    level, colon, action = str(text).partition(":")
+    action = action or ("" if colon else "warn")  # "2:" names no action: refused, not taken as a warning
     try:
         value = float(level)
     except ValueError:
@@ -184,6 +188,29 @@ class Settings:
 
     @classmethod
     def from_json(cls, data: dict) -> Settings:
+        """The recorded settings, or ValueError naming the first field that no train-dpo run could have written (a
+        damaged record is refused here, not met as a crash half-way through a replay)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"not an object of settings ({type(data).__name__})")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown or "start" not in data:
+            raise ValueError(f"unknown field {unknown[0]!r}" if unknown else "no 'start'")
+        for name, value in data.items():
+            choices = _CHOICES.get(name)
+            if choices is not None:
+                if value not in choices:
+                    raise ValueError(f"{name} {value!r} is not one of {', '.join(str(c) for c in choices)}")
+                continue
+            if value is None and name in _OPTIONAL:
+                continue
+            kind = int if name in ("total", "warmup", "every", "alarm_retries") else float
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and
+                                                                                   not isinstance(value, int)):
+                raise ValueError(f"{name} {value!r} is not {'a whole number' if kind is int else 'a number'}")
+            low = 1 if name == "every" else 0
+            if not math.isfinite(value) or value < low or (kind is float and value <= 0):
+                raise ValueError(f"{name} {value!r} is out of range")
         return cls(**data)
 
     @property

@@ -512,7 +512,9 @@ def no_manifest(root) -> CacheError:
     elif store.is_remote(root):
         what = "no object under this prefix"
     else:
-        what = "a file, not a folder" if os.path.lexists(root) else "no such folder"
+        what = ("a file, not a folder" if os.path.exists(root) else
+                f"a symbolic link to {os.readlink(root)}, which does not exist" if os.path.islink(root) else
+                "no such folder")
     return CacheError("no_cache", f"{root} holds no cache ({what})",
                       remedy="pass the --out of a finished precompute-ref run (a folder or an object-store prefix), "
                              "or make a cache there with precompute-ref")

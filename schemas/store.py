@@ -69,10 +69,16 @@ def _settings(protocol: str) -> str:
                         "the store's own settings")
 
 
+# the store clients' "no credentials at all" errors, by class name (botocore's, google-auth's, azure-identity's), so
+# that no driver need be imported to classify them
+NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError",
+                  "CredentialUnavailableError"}
+
+
 def store_fault(url: str, protocol: str, error: BaseException) -> StoreUnavailable | None:
     """The store fault behind `error` (anywhere in its chain), or None: an endpoint that cannot be reached
     (connection refused or reset, no route, a name that does not resolve, a timeout: by exception type and errno,
-    botocore's and aiohttp's included), or access denied."""
+    botocore's and aiohttp's included), no credentials at all, or access denied."""
     seen, e = set(), error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
@@ -86,6 +92,11 @@ def store_fault(url: str, protocol: str, error: BaseException) -> StoreUnavailab
             return StoreUnavailable(
                 "unreachable", f"{url}: the store cannot be reached ({detail})",
                 f"check the endpoint and the network ({_settings(protocol)}), then re-run the same command")
+        if names & NO_CREDENTIALS:
+            detail = " ".join(str(e).split())[:300] or kind.__name__
+            return StoreUnavailable(
+                "no_credentials", f"{url}: no credentials for the store were found ({detail})",
+                f"give this process the store's credentials ({_settings(protocol)}), then re-run the same command")
         if isinstance(e, PermissionError):
             detail = " ".join(str(e).split())[:300] or kind.__name__
             return StoreUnavailable(

@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 # beyond NaN and the infinities, one value outside each domain (None: the domain's only limit is finiteness)
 OUTSIDE = {"finite": None, "nonnegative": "-1", "positive": "0", "probability": "1.5", "open_probability": "1",
-           "factor": "1", "count": "0", "natural": "-1", "integer": "1.5"}
+           "factor": "1", "count": "0", "natural": "-1", "integer": "1.5", "coefficient": "1e308", "weight": "2e6",
+           "scale": "-1e7"}
 NOT_FINITE = ("nan", "inf", "-inf")
 
 

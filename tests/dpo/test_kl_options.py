@@ -70,6 +70,7 @@ def _as_fields(args: list[str]) -> dict:
     (["--kl-alarm", "nan"], "Invalid value for '--kl-alarm'"),
     (["--kl-alarm", "0.5:explode"], "the action must be one of warn, checkpoint, stop, rollback"),
     (["--kl-alarm", ":stop"], "LEVEL must be a number"),
+    (["--kl-alarm", "0.5:"], "the action must be one of warn, checkpoint, stop, rollback"),
 ])
 def test_malformed_kl_target_and_alarm_are_usage_errors(tmp_path, args, says):
     r = train_dpo(tmp_path, *args)
@@ -138,6 +139,11 @@ def test_a_resume_that_drops_or_adds_a_rule_or_finds_it_damaged_is_refused(tmp_p
     (damaged / STATE_FILE).write_text(json.dumps({"settings": {"start": 0.1, "bogus": 1}, "state": {"value": 1}}))
     with pytest.raises(JobError, match="is damaged"):
         check_resumed_rule(damaged, BAND)
+    for text in ("[1, 2]", "7", json.dumps({"settings": {**BAND.to_json(), "every": 0}, "state": {"value": 1}}),
+                 json.dumps({"settings": {**BAND.to_json(), "controller": "pid"}, "state": {"value": 1}})):
+        (damaged / STATE_FILE).write_text(text)
+        with pytest.raises(JobError, match="is damaged"):
+            check_resumed_rule(damaged, BAND)
 
 
 def test_a_rollback_never_restores_a_checkpoint_through_a_symbolic_link(tmp_path):

@@ -162,6 +162,16 @@ def test_signature_is_trls_plus_the_caches():
     assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in ("ref_cache", "eval_ref_cache"))
 
 
+@pytest.mark.parametrize("given", [{"ref_cache": 5}, {"ref_cache": ["cache/"]}, {"ref_cache": "  "},
+                                   {"ref_cache": "cache/", "eval_ref_cache": 3.0}])
+def test_a_ref_cache_that_is_not_a_folder_or_url_is_a_type_error_naming_it(given):
+    from dpo.trl import DPOTrainer
+
+    name = "eval_ref_cache" if "eval_ref_cache" in given else "ref_cache"
+    with pytest.raises(TypeError, match=rf"^{name}= takes a precompute-ref cache folder or URL"):
+        DPOTrainer(model=str(DATA / "sft-model"), **given)
+
+
 def test_a_trl_version_outside_the_tested_range_is_refused(monkeypatch):
     import trl
 

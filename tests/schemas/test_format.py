@@ -248,6 +248,12 @@ def test_missing_manifest_is_incomplete(cache_dir):
     assert "holds no cache (no such folder)" in refused(cache_dir / "nowhere", "no_cache").message
 
 
+def test_a_dangling_symlink_given_as_the_cache_is_named_with_its_target(cache_dir, tmp_path):
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    message = refused(tmp_path / "link", "no_cache").message
+    assert "a symbolic link to" in message and str(tmp_path / "gone") in message and "a file" not in message
+
+
 @pytest.mark.parametrize("text", ["{\"format_version\": 1, ", "", "\xff\xfe", "[1, 2]", "{\"format_version\": \"1\"}",
                                   "{\"format_version\": true}"])
 def test_malformed_manifest(cache_dir, text):

@@ -89,3 +89,41 @@ def test_a_url_where_only_a_local_path_is_taken_is_refused_never_made_a_folder(j
     assert p.exit_code == 2 and "'--offload-folder'" in p.output, p.output
     assert "s3://bucket/offload: an object-store URL" in p.output, p.output
     assert list(tmp_path.iterdir()) == []  # no `s3:` folder, no cache begun
+
+
+def test_no_credentials_at_all_is_a_store_fault_with_its_remedy_by_type_not_text():
+    """botocore's NoCredentialsError (and google-auth's, azure-identity's by class name): exit 2 naming what to give,
+    not an unexpected error; classified anywhere in the error's chain."""
+    for name in sorted(store.NO_CREDENTIALS):
+        error = type(name, (Exception,), {})("Unable to locate credentials")
+        fault = store.store_fault("s3://b/p", "s3", error)
+        assert fault is not None and fault.kind == "no_credentials" and "s3://b/p" in str(fault), name
+        assert "remedy:" in str(fault) and "credentials" in fault.remedy
+
+
+def test_an_s3_cache_or_out_without_credentials_exits_2_naming_them(job, tmp_path, llama_dir, monkeypatch):
+    """train-dpo --ref-cache s3://, precompute-ref --out s3:// and audit-ref s3:// on a machine with no AWS
+    credentials anywhere (environment, files, instance metadata): one paragraph, exit 2, no traceback."""
+    s3fs = pytest.importorskip("s3fs")
+    from faultkit import TRAIN, invoke, train
+
+    from audit.cli import main as audit_main
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    url = "s3://refcache-no-credentials/cache"
+    try:
+        results = {"train-dpo": train("--model", llama_dir, "--data", job["args"][3], "--ref-cache", url,
+                                      "--output-dir", tmp_path / "run", *TRAIN),
+                   "precompute-ref": precompute(*job["args"], "--out", url),
+                   "audit-ref": invoke(audit_main, [url])}
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    for command, r in results.items():
+        assert r.exit_code == 2, (command, r.output)
+        assert "no credentials for the store" in r.output and url in r.output, (command, r.output)
+        assert "unexpected" not in r.output and "Traceback" not in r.output, (command, r.output)
