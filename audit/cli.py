@@ -161,7 +161,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
         checks.append(Check("data_rows", SKIP, "needs every shard to pass shard_files"))
     else:
         t = time.perf_counter()
-        checks.append(audit_data(manifest, scan, data, tokenizer))
+        checks.append(audit_data(manifest, scan, data, tokenizer, root))
         timing["data_s"] = time.perf_counter() - t
     if run:
         t = time.perf_counter()
@@ -298,7 +298,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     if version["current"] > 1:  # an updated cache: which version these rows are of
         notes.insert(0, version["line"])
     if opts.data:  # the data re-encoded as the audit does: do the cached rows still say what the data says?
-        check = audit_data(manifest, scan, opts.data, tokenizer)
+        check = audit_data(manifest, scan, opts.data, tokenizer, root)
         notes.append(f"--data {opts.data}: {check.status}: {check.detail}")
     for note in notes:
         echo(f"note: {note}", err=True)

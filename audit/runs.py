@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 import polars as pl
 
+from runtime import remedies
 from runtime.placement import describe
 from schemas import history, run_manifest
 from schemas.encoding import EncodingConfig
@@ -20,7 +21,7 @@ from .checks import FAIL, PASS, SKIP, Check
 from .checks import short as _short
 
 
-def audit_data(manifest: dict, scan: CacheScan, data: str, tokenizer) -> Check:
+def audit_data(manifest: dict, scan: CacheScan, data: str, tokenizer, root: Path | None = None) -> Check:
     """Re-encode the data with the recorded encoding and compare every row's mask checksum with the cached one. A
     cache made by precompute-ref --update also says which rows its version added and removed (the manifest's
     `update`); data that differs by exactly those rows is the previous version's data, and the check says so."""
@@ -52,6 +53,10 @@ def audit_data(manifest: dict, scan: CacheScan, data: str, tokenizer) -> Check:
     if update is not None and _undoes(diff, update):
         listing += (f" (exactly what the update to version {info['version']} changed: this is the data of version "
                     f"{update.get('from_version')}, kept as {history.version_name(update.get('from_version') or 1)})")
+    elif root is not None and (diff["changed"] or diff["added"]):  # the remedy that brings the cache to this data
+        model, split = (manifest.get("model") or {}).get("name"), (manifest.get("source") or {}).get("split")
+        listing += "; " + (remedies.rows_changed(root, data, model, split) if diff["changed"]
+                           else remedies.rows_missing(root, data, model, split))
     first = next(iter(diff["changed"] or diff["removed"]), None)
     where = index.filter(pl.col("id") == first).row(0, named=True) if first is not None else {}
     return Check("data_rows", FAIL, f"the data differs from the cached rows: {listing}", where.get("shard"),

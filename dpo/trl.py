@@ -28,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from runtime.terminal import echo
+from runtime import remedies
 from runtime.errors import JobError
 
 TRL_TESTED = ("1.16.0", "1.17")  # >= first, < second: the TRL versions whose private hooks this module was tested on
@@ -202,8 +203,7 @@ TRL_REMEDIES = {
     "tokenizer_hash": "pass the tokenizer the cache was made with (processing_class, including its chat template), "
                       "or re-run precompute-ref with this tokenizer into a new --out",
     "encoding": "set DPOConfig to the cache's value, or re-run precompute-ref with this value into a new --out",
-    "rows_missing": "precompute these rows too: re-run precompute-ref over the full data into a new --out",
-}
+}  # the row remedies (rows the cache lacks, rows edited) are runtime/remedies.py's, naming the cache
 
 
 def _option(key: str) -> str:
@@ -321,7 +321,8 @@ class DPOTrainer(_trl.DPOTrainer):
         request = {"max_length": args.max_length, "truncation_mode": args.truncation_mode}
         for finding in use_findings(cache, model_hash=self._ref_hash, tokenizer_hash=self._tokenizer_stamp[0],
                                     tokenizer_parts=self._tokenizer_stamp[1], encoding_request=request,
-                                    rows=lambda _encoding: checks, option=_option, remedies=TRL_REMEDIES):
+                                    rows=lambda _encoding: checks, option=_option,
+                                    remedies={**TRL_REMEDIES, **remedies.trl_rows(cache.root)}):
             if finding.kind == "mask_checksum":
                 self._refuse_post_eos(cache, ids, rows)
             error = finding.error()

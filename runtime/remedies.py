@@ -56,6 +56,16 @@ def setting(options: list[str]) -> str:
             "the cache and scores new rows exactly as the cache's were")
 
 
+# TRL's DPOTrainer knows neither the data's file nor the reference's folder: its remedies name them as placeholders
+TRL_DATA, TRL_MODEL = "<this dataset>", "<the reference model>"
+
+
+def trl_rows(cache) -> dict:
+    """The row remedies for dpo/trl.py's DPOTrainer against `cache` (schemas/rules.py row_findings' kinds)."""
+    return {"rows_missing": rows_missing(cache, TRL_DATA, TRL_MODEL),
+            "mask_checksum": rows_changed(cache, TRL_DATA, TRL_MODEL)}
+
+
 def resume_moved(old: int, new: int) -> str:
     """A resume whose rows a later (or earlier) version of the cache changed."""
     return (f"pass {VERSION_OPTION} {old} to keep training on version {old}, the one this checkpoint was trained on, "

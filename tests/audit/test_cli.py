@@ -261,6 +261,8 @@ def test_data_check_lists_changed_removed_and_added_rows(world, cache):
     info = check(report, "data_rows")["info"]
     assert (info["changed"], info["removed"], info["added"]) == (["r0005"], ["r0007"], ["r9999"])
     assert statuses(report)["replay"] == "SKIP"
+    # the remedy is runtime/remedies.py's: an update that scores the edited row again brings the cache to this data
+    assert f"--out {cache} --update --replace-changed`" in check(report, "data_rows")["detail"]
 
 
 def test_replay_and_data_wait_for_the_hashes(world, cache):

@@ -166,6 +166,7 @@ def test_show_with_data_says_whether_the_cached_rows_still_match_it(dpo_cache, d
     code, out, err = audit(dpo_cache, "--show", "1", "--data", write_jsonl(tmp_path / "changed.jsonl", rows))
     assert code == 0 and "row 1 id 'r0001'" in out
     assert "FAIL: the data differs from the cached rows: changed 1: 'r0001'" in err
+    assert f"--out {dpo_cache} --update --replace-changed`" in err  # the way to bring the cache to this data
 
 
 def test_show_with_a_run_gives_the_policys_log_ratio(dpo_cache, llama_dir, tokenizer, tmp_path):

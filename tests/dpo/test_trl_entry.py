@@ -388,6 +388,10 @@ def test_a_row_edited_after_caching_is_refused(tmp_path, caches):
     message = refused(tmp_path, rows, caches["standard"])
     assert message.startswith(f"mask checksum mismatch for row {rows[3]['id']!r}: its token ids differ from the "
                               "cached ones")
+    # the remedy is runtime/remedies.py's: an update that scores the edited rows again, not a fresh cache
+    assert (f"precompute-ref --model <the reference model> --data <this dataset> --out {caches['standard']} --update "
+            "--replace-changed") in message, message
+    assert "new --out" not in message
 
 
 def test_rows_missing_from_the_cache_are_refused_by_count(tmp_path, caches):
@@ -395,6 +399,9 @@ def test_rows_missing_from_the_cache_are_refused_by_count(tmp_path, caches):
     message = refused(tmp_path, rows, caches["standard"])
     assert message.startswith(f"2 of {ROWS + 2} data rows are not in the cache {caches['standard']}; first ids: "
                               f"{rows[ROWS]['id']!r}, {rows[ROWS + 1]['id']!r}")
+    assert (f"precompute-ref --model <the reference model> --data <this dataset> --out {caches['standard']} "
+            "--update`") in message, message
+    assert "new --out" not in message
 
 
 def test_two_processes_under_torchrun_on_cpu(tmp_path, caches):
