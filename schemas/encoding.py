@@ -26,6 +26,7 @@ template that fails on a row makes a bad row. Rows without such text are tokeniz
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import weakref
@@ -177,7 +178,7 @@ class EncodedPair:
     chosen_ids: list[int]  # completion tokens only
     rejected_ids: list[int]
 
-    @property
+    @functools.cached_property  # read by plan, job stamps, update and verify: each pair hashed once
     def mask_checksum(self) -> str:
         return row_mask_checksum(self.prompt_ids, self.chosen_ids, self.rejected_ids)
 
