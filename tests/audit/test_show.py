@@ -447,3 +447,20 @@ def test_html_of_a_top_k_cache_with_a_run_names_the_run_and_shows_the_distributi
     assert f"Policy: the train-dpo run <code>{run.resolve()}" in page
     assert "KL(policy || reference)" in page and '<small class="kl">KL ' in page
     assert f"top-{K} mass" in page and "reference&#x27;s most probable: " in page
+
+
+def test_show_and_html_without_a_run_construct_no_model(dpo_cache, tmp_path, monkeypatch):
+    """Shown from the cache alone (no --run), the token text needs only the tokenizer: no model is built, whatever
+    class or loading path (every model's __init__ counted)."""
+    import transformers
+
+    built = []
+    real = transformers.PreTrainedModel.__init__
+    monkeypatch.setattr(transformers.PreTrainedModel, "__init__",
+                        lambda self, *a, **k: (built.append(type(self).__name__), real(self, *a, **k))[1])
+    code, out, err = audit(dpo_cache, "--show", "r0003")
+    assert code == 0, err
+    assert "margin: reference chosen - rejected" in out
+    code, _, err = audit(dpo_cache, "--html", tmp_path / "page.html", "--sample", 2)
+    assert code == 0, err
+    assert built == []
