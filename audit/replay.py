@@ -5,6 +5,7 @@ rows, else one sequence at a time with reference_logps itself."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 import polars as pl
 
 from runtime.cli import heap_settled
+from runtime.placed import load_placed
 from runtime.placement import describe
 from schemas.encoding import EncodedPair
 from schemas.format import TokenScores, top_k_of
@@ -91,16 +93,14 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
     k, no_top_k = _top_k(manifest)
     top_k = TopKDifferences(tol, k) if k else None
     with preserved_rng(), contextlib.ExitStack() as held:  # held: a split model's offload folder
-        placed = _placed(split, held)
-        try:
-            model = checkpoint.load_model(resolve_dtype(dtype, device), None if split else device,
-                                          comp.get("attn_implementation"), **placed)
-        except (ImportError, ValueError):  # e.g. flash_attention_2 recorded, not installed here
-            model = _load_sdpa(checkpoint, resolve_dtype(dtype, device), None if split else device, split, placed)
-        heap_settled()  # the libraries and the model: alive until the audit ends (audit.cli.process_main)
+        load = functools.partial(_load, checkpoint, resolve_dtype(dtype, device), None if split else device,
+                                 comp.get("attn_implementation"))
         if split:
-            layout = placement.layout(model, split["device_map"], split.get("max_memory"),
-                                      any(Path(placed["offload_folder"]).iterdir()))
+            model, layout = load_placed(load, f"--model {checkpoint.path}", split["device_map"],
+                                        split.get("max_memory"), split.get("offload_folder"), held)
+        else:
+            model = load()
+        heap_settled()  # the libraries and the model: alive until the audit ends (audit.cli.process_main)
         vocab = model.get_output_embeddings().weight.shape[0]
         if top_k and top_k.k > vocab:  # top_k_shape reports the lists
             top_k, no_top_k = None, f"computation.top_k is {k}, more than the model's {vocab} tokens"
@@ -122,28 +122,13 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
             top_k.check(info) if top_k else Check("replay_top_k", SKIP, no_top_k)]
 
 
-def _placed(split: dict | None, held: contextlib.ExitStack) -> dict:
-    """from_pretrained's device_map, max_memory and offload_folder (a fresh folder held by `held`), or {}."""
-    from runtime import placement
-
-    if not split:
-        return {}
-    folder = placement.offload_dir(split.get("offload_folder"), "--offload-folder", held)
-    return {"device_map": split["device_map"], "max_memory": placement.max_memory_dict(split.get("max_memory")),
-            "offload_folder": str(folder)}
-
-
-def _load_sdpa(checkpoint, dtype, device, split: dict | None, placed: dict):
-    """The model with sdpa attention (the recorded one is not available here); a split refused by from_pretrained
-    says what to change."""
-    from runtime.placement import cannot_split
-
+def _load(checkpoint, dtype, device, attn: str | None, **placed):
+    """The model with the recorded attention implementation, or sdpa where that one is not available here (e.g.
+    flash_attention_2 recorded, not installed); `placed`: a split's from_pretrained options (runtime/placed.py)."""
     try:
+        return checkpoint.load_model(dtype, device, attn, **placed)
+    except (ImportError, ValueError):
         return checkpoint.load_model(dtype, device, "sdpa", **placed)
-    except ValueError as e:
-        if not split:
-            raise
-        raise cannot_split(f"--model {checkpoint.path}", split["device_map"], split.get("max_memory"), e) from None
 
 
 SIDES = ("chosen", "rejected")

@@ -17,6 +17,7 @@ from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
+from runtime.placed import load_placed
 from runtime import kl_control, placement
 from runtime.kl_control import alarm_text, target_text  # (the class body has a field named kl_control)
 from runtime.terminal import echo
@@ -471,16 +472,10 @@ def _load_models(cfg: TrainConfig, run: Run, args, held: contextlib.ExitStack, l
 
 
 def _load_split_reference(cfg: TrainConfig, live: Checkpoint, dtype, held: contextlib.ExitStack, log):
-    """The live reference dispatched by --ref-device-map (runtime/placement.py, as precompute-ref does), and its
+    """The live reference dispatched by --ref-device-map (runtime/placed.py, as precompute-ref does), and its
     layout."""
-    folder = placement.offload_dir(cfg.ref_offload_folder, "--ref-offload-folder", held)
-    try:
-        model = live.load_model(dtype, None, device_map=cfg.ref_device_map,
-                                max_memory=placement.max_memory_dict(cfg.ref_max_memory), offload_folder=str(folder))
-    except ValueError as e:  # from_pretrained could not place the model within the budget
-        raise placement.cannot_split(f"--ref-model {cfg.ref_model}", cfg.ref_device_map, cfg.ref_max_memory, e,
-                                     prefix="ref-") from None
-    layout = placement.layout(model, cfg.ref_device_map, cfg.ref_max_memory, any(folder.iterdir()))
+    model, layout = load_placed(lambda **placed: live.load_model(dtype, None, **placed), f"--ref-model {cfg.ref_model}",
+                                cfg.ref_device_map, cfg.ref_max_memory, cfg.ref_offload_folder, held, prefix="ref-")
     log(f"live reference: {placement.describe(layout)}")
     return model, layout
 

@@ -28,6 +28,7 @@ from runtime import locks
 from runtime.errors import JobError
 from runtime.logprobs import verified_head
 from runtime.paths import check_apart
+from runtime.placed import load_placed
 from runtime.terminal import echo
 from runtime import placement
 from schemas import format as fmt
@@ -337,10 +338,8 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
 def _load_dispatched(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
     """The model split by accelerate's dispatch (--device-map), and its layout. Weights offloaded to disk go to a
     fresh folder of this job's own inside --offload-folder (or the system's temporary folder), removed at the end."""
-    folder = placement.offload_dir(cfg.offload_folder, "--offload-folder", stack)
-    model = load_model_for(cfg, job.dtype, None, job.checkpoint, device_map=cfg.device_map,
-                           max_memory=job.max_memory, offload_folder=str(folder))
-    layout = placement.layout(model, cfg.device_map, cfg.max_memory, any(folder.iterdir()))
+    model, layout = load_placed(lambda **placed: load_model_for(cfg, job.dtype, None, job.checkpoint, **placed),
+                                cfg.model, cfg.device_map, cfg.max_memory, cfg.offload_folder, stack)
     log(f"device map: {placement.describe(layout)}")
     return model, layout
 
