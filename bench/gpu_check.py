@@ -376,7 +376,7 @@ def _g(v, digits=3) -> str:
 
 def tables(r: dict) -> list[str]:
     """The check's result as Markdown lines: a header, the precompute table and the training table."""
-    from render import table
+    from report import table
 
     m, p, size = r["model"], r["peak"], r["size"]
     memory = "torch.cuda.max_memory_allocated" if r["device"] == "cuda" else "peak RSS"
