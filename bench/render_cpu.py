@@ -3,7 +3,7 @@ memory, offload, ranks, update, store, flops (one renderer per part: its JSON to
 
 from __future__ import annotations
 
-import common
+import measure
 from report import mb, ms, sec, table, x
 from render_profile import _cpu_share, _prefix_share, _render_phases, _render_segments, _self_share
 
@@ -48,7 +48,7 @@ def render_train(T: dict) -> list[str]:
          f"({s['warmup']} warm-up + {s['steps']} timed steps) per configuration, each round a fresh process.", ""]
     L += table("configuration | step time | vs policy-only | peak RSS (process, to last step) | steady per-step peak "
                "RSS | RSS at last step: anonymous / file-backed | baseline after imports | CUDA peak",
-               [[mode, ms(r["step"]), x(common.ratio(r["step"], p["step"])),
+               [[mode, ms(r["step"]), x(measure.ratio(r["step"], p["step"])),
                  f"{mb(r['maxrss_mb'])} ({x(r['maxrss_mb'] / p['maxrss_mb'], 3)})", mb(r["step_peak"]["median"]),
                  parts(r) if r.get("rss_parts_mb") else "-", mb(r["baseline_rss_mb"]),
                  mb(r["cuda_peak_mb"]) if r.get("cuda_peak_mb") else "-"] for mode, r in T["runs"].items()])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import common
+import measure
 from report import mb, ms, sec, table, x
 
 
@@ -247,7 +247,7 @@ def render_topk_train(T: dict) -> list[str]:
          f"{s['batch']} pairs, {T['pairs']} pairs; top-k cache K = {T['top_k']}; {s['rounds']} rounds x "
          f"({s['warmup']} warm-up + {s['steps']} timed steps) per configuration, each round a fresh process.", ""]
     L += table("configuration | step time | vs sigmoid | peak RSS (process, to last step) | steady per-step peak RSS",
-               [[mode, ms(r["step"]), x(common.ratio(r["step"], base["step"]), 3),
+               [[mode, ms(r["step"]), x(measure.ratio(r["step"], base["step"]), 3),
                  f"{mb(r['maxrss_mb'])} ({x(r['maxrss_mb'] / base['maxrss_mb'], 3)})", mb(r["step_peak"]["median"])]
                 for mode, r in T["runs"].items()])
     L += ["", "Where the time went before (profiles below, commit 07b0f2e): the policy's scores at the reference's ids "
