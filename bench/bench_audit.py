@@ -19,6 +19,7 @@ import shutil
 import time
 
 import common
+import measure
 
 TARGET = 0.5  # batched audit rows/s over precompute-ref rows/s
 
@@ -71,11 +72,11 @@ def main():
 
         precompute(), audit("batched")  # warm-up (imports, first forwards); the sequence arm needs none of its own
         fns = {"precompute": precompute, "batched": lambda: audit("batched"), "sequence": lambda: audit("sequence")}
-        common.interleaved(fns, reps=reps, warmup=0)
+        measure.interleaved(fns, reps=reps, warmup=0)
         n = {k: len(v) for k, v in seen.items()}
-        walls = {k: common.stats(v[-reps:]) for k, v in seen.items()}  # the timed rounds, not the warm-up
+        walls = {k: measure.stats(v[-reps:]) for k, v in seen.items()}  # the timed rounds, not the warm-up
         rate = {k: rows[k] / walls[k]["median"] for k in walls}
-        replay_rate = {k: common.stats([i["rows_per_s"] for i in v[-reps:]])["median"] for k, v in replay.items()}
+        replay_rate = {k: measure.stats([i["rows_per_s"] for i in v[-reps:]])["median"] for k, v in replay.items()}
         result = {
             "rows": rows["precompute"], "reps": reps, "runs": n, "walls_s": walls,
             "rows_per_s": rate, "replay_rows_per_s": replay_rate,

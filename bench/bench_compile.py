@@ -33,6 +33,7 @@ from pathlib import Path
 
 import bench_flops as F
 import common
+import measure
 from common import torch
 
 CONFIGS = ("precompute", "end_to_end", "train", "train_compiled", "train_padded", "train_padded_compiled")
@@ -72,7 +73,7 @@ def child_precompute(a) -> dict:
         first_call = time.perf_counter() - t
         fns = {"mm": F.mm_fn(common.torch_dtype(dev), dev), "score": lambda: score(model),
                "score_compiled": lambda: score(compiled)}
-        times = common.interleaved(fns, reps=a.reps, warmup=1)
+        times = measure.interleaved(fns, reps=a.reps, warmup=1)
     flops = F.forward_flops(F.model_shape(model), F.pair_lengths(pairs))
     return {"mode": mode, "pairs": len(pairs), "flops": flops, "times": times, "compiled_first_call_s": first_call,
             "refcache_wall_s": {"eager": eager_wall, "torch_compile": compiled_wall},
@@ -126,7 +127,7 @@ def summarize(case: dict, runs: dict) -> dict:
                                              for r in rs) for k in ("score", "score_compiled")}
         out["precompute"] = {
             "mode": rs[0]["mode"], "pairs": rs[0]["pairs"], "flops": rs[0]["flops"],
-            "times": {k: common.stats([v for r in rs for v in r["times"][k]["values"]]) for k in rs[0]["times"]},
+            "times": {k: measure.stats([v for r in rs for v in r["times"][k]["values"]]) for k in rs[0]["times"]},
             "share_of_mm": share, "compiled_over_eager": share["score_compiled"] / share["score"],
             "compiled_first_call_s": [r["compiled_first_call_s"] for r in rs],
             "refcache_wall_s": [r["refcache_wall_s"] for r in rs], "refcache_compiled": rs[0]["refcache_compiled"],
@@ -139,7 +140,7 @@ def summarize(case: dict, runs: dict) -> dict:
             step_s, flops = [v for r in rs for v in r["step_s"]], [v for r in rs for v in r["step_flops"]]
             mm_rate = F.MM_FLOPS / common.statistics.median([v for r in rs for v in r["mm_s"]])
             rate = common.statistics.median([f / s for f, s in zip(flops, step_s)])
-            out[name] = {"step": common.stats(step_s), "warmup_step_s": [r["warmup_step_s"] for r in rs],
+            out[name] = {"step": measure.stats(step_s), "warmup_step_s": [r["warmup_step_s"] for r in rs],
                          "useful_flops_per_s": rate, "share_of_mm": rate / mm_rate,
                          "maxrss_mb": common.statistics.median(r["maxrss_mb"] for r in rs),
                          "profile": rs[0].get("profile")}

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 import common
+import measure
 from common import np, torch
 
 MM = 2048
@@ -229,7 +230,7 @@ def body_matmul_rate(model, tokens: int = 4096, reps: int = 3) -> dict:
         x, w = torch.randn(tokens, in_f, dtype=dtype, device=dev), torch.randn(out_f, in_f, dtype=dtype, device=dev)
         fns[f"{in_f}x{out_f}"] = lambda x=x, w=w: torch.nn.functional.linear(x, w)
     cpu = {}
-    common.interleaved(fns, reps=reps, warmup=1, cpu=cpu)
+    measure.interleaved(fns, reps=reps, warmup=1, cpu=cpu)
     mm_rate = MM_FLOPS / cpu["mm"]["median"]
     flops = {f"{i}x{o}": 2 * tokens * i * o * n for (o, i), n in shapes.items()}
     seconds = sum(f / (2 * tokens * int(k.split("x")[0]) * int(k.split("x")[1]) / cpu[k]["median"])
@@ -286,7 +287,7 @@ def child_precompute(a) -> dict:
            **variants(a, model, pairs, pad_id, per_shard, last["mode"], refcache)}
     cpu = {}
     with torch.no_grad():
-        times = common.interleaved(fns, reps=a.reps, warmup=1, cpu=cpu)
+        times = measure.interleaved(fns, reps=a.reps, warmup=1, cpu=cpu)
     shape = model_shape(model)
     flops = forward_flops(shape, pair_lengths(pairs))
     tokens = sum(int(m.sum()) for _, m in batches)
@@ -297,7 +298,7 @@ def child_precompute(a) -> dict:
     if a.attention:
         calls = {"mm": fns["mm"], **attention_calls(model, pairs)}
         cpu_calls = {}
-        r["attention_calls"] = {"wall": common.interleaved(calls, reps=a.reps + 2, warmup=1, cpu=cpu_calls),
+        r["attention_calls"] = {"wall": measure.interleaved(calls, reps=a.reps + 2, warmup=1, cpu=cpu_calls),
                                 "cpu": cpu_calls}
     if a.profile:
         r["body_matmuls"] = body_matmul_rate(model)
@@ -507,11 +508,11 @@ def summarize(case: dict, runs: dict) -> dict:
                      for k in rate}
         out["precompute"] = {"matmul_check": rs[0].get("matmul_check"), "mode": rs[0]["mode"], "pairs": rs[0]["pairs"], "shape": rs[0]["shape"], "flops": flops,
                              "threads": rs[0]["threads"], "share_of_mm_cpu": cpu_share,
-                             "cpu_times": {k: common.stats([v for r in rs for v in r["cpu_times"][k]["values"]])
+                             "cpu_times": {k: measure.stats([v for r in rs for v in r["cpu_times"][k]["values"]])
                                            for k in pooled},
                              "phases": rs[0].get("phases"), "profile_shapes": rs[0].get("profile_shapes"),
                              "body_matmuls": rs[0].get("body_matmuls"),
-                             "times": {k: common.stats(v) for k, v in pooled.items()}, "mm_flops_per_s": mm_rate,
+                             "times": {k: measure.stats(v) for k, v in pooled.items()}, "mm_flops_per_s": mm_rate,
                              "useful_flops_per_s": rate, "share_of_mm": share,
                              "share_of_mm_head_every_token": {k: v * flops["head_every_token"] / flops["total"]
                                                               for k, v in share.items()},
@@ -531,14 +532,14 @@ def summarize(case: dict, runs: dict) -> dict:
             mm_cpu = [v for r in rs for v in r["mm_cpu_s"]]
             segments = [seg for r in rs for seg in r["segments"]]
             names = list(segments[0]) if segments else []
-            out[layout] = {"layout": rs[0]["layout"], "shape": rs[0]["shape"], "step": common.stats(step_s),
-                           "mm": common.stats(mm_s), "mm_flops_per_s": mm_rate, "step_flops": common.stats(flops),
+            out[layout] = {"layout": rs[0]["layout"], "shape": rs[0]["shape"], "step": measure.stats(step_s),
+                           "mm": measure.stats(mm_s), "mm_flops_per_s": mm_rate, "step_flops": measure.stats(flops),
                            "useful_flops_per_s": common.statistics.median(rates),
                            "share_of_mm": common.statistics.median(rates) / mm_rate,
                            "share_of_mm_head_every_token": common.statistics.median(
                                [f / s for f, s in zip(every, step_s)]) / mm_rate,
                            "maxrss_mb": common.statistics.median(r["maxrss_mb"] for r in rs),
-                           "threads": rs[0]["threads"], "step_cpu": common.stats(step_cpu), "mm_cpu": common.stats(mm_cpu),
+                           "threads": rs[0]["threads"], "step_cpu": measure.stats(step_cpu), "mm_cpu": measure.stats(mm_cpu),
                            "share_of_mm_cpu": common.statistics.median([f / c for f, c in zip(flops, step_cpu)])
                            / (MM_FLOPS / common.statistics.median(mm_cpu)),
                            "segments": {n: {"wall": common.statistics.median(g[n][0] for g in segments if n in g),

@@ -19,6 +19,7 @@ import json
 import time
 
 import common
+import measure
 from common import torch
 
 METHODS = ("hidden", "chunked", "naive")
@@ -53,20 +54,20 @@ def child(vocab: int, method: str, batch: int, reps: int) -> dict:
     for i in range(reps + 1):
         gc.collect()
         common.sync()
-        common.reset_peak()
-        before = common.cuda_now_mb() if dev.type == "cuda" else common.rss_mb()
+        measure.reset_peak()
+        before = measure.cuda_now_mb() if dev.type == "cuda" else measure.rss_mb()
         t = time.perf_counter()
         out = run()
         common.sync()
         dt = time.perf_counter() - t
-        peak = common.cuda_peak_mb() if dev.type == "cuda" else common.peak_rss_mb()
+        peak = measure.cuda_peak_mb() if dev.type == "cuda" else measure.peak_rss_mb()
         del out
         if i:  # the first run is the warm-up
             peaks.append(peak - before)
             times.append(dt)
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    return {"vocab": vocab, "method": method, "batch": batch, "seq": SEQ, "peak_mb": common.stats(peaks),
-            "time": common.stats(times), "weights_mb": weights,
+    return {"vocab": vocab, "method": method, "batch": batch, "seq": SEQ, "peak_mb": measure.stats(peaks),
+            "time": measure.stats(times), "weights_mb": weights,
             "full_logits_mb": batch * SEQ * vocab * 4 / 2**20}
 
 

@@ -21,6 +21,7 @@ import json
 import time
 
 import common
+import measure
 import train_steps as steps
 
 QUICK = dict(model="1M", seq=256, batch=8, warmup=1, steps=6, rounds=2)
@@ -101,13 +102,13 @@ def main():
     runs = {m: steps.summarize(v) for m, v in rounds.items()}
     for mode, r in runs.items():
         for key in ("cpu_step", "governor_step"):
-            r[key] = common.stats([v for one in rounds[mode] for v in one[f"{key}_s"]])
+            r[key] = measure.stats([v for one in rounds[mode] for v in one[f"{key}_s"]])
     base, governed = runs["sigmoid"], runs["governed"]
     res = {"size": size, "top_k": TOP_K, "governed": GOVERNED, **info, "runs": runs,
-           "ratio_governed_vs_sigmoid": common.ratio(governed["step"], base["step"]),
+           "ratio_governed_vs_sigmoid": measure.ratio(governed["step"], base["step"]),
            "ratio_best_governed_vs_sigmoid": governed["step"]["min"] / base["step"]["min"],
-           "ratio_cpu_governed_vs_sigmoid": common.ratio(governed["cpu_step"], base["cpu_step"]),
-           "governor_share_of_step": common.ratio(governed["governor_step"], base["cpu_step"])}
+           "ratio_cpu_governed_vs_sigmoid": measure.ratio(governed["cpu_step"], base["cpu_step"]),
+           "governor_share_of_step": measure.ratio(governed["governor_step"], base["cpu_step"])}
     steps.show_runs(runs)
     print("  ".join(f"{m} CPU {common.fmt_s(r['cpu_step'], 'ms', 1000)}" for m, r in runs.items()))
     print(f"governed / sigmoid: {res['ratio_governed_vs_sigmoid']:.3f}x (median steps), "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 
 import common
+import measure
 import train_steps as steps
 
 QUICK = dict(model="1M", seq=256, batch=8, warmup=1, steps=4, rounds=2)
@@ -63,12 +64,12 @@ def main():
         runs = {m: steps.summarize(v) for m, v in rounds.items()}
         c, lv = runs["cached"], runs["live"]
         res = {"size": size, "lora": LORA, "params": common.n_params(common.build_llama(size["model"])), **info,
-               "runs": runs, "ratio_cached_vs_live": common.ratio(c["step"], lv["step"]),
-               "saved_fraction_vs_live": 1 - common.ratio(c["step"], lv["step"]),
+               "runs": runs, "ratio_cached_vs_live": measure.ratio(c["step"], lv["step"]),
+               "saved_fraction_vs_live": 1 - measure.ratio(c["step"], lv["step"]),
                "mem_cached_vs_live": c["maxrss_mb"] / lv["maxrss_mb"]}
         if "trl" in runs:
-            res["ratio_cached_vs_trl"] = common.ratio(c["step"], runs["trl"]["step"])
-            res["ratio_live_vs_trl"] = common.ratio(lv["step"], runs["trl"]["step"])
+            res["ratio_cached_vs_trl"] = measure.ratio(c["step"], runs["trl"]["step"])
+            res["ratio_live_vs_trl"] = measure.ratio(lv["step"], runs["trl"]["step"])
             res["mem_cached_vs_trl"] = c["maxrss_mb"] / runs["trl"]["maxrss_mb"]
         steps.show_runs(runs)
         print("  ".join(f"{k} {v:.3f}" for k, v in res.items() if k.startswith(("ratio", "mem", "saved"))), flush=True)

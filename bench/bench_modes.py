@@ -14,6 +14,7 @@ work estimated_cost predicts (the basis of the auto choice) and the mode auto pi
 from __future__ import annotations
 
 import common
+import measure
 from common import np, torch
 
 from precompute.modes import choose_mode, estimated_cost, score_pairs
@@ -42,7 +43,7 @@ def run_case(name: str, model, pairs: list[EncodedPair], token_budget: int, reps
     logps = lambda r: np.concatenate([s.logps for s in r[0] + r[1]])  # each completion's TokenScores
     reference = logps(results["full_forward"])
     diffs = {m: float(np.abs(logps(r) - reference).max()) for m, r in results.items()}
-    times = common.interleaved({m: (lambda m=m: score_pairs(model, pairs, 0, token_budget, m)) for m in modes},
+    times = measure.interleaved({m: (lambda m=m: score_pairs(model, pairs, 0, token_budget, m)) for m in modes},
                                reps=reps)
     tokens = results["full_forward"][2]["tokens"]
     hidden = model.config.hidden_size
@@ -53,12 +54,12 @@ def run_case(name: str, model, pairs: list[EncodedPair], token_budget: int, reps
     fastest = min(modes, key=lambda m: times[m]["median"])
     case = {"name": name, "pairs": len(pairs), "tokens": tokens, "token_budget": token_budget, "auto": auto,
             "auto_log": log, "fastest": fastest, "auto_is_fastest": auto == fastest,
-            "auto_vs_fastest": common.ratio(times[fastest], times[auto]), "modes": {}}
+            "auto_vs_fastest": measure.ratio(times[fastest], times[auto]), "modes": {}}
     for m in modes:
         st = results[m][2]
         case["modes"][m] = {
             "time": times[m], "tokens_per_s": tokens / times[m]["median"],
-            "speedup_vs_full_forward": common.ratio(times["full_forward"], times[m]),
+            "speedup_vs_full_forward": measure.ratio(times["full_forward"], times[m]),
             "max_abs_diff_vs_full_forward": diffs[m],
             "padding_fraction": 1 - st["processed"] / st["slots"], "processed_tokens": st["processed"],
             "estimated_speedup": cost["full_forward"] / cost[m],

@@ -15,6 +15,7 @@ from __future__ import annotations
 import shutil
 
 import common
+import measure
 import numpy as np
 
 QUICK = dict(model="1M", seq=128, pairs=32, reps=3)
@@ -50,13 +51,13 @@ def main():
                 shutil.rmtree(out, ignore_errors=True)
                 last[name] = common.precompute(model_dir, data, out, size["seq"], device="auto", **options)
             fns[name] = fn
-        times = common.interleaved(fns, reps=size["reps"], warmup=1)
+        times = measure.interleaved(fns, reps=size["reps"], warmup=1)
         from schemas import format as fmt
 
         base = values(work / "cache-in-memory")
         diff = {n: float(np.abs(values(work / f"cache-{n}") - base).max()) for n in ways}
         layout = fmt.read_manifest(work / "cache-offload")["computation"].get("layout")
-    ratio = {n: common.ratio(times[n], times["in-memory"]) for n in ways}
+    ratio = {n: measure.ratio(times[n], times["in-memory"]) for n in ways}
     for n in ways:
         print(f"{n:>9}: wall {common.fmt_s(times[n])}  {last[n]['tokens'] / times[n]['median']:,.0f} tok/s  "
               f"x{ratio[n]:.2f} of in-memory  max abs diff {diff[n]:.1e}")

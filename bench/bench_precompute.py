@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import common
+import measure
 from common import torch
 
 QUICK_CASES = [
@@ -226,7 +227,7 @@ def bench_case(case: dict, work: Path, dev) -> dict:
         if name != "refcache":
             fn()
     phases.clear()
-    times = common.interleaved(fns, reps=case["reps"], warmup=0)
+    times = measure.interleaved(fns, reps=case["reps"], warmup=0)
 
     phase_median = {k: common.statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
     named = sum(v for k, v in phase_median.items() if k != "total")
@@ -248,11 +249,11 @@ def bench_case(case: dict, work: Path, dev) -> dict:
         "phases_s": phase_median,
         "cache_bytes": last.get("bytes"),
         "bytes_per_completion_token": last.get("bytes_per_completion_token"),
-        "ratio_refcache_vs_bare": common.ratio(times["bare"], times["refcache"]),
-        "ratio_score_vs_bare": common.ratio(times["bare"], times["score_only"]),
+        "ratio_refcache_vs_bare": measure.ratio(times["bare"], times["refcache"]),
+        "ratio_score_vs_bare": measure.ratio(times["bare"], times["score_only"]),
         "mode": last["mode"],
         "refcache_padding_fraction": last.get("padding_fraction"),  # of the rows run_precompute actually ran
-        "ratio_refcache_compute_vs_bare": common.ratio(times["bare"], phase_median["forward+gather"]),
+        "ratio_refcache_compute_vs_bare": measure.ratio(times["bare"], phase_median["forward+gather"]),
         "headline": bool(case.get("headline")),
     }
     if case.get("headline") and r["ratio_refcache_vs_bare"] < 0.9:  # a missed target: where does the time go?
@@ -264,7 +265,7 @@ def bench_case(case: dict, work: Path, dev) -> dict:
         key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         r["profile"] = prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=48)
     if "trl" in times:
-        r["ratio_refcache_vs_trl"] = common.ratio(times["trl"], times["refcache"])
+        r["ratio_refcache_vs_trl"] = measure.ratio(times["trl"], times["refcache"])
         r["trl_tokens"] = trl_counts.get("tokens")
         r["trl_precompute_only_s"] = trl_counts.get("precompute_s")
     shutil.rmtree(out, ignore_errors=True)
@@ -277,12 +278,12 @@ def bench_case(case: dict, work: Path, dev) -> dict:
 def child_peak(model_dir: str, data: str, split: str, max_length: int, out: str) -> dict:
     common.quiet()
     import datasets, transformers, pyarrow.parquet  # noqa: F401,E401  (imports are not part of the job's peak)
-    common.reset_peak()
-    base = common.rss_mb()
+    measure.reset_peak()
+    base = measure.rss_mb()
     res = common.precompute(model_dir, data, out, max_length, split=split)
     weights = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**20
-    return {"peak_rss_mb": common.peak_rss_mb(), "baseline_rss_mb": base, "maxrss_mb": common.maxrss_mb(),
-            "cuda_peak_mb": common.cuda_peak_mb(), "weights_mb": weights, "tokens_per_s": res["tokens_per_s"]}
+    return {"peak_rss_mb": measure.peak_rss_mb(), "baseline_rss_mb": base, "maxrss_mb": measure.maxrss_mb(),
+            "cuda_peak_mb": measure.cuda_peak_mb(), "weights_mb": weights, "tokens_per_s": res["tokens_per_s"]}
 
 
 def peak_memory(case: dict, work: Path) -> dict:
@@ -309,7 +310,7 @@ def main():
             r = bench_case(case, work, dev)
             results.append(r)
             trl = f", trl {r['ratio_refcache_vs_trl']:.2f}x" if "ratio_refcache_vs_trl" in r else ""
-            ff = (f", full_forward/bare {common.ratio(r['times']['bare'], r['times']['score_full_forward']):.2f}x"
+            ff = (f", full_forward/bare {measure.ratio(r['times']['bare'], r['times']['score_full_forward']):.2f}x"
                   if "score_full_forward" in r["times"] else "")
             print(f"{r['case']:<10} {r['tokens']:>7} tok  pad {r['padding_fraction']:.1%}  mode {r['mode']}  "
                   f"refcache {r['tokens_per_s']['refcache']:,.0f} tok/s  bare {r['tokens_per_s']['bare']:,.0f}  "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 import common
+import measure
 from common import torch
 
 import bench_flops
@@ -73,7 +74,7 @@ def main():
         cpu = {}
         with torch.no_grad():
             probe("now")
-            times = common.interleaved(fns, reps=a.reps or (2 if a.quick else 3), warmup=1, cpu=cpu)
+            times = measure.interleaved(fns, reps=a.reps or (2 if a.quick else 3), warmup=1, cpu=cpu)
         shapes = lambda ps: [[len(q.prompt_ids), len(q.chosen_ids), len(q.rejected_ids)] for q in ps]
         result = {"case": case["name"], "pairs": len(pairs), "mode": chosen, "threads": 1,
                   "probe_before": shapes(before_pairs(pairs, long_pairs=[longest])),

@@ -21,6 +21,7 @@ import shutil
 import statistics
 
 import common
+import measure
 
 QUICK = dict(model="1M", long=256, short=32, shards=8, rows_per_shard=6, reps=2)
 FULL = dict(model="5M", long=512, short=64, shards=8, rows_per_shard=8, reps=3)
@@ -76,13 +77,13 @@ def throughput(runs: dict, threads: dict) -> dict:
     of the medians, 2 ranks over each 1-process way."""
     ways = (("two_ranks", "by_tokens", 2), *((one, one, 1) for one in ONES))
     out = {name: {"processes": processes, "threads": threads[way],
-                  "job_tokens_per_s": common.stats([r["tokens"] / r["wall_s"] for r in runs[way]]),
-                  "scoring_tokens_per_s": common.stats([r["tokens"] / max(r["rank_wall_s"]) for r in runs[way]])}
+                  "job_tokens_per_s": measure.stats([r["tokens"] / r["wall_s"] for r in runs[way]]),
+                  "scoring_tokens_per_s": measure.stats([r["tokens"] / max(r["rank_wall_s"]) for r in runs[way]])}
            for name, way, processes in ways}
     two = out["two_ranks"]
     return {"runs": out,
-            "job_ratio": {one: common.ratio(two["job_tokens_per_s"], out[one]["job_tokens_per_s"]) for one in ONES},
-            "scoring_ratio": {one: common.ratio(two["scoring_tokens_per_s"], out[one]["scoring_tokens_per_s"])
+            "job_ratio": {one: measure.ratio(two["job_tokens_per_s"], out[one]["job_tokens_per_s"]) for one in ONES},
+            "scoring_ratio": {one: measure.ratio(two["scoring_tokens_per_s"], out[one]["scoring_tokens_per_s"])
                               for one in ONES}}
 
 
@@ -132,11 +133,11 @@ def main():
         res["ways"][way] = {
             "rank_tokens": [sum(tokens[i] for i in rank) for rank in dealt[way]],
             "rank_wall_s": [r["rank_wall_s"] for r in runs[way]],
-            "spread_s": common.stats(spread), "slowest_rank_s": common.stats(slowest),
-            "job_wall_s": common.stats([r["wall_s"] for r in runs[way]]),
+            "spread_s": measure.stats(spread), "slowest_rank_s": measure.stats(slowest),
+            "job_wall_s": measure.stats([r["wall_s"] for r in runs[way]]),
             "spread_share": statistics.median(s / m for s, m in zip(spread, slowest)),
         }
-    res["slowest_rank_ratio"] = common.ratio(res["ways"]["round_robin"]["slowest_rank_s"],
+    res["slowest_rank_ratio"] = measure.ratio(res["ways"]["round_robin"]["slowest_rank_s"],
                                              res["ways"]["by_tokens"]["slowest_rank_s"])
     res["throughput"] = throughput(runs, threads)
     for way, r in res["ways"].items():

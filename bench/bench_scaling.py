@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 
 import common
+import measure
 import numpy as np
 
 QUICK = dict(model="1M", seq=128, pairs=64, reps=3)
@@ -36,7 +37,7 @@ def main():
                 shutil.rmtree(out, ignore_errors=True)
                 last[k] = common.precompute(model_dir, data, out, size["seq"])
             fns[f"{k}x"] = fn
-        times = common.interleaved(fns, reps=size["reps"], warmup=1)
+        times = measure.interleaved(fns, reps=size["reps"], warmup=1)
     pairs = np.array([k * size["pairs"] for k in (1, 2, 4)], float)
     wall = np.array([times[f"{k}x"]["median"] for k in (1, 2, 4)])
     per_pair, fixed = np.polyfit(pairs, wall, 1)

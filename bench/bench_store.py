@@ -20,6 +20,7 @@ import shutil
 import socket
 
 import common
+import measure
 
 QUICK = dict(model="1M", seq=128, pairs=64, rows_per_shard=16, steps=2, reps=3)
 FULL = dict(model="5M", seq=256, pairs=256, rows_per_shard=32, steps=4, reps=3)
@@ -53,7 +54,7 @@ def main():
     server, fs = start_server()
     try:
         with common.workdir("store") as work:
-            result = measure(work, size, fs)
+            result = time_store(work, size, fs)
     finally:
         server.stop()
     t = result["wall"]
@@ -63,7 +64,7 @@ def main():
     print(f"wrote {common.save('store', {'size': size, **result}, args)}")
 
 
-def measure(work, size: dict, fs) -> dict:
+def time_store(work, size: dict, fs) -> dict:
     from dpo.recipe import TrainConfig, run_train
     from schemas.cache import open_cache, read_cache
 
@@ -93,11 +94,11 @@ def measure(work, size: dict, fs) -> dict:
     fns = {f"{what}-{where}": (lambda what=what, where=where: {"precompute": precompute, "train": train,
                                                                "verify": lambda w: open_cache(caches[w])}[what](where))
            for what in ("precompute", "verify", "train") for where in ("local", "s3")}
-    times = common.interleaved(fns, reps=size["reps"], warmup=1)
+    times = measure.interleaved(fns, reps=size["reps"], warmup=1)
     same = read_cache(caches["s3"]).collect().equals(read_cache(caches["local"]).collect())
     assert same, "the s3 cache's values differ from the local cache's"
     manifest = open_cache(caches["local"]).manifest
-    return {"wall": times, "ratio_s3_vs_local": {w: common.ratio(times[f"{w}-s3"], times[f"{w}-local"])
+    return {"wall": times, "ratio_s3_vs_local": {w: measure.ratio(times[f"{w}-s3"], times[f"{w}-local"])
                                                  for w in ("precompute", "verify", "train")},
             "cache_bytes": sum(e["bytes"] for e in manifest["shards"]), "shards": len(manifest["shards"]),
             "same_values": same}

@@ -4,7 +4,7 @@ Sizes: precompute-ref on the embedded data/ (a trained model, vocabulary 1024: r
 synthetic pairs under an untrained 1M model with a 32k vocabulary (near-uniform top-k ids: the pessimistic case
 for the ids' dictionary encoding). Sizes are deterministic: one run per case. Time: the whole precompute-ref run on
 data/ (load, probe, score, write) and the scoring plus shard writing alone on the loaded model, K = 0 and K = 32
-round-robin (common.interleaved), so load from other processes falls on both alike; and the whole run's CPU seconds
+round-robin (measure.interleaved), so load from other processes falls on both alike; and the whole run's CPU seconds
 on one torch thread, which load from other processes barely moves.
 
     .venv/bin/python bench/bench_topk.py [--quick]
@@ -16,6 +16,7 @@ import shutil
 import time
 
 import common
+import measure
 
 KS = (0, 8, 32, 128)
 
@@ -72,7 +73,7 @@ def cpu_seconds(fns: dict, reps: int) -> dict:
                 out[k].append(time.process_time() - t)
     finally:
         common.torch.set_num_threads(threads)
-    return {k: common.stats(v) for k, v in out.items()}
+    return {k: measure.stats(v) for k, v in out.items()}
 
 
 def timing(model_dir, data, work, reps: int) -> dict:
@@ -82,7 +83,7 @@ def timing(model_dir, data, work, reps: int) -> dict:
     from schemas import format as fmt
     from schemas.encoding import EncodingConfig
 
-    whole = common.interleaved({k: (lambda k=k: run(model_dir, data, work / f"time-k{k}", k)) for k in (0, 32)},
+    whole = measure.interleaved({k: (lambda k=k: run(model_dir, data, work / f"time-k{k}", k)) for k in (0, 32)},
                                reps=reps, warmup=1)
     whole_cpu = cpu_seconds({k: (lambda k=k: run(model_dir, data, work / f"time-k{k}", k)) for k in (0, 32)}, reps)
     checkpoint = Checkpoint.open(str(model_dir), False, None)
@@ -99,12 +100,12 @@ def timing(model_dir, data, work, reps: int) -> dict:
                         encoding=EncodingConfig(), computation={"top_k": k} if k else {})
         return time.perf_counter() - t
 
-    score = common.interleaved({k: (lambda k=k: score_and_write(k)) for k in (0, 32)}, reps=reps, warmup=1)
+    score = measure.interleaved({k: (lambda k=k: score_and_write(k)) for k in (0, 32)}, reps=reps, warmup=1)
     write = {k: score_and_write(k) for k in (0, 32)}
-    return {"run_s": whole, "run_ratio_k32_over_k0": common.ratio(whole[32], whole[0]),
+    return {"run_s": whole, "run_ratio_k32_over_k0": measure.ratio(whole[32], whole[0]),
             "run_cpu_s_one_thread": whole_cpu,
-            "run_cpu_ratio_k32_over_k0": common.ratio(whole_cpu[32], whole_cpu[0]),
-            "score_and_write_s": score, "score_ratio_k32_over_k0": common.ratio(score[32], score[0]),
+            "run_cpu_ratio_k32_over_k0": measure.ratio(whole_cpu[32], whole_cpu[0]),
+            "score_and_write_s": score, "score_ratio_k32_over_k0": measure.ratio(score[32], score[0]),
             "write_s": write}
 
 

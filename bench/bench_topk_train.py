@@ -22,6 +22,7 @@ import argparse
 import json
 
 import common
+import measure
 import train_steps as steps
 
 QUICK = dict(model="1M", seq=256, batch=8, warmup=1, steps=4, rounds=2)
@@ -118,7 +119,7 @@ def main():
         runs = {m: steps.summarize(v) for m, v in rounds.items()}
         base = runs["sigmoid"]
         res = {"size": size, "top_k": TOP_K, "params": common.n_params(common.build_llama(size["model"])), **info,
-               "runs": runs, **{f"ratio_{m}_vs_sigmoid": common.ratio(runs[m]["step"], base["step"])
+               "runs": runs, **{f"ratio_{m}_vs_sigmoid": measure.ratio(runs[m]["step"], base["step"])
                                 for m in ("kl", "tdpo2")},
                **{f"mem_{m}_vs_sigmoid": runs[m]["maxrss_mb"] / base["maxrss_mb"] for m in ("kl", "tdpo2")}}
         steps.show_runs(runs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 
 import common
+import measure
 import train_steps as steps
 from common import torch
 
@@ -90,8 +91,8 @@ def main():
         p, c, l = runs["policy"], runs["cached"], runs["live"]
         res = {
             "size": size, "params": common.n_params(common.build_llama(size["model"])), **info, "runs": runs,
-            "ratio_cached_vs_policy": common.ratio(c["step"], p["step"]),
-            "ratio_cached_vs_live": common.ratio(c["step"], l["step"]),
+            "ratio_cached_vs_policy": measure.ratio(c["step"], p["step"]),
+            "ratio_cached_vs_live": measure.ratio(c["step"], l["step"]),
             "mem_cached_vs_policy": c["maxrss_mb"] / p["maxrss_mb"],
             "mem_steady_cached_vs_policy": c["step_peak"]["median"] / p["step_peak"]["median"],
             "mem_cached_vs_live": c["maxrss_mb"] / l["maxrss_mb"],
@@ -100,7 +101,7 @@ def main():
             res["cuda_mem_cached_vs_policy"] = c["cuda_peak_mb"] / p["cuda_peak_mb"]
             res["cuda_mem_cached_vs_live"] = c["cuda_peak_mb"] / l["cuda_peak_mb"]
         if "trl" in runs:
-            res["ratio_cached_vs_trl"] = common.ratio(c["step"], runs["trl"]["step"])
+            res["ratio_cached_vs_trl"] = measure.ratio(c["step"], runs["trl"]["step"])
             res["mem_cached_vs_trl"] = c["maxrss_mb"] / runs["trl"]["maxrss_mb"]
         # A missed step-time target: profile the configurations involved (a separate run: the profiler slows steps).
         missed = []

@@ -15,6 +15,7 @@ import shutil
 import time
 
 import common
+import measure
 import numpy as np
 
 QUICK = dict(model="1M", seq=128, pairs=200, added=20, rows_per_shard=50, reps=3)
@@ -77,11 +78,11 @@ def main():
                 common.sync()
                 if rep:
                     times[name].append(time.perf_counter() - t)
-        times = {n: common.stats(v) for n, v in times.items()}
+        times = {n: measure.stats(v) for n, v in times.items()}
         a, b = by_id(work / "updated"), by_id(work / "full")
         assert a["id"] == b["id"], "the updated cache does not hold the full cache's rows"
         diff = max(float(np.abs(a[c] - b[c]).max()) for c in ("chosen_logps", "rejected_logps"))
-    ratio = {n: common.ratio(times[n], times["full"]) for n in ways}
+    ratio = {n: measure.ratio(times[n], times["full"]) for n in ways}
     for n in ways:
         print(f"{n:>14}: wall {common.fmt_s(times[n])}  scored {last[n]['rows_scored']} of {last[n]['rows']} rows  "
               f"x{ratio[n]:.3f} of the full precompute")

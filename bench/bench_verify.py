@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import common
+import measure
 import numpy as np
 
 ROWS_PER_SHARD = 2048
@@ -93,7 +94,7 @@ def bench_cache(shards: int, reps: int, work: Path) -> dict:
         assert not list(use_findings(c, model_hash="a" * 64, tokenizer_hash="b" * 64, rows=lambda encoding: expected))
         check_values(c, ids)
 
-    times = common.interleaved({
+    times = measure.interleaved({
         "open_cache": lambda: open_cache(root),
         "open_cache_fast": lambda: open_cache(root, verify_files=False),
         "check_rows": lambda: check_rows(cache),
@@ -117,7 +118,7 @@ def bench_data_verify(reps: int, work: Path) -> dict:
     cache = work / "data-cache"
     common.precompute(model_dir, data, cache)
     tok = load_tokenizer(str(model_dir))
-    times = common.timeit(lambda: verify_and_join(tokenizer=tok, model_dir=str(model_dir), data=str(data),
+    times = measure.timeit(lambda: verify_and_join(tokenizer=tok, model_dir=str(model_dir), data=str(data),
                                                   split="train", cache_dir=str(cache), log=lambda m: None),
                           reps=reps, warmup=1)
     return {"rows": 400, "times": times}
@@ -127,9 +128,9 @@ def bench_hash(mb: int, runs: int, repeat: int) -> dict:
     """Run bench/bench_hash.py `runs` times and take the median of its per-run best-of-`repeat` figures."""
     outs = [common.run_child([str(common.BENCH / "bench_hash.py"), "--mb", str(mb), "--repeat", str(repeat)],
                              timeout=600) for _ in range(runs)]
-    mbps = {k: common.stats([o["mb_per_s"][k] for o in outs]) for k in outs[0]["mb_per_s"]}
+    mbps = {k: measure.stats([o["mb_per_s"][k] for o in outs]) for k in outs[0]["mb_per_s"]}
     return {"mb": mb, "runs": runs, "repeat": repeat, "mb_per_s": mbps,
-            "ratio_model_hash_vs_sha256sum": common.ratio(mbps["model_hash"], mbps["sha256sum"]),
+            "ratio_model_hash_vs_sha256sum": measure.ratio(mbps["model_hash"], mbps["sha256sum"]),
             "bench_hash_output": outs[-1]["output"]}
 
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import common
+import measure
 import train_steps
 
 SPEC = dict(hidden=64, layers=2, heads=2, kv=1, inter=192, vocab=128256)
@@ -52,12 +53,12 @@ def child_precompute(a, head: str | None) -> dict:
     import datasets, transformers, pyarrow.parquet  # noqa: F401,E401  (imports are not part of the job's peak)
     if head:
         force_head(head)
-    base = common.rss_mb()
+    base = measure.rss_mb()
     t = time.perf_counter()
     res = common.precompute(a.model, a.data, Path(a.out) / f"cache-{a.child}", a.seq)
     wall = time.perf_counter() - t
     weights = sum(p.stat().st_size for p in Path(a.model).glob("*.safetensors")) / 2**20
-    return {"mode": a.child, "maxrss_mb": common.maxrss_mb(), "baseline_rss_mb": base, "weights_mb": weights,
+    return {"mode": a.child, "maxrss_mb": measure.maxrss_mb(), "baseline_rss_mb": base, "weights_mb": weights,
             "wall_s": wall, "tokens": res["tokens"], "batching": res.get("mode"), "loadavg": common.os.getloadavg()[0]}
 
 
@@ -141,8 +142,8 @@ def main():
            "tokens": info["tokens"], "scored_per_step_max": scored, "runs": {}}
     for mode, rs in runs.items():
         if mode.startswith("precompute"):
-            res["runs"][mode] = {"mode": mode, "maxrss": common.stats([r["maxrss_mb"] for r in rs]),
-                                 "wall": common.stats([r["wall_s"] for r in rs]), "rounds": rs,
+            res["runs"][mode] = {"mode": mode, "maxrss": measure.stats([r["maxrss_mb"] for r in rs]),
+                                 "wall": measure.stats([r["wall_s"] for r in rs]), "rounds": rs,
                                  "baseline_rss_mb": rs[0]["baseline_rss_mb"]}
         else:
             res["runs"][mode] = train_steps.summarize(rs)

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 import common
+import measure
 import train_steps
 from common import torch
 
@@ -213,7 +214,7 @@ def child_precompute(a) -> dict:
     s = seen["summary"]
     return {"attn": a.attn, "mode": s["mode"], "tokens": s["tokens"], "wall_s": s["wall_s"],
             "tokens_per_s_end_to_end": s["tokens_per_s"], "score_s": seen["score_s"],
-            "padding_fraction": s["padding_fraction"], "peak_mb": common.cuda_peak_mb() or common.maxrss_mb()}
+            "padding_fraction": s["padding_fraction"], "peak_mb": measure.cuda_peak_mb() or measure.maxrss_mb()}
 
 
 def child_train(a) -> dict:
@@ -358,7 +359,7 @@ def check(a) -> dict:
             train[name] = run_child(name, model=model_dir, data=data, cache=cache, out=work / "runs", seq=size["seq"],
                                     batch=size["batch"], warmup=size["warmup"], steps=size["steps"])
             if "error" not in train[name]:
-                train[name]["step"] = common.stats(train[name]["step_s"])
+                train[name]["step"] = measure.stats(train[name]["step_s"])
         stages["train"] = time.perf_counter() - t
         out["train"] = train
     stages["total"] = time.perf_counter() - t0
@@ -376,7 +377,7 @@ def _g(v, digits=3) -> str:
 
 def tables(r: dict) -> list[str]:
     """The check's result as Markdown lines: a header, the precompute table and the training table."""
-    from render import table
+    from report import table
 
     m, p, size = r["model"], r["peak"], r["size"]
     memory = "torch.cuda.max_memory_allocated" if r["device"] == "cuda" else "peak RSS"
@@ -408,7 +409,7 @@ def tables(r: dict) -> list[str]:
         if "error" in t:
             rows.append([reference, layout, f"failed: {t['error'][:200]}", "", ""])
             continue
-        ratio = (f"{common.ratio(t['step'], base['step']):.2f}x" if "step" in base else "n/a")
+        ratio = (f"{measure.ratio(t['step'], base['step']):.2f}x" if "step" in base else "n/a")
         rows.append([reference, layout, f"{t['step']['median'] * 1000:,.1f} ms ({len(t['step_s'])} steps)", ratio,
                      f"{t['peak_mb']:,.0f} MiB"])
     L += ["", f"train-dpo, batch {size['batch']} pairs, {'bf16 mixed precision' if r['dtype'] == 'bfloat16' else 'float32'}:", ""]

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import common
+import measure
 from common import torch
 
 
@@ -35,7 +36,7 @@ def step_timer(profile=None, profile_after: int = 0):
 
         def on_train_begin(self, args, state, control, **kw):
             common.sync()
-            common.reset_peak()
+            measure.reset_peak()
             self.last = time.perf_counter()
 
         def on_train_end(self, args, state, control, **kw):
@@ -47,17 +48,17 @@ def step_timer(profile=None, profile_after: int = 0):
             common.sync()
             now = time.perf_counter()
             self.step_s.append(now - self.last)
-            self.step_peak_mb.append(common.peak_rss_mb())
-            self.step_cuda_mb.append(common.cuda_peak_mb())
+            self.step_peak_mb.append(measure.peak_rss_mb())
+            self.step_cuda_mb.append(measure.cuda_peak_mb())
             self.last = now
             # the whole-run peaks, read before the next step resets the counters
-            self.maxrss_mb = common.maxrss_mb()
-            self.rss_parts_mb = common.rss_parts_mb()  # at the end of the step
+            self.maxrss_mb = measure.maxrss_mb()
+            self.rss_parts_mb = measure.rss_parts_mb()  # at the end of the step
             self.cuda_peak_mb = max(self.cuda_peak_mb or 0, self.step_cuda_mb[-1] or 0) or None
             if profile is not None and state.global_step == profile_after:
                 profile.__enter__()
                 self.profiling = True
-            common.reset_peak()
+            measure.reset_peak()
 
     return StepTimer()
 
@@ -140,7 +141,7 @@ def child(a, runners: dict, imports=(), report_errors: bool = False) -> dict:
     common.quiet()
     for name in ("datasets", "polars", "transformers", *imports):  # so that the baseline includes the libraries
         importlib.import_module(name)
-    base = common.rss_mb()
+    base = measure.rss_mb()
     profile = None
     if getattr(a, "profile", False):
         from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -193,8 +194,8 @@ def summarize(rounds: list[dict]) -> dict:
     pooled = lambda key: [v for r in rounds for v in r[key]]
     median = lambda key: common.statistics.median(r[key] for r in rounds)
     out = {"mode": rounds[0]["mode"], "rounds": rounds,
-           "step": common.stats(pooled("step_s")), "step_peak": common.stats(pooled("step_peak_rss_mb")),
-           "maxrss": common.stats([r["maxrss_mb"] for r in rounds]), "baseline_rss_mb": median("baseline_rss_mb")}
+           "step": measure.stats(pooled("step_s")), "step_peak": measure.stats(pooled("step_peak_rss_mb")),
+           "maxrss": measure.stats([r["maxrss_mb"] for r in rounds]), "baseline_rss_mb": median("baseline_rss_mb")}
     out["maxrss_mb"] = out["maxrss"]["median"]
     if rounds[0].get("rss_parts_mb"):
         out["rss_parts_mb"] = {k: common.statistics.median(r["rss_parts_mb"][k] for r in rounds)
@@ -202,7 +203,7 @@ def summarize(rounds: list[dict]) -> dict:
     if rounds[0].get("cuda_peak_mb") is not None:
         out["cuda_peak_mb"] = median("cuda_peak_mb")
     if rounds[0].get("verify_s") is not None:
-        out["verify_s"] = common.stats([r["verify_s"] for r in rounds])
+        out["verify_s"] = measure.stats([r["verify_s"] for r in rounds])
     if rounds[0].get("log"):
         out["log"] = rounds[0]["log"]
     return out

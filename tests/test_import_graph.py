@@ -153,3 +153,33 @@ def test_the_check_sees_a_circle(tmp_path, monkeypatch):
         "schemas -> schemas.c -> schemas.sub.d -> schemas",
         "schemas.a -> schemas.b -> schemas.a",
     ]
+
+
+def bench_graph(bench: Path) -> dict[str, set[str]]:
+    """bench/ runs as scripts on its own sys.path (`import common`), so a module is its file's stem and an import of
+    another stem of bench/ (top level or inside a function) is an edge."""
+    files = {p.stem for p in bench.glob("*.py")}
+    graph = {}
+    for path in sorted(bench.glob("*.py")):
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name.partition(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module.partition(".")[0]]
+            else:
+                continue
+            targets |= {n for n in names if n in files and n != path.stem}
+        graph[path.stem] = targets
+    return graph
+
+
+def test_no_circle_of_imports_in_bench():
+    assert circles(bench_graph(ROOT / "bench")) == []
+
+
+def test_the_bench_check_sees_a_circle(tmp_path):
+    (tmp_path / "page.py").write_text("import common\ndef f():\n    import part\n")
+    (tmp_path / "part.py").write_text("def g():\n    from page import table\n")
+    (tmp_path / "common.py").write_text("import json\n")
+    assert circles(bench_graph(tmp_path)) == ["page -> part -> page"]
