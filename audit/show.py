@@ -329,16 +329,22 @@ def _top_k_header(top: TopK) -> str:
     return (f" {'KL':>7}" if top.kl is not None else "") + f" {f'top-{k} mass':>12}  reference's top {min(k, TOP_ALTERNATIVES)}"
 
 
+def _shown_kl(value: float) -> float:
+    """A KL as the views print it: a rounding below zero (the coarse KL of two normalised distributions is >= 0 up to
+    float rounding) prints as 0, never as -0.0000; anything more negative is printed as it is."""
+    return 0.0 if -5e-5 < value <= 0 else value
+
+
 def _top_k_cells(top: TopK, j: int) -> str:
     """A token's KL (with a policy), the mass of the reference's top K and its most probable tokens."""
     alternatives = ", ".join(f"{visible(text)!r} {p:.3f}" for text, p in top.alternatives(j))
     width = len(f"top-{top.ids.shape[1]} mass")
-    return (f" {top.kl[j]:>7.4f}" if top.kl is not None else "") + f" {top.mass[j]:>{max(width, 12)}.4f}  {alternatives}"
+    return (f" {_shown_kl(top.kl[j]):>7.4f}" if top.kl is not None else "") + f" {top.mass[j]:>{max(width, 12)}.4f}  {alternatives}"
 
 
 def _alternatives_title(top: TopK, j: int) -> str:
     """The hover text of a top-k cache's token: its KL, the top-k mass and the reference's most probable tokens."""
-    kl = f", KL(policy||reference) {top.kl[j]:.4f}" if top.kl is not None else ""
+    kl = f", KL(policy||reference) {_shown_kl(top.kl[j]):.4f}" if top.kl is not None else ""
     alternatives = ", ".join(f"{visible(text)!r} {p:.3f}" for text, p in top.alternatives(j))
     return f"{kl}, top-{top.ids.shape[1]} mass {top.mass[j]:.4f}; reference's most probable: {alternatives}"
 
@@ -389,7 +395,7 @@ def _token_html(part: Part, j: int) -> str:
     extra += _alternatives_title(part.top, j) if part.top is not None else ""
     ratio = (f'<small class="{"up" if part.ratio[j] >= 0 else "down"}">{_signed(part.ratio[j])}</small>'
              if part.ratio is not None else "")
-    kl = (f'<small class="kl">KL {part.top.kl[j]:.3f}</small>' if part.top is not None and part.top.kl is not None
+    kl = (f'<small class="kl">KL {_shown_kl(part.top.kl[j]):.3f}</small>' if part.top is not None and part.top.kl is not None
           else "")
     return (f'<span class="tok {band(lp)}" title="id {part.ids[j]}, log-prob {lp:.4f}{html.escape(extra)}">{text}'
             f"<small>{lp:.2f}</small>{ratio}{kl}</span>")

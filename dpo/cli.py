@@ -310,7 +310,7 @@ def summary_text(s: dict) -> str:
     plot = f"\n  plot:       {out / 'metrics.png'}" if (out / "metrics.png").is_file() else ""
     merged = f"\n  merged:     {s['merged_dir']}" if s.get("merged_dir") else ""
     return (
-        f"trained {s['steps']} steps in {s['train_s']:.1f} s{verified}; {loss}"
+        f"trained {s['steps']} step{'s' * (s['steps'] != 1)} in {s['train_s']:.1f} s{verified}; {loss}"
         + (f"; eval reward accuracy {acc:.3f} (share of eval pairs whose implicit reward beta*log(pi/ref) "
            "ranks chosen above rejected)" if acc is not None else "")
         + f"\n  checkpoint: {out}{kept}{merged}\n  metrics:    {out / 'metrics.jsonl'}{plot}"

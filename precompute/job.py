@@ -232,7 +232,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
     if todo:
         split = (f" (tensor parallel: {dist.groups} group{'s' if dist.groups > 1 else ''} of {dist.tp_size} ranks)"
                  if dist.tp_size > 1 else "")
-        log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shards "
+        log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shard{'s' * (len(todo) != 1)} "
             f"({len(resume.done)} already done) on {dist.world} x {job.device.type}{split} in "
             f"{str(job.dtype).removeprefix('torch.')}" + (
                 f"; tokens per {'group' if dist.tp_size > 1 else 'rank'}: "
@@ -326,7 +326,8 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs) / dist.world
     eager, warm = tokens / rate if rate else None, warm_cache()
     compile_it, why = compile_choice(cfg.torch_compile, eager, split=layout is not None, warm=warm)
-    computation["compile_choice"] = why  # a note
+    if compile_it or cfg.torch_compile is not None:  # a note; a default job that stays eager records none, as before
+        computation["compile_choice"] = why
     if cfg.torch_compile is None:
         log(f"torch.compile {why} ({estimate_text(eager, warm)})")
     if compile_it:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache

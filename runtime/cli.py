@@ -67,6 +67,12 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
     except KeyboardInterrupt:
         echo(f"interrupted; {carry_on()}", err=True)
         sys.exit(130)
+    except ImportError as e:  # an option that needs a package this environment lacks (--use-liger-kernel, ...)
+        if debug:
+            traceback.print_exc()
+        echo(printable(f"error: a package this run needs is not installed: {e}\n  remedy: install it in this "
+                       "environment (pip install ...), or leave out the option that asks for it"), err=True)
+        sys.exit(EXIT_REFUSED)
     except Exception as e:
         if debug:
             traceback.print_exc()

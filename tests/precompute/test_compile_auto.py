@@ -1,8 +1,8 @@
 """precompute-ref --torch-compile auto (neither flag, the default; issue 39 item 1): compile where the job's estimated
 eager scoring saves more than compiling costs, by precompute/compiled.py's measured figures; the cost model's inputs
 are faked here, never timed: a tiny job stays eager, a long one compiles, a warm inductor cache lowers the bar, the
-flags force either way, a split model stays eager; the choice is logged and noted in the manifest, and inductor's
-caches go under refcache's home."""
+flags force either way, a split model stays eager; the choice is logged, noted in the manifest where it compiled or
+a flag decided, and inductor's caches go under refcache's home."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_a_small_job_stays_eager_and_a_long_one_compiles(tmp_path, monkeypatch):
         return manifest_of(out)["computation"]
 
     small = run(tmp_path / "small")
-    assert small["compile_choice"].startswith("auto: eager") and "compiled" not in small
+    assert "compile_choice" not in small and "compiled" not in small  # a default job's manifest as before
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "home" / "inductor")
     assert any(line.startswith("torch.compile auto: eager") and "eager scoring estimated at" in line for line in lines)
 

@@ -46,8 +46,6 @@ def test_disk_offload_gives_the_in_memory_cache(tmp_path, llama_dir, data, in_me
 
     comp, plain = manifest_of(out)["computation"], manifest_of(in_memory)["computation"]
     layout = comp.pop("layout")
-    assert comp.pop("compile_choice") == "auto: a split model scores uncompiled"
-    plain = fmt.scored_computation(plain)  # (the in-memory run's notes say how it ran)
     assert comp == plain  # what scored the rows is the in-memory run's: same dtype, device type, mode, head
     assert layout["device_map"] == "auto" and layout["max_memory"] == f"cpu={budget}"
     assert set(layout["modules"]) == {"cpu", "disk"} and layout["modules"]["disk"]  # split between memory and disk
