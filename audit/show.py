@@ -331,8 +331,8 @@ def _top_k_header(top: TopK) -> str:
 
 def _shown_kl(value: float) -> float:
     """A KL as the views print it: a rounding below zero (the coarse KL of two normalised distributions is >= 0 up to
-    float rounding) prints as 0, never as -0.0000; anything more negative is printed as it is."""
-    return 0.0 if -5e-5 < value <= 0 else value
+    float rounding) prints as 0, never as -0.0000; anything that shows at four decimals is printed as it is."""
+    return value if round(value, 4) else 0.0
 
 
 def _top_k_cells(top: TopK, j: int) -> str:
