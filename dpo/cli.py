@@ -14,8 +14,9 @@ from pathlib import Path
 import click
 
 from runtime import kl_control
-from runtime.cli import (TRL_ALIASES, GroupedCommand, Location, dataclass_options, exit_without_teardown,
-                         given_values, option_specs, quiet_libraries, run_cli, spec_options)
+from runtime.cli import (TRL_ALIASES, GroupedCommand, Location, command_text, dataclass_options,
+                         exit_without_teardown, given_values, number_text, option_specs, quiet_libraries, run_cli,
+                         spec_options)
 from runtime.terminal import echo
 
 from .lora import LoraOptions
@@ -276,10 +277,10 @@ def _check_unread_options(config_file: str | None, from_file: dict, command_line
     config file, unless it holds the default (a DPOConfig written by TRL carries every key)."""
     loss_type = command_line.get("loss_type", from_file.get("loss_type", OURS["loss_type"].default))
     for name in unread_options(loss_type, command_line):
-        raise click.UsageError(unread_message(loss_type, name, _number_text(command_line[name]), f"--{name.replace('_', '-')}"))
+        raise click.UsageError(unread_message(loss_type, name, number_text(command_line[name]), f"--{name.replace('_', '-')}"))
     for name in unread_options(loss_type, from_file):
         if name not in command_line and from_file[name] != OURS[name].default:
-            raise click.UsageError(unread_message(loss_type, name, _number_text(from_file[name]), f"{config_file}: {name}"))
+            raise click.UsageError(unread_message(loss_type, name, number_text(from_file[name]), f"{config_file}: {name}"))
     values = from_file | command_line
     # the KL options by the same rule: read by what switches them on (runtime/kl_control.py's READ_BY)
     in_file = [name for name in from_file
@@ -287,7 +288,7 @@ def _check_unread_options(config_file: str | None, from_file: dict, command_line
     for given, where in ((list(command_line), "--{}"), (in_file, f"{config_file}: {{}}")):
         for name, reader in kl_control.unread_options(values, given):
             shown = where.format(name.replace("_", "-") if where.startswith("--") else name)
-            raise click.UsageError(f"{shown} {_number_text(values[name])}: only {reader} reads it, which this run does not use, so "
+            raise click.UsageError(f"{shown} {number_text(values[name])}: only {reader} reads it, which this run does not use, so "
                                    f"it would be ignored; drop it, or add what reads it")
 
 
@@ -368,28 +369,8 @@ def main(config_file, debug, **given):
 def command_line(config_file, given: dict, **changes) -> str:
     """The train-dpo command line of these options (`given`: click's values; `changes`: options to set, None to
     drop one)."""
-    import shlex
-
-    values = {**given_values(given), **changes}
-    words = ["train-dpo"] + (["--config", str(config_file)] if config_file else [])
-    for name, value in values.items():
-        flag = "--" + name.replace("_", "-")
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            words.append(flag if value else f"--no-{flag[2:]}")
-        else:
-            for v in value if isinstance(value, list) else [value]:
-                words += [flag, _number_text(v)]
-    return " ".join(shlex.quote(w) for w in words)
-
-
-def _number_text(value) -> str:
-    """A value as the user would type it: a whole number given to a float option (TrainingArguments' save_steps,
-    logging_steps, ...) as an integer, 50 and not 50.0."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return str(value)
+    return command_text("train-dpo", {**given_values(given), **changes},
+                        ("--config", config_file) if config_file else ())
 
 
 def next_step(cfg, config_file, given: dict) -> str:

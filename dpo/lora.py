@@ -18,6 +18,7 @@ dropout and the step-0 loss is ln 2; from step 1 on the policy's forward is stoc
 from __future__ import annotations
 
 import contextlib
+import warnings
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -197,8 +198,12 @@ def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: in
         target_modules=target_modules(opts.lora_target_modules),
     )
     try:
-        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # QLoRA: on the GPU
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())), warnings.catch_warnings():  # QLoRA: GPU
             torch.manual_seed(seed)
+            # peft asks transformers' deprecated model.is_gradient_checkpointing: one library's notice to another,
+            # nothing a user can act on; only that notice is silenced
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
             return peft.get_peft_model(model, config, revision=base.get("revision"))
     except ValueError as e:  # e.g. target modules not found in the model
         raise JobError(f"--lora-target-modules: {' '.join(str(e).split())[:300]}") from None

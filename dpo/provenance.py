@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 from pathlib import Path
 
 from runtime.terminal import echo
@@ -128,7 +129,11 @@ def recorded_config(cfg) -> dict:
     from .loss_config import unread_options
 
     config = dataclasses.asdict(cfg)
-    return config | {name: None for name in unread_options(cfg.loss_type, config)}
+    # the places as meaningful once the manifest is shared: absolute, where they are local paths that exist (a hub
+    # id, a URL or a word such as resume_from_checkpoint's `true` stays as given)
+    places = {f.name: rm.absolute(config[f.name]) for f in dataclasses.fields(cfg) if "location" in f.metadata
+              and isinstance(config[f.name], Path) and os.path.lexists(config[f.name])}
+    return config | places | {name: None for name in unread_options(cfg.loss_type, config)}
 
 
 def _hub(given: dict) -> dict:

@@ -21,6 +21,7 @@ from runtime.errors import JobError
 from runtime.locks import is_lock_file
 from runtime.terminal import echo
 from schemas import run_manifest as rm
+from schemas.nearby import nearby
 
 from .card import CARD, is_card
 from .checkpoint_files import check_checkpoint_files
@@ -55,8 +56,8 @@ def check_resume(checkpoint: str | None, out: Path, latest: bool = False) -> Non
     given = f"--resume-from-checkpoint {'true (' + str(ckpt) + ')' if latest else ckpt}"
     other = _advice(out, ckpt)
     if not ckpt.is_dir():
-        raise JobError(f"--resume-from-checkpoint {ckpt}: no such directory; resume from a complete checkpoint-N "
-                       "folder")
+        raise JobError(f"--resume-from-checkpoint {ckpt}: no such directory{nearby(ckpt)}; resume from a complete "
+                       "checkpoint-N folder (or pass --resume-from-checkpoint true: the latest)")
     if not is_complete(ckpt):
         what = "its trainer_state.json is not whole" if (ckpt / TRAINER_STATE).exists() else \
             "no trainer_state.json in it"

@@ -144,20 +144,41 @@ def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded) ->
                        expected=error.expected, found=error.found, shard=error.shard, row=error.row)
 
 
-def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: str, missing: list[str]) -> CacheError:
+def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: str, missing: list[str],
+              encoded) -> CacheError:
     """Rows missing or changed, answered in the one remedy vocabulary (runtime/remedies.py): rows an update of the
     cache removed name the version that removed them and the --cache-version that holds them; other rows the cache
-    lacks, `precompute-ref --update`; rows edited under an id the cache holds, `--update --replace-changed`."""
+    lacks, `precompute-ref --update`; rows edited under an id the cache holds, `--update --replace-changed`, unless
+    an earlier version holds them as they are here (an update replaced them since: that version's --cache-version)."""
     if error.kind == "rows_missing":
         removing, holding = history.removed_by(cache.root, cache.manifest, missing)
         remedy = (remedies.rows_removed(removing, holding) if removing else
                   remedies.rows_missing(cache_arg, data, model, split))
     elif error.kind == "mask_checksum":
-        remedy = remedies.rows_changed(cache_arg, data, model, split)
+        holding = _holding_as_edited(cache, cache_arg, encoded)
+        remedy = (remedies.rows_replaced(*holding) if holding else
+                  remedies.rows_changed(cache_arg, data, model, split))
     else:
         return error
     return type(error)(error.kind, error.message, remedy=remedy, expected=error.expected, found=error.found,
                        shard=error.shard, row=error.row, sides=error.sides)
+
+
+def _holding_as_edited(cache: Cache, cache_arg, encoded) -> tuple[list[int], int] | None:
+    """(the versions that replaced them, an earlier version) when the rows this data has otherwise than the cache were
+    replaced by an update of the cache, and that earlier version holds every one of them as this data has them."""
+    cached = dict(zip(cache.index.column("id").to_pylist(), cache.index.column("mask_checksum").to_pylist()))
+    mine = {i: p.mask_checksum for i, p in zip(encoded.ids, encoded.pairs)}
+    changed = [i for i, check in mine.items() if cached.get(i) not in (None, check)]
+    replacing, holding = history.replaced_by(cache.root, cache.manifest, changed)
+    if not changed or holding is None:
+        return None
+    try:
+        older = open_cache(cache_arg, verify_files=False, version=holding)
+    except CacheError:
+        return None
+    held = dict(zip(older.index.column("id").to_pylist(), older.index.column("mask_checksum").to_pylist()))
+    return (replacing, holding) if all(held.get(i) == mine[i] for i in changed) else None
 
 
 def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> DataError:
@@ -199,7 +220,7 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
             missing = [i for i in found["encoded"].ids if i not in held] if finding.kind == "rows_missing" else []
             explained = _explained(error, cache, split, found["encoded"])
             error = explained if explained is not error else _remedied(error, cache, cache_dir, data, ref_model or
-                                                                       model_dir, split, missing)
+                                                                       model_dir, split, missing, found["encoded"])
         raise error from None
     source, encoded = found["source"], found["encoded"]
     if cache.encoding.add_bos is True:

@@ -7,9 +7,9 @@ import os
 import click
 
 from precompute.config import PrecomputeConfig, checked_inputs
-from runtime.cli import (ENCODING_OPTIONS, TRL_ALIASES, GroupedCommand, dataclass_options, encoding_from,
+from runtime.cli import (ENCODING_OPTIONS, TRL_ALIASES, GroupedCommand, command_text, dataclass_options, encoding_from,
                          encoding_options, exit_without_teardown, given_values, quiet_libraries, run_cli)
-from runtime.terminal import echo
+from runtime.terminal import counted, echo
 
 
 def summary_text(s: dict) -> str:
@@ -33,11 +33,12 @@ def summary_text(s: dict) -> str:
     if u and not (u["added"] or u["removed"] or u["replaced"]):  # a no-op update writes no version
         version = f"  update: nothing to change; the cache stays at version {u['version'] - 1}\n"
     else:
-        version = (f"  update: version {u['version']}: {u['added']} rows added, {u['removed']} removed, "
-                   f"{u['replaced']} replaced; {u['kept_shards']} shards kept, {u['copied_shards']} copied without "
-                   "removed rows\n" if u else "")
+        version = (f"  update: version {u['version']}: {counted(u['added'], 'row')} added, {u['removed']} removed, "
+                   f"{u['replaced']} replaced; {counted(u['kept_shards'], 'shard')} kept, {u['copied_shards']} copied "
+                   "without removed rows\n" if u else "")
     return (
-        f"wrote {s['rows']} pairs ({s['rows_scored']} scored now) in {s['shards']} shards to {s['out']}\n{version}"
+        f"wrote {counted(s['rows'], 'pair')} ({s['rows_scored']} scored now) in {counted(s['shards'], 'shard')} to "
+        f"{s['out']}\n{version}"
         f"  skipped rows: {s['skipped']} ({skipped}); identical chosen/rejected: {s['identical_pairs']}\n{work}\n"
         f"  cache size: {s['bytes'] / 2**20:.2f} MiB"
         + (f" ({per_token:.1f} bytes per completion token)" if per_token is not None else "")
@@ -69,7 +70,14 @@ def main(debug, **options):
             return
         echo(summary_text(s))
 
-    run_cli(body, debug, writes_to=lambda: options.get("out"))
+    run_cli(body, debug, writes_to=lambda: options.get("out"), next_step=lambda: resume_step(options))
+
+
+def resume_step(options: dict) -> str:
+    """After Ctrl-C (or a full disk): the command that resumes the job (the same one; its finished shards are kept,
+    and a resume takes the settings they were scored with)."""
+    return ("the finished shards are kept; resume with the same command:\n  "
+            + command_text("precompute-ref", {k: v for k, v in given_values(options).items() if k != "overwrite"}))
 
 
 def process_main():

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field, fields, replace
 import click
 
 from runtime.budget import DEFAULT_TOKEN_BUDGET, parse_token_budget
-from runtime.cli import field_help, read_locations
+from runtime.cli import ENCODING_OPTIONS, field_help, read_locations
 from runtime.errors import JobError
 from runtime.hub import origin
 from runtime.paths import check_apart
+from runtime import remedies
 from runtime import placement
 from schemas import store
 from schemas.encoding import EncodingConfig
@@ -137,17 +138,35 @@ def _given(cfg: PrecomputeConfig, holder, name: str, default) -> bool:
     return name in cfg.given if cfg.given is not None else getattr(holder, name) != default
 
 
-def cache_settings(cfg: PrecomputeConfig) -> dict:
-    """--update: every setting of RECORDED_SETTINGS and every encoding option not given, set on `cfg` from the cache
-    in --out (its manifest); returns {option: value} of those taken. Nothing when --out holds no readable manifest
-    (the update refuses that itself)."""
-    if not cfg.update:
-        return {}
+def recorded_settings(out) -> tuple[str, dict, EncodingConfig] | None:
+    """How the rows already in --out were scored: (whose, computation, encoding) from a finished cache's manifest, or,
+    where an interrupted first run left shards and no manifest, from its first readable shard's footer; None when
+    --out holds neither (or nothing readable: the job's own checks name it)."""
+    from schemas import format as fmt  # pyarrow: not on the --help path
+
     try:
-        manifest = json.loads((store.location(cfg.out) / "manifest.json").read_bytes())
-        computation, encoding = manifest.get("computation") or {}, EncodingConfig.from_dict(manifest["encoding"])
-    except Exception:  # missing, unreadable, not a manifest: precompute/update.py names it
-        return {}
+        if (out / fmt.MANIFEST).exists():
+            manifest = json.loads((out / fmt.MANIFEST).read_bytes())
+            return "the cache's", manifest.get("computation") or {}, EncodingConfig.from_dict(manifest["encoding"])
+        for path in sorted(out.glob("shard-*.parquet")):
+            meta = fmt.read_shard_metadata(path)
+            if "computation" in meta and "encoding" in meta:
+                return ("the interrupted run's", json.loads(meta["computation"]),
+                        EncodingConfig.from_dict(json.loads(meta["encoding"])))
+    except Exception:  # missing, unreadable, not ours: the resume and the update name it
+        return None
+    return None
+
+
+def cache_settings(cfg: PrecomputeConfig) -> tuple[str, dict]:
+    """A run into an --out that already holds scored rows (--update, or a resume of a finished or interrupted run):
+    every setting of RECORDED_SETTINGS and every encoding option not given is set on `cfg` from what --out records
+    (recorded_settings), so the new rows are scored exactly as those were; returns (whose, {option: value} of those
+    taken). Nothing with --overwrite, or when --out records nothing readable (the update refuses that itself)."""
+    recorded = None if cfg.overwrite else recorded_settings(store.location(cfg.out))
+    if recorded is None or (cfg.update and recorded[0] != "the cache's"):
+        return "", {}
+    whose, computation, encoding = recorded
     defaults = {f.name: f.default for f in fields(PrecomputeConfig)}
     taken = {}
     for key, name in RECORDED_SETTINGS.items():
@@ -163,7 +182,30 @@ def cache_settings(cfg: PrecomputeConfig) -> dict:
     taken |= {"--" + k.replace("_", "-"): v for k, v in chosen.to_dict().items()
               if k in options and k not in keep and getattr(cfg.encoding, k) != v}
     cfg.encoding = chosen
-    return taken
+    return whose, taken
+
+
+def computation_options(findings) -> list[tuple[str | None, object, object]]:
+    """rules.computation_findings as (option, the cache's value, this run's); option None where none sets the key."""
+    return [(OPTION_OF.get(key), was, (f.found or {}).get(key)) for f in findings for key, was in f.expected.items()]
+
+
+def encoding_options(cache: dict, run: dict) -> list[tuple[str, object, object]]:
+    """The encoding options whose values differ between the cache's encoding and this run's (EncodingConfig dicts),
+    as (option, the cache's value, this run's)."""
+    return [(f"--{k.replace('_', '-')}", v, run.get(k)) for k, v in cache.items()
+            if run.get(k) != v and k in ENCODING_OPTIONS]
+
+
+def settings_refusal(differ: list[tuple[str | None, object, object]], where: str, *, update: bool) -> str | None:
+    """A run into --out given settings other than those its rows were made with ((option, the cache's, this run's)),
+    as the options a user types ("`where` made with --top-k 8; this run gives --top-k 4"): the two sides by owner and
+    the remedy; None where a differing key has no option (the caller words it)."""
+    if not differ or any(option is None for option, _, _ in differ):
+        return None
+    was, uses = [f"{o} {v}" for o, v, _ in differ], [f"{o} {v}" for o, _, v in differ]
+    return (f"{where} made with {', '.join(was)}; this run gives {', '.join(uses)}\n  the cache: {' '.join(was)}"
+            f"\n  this run:  {' '.join(uses)}\n  remedy:    {remedies.setting(was, update=update)}")
 
 
 def checked_inputs(cfg: PrecomputeConfig) -> tuple[object, dict, dict]:

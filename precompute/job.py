@@ -103,9 +103,10 @@ def _run(cfg: PrecomputeConfig, log, dist: Dist) -> dict:
 
 def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     """Read and encode the data, compute the stamps and cut the rows into shards; nothing is written yet."""
-    taken = cache_settings(cfg)  # --update: the cache's settings for the options not given
+    whose, taken = cache_settings(cfg)  # what --out's rows were scored with, for the options not given
     if taken:
-        log("--update: the cache's settings: " + ", ".join(f"{k} {v}" for k, v in taken.items()))
+        log(f"{'--update' if cfg.update else 'resume'}: {whose} settings: "
+            + ", ".join(f"{k} {v}" for k, v in taken.items()))
     out, origins, inputs = checked_inputs(cfg)
     cfg.model = origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)

@@ -25,7 +25,12 @@ from schemas.card import read_card_metadata
 from schemas.encoding import EncodingConfig
 from schemas.files import TEMP
 
+from .config import computation_options, encoding_options, settings_refusal
+
 SHARD = re.compile(r"^shard-(v\d{5}-)?\d{5}\.parquet$")  # plan_shards' names (and --update's: precompute/update.py)
+# an interrupted first run (shards, no manifest yet) of other data: --update needs a finished cache
+UNFINISHED = ("it is an interrupted first run (no manifest.json yet) of other data: finish it with the data it was "
+              "started on, or " + OVERWRITE)
 COMPUTATION = "run with the recorded settings to resume, or pass --overwrite to start over"  # the remedy of a resume
 
 
@@ -45,16 +50,23 @@ def _previous_manifest(out: Path, stamps: dict, encoding: EncodingConfig) -> dic
     except fmt.CacheError as e:
         raise JobError(f"{out} holds an unreadable cache ({e.message}); {OVERWRITE}") from None
     recorded = {**manifest["stamps"], "encoding": manifest["encoding"]}
-    for f in rules.stamp_findings(recorded, {**{k: stamps[k] for k in fmt.STAMPS}, "encoding": encoding.to_dict()}):
+    found = list(rules.stamp_findings(recorded, {**{k: stamps[k] for k in fmt.STAMPS}, "encoding": encoding.to_dict()}))
+    for f in sorted(found, key=lambda f: f.kind != "encoding"):  # another encoding also changes the mask checksum
+        differ = encoding_options(f.found or {}, f.expected or {}) if f.kind == "encoding" else []
+        if differ:
+            raise JobError(settings_refusal(differ, f"{out} already holds a different cache,", update=False))
         remedy = UPDATE if f.kind == "mask_checksum" else OVERWRITE
         raise JobError(f"{out} already holds a different cache; {remedy}\n  {f.kind}:\n{f.sides_text('    ')}")
     return manifest
 
 
-def _refuse(findings, what: str):
+def _refuse(findings, what: str, where: str | None = None):
+    """`where`: the cache, when this run's options are what differs (named as the options to pass)."""
     f = findings[0]
     if f.kind == "computation":
-        raise JobError(f"{what}: {f.message}\n{f.sides_text()}\n  remedy:   {f.remedy}")
+        raise JobError((where and settings_refusal(computation_options(g for g in findings if g.kind == "computation"), where,
+                                                   update=False))
+                       or f"{what}: {f.message}\n{f.sides_text()}\n  remedy:   {f.remedy}")
     raise JobError(f"{what}; {OVERWRITE}\n  {f.message}\n{f.sides_text()}")
 
 
@@ -82,8 +94,7 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
             reclaimed.append(path.name)
             continue
         if want is None:
-            raise JobError(f"{out} already holds a different cache; {UPDATE}\n  {path.name} is not a shard of this "
-                           "job (other data or --rows-per-shard?)")
+            raise _other_rows(out, path.name, previous is not None or keep is not None)
         entry = listed.get(path.name)
         damage = rules.shard_file_findings(out, entry)[1] if entry else []
         if not damage:
@@ -91,23 +102,37 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
                                                                             with_computation=False),
                                                       want["stop"] - want["start"])
             damage = [f for f in found if f.rule == "shard_files"]
+            recorded = rules.footer_computation(meta) or {}
+            differs = rules.computation_findings(recorded, claimed, partial=True, where=path.name,
+                                                 remedy=COMPUTATION)
+            if recorded and differs and path.name not in pending:  # other settings (--rows-per-shard...), not damage
+                _refuse(differs, f"{out} already holds a different cache", f"{out} already holds a different cache,")
+            other = encoding_options(_json_dict(meta.get("encoding")),
+                                     encoding.to_dict())
+            if other and path.name not in pending:
+                raise JobError(settings_refusal(other, f"{out} already holds a different cache,", update=False))
+            if path.name not in pending and any(f.kind in ("ids_checksum", "mask_checksum") for f in found):
+                raise _other_rows(out, path.name, previous is not None or keep is not None)
             if not damage:
-                recorded = rules.footer_computation(meta) or {}
-                differs = rules.computation_findings(recorded, claimed, partial=True, where=path.name,
-                                                       remedy=COMPUTATION)
                 if (differs or found) and path.name in pending:  # another update's rows: this one's to rewrite
                     why = (differs or found)[0].message
                     rescore.append((path.name, f"left by an interrupted update of other rows ({why}), which no "
                                     "version names"))
                     continue
                 if differs or found:
-                    _refuse(differs or found, f"{out} already holds a different cache")
+                    _refuse(differs or found, f"{out} already holds a different cache", f"{out} already holds a different cache,")
                 computations[path.name] = recorded
         if damage:
             rescore.append((path.name, damage[0].message))
         else:
             done.add(path.name)
     return Resume(done, _agreed(previous, computations), rescore, reclaimed)
+
+
+def _other_rows(out: Path, name: str, finished: bool) -> JobError:
+    """A shard of other rows (other data, or other --rows-per-shard) than this job plans under its name."""
+    return JobError(f"{out} already holds a different cache; {UPDATE if finished else UNFINISHED}\n  {name} holds "
+                    "other rows than this job's shard of that name (other data or --rows-per-shard?)")
 
 
 def _agreed(previous: dict | None, computations: dict[str, dict]) -> dict | None:
@@ -184,6 +209,14 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
     if p.name == fmt.CARD:
         return None if cache and _own_card(p, manifest) else "not this cache's dataset card"
     return ""
+
+
+def _json_dict(text) -> dict:
+    try:
+        value = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _manifest_json(path: Path) -> dict | None:

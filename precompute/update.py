@@ -27,11 +27,10 @@ from schemas import history, rules
 from schemas import store
 from schemas.stamps import combined_mask_checksum, tokenizer_parts
 
-from runtime import remedies
 from runtime.remedies import NEW_CACHE
-from runtime.cli import ENCODING_OPTIONS
+from runtime.terminal import counted
 
-from .config import OPTION_OF
+from .config import computation_options, encoding_options, settings_refusal
 from .plan import plan_shards
 from .resume import Resume, finished_shards
 
@@ -118,9 +117,9 @@ def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
     if change.nothing:  # no version is written: the cache stays at the one it is
         log(f"update: nothing to change (no row added, removed or replaced); the cache stays at version {version - 1}")
     else:
-        log(f"update to version {version}: {len(change.added)} rows added, {len(change.removed)} removed, "
-            f"{len(change.replaced)} replaced; {sum(s['kind'] == 'kept' for s in layout)} shards kept, {copied} "
-            f"copied without their removed rows, {len(score)} rows to score")
+        log(f"update to version {version}: {counted(len(change.added), 'row')} added, {len(change.removed)} removed, "
+            f"{len(change.replaced)} replaced; {counted(sum(s['kind'] == 'kept' for s in layout), 'shard')} kept, "
+            f"{copied} copied without their removed rows, {counted(len(score), 'row')} to score")
     return resume, change
 
 
@@ -133,19 +132,15 @@ def _same_identity(out: Path, base: dict, job, cfg, claimed: dict) -> None:
     for f in rules.stamp_findings(recorded, {**stamps, "encoding": cfg.encoding.to_dict()}, where=where,
                                   tokenizer_parts=tokenizer_parts(job.checkpoint.tokenizer)):
         if f.kind == "encoding":  # an option given that the cache was made without: name it and its value
-            differ = {k: v for k, v in (f.found or {}).items() if (f.expected or {}).get(k) != v}
-            options = [f"--{k.replace('_', '-')} {v}" for k, v in differ.items() if k in ENCODING_OPTIONS]
-            if options:
-                raise JobError(f"--update: {f.message}: the cache was made with {', '.join(options)}\n  the cache: "
-                               f"{differ}\n  this run:  {({k: (f.expected or {}).get(k) for k in differ})}\n  "
-                               f"remedy:    {remedies.setting(options)}")
+            differ = encoding_options(f.found or {}, f.expected or {})
+            if differ:
+                raise JobError("--update: " + settings_refusal(differ, f"{where} was", update=True))
         raise JobError(f"--update: {f.message}\n{f.sides_text()}\n  remedy:    {NEW_CACHE}")
     computation = base.get("computation") if isinstance(base.get("computation"), dict) else {}
-    for f in rules.computation_findings(computation, claimed, partial=True, where=where, remedy=NEW_CACHE):
-        key, value = next(iter(f.expected.items()))
-        option = OPTION_OF.get(key)
-        raise JobError(f"--update: {f.message}; "
-                       + (remedies.setting([f"{option} {value}"]) if option and value is not None else f.remedy))
+    differ = rules.computation_findings(computation, claimed, partial=True, where=where, remedy=NEW_CACHE)
+    if differ:
+        raise JobError("--update: " + (settings_refusal(computation_options(differ), f"{where} was", update=True)
+                                       or f"{differ[0].message}; {differ[0].remedy}"))
 
 
 def beyond_batching(differs: list, recorded: dict, now: dict, log) -> list:

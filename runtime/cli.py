@@ -4,6 +4,7 @@ an exit code, quiet libraries, encoding options."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import traceback
 import typing
@@ -14,6 +15,7 @@ import click
 from schemas.encoding import EncodingConfig
 
 from .domains import DomainType, domain_type
+from .terminal import escaped
 
 # Every command's exit codes: 0 done (audit-ref: every check passed), 1 failed (a check failed, an unexpected error),
 # 2 refused (bad input, a cache or output folder that does not match, a usage error), 3 (train-dpo) stopped because
@@ -98,7 +100,6 @@ def exit_without_teardown(command) -> None:
     caller (a test's CliRunner, a notebook) call the command itself."""
     import atexit
     import gc
-    import os
 
     _postpone_full_collections()
     try:
@@ -230,8 +231,6 @@ class Location(click.ParamType):
         return ("PATH|URL" if self.store else "PATH") + "".join(f"|{w}" for w in self.words[:1])
 
     def convert(self, value, param, ctx):
-        import os
-
         from schemas import store
 
         if isinstance(value, (store.StorePath, Path)):
@@ -260,6 +259,10 @@ class Location(click.ParamType):
             if not self.store:
                 self._no_store(place, param, ctx)
         elif self.local is not None:  # its own check; a hub id's type gives the local snapshot folder it names
+            if isinstance(self.local, click.Path) and self.local.exists and not os.path.lexists(place):
+                from schemas.nearby import not_here
+
+                self.fail(f"{escaped(place)}: {escaped(not_here(place))}", param, ctx)  # what is there, the closest
             return Path(self.local.convert(str(place), param, ctx))
         return place
 
@@ -329,16 +332,21 @@ def bool_words(params, args: list[str]) -> list[str]:
                 opposite[on] = p.secondary_opts[0] if p.secondary_opts else None
             for off in p.secondary_opts:
                 opposite[off] = p.opts[0]
+    # where the command takes no positional argument, any word after a boolean option is meant as its value
+    positional = any(isinstance(p, click.Argument) for p in params)
     out, i = [], 0
     while i < len(args):
         word = args[i]
         if word == "--":
             return out + args[i:]
         flag, eq, value = word.partition("=")
-        if flag in opposite and (eq or (i + 1 < len(args) and args[i + 1].lower() in TRUE_WORDS | FALSE_WORDS)):
+        following = args[i + 1] if i + 1 < len(args) else None
+        if flag in opposite and (eq or (following is not None and (following.lower() in TRUE_WORDS | FALSE_WORDS or
+                                                                    not (positional or following.startswith("-"))))):
             value = value if eq else args[i + 1]
             if value.lower() not in TRUE_WORDS | FALSE_WORDS:
-                raise click.UsageError(f"{flag}={value}: a boolean option takes true or false (or no value)")
+                raise click.UsageError(f"{flag}{eq or ' '}{value}: a boolean option takes true or false (or no "
+                                       "value)")
             i += 1 if eq else 2
             chosen = flag if value.lower() in TRUE_WORDS else opposite[flag]
             out += [chosen] if chosen else []
@@ -545,6 +553,31 @@ def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_require
     """A decorator adding one click option per init field of dataclass `cls` (option_specs)."""
     return spec_options(option_specs(cls, group=group, skip=skip, enforce_required=enforce_required, aliases=aliases,
                                      locations=locations, domains=domains))
+
+
+def command_text(prog: str, values: dict, leading: tuple = ()) -> str:
+    """The command line that gives these option values (click's names; None: not given), as a shell would take it:
+    a boolean as --x / --no-x, a repeated option once per value, a whole number given to a float option as 50."""
+    import shlex
+
+    words = [prog, *map(str, leading)]
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            words += [w for v in (value if isinstance(value, list) else [value]) for w in (flag, number_text(v))]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def number_text(value) -> str:
+    """A value as the user would type it: a whole number given to a float option (TrainingArguments' save_steps,
+    logging_steps, ...) as an integer, 50 and not 50.0."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return str(value)
 
 
 def given_values(values: dict) -> dict:

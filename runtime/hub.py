@@ -5,39 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from schemas.nearby import not_here
+
 from .errors import JobError
 
 
 def _looks_like_repo_id(name: str) -> bool:
     parts = str(name).split("/")
     return len(parts) == 2 and all(parts) and not str(name).startswith((".", "~"))
-
-
-def not_here(name) -> str:
-    """Why a local path that does not exist is not there, for its refusal: "does not exist", what its folder holds
-    and the closest name there (a typo such as d1/trian.jsonl: did you mean d1/train.jsonl?), or the nearest folder
-    up that does exist."""
-    import difflib
-
-    path = Path(str(name))
-    parent = path.parent
-    while not parent.is_dir() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        return "does not exist"
-    if parent != path.parent:
-        return f"does not exist (nor does {path.parent}; the nearest folder that does is {parent})"
-    try:
-        names = sorted(p.name + ("/" if p.is_dir() else "") for p in parent.iterdir() if not p.name.startswith("."))
-    except OSError:
-        return "does not exist"
-    # names of the same suffix, by their stems (a shared ".jsonl" alone makes no two names close)
-    stems = {Path(n).stem: n for n in (n.rstrip("/") for n in names) if Path(n).suffix == path.suffix}
-    closest = [stems[s] for s in difflib.get_close_matches(path.stem, list(stems), n=1, cutoff=0.6)]
-    where = "the current folder" if str(parent) in ("", ".") else str(parent)
-    held = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "") if names else "nothing"
-    return ("does not exist" + (f"; did you mean {parent / closest[0]}?" if closest else "")
-            + f" ({where} holds: {held})")
 
 
 def resolve(name: str, repo_type: str) -> str:

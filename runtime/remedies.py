@@ -50,10 +50,21 @@ def rows_removed(versions: list[int], holding: int | None) -> str:
             f"pass {VERSION_OPTION} {holding} to train on version {holding}, which holds them")
 
 
-def setting(options: list[str]) -> str:
-    """An update given a setting the cache was made without."""
-    return (f"pass {' '.join(options)} (the cache's own), or leave the option out: --update takes every setting from "
-            "the cache and scores new rows exactly as the cache's were")
+def rows_replaced(versions: list[int], holding: int) -> str:
+    """Data rows as they were before an update of the cache replaced them (`holding`: the newest version kept that
+    holds them as the data has them)."""
+    which = ", ".join(map(str, versions))
+    return (f"version{'s' if len(versions) > 1 else ''} {which} of the cache replaced them (precompute-ref --update "
+            f"--replace-changed): pass {VERSION_OPTION} {holding} to train on version {holding}, which holds them as "
+            "this data has them")
+
+
+def setting(options: list[str], *, update: bool = True) -> str:
+    """A run into a cache (--update, or a resume) given a setting the cache was made without."""
+    run = "--update" if update else "a resume"
+    return (f"pass {' '.join(options)} (the cache's own), or leave the option out: {run} takes every setting from "
+            "the cache and scores new rows exactly as the cache's were" + ("" if update else
+                                                                             "; or pass --overwrite to start over"))
 
 
 # TRL's DPOTrainer knows neither the data's file nor the reference's folder: its remedies name them as placeholders

@@ -89,3 +89,8 @@ def echo(message="", err: bool = False, colour: bool = False) -> None:
     else:
         text = printable(message)
     click.echo(text, err=err, color=True if colour else None)
+
+
+def counted(n: int, unit: str, plural: str | None = None) -> str:
+    """'1 row', '3 rows', '1,024 shards': a count and its unit, in the number it takes."""
+    return f"{n:,} {unit if n == 1 else plural or unit + 's'}"

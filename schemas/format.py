@@ -495,6 +495,7 @@ def no_manifest(root) -> CacheError:
     data folder, an empty or mistyped prefix, no such folder) holds no cache, and is never called an interrupted
     job."""
     from .files import TEMP
+    from .nearby import nearby
 
     try:
         names = [p.name for p in root.iterdir()] if root.is_dir() else None
@@ -515,7 +516,8 @@ def no_manifest(root) -> CacheError:
         what = ("a file, not a folder" if os.path.exists(root) else
                 f"a symbolic link to {os.readlink(root)}, which does not exist" if os.path.islink(root) else
                 "no such folder")
-    return CacheError("no_cache", f"{root} holds no cache ({what})",
+    near = nearby(root) if what == "no such folder" else ""  # a typo: the closest name, what the folder holds
+    return CacheError("no_cache", f"{root} holds no cache ({what}){near}",
                       remedy="pass the --out of a finished precompute-ref run (a folder or an object-store prefix), "
                              "or make a cache there with precompute-ref")
 

@@ -216,23 +216,37 @@ def changed_between(root: Path, manifest: dict, a: int, b: int) -> set[str] | No
 def removed_by(root: Path, manifest: dict, ids) -> tuple[list[int], int | None]:
     """For rows the version `manifest` lacks: the versions whose updates removed them, and the newest earlier
     version kept in the cache that holds them all (by the update records; None if there is none)."""
-    updates, missing = _updates(root, manifest), set(ids)
-    removing = sorted({v for v, u in updates.items() if u and missing & set(u.get("removed") or [])})
-    if not removing:
+    return _undone_by(root, manifest, ids, "removed")
+
+
+def replaced_by(root: Path, manifest: dict, ids) -> tuple[list[int], int | None]:
+    """For rows the version `manifest` holds with other content than a data set's: the versions whose updates
+    replaced them (precompute-ref --update --replace-changed), and the newest earlier version kept in the cache from
+    before those updates that holds them all (None if there is none). Whether it holds them as the data has them is
+    the caller's to check (its rows' mask checksums)."""
+    return _undone_by(root, manifest, ids, "replaced")
+
+
+def _undone_by(root: Path, manifest: dict, ids, kind: str) -> tuple[list[int], int | None]:
+    """The versions whose updates `kind` (removed, replaced) any of `ids`, and the newest earlier kept version from
+    before every update after it that touched them, holding them all (not added after it)."""
+    updates, rows = _updates(root, manifest), set(ids)
+    undoing = sorted({v for v, u in updates.items() if u and rows & set(u.get(kind) or [])})
+    if not undoing:
         return [], None
     kept = {v for v, _, _ in versions(root, manifest)}
     for h in sorted(kept, reverse=True):
         if h >= version_of(manifest):
             continue
-        # in h: removed by an update after h, and not added after h before that (changed_between's records)
+        # in h: undone by an update after h, and not added after h before that (changed_between's records)
         after = [updates.get(v) for v in range(h + 1, version_of(manifest) + 1)]
         if None in after:
             break
-        removed = {i for u in after for i in u.get("removed") or []}
+        undone = {i for u in after for i in u.get(kind) or []}
         added_later = {i for u in after for i in u.get("added") or []}
-        if missing <= removed and not (missing & added_later):
-            return removing, h
-    return removing, None
+        if rows <= undone and not (rows & added_later):
+            return undoing, h
+    return undoing, None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -142,6 +142,42 @@ def test_the_command_line_refuses_with_exit_2_naming_the_option(command, param, 
     assert list(tmp_path.iterdir()) == []
 
 
+def _must_exist(param) -> bool:
+    return isinstance(param.type.local, click.Path) and param.type.local.exists
+
+
+@pytest.mark.parametrize("command, param", [(c, p) for c, p in locations() if _must_exist(p)], ids=ident)
+def test_a_typo_in_a_place_that_must_exist_is_answered_with_the_closest_name(command, param, tmp_path):
+    """Found by the UX pass: audit-ref's typo'd CACHE or --run got click's bare "does not exist". Every option whose
+    place must exist names what its folder holds and the closest name there."""
+    local = param.type.local
+    real = tmp_path / ("checkpoint-40" if local.dir_okay else "settings-40.yaml")
+    real.mkdir() if local.dir_okay else real.write_text("{}")
+    typo = real.with_name(real.name.replace("40", "4O"))
+    with pytest.raises(click.BadParameter) as e:
+        param.type.convert(str(typo), param, None)
+    assert f"did you mean {real}?" in e.value.message and f"{tmp_path} holds: {real.name}" in e.value.message
+
+
+def test_the_options_whose_place_must_exist(tmp_path):
+    assert {(c, p.name) for c, p in locations() if _must_exist(p)} >= {("audit-ref", "cache"), ("audit-ref", "run"),
+                                                                      ("train-dpo", "config_file")}
+
+
+def test_a_typo_in_a_cache_folder_is_answered_with_the_closest_name(llama_dir, dpo_data, dpo_cache, tmp_path):
+    """train-dpo --ref-cache (a cache may be on a store, so it is read, not checked, at parse time): the refusal of
+    a folder that is not there names the closest one."""
+    from click.testing import CliRunner
+
+    from dpo.cli import main
+
+    typo = dpo_cache.with_name(dpo_cache.name + "s")
+    result = CliRunner().invoke(main, ["--model", str(llama_dir), "--data", str(dpo_data), "--ref-cache", str(typo),
+                                       "--output-dir", str(tmp_path / "run"), "--use-cpu", "--max-steps", "1"])
+    assert result.exit_code == 2, result.output
+    assert "holds no cache (no such folder)" in result.output and f"did you mean {dpo_cache}?" in result.output
+
+
 def test_config_files_read_their_paths_by_the_same_type(tmp_path):
     """train-dpo --config: every location key is read as on the command line (TRL's names included)."""
     from dpo.cli import LORA, OURS, _convert

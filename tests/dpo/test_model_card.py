@@ -164,6 +164,12 @@ def test_cards_and_the_run_manifest_record_absolute_paths_and_the_reference_in_t
     manifest = json.loads((out / "run-manifest.json").read_text())
     assert manifest["data"]["path"] == str(dpo_data.absolute())
     assert manifest["reference"]["cache"]["path"] == str(dpo_cache.absolute())
+    # the options as given, in the config block too (found by the UX pass: relative there beside absolute records)
+    config = manifest["config"]
+    assert (config["data"], config["ref_cache"], config["output_dir"]) == (str(dpo_data.absolute()),
+                                                                          str(dpo_cache.absolute()), str(out))
+    live_config = json.loads((runs["live"][0] / "run-manifest.json").read_text())["config"]
+    assert live_config["data"] == "acme/card-prefs"  # a hub id stays as given (its snapshot: the data record)
     cache = json.loads((dpo_cache / "manifest.json").read_text())
     for card in (load_card(out / "README.md"), load_card(out / "merged" / "README.md")):
         assert f"`{dpo_data.absolute()}`" in card.text and f"`{dpo_cache.absolute()}`" in card.text

@@ -372,17 +372,33 @@ def test_16_ctrl_c_before_the_first_checkpoint_says_nothing_was_saved(trained, t
     assert record_run_id(out / "checkpoint-2") == run_id(out)
 
 
-def test_16_precompute_keeps_its_advice(llama_dir, dpo_data, tmp_path, monkeypatch):
-    """Neighbour: the other command through the same frame; there the same command does resume."""
-    import importlib
+def test_16_precompute_ctrl_c_prints_the_command_that_resumes_and_it_does(llama_dir, dpo_data, tmp_path, monkeypatch):
+    """Neighbour: the other command through the same frame. Interrupted after its first shard, precompute-ref prints
+    the command that resumes: its own options (a boolean given as a word read as the flag), without --overwrite
+    (which would delete the shards it kept); run as printed, it scores only the rest."""
+    from schemas import format as fmt
 
-    def interrupted(*a, **k):
-        raise KeyboardInterrupt
+    real, written = fmt.write_shard, []
 
-    monkeypatch.setattr(importlib.import_module("precompute.job"), "run_precompute", interrupted)
-    result = precompute("--model", llama_dir, "--data", dpo_data, "--out", tmp_path / "cache")
-    assert result.exit_code == 130, result.output
-    assert "interrupted; re-run the same command to resume" in result.output
+    def write_shard(*a, **k):
+        if written:
+            raise KeyboardInterrupt
+        written.append(real(*a, **k))
+        return written[-1]
+
+    monkeypatch.setattr(fmt, "write_shard", write_shard)
+    out = tmp_path / "cache"
+    args = ["--model", llama_dir, "--data", dpo_data, "--out", out, "--rows-per-shard", 4, "--top-k", 3]
+    stopped = precompute(*args, "--overwrite", "--progress", "false")
+    monkeypatch.undo()
+    assert stopped.exit_code == 130, stopped.output
+    assert "interrupted; the finished shards are kept; resume with the same command:" in stopped.output
+    line = [w.strip() for w in stopped.output.splitlines() if w.strip().startswith("precompute-ref ")]
+    command = shlex.split(line[-1])[1:]
+    assert "--overwrite" not in command and "--no-progress" in command and command[command.index("--top-k") + 1] == "3"
+    resumed = precompute(*command)
+    assert resumed.exit_code == 0, resumed.output
+    assert "(4 scored now)" not in resumed.output and "1 already done" in resumed.output, resumed.output
 
 
 def test_15_precompute_disk_full_names_its_cache_folder(llama_dir, dpo_data, tmp_path, monkeypatch):

@@ -89,7 +89,7 @@ def test_2_rerun_with_another_dtype_is_refused_or_starts_over_with_overwrite(wor
     before = file_hashes(out)
     refused = precompute(*world["args"], "--out", out, "--dtype", "bfloat16")
     assert refused.exit_code == 2, refused.output
-    assert "dtype='float32'" in refused.output and "dtype='bfloat16'" in refused.output
+    assert "the cache: --dtype float32" in refused.output and "this run:  --dtype bfloat16" in refused.output
     assert "--overwrite" in refused.output
     assert file_hashes(out) == before
     again = precompute(*world["args"], "--out", out, "--dtype", "bfloat16", "--overwrite")

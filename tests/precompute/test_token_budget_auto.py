@@ -40,7 +40,7 @@ def test_auto_on_cpu_keeps_the_default_and_records_it(llama_dir, tmp_path):
     assert logps(tmp_path / "auto") == logps(tmp_path / "fixed")  # the same batches, the same numbers
     # a fixed number on a cache made with auto is another request: refused before loading, naming both
     again = invoke(*args, "--out", tmp_path / "auto", "--token-budget", "16384")
-    assert again.exit_code == 2 and "token_budget='auto'" in again.output and "16384" in again.output
+    assert again.exit_code == 2 and "the cache: --token-budget auto" in again.output and "this run:  --token-budget 16384" in again.output
 
 
 def test_a_resume_where_auto_comes_to_another_number_is_not_refused(llama_dir, tmp_path, monkeypatch):

@@ -243,7 +243,7 @@ def test_a_rerun_with_another_k_is_refused(setup, tmp_path, llama_dir):
         before = {p.name: p.read_bytes() for p in out.iterdir()}
         result = precompute(*args, "--top-k", then)
         assert result.exit_code == 2, result.output
-        assert f"top_k={first}" in result.output and f"top_k={then}" in result.output, result.output
+        assert f"the cache: --top-k {first}" in result.output and f"this run:  --top-k {then}" in result.output, result.output
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written or deleted
         assert precompute(*args, "--top-k", first).exit_code == 0  # the recorded K resumes
 

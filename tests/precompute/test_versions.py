@@ -280,6 +280,34 @@ def test_train_dpo_remedies_name_update(llama_dir, rows, base, tmp_path):
     assert not any(line.strip().startswith(("expected:", "found:")) for line in lines), result.output
 
 
+def test_a_resume_with_the_checkpoints_own_data_after_an_update_replaced_its_rows_names_the_version(
+        llama_dir, rows, base, tmp_path):
+    """Found by the UX pass: version 2 replaced an edited row (--update --replace-changed); resuming a run of
+    version 1 with its own, unedited data was told `--update --replace-changed` (which would make a version 3 that
+    reverts the edit). The remedy is the version that holds the rows as this data has them: --cache-version 1, which
+    then resumes."""
+    data = write_jsonl(tmp_path / "run-data.jsonl", rows[:12])
+    out = tmp_path / "run"
+    args = ["--model", llama_dir, "--data", data, "--ref-cache", base, *TRAIN, "--save-steps", "1", "--seed", "3"]
+    assert train(*args, "--output-dir", out, "--max-steps", "1").exit_code == 0
+    edited = [dict(r) for r in rows[:ROWS]]
+    edited[5]["chosen"] += " and more"
+    assert update(llama_dir, write_jsonl(tmp_path / "v2.jsonl", edited), base, "--replace-changed").exit_code == 0
+    refused = train(*args, "--output-dir", out, "--max-steps", "2", "--resume-from-checkpoint", out / "checkpoint-1")
+    assert refused.exit_code == 2, refused.output
+    assert "version 2 of the cache replaced them" in refused.output, refused.output
+    assert "pass --cache-version 1" in refused.output and "--replace-changed`" not in refused.output
+    resumed = train(*args, "--cache-version", "1", "--output-dir", out, "--max-steps", "2",
+                    "--resume-from-checkpoint", out / "checkpoint-1")
+    assert resumed.exit_code == 0, resumed.output
+    # data edited otherwise than any version holds it: the edit's own remedy, as before
+    other = [dict(r) for r in rows[:12]]
+    other[5]["chosen"] += " yet another way"
+    result = train("--model", llama_dir, "--data", write_jsonl(tmp_path / "other.jsonl", other), "--ref-cache", base,
+                   "--output-dir", tmp_path / "c", *TRAIN, "--max-steps", "1")
+    assert result.exit_code == 2 and "--update --replace-changed" in result.output, result.output
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # issue 36 theme 2: the version in every report
 

@@ -1,0 +1,37 @@
+"""What a user meant by a local path that does not exist: what its folder holds and the closest name there, for
+every refusal of a missing file or folder (runtime.hub for --model/--data, the location type for the options that
+must exist, schemas.format for a cache folder that is not there)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def nearby(name) -> str:
+    """After "does not exist": "; did you mean d1/train.jsonl? (d1 holds: ...)" for a typo such as d1/trian.jsonl, or
+    " (nor does d1; the nearest folder that does is .)" ; "" when nothing near can be listed."""
+    import difflib
+
+    path = Path(str(name))
+    parent = path.parent
+    while not parent.is_dir() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return ""
+    if parent != path.parent:
+        return f" (nor does {path.parent}; the nearest folder that does is {parent})"
+    try:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in parent.iterdir() if not p.name.startswith("."))
+    except OSError:
+        return ""
+    # names of the same suffix, by their stems (a shared ".jsonl" alone makes no two names close)
+    stems = {Path(n).stem: n for n in (n.rstrip("/") for n in names) if Path(n).suffix == path.suffix}
+    closest = [stems[s] for s in difflib.get_close_matches(path.stem, list(stems), n=1, cutoff=0.6)]
+    where = "the current folder" if str(parent) in ("", ".") else str(parent)
+    held = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "") if names else "nothing"
+    return (f"; did you mean {parent / closest[0]}?" if closest else "") + f" ({where} holds: {held})"
+
+
+def not_here(name) -> str:
+    """Why a local path that does not exist is not there, for its refusal: "does not exist" and what is near it."""
+    return "does not exist" + nearby(name)
