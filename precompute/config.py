@@ -17,7 +17,7 @@ from runtime.errors import JobError
 from runtime.hub import origin
 from runtime.paths import check_apart
 from runtime import placement
-from schemas import store
+from storage import places
 from schemas.encoding import EncodingConfig
 
 from .modes import REGISTRY, batching_help
@@ -144,7 +144,7 @@ def cache_settings(cfg: PrecomputeConfig) -> dict:
     if not cfg.update:
         return {}
     try:
-        manifest = json.loads((store.location(cfg.out) / "manifest.json").read_bytes())
+        manifest = json.loads((places.location(cfg.out) / "manifest.json").read_bytes())
         computation, encoding = manifest.get("computation") or {}, EncodingConfig.from_dict(manifest["encoding"])
     except Exception:  # missing, unreadable, not a manifest: precompute/update.py names it
         return {}
@@ -170,7 +170,7 @@ def checked_inputs(cfg: PrecomputeConfig) -> tuple[object, dict, dict]:
     """Refuse what the options alone show, before any model or data is read: (the --out location, {"model", "data"}:
     runtime.hub.origin of each, {option: input path} that no output may touch). cfg.token_budget is written in its
     one form; cfg.model is left as given (the job records the hub id beside the path)."""
-    out = store.location(cfg.out)  # a folder, or a prefix on an object store (schemas/store.py)
+    out = places.location(cfg.out)  # a folder, or a prefix on an object store (storage/places.py)
     if cfg.update and cfg.overwrite:
         raise JobError("--update keeps the cache's rows and --overwrite deletes them: pass one of them")
     if cfg.replace_changed and not cfg.update:
