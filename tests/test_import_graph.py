@@ -101,6 +101,16 @@ def test_object_stores_are_reached_from_the_storage_floor_only():
     assert users and [u for u in users if not u.startswith("storage/")] == []
 
 
+def test_the_check_sees_fsspec_imported_above_the_floor(tmp_path, monkeypatch):
+    fake = tmp_path / "proj"
+    for room in ROOMS:
+        (fake / room).mkdir(parents=True)
+    (fake / "storage" / "places.py").write_text("import fsspec.core\n")
+    (fake / "dpo" / "sync.py").write_text("def f():\n    from fsspec.registry import registry\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    assert importers("fsspec") == ["storage/places.py", "dpo/sync.py"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # no circle inside a room: its modules import each other one way only (a circle means neither module can be read, or
 # changed, without the other, and only a function-level import keeps it from failing at import time)
