@@ -134,7 +134,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
     from .report import token_stats
     from .runs import audit_data, audit_run
 
-    from schemas.store import location
+    from storage.places import location
 
     t0 = time.perf_counter()
     root = location(cache_dir)  # a folder, or a prefix on an object store
@@ -283,7 +283,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     from .cache import audit_cache
     from .runs import audit_data
 
-    from schemas.store import location
+    from storage.places import location
 
     root = location(cache)
     # the rows of --cache-version N, else of the version of the cache the --run trained on, else the current ones

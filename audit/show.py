@@ -20,7 +20,7 @@ from runtime.placement import describe
 from runtime.terminal import escaped
 from runtime.terminal import style as styled
 from schemas import format as fmt
-from schemas import store
+from storage import places
 from schemas.findings import labelled
 from schemas.rules import stamp_findings
 from schemas.stamps import tokenizer_hash
@@ -442,7 +442,7 @@ def _stamps_html(cache, manifest: dict, notes: list[str]) -> str:
     e = _text
     comp = manifest.get("computation") or {}
     model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
-    items = [("cache", store.named(cache)), *((k, str(v)) for k, v in (manifest.get("stamps") or {}).items()),
+    items = [("cache", places.named(cache)), *((k, str(v)) for k, v in (manifest.get("stamps") or {}).items()),
              ("reference", str(model.get("name"))), ("computed", f"{comp.get('dtype')} on {comp.get('device_type')}, "
                                                                   f"{comp.get('mode')} batching"),
              *([("split", describe(comp["layout"]))] if isinstance(comp.get("layout"), dict) else []),
@@ -471,7 +471,7 @@ def render_html(views: list[RowView], cache, manifest: dict, notes: list[str] = 
     legend = " ".join(f'<span class="tok {name}">{name}<small>p &ge; {np.exp(bound):.2g}</small></span>'
                       if np.isfinite(bound) else f'<span class="tok {name}">{name}<small>lower</small></span>'
                       for bound, name in BANDS)
-    title = _text(f"refcache audit-ref: {store.location(cache).resolve().name}")
+    title = _text(f"refcache audit-ref: {places.location(cache).resolve().name}")
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', PAGE_GENERATOR,
         # nothing is fetched: no network, no scripts, not even images

@@ -3,7 +3,7 @@
 Writes a ~200 MB safetensors checkpoint (a few float32 tensors of torch.randn plus a config.json) into a temp dir,
 then times, each `--repeat` times with the file in the page cache (the last line of output: the figures as JSON):
   - schemas.stamps.model_hash (mmap + hashlib over every tensor, plus the header and config),
-  - schemas.stamps.file_sha256 (plain chunked read of the whole file),
+  - storage.reads.file_sha256 (plain chunked read of the whole file),
   - the `sha256sum` command line tool, and `openssl dgst -sha256` where present.
 
     .venv/bin/python bench/bench_hash.py [--mb 200] [--repeat 3]
@@ -42,7 +42,8 @@ def main() -> None:
     import torch
     from safetensors.torch import save_file
 
-    from schemas.stamps import file_sha256, model_hash
+    from schemas.stamps import model_hash
+    from storage.reads import file_sha256
 
     tmp = Path(tempfile.mkdtemp(prefix="refcache-bench-hash-"))
     try:

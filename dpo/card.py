@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from schemas.files import atomic_write
+from storage.files import atomic_write
 
 CARD = "README.md"
 TAG = "refcache"  # a card carrying this tag is one train-dpo wrote (dpo/resume.py: --overwrite-output-dir retires it)
@@ -281,10 +281,11 @@ def reference_section(reference: dict, peft: dict | None = None) -> str:
 def _cache_model(record: dict) -> str | None:
     """The reference model a cache names in its manifest (hub id, else path; recorded there, not verified), as the
     run manifest's cache record holds it; for a record written before it did, read from the cache's manifest.json
-    wherever it lives (a folder or a store, schemas/store.py)."""
+    wherever it lives (a folder or a store, storage/places.py)."""
     model = record.get("model")
     if not isinstance(model, dict):
-        from schemas.store import StoreUnavailable, location
+        from storage.faults import StoreUnavailable
+        from storage.places import location
 
         try:
             model = json.loads((location(record.get("path")) / "manifest.json").read_text(encoding="utf-8"))

@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 from runtime.terminal import echo
 from runtime.errors import JobError
 from runtime.kl_control import Rule, Settings, State, measured, parse_alarm, parse_target
-from schemas.files import atomic_write
+from storage.files import atomic_write
 
 STATE_FILE = "kl-control.json"
 EXIT_KL_ALARM = 4  # train-dpo's exit code when a KL alarm stops the run (3: a non-finite loss, runtime.cli.EXIT_NON_FINITE)

@@ -13,8 +13,8 @@ from runtime.errors import JobError
 from runtime.hub import resolve_data
 from runtime.locks import is_lock_file
 from runtime.paths import check_apart
-from schemas.store import location
-from schemas.files import atomic_write, refusal, remove_file, why_unsafe
+from storage.places import location
+from storage.files import atomic_write, refusal, remove_file, why_unsafe
 
 
 def check_output_dir(cfg) -> None:

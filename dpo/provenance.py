@@ -69,7 +69,7 @@ def _moved_on(recorded, now, rows) -> tuple[int, int, list[str]] | None:
     if not isinstance(recorded, dict) or not isinstance(now, dict) or rows is None:
         return None
     from schemas import history
-    from schemas.store import location
+    from storage.places import location
 
     root = location(now.get("path"))
     try:

@@ -21,7 +21,7 @@ from runtime.errors import JobError
 from runtime.locks import is_lock_file
 from runtime.terminal import echo
 from schemas import run_manifest as rm
-from schemas.nearby import nearby
+from storage.nearby import nearby
 
 from .card import CARD, is_card
 from .checkpoint_files import check_checkpoint_files

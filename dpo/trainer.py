@@ -18,7 +18,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from runtime.disk import writing
 from runtime.errors import NonFiniteError
 from runtime.logprobs import pad_sequences
-from schemas.files import append_text, atomic_write
+from storage.files import append_text, atomic_write
 
 from .metrics import metrics_records
 from .layout import pair_logps, reference_columns

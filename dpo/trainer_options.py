@@ -88,7 +88,7 @@ def computed_specs(skip) -> list[OptionSpec]:
 
 
 def _read(path: Path) -> list[OptionSpec] | None:
-    from schemas.files import UnsafeDestination, open_nofollow
+    from storage.files import UnsafeDestination, open_nofollow
 
     try:
         with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as f:  # the table itself, never through a link
@@ -99,7 +99,7 @@ def _read(path: Path) -> list[OptionSpec] | None:
 
 
 def _store(path: Path, specs: list[OptionSpec]) -> None:
-    from schemas.files import UnsafeDestination, atomic_write
+    from storage.files import UnsafeDestination, atomic_write
 
     text = json.dumps({"format": FORMAT, "options": [s.to_json() for s in specs]}, indent=1) + "\n"
     try:

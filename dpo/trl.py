@@ -456,7 +456,7 @@ class DPOTrainer(_trl.DPOTrainer):
             self._add_reference_section(Path(self.args.output_dir) / CARD)
 
     def _add_reference_section(self, card: Path) -> None:
-        from schemas.files import atomic_write
+        from storage.files import atomic_write
 
         from .card import reference_section
 

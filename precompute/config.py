@@ -18,7 +18,7 @@ from runtime.hub import origin
 from runtime.paths import check_apart
 from runtime import remedies
 from runtime import placement
-from schemas import store
+from storage import places
 from schemas.encoding import EncodingConfig
 
 from .modes import REGISTRY, batching_help
@@ -163,7 +163,7 @@ def cache_settings(cfg: PrecomputeConfig) -> tuple[str, dict]:
     every setting of RECORDED_SETTINGS and every encoding option not given is set on `cfg` from what --out records
     (recorded_settings), so the new rows are scored exactly as those were; returns (whose, {option: value} of those
     taken). Nothing with --overwrite, or when --out records nothing readable (the update refuses that itself)."""
-    recorded = None if cfg.overwrite else recorded_settings(store.location(cfg.out))
+    recorded = None if cfg.overwrite else recorded_settings(places.location(cfg.out))
     if recorded is None or (cfg.update and recorded[0] != "the cache's"):
         return "", {}
     whose, computation, encoding = recorded
@@ -212,7 +212,7 @@ def checked_inputs(cfg: PrecomputeConfig) -> tuple[object, dict, dict]:
     """Refuse what the options alone show, before any model or data is read: (the --out location, {"model", "data"}:
     runtime.hub.origin of each, {option: input path} that no output may touch). cfg.token_budget is written in its
     one form; cfg.model is left as given (the job records the hub id beside the path)."""
-    out = store.location(cfg.out)  # a folder, or a prefix on an object store (schemas/store.py)
+    out = places.location(cfg.out)  # a folder, or a prefix on an object store (storage/places.py)
     if cfg.update and cfg.overwrite:
         raise JobError("--update keeps the cache's rows and --overwrite deletes them: pass one of them")
     if cfg.replace_changed and not cfg.update:

@@ -33,7 +33,7 @@ from runtime.terminal import echo
 from runtime import placement
 from schemas import format as fmt
 from schemas import rules
-from schemas import store
+from storage import writes
 from schemas.card import write_card
 from schemas.stamps import combined_mask_checksum, tokenizer_hash, tokenizer_parts
 
@@ -506,7 +506,7 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
 def _write_skipped(out: Path, encoded: Encoded) -> None:
     path = out / fmt.SKIPPED
     if not encoded.skipped:
-        store.remove(path)
+        writes.remove(path)
         return
     data = "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in encoded.skipped).encode("utf-8")
     fmt.write_whole(path, lambda f: f.write(data))

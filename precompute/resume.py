@@ -20,10 +20,10 @@ from runtime.locks import is_lock_file
 from runtime.remedies import OVERWRITE, UPDATE  # UPDATE: the remedy when only the data differs
 from schemas import format as fmt
 from schemas import history, rules
-from schemas import store
+from storage import places, writes
 from schemas.card import read_card_metadata
 from schemas.encoding import EncodingConfig
-from schemas.files import TEMP
+from storage.files import TEMP
 
 from .config import computation_options, encoding_options, settings_refusal
 
@@ -79,7 +79,7 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
     update does not plan, or plans for other rows, is reclaimed: removed, or scored again."""
     for path in own_files(out):
         if TEMP.match(path.name):
-            store.remove(path)
+            writes.remove(path)
     previous = _previous_manifest(out, stamps, encoding) if keep is None else None
     listed = {e["file"]: e for e in previous["shards"]} if previous else {}
     planned = {s["file"]: s for s in plan}
@@ -90,7 +90,7 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
             continue
         want = planned.get(path.name)
         if want is None and path.name in pending:  # no version owns it, and this update writes no shard of its name
-            store.remove(path)
+            writes.remove(path)
             reclaimed.append(path.name)
             continue
         if want is None:
@@ -163,7 +163,7 @@ def own_files(out: Path) -> list[Path]:
     entries = {}
     for p in sorted(out.iterdir()):
         try:
-            entries[p] = store.lstat(p)  # an object on a store: a plain file (a prefix below: a folder)
+            entries[p] = places.lstat(p)  # an object on a store: a plain file (a prefix below: a folder)
         except FileNotFoundError:  # a temporary file another writer has just renamed (it holds the lock)
             continue
     plain = {p for p, st in entries.items() if stat.S_ISREG(st.st_mode)}
@@ -255,7 +255,7 @@ def clear_cache_dir(out: Path) -> None:
     own = own_files(out)
     own.sort(key=lambda p: p.name != fmt.MANIFEST)  # the manifest first: from then on the directory reads incomplete
     for p in own:
-        store.remove(p)
+        writes.remove(p)
 
 
 def _has_refcache_footer(path: Path) -> bool:

@@ -24,7 +24,7 @@ from runtime.data import Encoded
 from runtime.errors import JobError
 from schemas import format as fmt
 from schemas import history, rules
-from schemas import store
+from storage import reads, writes
 from schemas.stamps import combined_mask_checksum, tokenizer_parts
 
 from runtime.remedies import NEW_CACHE
@@ -105,7 +105,7 @@ def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
                                                                           entry, cfg), "checks": checks})
     new = set(changes["added"]) | set(changes["changed"])
     score = [n for n, rid in enumerate(encoded.ids) if rid in new]
-    change = Change(version, store.sha256(out / fmt.MANIFEST), layout, score, changes["added"], changes["removed"],
+    change = Change(version, reads.sha256(out / fmt.MANIFEST), layout, score, changes["added"], changes["removed"],
                     changes["changed"], (base.get("computation") or {}).get("mode"))
     change.plan = plan = _plan(job, change, cfg, first=copied)
     layout += [{"file": s["file"], "kind": "scored"} for s in plan]
@@ -194,7 +194,7 @@ def versioned(out: Path, manifest: dict, entries: list[dict], job, cfg) -> tuple
     base = fmt.read_manifest(out)
     if change.nothing:
         return base, base["shards"]
-    if store.sha256(out / fmt.MANIFEST) != change.base_sha256:
+    if reads.sha256(out / fmt.MANIFEST) != change.base_sha256:
         raise JobError(f"--update: {out / fmt.MANIFEST} changed while the update ran; run the update again")
     made = fmt.scored_computation(manifest.get("computation") or {})
     own = {"computation": made} if made != fmt.scored_computation(base.get("computation") or {}) else {}
@@ -221,7 +221,7 @@ def _keep_version(out: Path, base: dict) -> None:
             raise JobError(f"--update: {path} is already there and is not the manifest it would keep (version "
                            f"{history.version_of(base)}); move it away and run the update again")
         return
-    store.write_whole(path, lambda f: f.write(data))
+    writes.write_whole(path, lambda f: f.write(data))
 
 
 def summary(change: Change) -> dict:

@@ -27,10 +27,10 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
     """Run a command body, turning the errors users can act on into one paragraph and exit code 2. `next_step`: the
     command's own advice after an interruption or a full disk, `() -> str` (default: precompute-ref's, where the same
     command resumes); `writes_to`: `() -> folder or None`, where the command writes (named when the disk is full)."""
-    from schemas.files import UnsafeDestination
+    from storage.files import UnsafeDestination
     from schemas.format import CacheError
     from schemas.stamps import WeightsError
-    from schemas.store import StoreUnavailable
+    from storage.faults import StoreUnavailable
 
     from .data import DataError
     from .disk import NoSpaceError, is_no_space, no_space_error
@@ -212,7 +212,7 @@ class ParsedText(click.ParamType):
 
 class Location(click.ParamType):
     """A path-or-URL option (a field with `location` metadata, the audit's CACHE, train-dpo's --config): its text
-    read by the one function that reads places, schemas.store.location (a local Path, file:// URLs included, or a
+    read by the one function that reads places, storage.places.location (a local Path, file:// URLs included, or a
     StorePath), at parse time: a URL it refuses (another host's file://, a protocol chain, another protocol) and a
     store URL where the option takes no store are usage errors (exit 2) naming the option. `role`: "input" or
     "output"; `store`: the option takes a cache on an object store; `local`: a click.Path checking the local path
@@ -231,9 +231,9 @@ class Location(click.ParamType):
         return ("PATH|URL" if self.store else "PATH") + "".join(f"|{w}" for w in self.words[:1])
 
     def convert(self, value, param, ctx):
-        from schemas import store
+        from storage import places
 
-        if isinstance(value, (store.StorePath, Path)):
+        if isinstance(value, (places.StorePath, Path)):
             return self._checked(value, param, ctx)
         if isinstance(value, bool) and self.words:  # a config file's `resume_from_checkpoint: true`
             value = str(value).lower()
@@ -244,23 +244,23 @@ class Location(click.ParamType):
         text = os.fspath(value)
         if text.strip().lower() in self.words or (self.json_text and text.lstrip().startswith("{")):
             return text
-        if store.is_remote(text) and not self.store:
+        if places.is_remote(text) and not self.store:
             self._no_store(text, param, ctx)
         try:
-            place = store.location(text)
-        except store.LocationError as e:
+            place = places.location(text)
+        except places.LocationError as e:
             self.fail(str(e), param, ctx)
         return self._checked(place, param, ctx)
 
     def _checked(self, place, param, ctx):
-        from schemas import store
+        from storage import places
 
-        if isinstance(place, store.StorePath):
+        if isinstance(place, places.StorePath):
             if not self.store:
                 self._no_store(place, param, ctx)
         elif self.local is not None:  # its own check; a hub id's type gives the local snapshot folder it names
             if isinstance(self.local, click.Path) and self.local.exists and not os.path.lexists(place):
-                from schemas.nearby import not_here
+                from storage.nearby import not_here
 
                 self.fail(f"{escaped(place)}: {escaped(not_here(place))}", param, ctx)  # what is there, the closest
             return Path(self.local.convert(str(place), param, ctx))

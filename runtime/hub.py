@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from schemas.nearby import not_here
+from storage.nearby import not_here
 
 from .errors import JobError
 

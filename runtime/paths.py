@@ -1,15 +1,15 @@
 """Where a job may write: never into, around or inside what it reads (the model, the reference, a cache, the
 data), so that no output can overwrite or delete an input. One rule for output folders (precompute-ref --out,
 train-dpo --output-dir, the offload folders) and output files (audit-ref --json and --html): every place is read by
-schemas.store.location (a local path, file:// URLs included, or a store prefix), never compared as text."""
+storage.places.location (a local path, file:// URLs included, or a store prefix), never compared as text."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from schemas import store
-from schemas.files import check_destination
+from storage import places
+from storage.files import check_destination
 
 from .errors import JobError
 
@@ -26,8 +26,8 @@ def _related(a: Path, b: Path) -> str | None:
 
 def _place(value, label: str):
     try:
-        return store.location(value)
-    except store.LocationError as e:
+        return places.location(value)
+    except places.LocationError as e:
         raise JobError(f"{label} {e}") from None
 
 
@@ -37,7 +37,7 @@ def check_apart(out, label: str, inputs: dict, *, on_store: bool = False) -> Non
     object-store prefix is an output only where the job writes a cache (`on_store`: precompute-ref --out), compared
     with the inputs on a store too, by prefix; anywhere else it is refused, never taken for a local folder."""
     place = _place(out, label)
-    if store.is_remote(place):
+    if places.is_remote(place):
         if not on_store:
             raise JobError(f"{label} {place}: an object-store URL is taken where refcache writes or reads a cache "
                            "(precompute-ref --out, train-dpo --ref-cache / --eval-ref-cache, audit-ref CACHE), not "
@@ -49,7 +49,7 @@ def check_apart(out, label: str, inputs: dict, *, on_store: bool = False) -> Non
         if path is None:
             continue
         there = _place(path, option)
-        if store.is_remote(there):  # a store prefix is never a local folder
+        if places.is_remote(there):  # a store prefix is never a local folder
             continue
         relation = _related(target, there.resolve())
         if relation:
@@ -63,7 +63,7 @@ def _check_apart_urls(out, label: str, inputs: dict) -> None:
         if path is None:
             continue
         there = _place(path, option)
-        if not store.is_remote(there):
+        if not places.is_remote(there):
             continue  # a local path and a store prefix never overlap
         a, b = key(out), key(there)
         relation = "is" if a == b else "is inside" if a.startswith(b) else "contains" if b.startswith(a) else None
@@ -92,7 +92,7 @@ def check_output_file(path, label: str, inputs: dict, *, ours, kind: str) -> Pat
 def write_output_file(path, label: str, inputs: dict, data: bytes, *, ours, kind: str) -> Path:
     """Write `data` as a single output file, atomically, once check_output_file passes again (the inputs may be
     known better by now, e.g. the model folder a cache recorded)."""
-    from schemas.files import atomic_write
+    from storage.files import atomic_write
 
     place = check_output_file(path, label, inputs, ours=ours, kind=kind)
     atomic_write(place, lambda f: f.write(data))

@@ -1,4 +1,4 @@
-"""The cache contract. `read_cache(dir_or_url)`: a verified cache (a folder, or s3://, gs://, az://: schemas/store.py)
+"""The cache contract. `read_cache(dir_or_url)`: a verified cache (a folder, or s3://, gs://, az://: storage/places.py)
 as a polars LazyFrame of its current rows in their logical types; `to_dataset(dir_or_url)`: the same as a
 `datasets.Dataset`."""
 

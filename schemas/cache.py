@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from storage import places
+
 from . import format as fmt
 from . import history
-from . import store
 from .encoding import EncodingConfig
 from .findings import CacheError  # noqa: F401  (re-exported)
 from .rules import cache_findings
@@ -22,7 +23,7 @@ INDEX = ("id", "mask_checksum")  # the columns open_cache reads (the checksum ru
 
 @dataclass
 class Cache:
-    root: Path  # or a store.StorePath
+    root: Path  # or a places.StorePath
     manifest: dict
     index: pa.Table  # id, mask_checksum, shard, row of every cached row, in manifest order
     # shard -> the columns open_cache(keep=) read from an object's verified bytes (a cache on a store), which scan
@@ -123,8 +124,8 @@ def open_cache(root, *, verify_files: bool = True, keep=None, version: int | Non
     the caller will scan; on a store they are read from the bytes that were hashed, so no shard is fetched twice.
     `version`: an earlier version of an updated cache (--cache-version N: its kept manifest, schemas/history.py),
     refused naming the versions kept when it is not one of them; default the current one."""
-    root = store.location(root)
-    if not store.is_remote(root) and not root.is_dir():  # a prefix without a manifest is refused below
+    root = places.location(root)
+    if not places.is_remote(root) and not root.is_dir():  # a prefix without a manifest is refused below
         raise fmt.no_manifest(root)
     current = manifest = fmt.read_manifest(root)
     name = history.CURRENT
@@ -150,7 +151,7 @@ def open_cache(root, *, verify_files: bool = True, keep=None, version: int | Non
 
 def read_cache(root, *, verify_files: bool = True):
     """The current version's rows as a polars LazyFrame, after the manifest, shard sizes, sha256s and stamps have
-    been verified (open_cache). `root`: a folder or an object-store URL (schemas/store.py). Every column is in its
+    been verified (open_cache). `root`: a folder or an object-store URL (storage/places.py). Every column is in its
     logical type, the same values and types as `open_cache(root).scan()`: per-token log-probs as float32 log-probs,
     a top-k cache's top-k ids and log-probs as one list of K per token (decoded here: the shards store them flat,
     the log-probs as 16-bit codes). Only the shards the manifest lists are read, shard by shard, with the columns

@@ -17,9 +17,10 @@ import json
 import re
 from pathlib import Path
 
+from storage import places, writes
+
 from . import format as fmt
 from . import history
-from . import store
 from .stamps import cache_id
 
 SPLIT_NAME = re.compile(r"^\w+(\.\w+)*$")  # what `datasets` accepts as a split name
@@ -68,11 +69,11 @@ def dataset_card(manifest: dict):
 def write_card(root: Path, manifest: dict) -> bool:
     """Write `root`/README.md for `manifest` (atomically, never through a link) unless it already holds exactly that;
     True when written."""
-    path = store.location(root) / fmt.CARD
+    path = places.location(root) / fmt.CARD
     data = str(dataset_card(manifest)).encode("utf-8")
     if path.is_file() and not path.is_symlink() and path.read_bytes() == data:
         return False
-    store.write_whole(path, lambda f: f.write(data))
+    writes.write_whole(path, lambda f: f.write(data))
     return True
 
 
@@ -81,7 +82,7 @@ def read_card_metadata(path: Path) -> dict | None:
     from huggingface_hub import DatasetCard
 
     try:
-        if store.is_remote(path):
+        if places.is_remote(path):
             return DatasetCard(path.read_text()).data.to_dict()
         return DatasetCard.load(Path(path)).data.to_dict()
     except Exception:  # not UTF-8, bad YAML, a metadata block that is not a mapping: not a card

@@ -17,9 +17,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from storage import places, reads, writes
+from storage.files import atomic_write
+
 from .encoding import EncodingConfig, row_mask_checksum
-from . import store
-from .files import atomic_write
+from .absent import absent_cache
 from .findings import RERUN, CacheError, StampMismatch  # noqa: F401  (re-exported)
 from .stamps import canonical_json, combined_mask_checksum, ids_checksum
 
@@ -339,22 +341,22 @@ def write_shard(path: Path, table: pa.Table, *, model_hash, tokenizer_hash, enco
 
 def shard_entry(path: Path, rows: int, mask_checksum: str, ids_sum: str, measured: tuple | None = None) -> dict:
     """A shard's line in the manifest; `measured`: its (size, sha256) when known (an upload's), else read."""
-    size, digest = measured or store.measure(path)
+    size, digest = measured or reads.measure(path)
     return {"file": path.name, "rows": rows, "bytes": size, "sha256": digest, "mask_checksum": mask_checksum,
             "ids_checksum": ids_sum}
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
-    """Locally atomic; on a store written only if absent or unchanged since this writer read it (store.write_whole)."""
+    """Locally atomic; on a store written only if absent or unchanged since this writer read it (writes.write_whole)."""
     data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    write_whole(store.location(root) / MANIFEST, lambda f: f.write(data), conditional=True)
+    write_whole(places.location(root) / MANIFEST, lambda f: f.write(data), conditional=True)
 
 
 def write_whole(path, write, *, conditional: bool = False) -> tuple[int, str] | None:
     """Locally atomic_write (looked up in this module, where the fault kit replaces it); on a store
-    store.write_whole, which returns the (size, sha256) it uploaded."""
-    if store.is_remote(path):
-        return store.write_whole(path, write, conditional=conditional)
+    writes.write_whole, which returns the (size, sha256) it uploaded."""
+    if places.is_remote(path):
+        return writes.write_whole(path, write, conditional=conditional)
     atomic_write(path, write)
     return None
 
@@ -371,7 +373,7 @@ class Footer:
 def read_footer(path: Path) -> Footer:
     """A shard's footer, read once (the one reader of Parquet footers). Raises what pyarrow raises on a damaged
     file (pa.ArrowException, OSError, ValueError)."""
-    with store.source(path) as src, pq.ParquetFile(src) as file:
+    with reads.source(path) as src, pq.ParquetFile(src) as file:
         # the Arrow schema's metadata (what pq.read_table and other readers see), not the Parquet key-value list
         # beside it: a damaged footer can make the two differ
         schema, rows = file.schema_arrow, file.metadata.num_rows
@@ -396,7 +398,7 @@ def read_columns(path: Path, columns=None) -> pa.Table:
         wanted += [f"{side}_tail" for side in SIDES if f"{side}_top_logps" in wanted and f"{side}_tail" not in wanted]
         wanted += [f"{side}_top_logps" for side in SIDES if f"{side}_tail" in wanted and f"{side}_top_logps" not in wanted]
     try:
-        with store.source(path) as src:
+        with reads.source(path) as src:
             table = pq.read_table(src, columns=wanted)
         table.validate(full=True)  # Parquet's reader leaves e.g. a string's UTF-8 unchecked until it is used
     except (pa.ArrowException, OSError, ValueError) as e:
@@ -451,7 +453,7 @@ def stored_rows(path: Path, rows) -> pa.Table:
     anything: what a writer copies into a new shard (precompute-ref --update), so the copied values are the cached
     ones bit for bit."""
     try:
-        with store.source(path) as src:
+        with reads.source(path) as src:
             table = pq.read_table(src)
     except (pa.ArrowException, OSError, ValueError) as e:
         raise CacheError("shard_unreadable", f"shard {path.name} is not a readable Parquet file ({e})", remedy=RERUN,
@@ -494,8 +496,8 @@ def no_manifest(root) -> CacheError:
     shard, a writer's temporary file, skipped.jsonl, the writer's lock or lease) is incomplete; anything else (a
     data folder, an empty or mistyped prefix, no such folder) holds no cache, and is never called an interrupted
     job."""
-    from .files import TEMP
-    from .nearby import nearby
+    from storage.files import TEMP
+    from storage.nearby import nearby
 
     try:
         names = [p.name for p in root.iterdir()] if root.is_dir() else None
@@ -510,7 +512,7 @@ def no_manifest(root) -> CacheError:
         what = f"no {MANIFEST} and no shard among its {len(names)} entries"
     elif names is not None:
         what = "it is empty"
-    elif store.is_remote(root):
+    elif places.is_remote(root):
         what = "no object under this prefix"
     else:
         what = ("a file, not a folder" if os.path.exists(root) else
@@ -544,7 +546,7 @@ def shard_path(root: Path, name) -> Path:
 def read_manifest(root: Path) -> dict:
     path = root / MANIFEST
     if not path.is_file():
-        absent = store.absent_cache(root) if isinstance(root, store.StorePath) else None
+        absent = absent_cache(root) if isinstance(root, places.StorePath) else None
         if absent is not None:  # a missing bucket, an unreachable endpoint: named with its cause, not a missing cache
             raise absent
         raise no_manifest(root)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import polars as pl
 
-from . import store
+from storage import places, reads
+
 from .stamps import cache_id
 
 VERSION_FILE = re.compile(r"^manifest-(\d{5})\.json$")
@@ -35,7 +36,7 @@ def version_of(manifest: dict) -> int:
 def history_entry(root: Path, manifest: dict) -> dict:
     """The line an update records for the version it replaces (kept as version_name(version))."""
     name = version_name(version_of(manifest))
-    return {"version": version_of(manifest), "file": name, "sha256": store.sha256(store.location(root) / name),
+    return {"version": version_of(manifest), "file": name, "sha256": reads.sha256(places.location(root) / name),
             "cache_id": cache_id(manifest), "rows": manifest.get("rows")}
 
 
@@ -49,7 +50,7 @@ def _json(path: Path) -> dict | None:
 
 def version_files(root: Path) -> list[Path]:
     """The version files beside manifest.json, oldest first."""
-    return sorted(p for p in store.location(root).iterdir() if VERSION_FILE.match(p.name) and p.is_file()
+    return sorted(p for p in places.location(root).iterdir() if VERSION_FILE.match(p.name) and p.is_file()
                   and not p.is_symlink())
 
 
@@ -57,7 +58,7 @@ def named_shards(root: Path) -> set[str]:
     """Every shard file a version of the cache in `root` names (manifest.json and each manifest-NNNNN.json): the
     files a cache keeps for its versions, none of them stray."""
     names = set()
-    for path in [store.location(root) / CURRENT, *version_files(root)]:
+    for path in [places.location(root) / CURRENT, *version_files(root)]:
         manifest = _json(path) if path.is_file() else None
         names |= {e.get("file") for e in (manifest or {}).get("shards", []) if isinstance(e, dict)}
     return {n for n in names if isinstance(n, str)}
@@ -67,11 +68,11 @@ def pending_shards(root: Path) -> set[str]:
     """The shards of an update to the version after manifest.json's, running or killed (shard-vNNNNN-MMMMM.parquet
     with NNNNN that next version): not stray while the current version stands (a reader of it does not read them),
     and judged by the update when it is run again."""
-    manifest = _json(store.location(root) / CURRENT)
+    manifest = _json(places.location(root) / CURRENT)
     if manifest is None:
         return set()
     prefix = f"shard-v{version_of(manifest) + 1:05d}-"
-    return {p.name for p in store.location(root).glob(f"{prefix}*.parquet") if UPDATE_SHARD.match(p.name)}
+    return {p.name for p in places.location(root).glob(f"{prefix}*.parquet") if UPDATE_SHARD.match(p.name)}
 
 
 def versions(root: Path, manifest: dict) -> list[tuple[int, str, dict]]:
@@ -82,8 +83,8 @@ def versions(root: Path, manifest: dict) -> list[tuple[int, str, dict]]:
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) \
                 or not VERSION_FILE.match(entry["file"]):
             continue
-        path = store.location(root) / entry["file"]
-        if path.is_file() and not path.is_symlink() and store.sha256(path) == entry.get("sha256"):
+        path = places.location(root) / entry["file"]
+        if path.is_file() and not path.is_symlink() and reads.sha256(path) == entry.get("sha256"):
             old = _json(path)
             if old is not None:
                 out.append((version_of(old), entry["file"], old))
@@ -94,7 +95,7 @@ def version_for(root: Path, manifest: dict, records: list[dict]) -> tuple[int, s
     """The version a run's cache records (`records`: schemas.run_manifest.cache_record's) name, by cache_id (or,
     for a record made before cache_id, the manifest's sha256); None when none of the versions is theirs."""
     for version, name, m in versions(root, manifest):
-        sha = store.sha256(store.location(root) / name)
+        sha = reads.sha256(places.location(root) / name)
         for record in records:
             if record.get("cache_id") == cache_id(m) or (not record.get("cache_id")
                                                          and record.get("manifest_sha256") == sha):
@@ -136,7 +137,7 @@ def _listed(manifest: dict) -> list[dict]:
 
 
 def _why_gone(root: Path, entry: dict) -> str:
-    path = store.location(root) / entry["file"]
+    path = places.location(root) / entry["file"]
     if not path.exists():
         return f"its manifest {entry['file']} is missing from the cache"
     return f"its manifest {entry['file']} is not the one the history records (sha256 {entry.get('sha256')})"
@@ -290,7 +291,7 @@ def version_line(manifest: dict, file: str = CURRENT, current: dict | None = Non
 
 def current_manifest(root) -> dict | None:
     """manifest.json of the cache in `root` as JSON (None: none there, or not a manifest)."""
-    path = store.location(root) / CURRENT
+    path = places.location(root) / CURRENT
     return _json(path) if path.is_file() else None
 
 

@@ -23,9 +23,10 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from storage import places, reads
+
 from . import format as fmt
 from . import history
-from . import store
 from .card import DEFINED, card_metadata, read_card_metadata
 from .format import TOP_K_COLUMNS
 from .encoding import EncodingConfig, row_mask_checksum
@@ -70,7 +71,7 @@ def manifest_findings(manifest: dict) -> list[Finding]:
 def shard_file_findings(root: Path, entry: dict, *, hash_files: bool = True) -> tuple[Path | None, list[Finding]]:
     """A listed shard's file: a plain name inside the cache, present, its size and (unless hash_files=False) its
     sha256 equal to the entry's. Returns the path when the name is acceptable (an object on a store: holding the
-    bytes that were hashed, so the footer and columns are read from them: schemas/store.py)."""
+    bytes that were hashed, so the footer and columns are read from them: storage/reads.py)."""
     name = entry["file"]
     try:
         path = fmt.shard_path(root, name)
@@ -84,7 +85,7 @@ def shard_file_findings(root: Path, entry: dict, *, hash_files: bool = True) -> 
         return path, [Finding("shard_files", "shard_size", f"shard {name} has the wrong size", expected=entry["bytes"],
                               found=size, shard=name)]
     if hash_files:
-        digest, path = store.hashed(path)
+        digest, path = reads.hashed(path)
         if digest != entry["sha256"]:
             return path, [Finding("shard_files", "shard_hash", f"shard {name} content differs from the manifest "
                                   "(file sha256)", expected=entry["sha256"], found=digest, shard=name)]
@@ -575,7 +576,7 @@ def card_findings(root: Path, manifest: dict) -> tuple[bool, list[Finding]]:
     metadata refcache defines (`configs`: the shards, `refcache`: the identity) must be what the manifest gives; the
     rest of the metadata and the text are not compared. No card is no finding (caches made before cards)."""
     path = root / fmt.CARD
-    if not (path.exists() if store.is_remote(path) else os.path.lexists(path)):
+    if not (path.exists() if places.is_remote(path) else os.path.lexists(path)):
         return False, []
     meta = read_card_metadata(path) if path.is_file() and not path.is_symlink() else None
     if meta is None:

@@ -8,9 +8,10 @@ import json
 import os
 from pathlib import Path
 
-from .files import atomic_write
+from storage.files import atomic_write
+
 from .findings import Finding
-from .stamps import cache_id, canonical_json, file_sha256  # noqa: F401  (cache_id: re-exported)
+from .stamps import cache_id, canonical_json  # noqa: F401  (cache_id: re-exported)
 
 RUN_MANIFEST = "run-manifest.json"
 RUN_KIND = "refcache-train-dpo-run"
@@ -38,7 +39,8 @@ def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -
     manifest.json as it was (recorded only; the identity of runs recorded before cache_id) and the reference model
     the manifest names (recorded only: the model card's provenance, wherever the cache lives). `manifest_file`: an
     earlier version's manifest (manifest-NNNNN.json, schemas/history.py) to name that version instead."""
-    from .store import location, sha256
+    from storage.places import location
+    from storage.reads import sha256
 
     path = location(cache_dir) / manifest_file
     try:

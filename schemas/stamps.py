@@ -13,6 +13,8 @@ import os
 import struct
 from pathlib import Path
 
+from storage.reads import file_sha256
+
 # config.json fields that describe the file or the runtime, not what the model computes.
 CONFIG_FIELDS_IGNORED = frozenset(
     {
@@ -389,12 +391,4 @@ def ids_checksum(ids) -> str:
     h.update(struct.pack("<Q", len(raw)))
     h.update(struct.pack(f"<{len(raw)}Q", *map(len, raw)))
     h.update(b"".join(raw))
-    return h.hexdigest()
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 8 * 2**20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
     return h.hexdigest()

@@ -313,7 +313,8 @@ def fake_run(out: Path, checkpoint: Path, cache: Path) -> Path:
     """A train-dpo output folder as `_finish` leaves it: a checkpoint (or a LoRA adapter) and a run manifest naming
     the cache."""
     from schemas import format as fmt
-    from schemas.stamps import file_sha256, model_hash
+    from schemas.stamps import model_hash
+    from storage.reads import file_sha256
 
     shutil.copytree(checkpoint, out)
     manifest = json.loads((cache / fmt.MANIFEST).read_text())
@@ -364,7 +365,8 @@ def rewrite_shard(cache: Path, name: str, edit, *, ids=False) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from schemas.stamps import file_sha256, ids_checksum
+    from schemas.stamps import ids_checksum
+    from storage.reads import file_sha256
 
     path = cache / name
     table = pq.read_table(path)

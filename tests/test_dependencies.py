@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = ("schemas", "runtime", "precompute", "dpo", "audit")
+ROOMS = ("storage", "schemas", "runtime", "precompute", "dpo", "audit")
 
 
 def _guarded(tree: ast.AST) -> set[int]:

@@ -1,9 +1,11 @@
 """The rooms of the project and which way their imports may point, and no circle of imports inside a room.
 Cross-cutting (reads every room), so top level.
 
-schemas (the contract) imports nothing of ours; runtime (what both jobs share) imports only schemas; precompute and
-dpo import runtime and schemas, never each other; audit imports schemas and runtime only (its replay is the plain
-forward of runtime.logprobs, independent of every batching mode). Imports are read from the source (ast), so a new wrong-way import anywhere in a
+storage (places, whole-file writes, object stores, locks, disk checks) imports nothing of ours; schemas (the
+contract) imports only storage; runtime (what both jobs share) imports only schemas and storage; precompute and dpo
+import runtime, schemas and storage, never each other; audit imports schemas, runtime and storage only (its replay is
+the plain forward of runtime.logprobs, independent of every batching mode); fsspec is imported on the storage floor
+only. Imports are read from the source (ast), so a new wrong-way import anywhere in a
 module, at top level or inside a function, fails here.
 """
 
@@ -16,13 +18,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = ("schemas", "runtime", "precompute", "dpo", "audit")
+ROOMS = ("storage", "schemas", "runtime", "precompute", "dpo", "audit")
 ALLOWED = {
-    "schemas": set(),
-    "runtime": {"schemas"},
-    "precompute": {"runtime", "schemas"},
-    "dpo": {"runtime", "schemas"},
-    "audit": {"runtime", "schemas"},  # replay runs runtime.logprobs.reference_logps, no batching mode
+    "storage": set(),
+    "schemas": {"storage"},
+    "runtime": {"schemas", "storage"},
+    "precompute": {"runtime", "schemas", "storage"},
+    "dpo": {"runtime", "schemas", "storage"},
+    "audit": {"runtime", "schemas", "storage"},  # replay runs runtime.logprobs.reference_logps, no batching mode
 }
 
 
@@ -61,7 +64,8 @@ def test_imports_point_the_right_way(room):
 
 
 def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
-    """Control: a runtime module importing dpo, and a dpo module importing precompute, are both reported."""
+    """Control: a storage module importing schemas, a runtime module importing dpo, and a dpo module importing
+    precompute, are all reported."""
     fake = tmp_path / "proj"
     for room in ROOMS:
         (fake / room).mkdir(parents=True)
@@ -69,10 +73,42 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
     (fake / "runtime" / "bad.py").write_text("def f():\n    from dpo.trainer import x\n")
     (fake / "dpo" / "bad.py").write_text("from precompute import MODES\nimport runtime.data\n")
     (fake / "audit" / "bad.py").write_text("from precompute.modes import score_pairs\nimport schemas.rules\n")
+    (fake / "storage" / "bad.py").write_text("def f():\n    from schemas.format import LOCK\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    assert wrong_way("storage") == ["storage/bad.py imports schemas"]
     assert wrong_way("runtime") == ["runtime/bad.py imports dpo"]
     assert wrong_way("dpo") == ["dpo/bad.py imports precompute.MODES"]
     assert wrong_way("audit") == ["audit/bad.py imports precompute.modes"]
+
+
+def importers(library: str) -> list[str]:
+    """The product's modules that import `library` (top level or inside a function)."""
+    found = []
+    for room in ROOMS:
+        for path in sorted((ROOT / room).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+                if any(n.split(".")[0] == library for n in names):
+                    found.append(path.relative_to(ROOT).as_posix())
+                    break
+    return found
+
+
+def test_object_stores_are_reached_from_the_storage_floor_only():
+    """fsspec (the object stores' filesystems) is imported by storage/ and by no other room."""
+    users = importers("fsspec")
+    assert users and [u for u in users if not u.startswith("storage/")] == []
+
+
+def test_the_check_sees_fsspec_imported_above_the_floor(tmp_path, monkeypatch):
+    fake = tmp_path / "proj"
+    for room in ROOMS:
+        (fake / room).mkdir(parents=True)
+    (fake / "storage" / "places.py").write_text("import fsspec.core\n")
+    (fake / "dpo" / "sync.py").write_text("def f():\n    from fsspec.registry import registry\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    assert importers("fsspec") == ["storage/places.py", "dpo/sync.py"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

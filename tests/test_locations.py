@@ -1,5 +1,5 @@
 """One location type for every path-or-URL option of every command (issue 34, family 1): runtime.cli.Location, which
-reads the text with schemas.store.location. The options are found by walking the click commands' parameters, not
+reads the text with storage.places.location. The options are found by walking the click commands' parameters, not
 listed here, so a new option that names a path without declaring `location` metadata fails
 test_every_option_that_names_a_path_is_a_location."""
 
@@ -12,7 +12,7 @@ import click
 import pytest
 
 from runtime.cli import Location
-from schemas import store
+from storage import places
 
 
 def commands() -> dict:
@@ -112,7 +112,7 @@ def test_a_store_url_only_where_a_cache_is_written_or_read(command, param):
     assert param.type.store == ((command, param.name) in takes)
     if param.type.store:
         value = param.type.convert("memory://bucket/cache", param, None)
-        assert isinstance(value, store.StorePath) and value.url == "memory:///bucket/cache"
+        assert isinstance(value, places.StorePath) and value.url == "memory:///bucket/cache"
     else:
         with pytest.raises(click.BadParameter, match="an object-store URL is taken where refcache writes or reads "
                                                      "a cache"):
@@ -203,7 +203,7 @@ def test_configs_made_in_python_read_their_paths_the_same_way(tmp_path):
     cfg = PrecomputeConfig(model=f"file://{tmp_path}/m", data="org/name", out="memory://bucket/c",
                            offload_folder=f"file://localhost{tmp_path}/off")
     assert cfg.model == tmp_path / "m" and cfg.data == Path("org/name")  # a hub id stays what it says
-    assert isinstance(cfg.out, store.StorePath) and cfg.offload_folder == tmp_path / "off"
+    assert isinstance(cfg.out, places.StorePath) and cfg.offload_folder == tmp_path / "off"
     t = TrainConfig(model="m", data="d", output_dir=f"file://localhost{tmp_path}/run", resume_from_checkpoint="true")
     assert t.output_dir == tmp_path / "run" and t.resume_from_checkpoint == "true"
     with pytest.raises(click.BadParameter, match="object-store URL"):
@@ -215,19 +215,19 @@ def test_configs_made_in_python_read_their_paths_the_same_way(tmp_path):
     ("file:///a/b%20c", "/a/b c"), ("file://localhost/a", "/a"), ("rel/dir", "rel/dir"), ("./s3:x", "s3:x"),
     ("a::b", "a::b")])
 def test_location_reads_local_paths(text, expected):
-    assert store.location(text) == Path(expected)
-    assert not store.is_remote(text)
+    assert places.location(text) == Path(expected)
+    assert not places.is_remote(text)
 
 
 def test_named_says_a_store_by_its_url_and_a_folder_resolved(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert store.named("memory://bucket/c") == "memory:///bucket/c"
-    assert store.named("file://localhost/x/../y") == "/y" and store.named("c") == str(tmp_path / "c")
+    assert places.named("memory://bucket/c") == "memory:///bucket/c"
+    assert places.named("file://localhost/x/../y") == "/y" and places.named("c") == str(tmp_path / "c")
 
 
 @pytest.mark.parametrize("text, named", [("memory://", "names no bucket"), ("s3://", "names no bucket"),
                                          ("file://", "absolute path"), ("file:relative", "no '//'"),
                                          ("file:///a?b", "query or fragment")])
 def test_location_refuses_urls_naming_nothing(text, named):
-    with pytest.raises(store.LocationError, match=re.escape(named)):
-        store.location(text)
+    with pytest.raises(places.LocationError, match=re.escape(named)):
+        places.location(text)

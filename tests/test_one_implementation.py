@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = ("schemas", "runtime", "precompute", "dpo", "audit")
+ROOMS = ("storage", "schemas", "runtime", "precompute", "dpo", "audit")
 # pyarrow's and polars' readers of a Parquet file's footer (metadata, schema, row count) without its data
 FOOTER_READERS = {"read_metadata", "read_schema", "ParquetFile", "read_parquet_schema", "read_parquet_metadata"}
 # what names a stamp: the manifest's `stamps`, and the two hashes by name (as a variable, attribute, key or function)

@@ -20,7 +20,8 @@ from conftest import precompute_in_process as precompute, pref_rows, rewrite_top
 from audit.checks import SECTIONS
 from schemas import format as fmt
 from schemas import rules
-from schemas.stamps import canonical_json, file_sha256
+from schemas.stamps import canonical_json
+from storage.reads import file_sha256
 
 K = 8
 MODEL = DATA / "sft-model"

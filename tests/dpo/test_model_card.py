@@ -20,7 +20,8 @@ from support import hub_snapshot, pref_rows, write_jsonl
 from dpo.lora import LoraOptions
 from dpo.recipe import TrainConfig, run_train
 from schemas import run_manifest as rm
-from schemas.stamps import adapter_hash, file_sha256, model_hash
+from schemas.stamps import adapter_hash, model_hash
+from storage.reads import file_sha256
 
 peft = pytest.importorskip("peft")
 

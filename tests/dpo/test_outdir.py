@@ -80,7 +80,7 @@ def test_the_lock_file_does_not_make_a_folder_used_unless_it_is_a_symlink(tmp_pa
 
 
 def test_a_used_folder_holding_a_link_is_refused_even_with_overwrite(tmp_path):
-    from schemas.files import UnsafeDestination
+    from storage.files import UnsafeDestination
 
     out = tmp_path / "run"
     (out / "checkpoint-2").mkdir(parents=True)

@@ -20,7 +20,8 @@ from dpo.cli import main
 from dpo.losses import LossConfig
 from dpo.recipe import TrainConfig, latest_checkpoint, run_train
 from runtime.errors import JobError
-from schemas.stamps import file_sha256, model_hash, tokenizer_hash
+from schemas.stamps import model_hash, tokenizer_hash
+from storage.reads import file_sha256
 
 LN2 = math.log(2)
 BASE = dict(use_cpu=True, learning_rate=1e-3, per_device_train_batch_size=4, logging_steps=1, seed=7, plot=False)

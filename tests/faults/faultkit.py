@@ -27,7 +27,8 @@ from click.testing import CliRunner
 
 from schemas import format as fmt
 from schemas.encoding import EncodingConfig
-from schemas.stamps import combined_mask_checksum, file_sha256, ids_checksum
+from schemas.stamps import combined_mask_checksum, ids_checksum
+from storage.reads import file_sha256
 from support import forge_manifest
 
 HERE = Path(__file__).resolve().parent

@@ -236,7 +236,7 @@ def test_15_disk_full_in_a_checkpoint_save_names_the_file_and_is_never_resumed(t
             return real_save(obj, f, *a, **k)
 
         monkeypatch.setattr(torch, "save", save)
-        full_device(monkeypatch, out)  # no errno: a full disk by the free space left there (runtime/disk.py)
+        full_device(monkeypatch, out)  # no errno: a full disk by the free space left there (storage/disk.py)
         half = out / "checkpoint-2" / "optimizer.pt"
     else:
         from transformers.trainer_callback import TrainerState
@@ -270,7 +270,7 @@ def test_15_disk_full_in_a_checkpoint_save_names_the_file_and_is_never_resumed(t
 
 def full_device(monkeypatch, folder, free=0):
     """The device holding `folder` reports `free` bytes left (of 100 GiB); every other path its real figures."""
-    import runtime.disk
+    import storage.disk
 
     real = shutil.disk_usage
 
@@ -279,7 +279,7 @@ def full_device(monkeypatch, folder, free=0):
             return type(real(path))(100 * 2**30, 100 * 2**30 - free, free)
         return real(path)
 
-    monkeypatch.setattr(runtime.disk.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(storage.disk.shutil, "disk_usage", disk_usage)
 
 
 def test_15_the_torch_error_with_space_left_is_a_crash_not_a_full_disk(trained, tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
 Each output is apart from every input (runtime.paths.check_apart, folders and files alike: audit-ref --json too);
 precompute-ref writes only into an empty folder or one holding only its own cache (precompute.resume.own_files, the
 one ownership rule of a resume and of --overwrite); no write follows, replaces or deletes a symlink planted at its
-destination (schemas.files, the one way the product writes a file; the lock is opened the same way); and one writer
+destination (storage.files, the one way the product writes a file; the lock is opened the same way); and one writer
 per output folder (runtime.locks, precompute-ref's --out and train-dpo's --output-dir alike). Every refusal comes
 before anything is written, and what was planted (and what it points to) is left exactly as it was.
 """

@@ -363,7 +363,7 @@ def _product_modules():
     import ast
 
     repo = Path(__file__).resolve().parents[2]
-    for room in ("schemas", "runtime", "precompute", "dpo", "audit"):
+    for room in ("storage", "schemas", "runtime", "precompute", "dpo", "audit"):
         for path in sorted((repo / room).rglob("*.py")):
             tree = ast.parse(path.read_text(), filename=str(path))
             parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}

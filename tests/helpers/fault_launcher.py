@@ -100,9 +100,9 @@ def patch_precompute():
 
         fmt.atomic_write = half_then_fault  # write_shard and write_manifest look it up in the module
 
-        from schemas import store  # on an object store: half the bytes in the local temporary file, nothing uploaded
+        from storage import writes  # on an object store: half the bytes in the local temporary file, nothing uploaded
 
-        write_whole = store.write_whole
+        write_whole = writes.write_whole
 
         def remote_half_then_fault(path, write, **kwargs):
             wanted = fmt.MANIFEST if AT == "manifest_write" else target_shard()
@@ -118,7 +118,7 @@ def patch_precompute():
 
             return write_whole(path, write_in_two, **kwargs)
 
-        store.write_whole = remote_half_then_fault  # format.write_whole looks it up in the module
+        writes.write_whole = remote_half_then_fault  # format.write_whole looks it up in the module
 
     if AT == "shard_renamed":
         replace = os.replace
@@ -130,9 +130,9 @@ def patch_precompute():
 
         os.replace = replace_then_fault  # schemas.format calls os.replace
 
-        from schemas import store  # on an object store: the shard uploaded, nothing after it
+        from storage import writes  # on an object store: the shard uploaded, nothing after it
 
-        write_whole = store.write_whole
+        write_whole = writes.write_whole
 
         def upload_then_fault(path, write, **kwargs):
             written = write_whole(path, write, **kwargs)
@@ -140,7 +140,7 @@ def patch_precompute():
                 fault()
             return written
 
-        store.write_whole = upload_then_fault
+        writes.write_whole = upload_then_fault
 
 
 def patch_train():

@@ -11,8 +11,9 @@ from collections import namedtuple
 
 import pytest
 
-import runtime.disk
-from runtime.disk import NoSpaceError, is_no_space, writing
+import storage.disk
+from runtime.disk import NoSpaceError, writing
+from storage.disk import is_no_space
 from runtime.errors import JobError
 
 ENFORCE_FAIL = ("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/0: file "
@@ -35,7 +36,7 @@ def device_free(monkeypatch):
                 return Usage(100 * 2**30, 100 * 2**30 - free, free)
             return real(path)
 
-        monkeypatch.setattr(runtime.disk.shutil, "disk_usage", disk_usage)
+        monkeypatch.setattr(storage.disk.shutil, "disk_usage", disk_usage)
 
     return set_free
 
@@ -112,9 +113,9 @@ def test_the_same_error_with_space_left_stays_a_crash(tmp_path, device_free, tex
 def test_the_margin_and_what_is_never_a_full_disk(tmp_path, device_free):
     """Just under the margin is full, just over is not; a programming error, an errno naming another cause and a
     store URL are never read as a full disk whatever the space."""
-    device_free(tmp_path, runtime.disk.MARGIN_CAP)  # 1% of 100 GiB is over the cap: the cap is the margin
+    device_free(tmp_path, storage.disk.MARGIN_CAP)  # 1% of 100 GiB is over the cap: the cap is the margin
     assert not is_no_space(RuntimeError(ENFORCE_FAIL), tmp_path)
-    device_free(tmp_path, runtime.disk.MARGIN_CAP - 1)
+    device_free(tmp_path, storage.disk.MARGIN_CAP - 1)
     assert is_no_space(RuntimeError(ENFORCE_FAIL), tmp_path)
     device_free(tmp_path, 0)
     assert is_no_space(Exception("a library's own write error"), tmp_path)

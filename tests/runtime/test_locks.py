@@ -11,7 +11,7 @@ import pytest
 from runtime.errors import JobError
 from runtime.locks import exclusive, is_lock_file
 from schemas import format as fmt
-from schemas.files import UnsafeDestination
+from storage.files import UnsafeDestination
 
 
 def test_a_second_holder_is_refused_naming_the_first_and_the_remedy(tmp_path):

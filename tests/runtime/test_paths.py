@@ -52,7 +52,7 @@ def test_an_output_file_inside_or_linked_to_an_input_is_refused(tmp_path, model)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# every place is a location (schemas.store.location), never compared as text (issue 34, family 1)
+# every place is a location (storage.places.location), never compared as text (issue 34, family 1)
 
 
 @pytest.mark.parametrize("spelling", ["file://{}", "file://localhost{}", "{}"])
@@ -82,7 +82,7 @@ def test_store_places_are_compared_with_store_places_only(tmp_path, model):
 
 def test_a_single_output_file_is_checked_by_the_one_rule(tmp_path, model):
     from runtime.paths import check_output_file, write_output_file
-    from schemas.files import UnsafeDestination
+    from storage.files import UnsafeDestination
 
     mine = lambda p: p.read_bytes().startswith(b"ours")
     rule = dict(ours=mine, kind="a report")

@@ -16,7 +16,7 @@ from runtime import tolerance
 from runtime.tolerance import head_tolerance, probe_tolerance, replay_tolerance
 
 ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ("schemas", "runtime", "precompute", "dpo", "audit")
+ROOMS = ("storage", "schemas", "runtime", "precompute", "dpo", "audit")
 POLICY = ROOT / "runtime" / "tolerance.py"
 
 

@@ -18,7 +18,7 @@ from schemas import format as fmt
 from schemas import read_cache
 from schemas.cache import open_cache
 from schemas.card import card_metadata, dataset_card, split_of, write_card
-from schemas.files import UnsafeDestination
+from storage.files import UnsafeDestination
 from schemas.run_manifest import cache_record
 from schemas.stamps import cache_id
 

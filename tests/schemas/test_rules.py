@@ -20,7 +20,8 @@ from schemas import format as fmt
 from schemas import rules
 from schemas.card import dataset_card, write_card
 from schemas.encoding import EncodingConfig, row_mask_checksum
-from schemas.stamps import combined_mask_checksum, file_sha256
+from schemas.stamps import combined_mask_checksum
+from storage.reads import file_sha256
 
 ENC = EncodingConfig(max_length=64)
 COMP = {"dtype": "float32", "device_type": "cpu", "mode": "single"}

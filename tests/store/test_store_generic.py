@@ -1,6 +1,6 @@
 """A cache on a store whose fsspec driver exposes no conditional write (what gcsfs and adlfs are to refcache), played
 by fsspec's in-memory filesystem (`memory://`, this process only): the same commands and rules, the manifest and the
-lease checked just before each write (schemas/store.py `put_if`; FORMAT.md, "Object storage")."""
+lease checked just before each write (storage/writes.py `put_if`; FORMAT.md, "Object storage")."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from conftest import pref_rows, write_jsonl
 from faultkit import precompute
 from schemas import format as fmt
-from schemas import store
+from storage import faults, lease, places, writes
 from schemas.cache import open_cache, read_cache
 from schemas.findings import CacheError
 
@@ -42,7 +42,7 @@ def test_precompute_and_read_without_conditional_writes(memory, job):
     url = "memory://bucket/cache"
     r = precompute(*job["args"], "--out", url)
     assert r.exit_code == 0, r.output
-    assert store.location(url)._s.protocol not in store.CONDITIONAL
+    assert places.location(url)._s.protocol not in writes.CONDITIONAL
     a, b = read_cache(url).collect(), read_cache(job["clean"]).collect()
     assert a.height == ROWS and a.equals(b)
     assert not memory.exists("/bucket/cache/" + fmt.LOCK)  # the lease released
@@ -62,13 +62,13 @@ def test_lease_and_manifest_checked_before_writing(memory, job):
     r = precompute(*job["args"], "--out", url)
     assert r.exit_code == 2 and "pid 3 on elsewhere" in r.output, r.output
     memory.pipe_file(lock, json.dumps({"host": "elsewhere", "pid": 3, "expires": time.time() - 1}).encode())
-    with store.lease(store.location(url), fmt.LOCK):  # expired: taken over
+    with lease.lease(places.location(url), fmt.LOCK):  # expired: taken over
         assert json.loads(memory.cat_file(lock))["host"] != "elsewhere"
 
-    root = store.location(url)
+    root = places.location(url)
     assert not (root / fmt.MANIFEST).exists()
     memory.pipe_file("/bucket/other/" + fmt.MANIFEST, b"{}")  # another writer's, after this one looked
-    with pytest.raises(store.StoreConflict):
+    with pytest.raises(writes.StoreConflict):
         fmt.write_manifest(root, fmt.read_manifest(job["clean"]))
     assert memory.cat_file("/bucket/other/" + fmt.MANIFEST) == b"{}"
 
@@ -94,9 +94,9 @@ def test_a_url_where_only_a_local_path_is_taken_is_refused_never_made_a_folder(j
 def test_no_credentials_at_all_is_a_store_fault_with_its_remedy_by_type_not_text():
     """botocore's NoCredentialsError (and google-auth's, azure-identity's by class name): exit 2 naming what to give,
     not an unexpected error; classified anywhere in the error's chain."""
-    for name in sorted(store.NO_CREDENTIALS):
+    for name in sorted(faults.NO_CREDENTIALS):
         error = type(name, (Exception,), {})("Unable to locate credentials")
-        fault = store.store_fault("s3://b/p", "s3", error)
+        fault = faults.store_fault("s3://b/p", "s3", error)
         assert fault is not None and fault.kind == "no_credentials" and "s3://b/p" in str(fault), name
         assert "remedy:" in str(fault) and "credentials" in fault.remedy
 

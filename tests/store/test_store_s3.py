@@ -1,4 +1,4 @@
-"""Caches on an object store (schemas/store.py), against a real S3 server: moto's, started here on 127.0.0.1 with
+"""Caches on an object store (storage/places.py, reads.py, writes.py, lease.py), against a real S3 server: moto's, started here on 127.0.0.1 with
 dummy credentials and AWS_ENDPOINT_URL in the environment (what botocore and s3fs read; nothing of ours).
 
 precompute-ref --out s3://, read_cache, train-dpo --ref-cache s3:// and audit-ref on s3:// give what they give on a
@@ -24,7 +24,7 @@ pytest.importorskip("moto")
 from conftest import pref_rows, write_jsonl
 from faultkit import TRAIN, audit, launch, precompute, train, wait_for
 from schemas import format as fmt
-from schemas import store
+from storage import faults, lease, places, reads, writes
 from schemas.cache import open_cache, read_cache
 from schemas.findings import CacheError
 
@@ -129,7 +129,7 @@ def test_precompute_read_train_audit_on_s3(s3, job, prefix, tmp_path, llama_dir)
     same_values(prefix, job["clean"])
 
     cache = open_cache(prefix)
-    assert isinstance(cache.root, store.StorePath) and cache.index.num_rows == ROWS
+    assert isinstance(cache.root, places.StorePath) and cache.index.num_rows == ROWS
     scanned = cache.scan(["chosen_logps"])
     assert scanned.column("chosen_logps").to_pylist() == open_cache(job["clean"]).scan(
         ["chosen_logps"]).column("chosen_logps").to_pylist()
@@ -150,7 +150,7 @@ def test_precompute_read_train_audit_on_s3(s3, job, prefix, tmp_path, llama_dir)
     # the model card names the reference model the cache names, as for a local cache (issue 34, family 10)
     assert f"| reference model | `{llama_dir}` |" in (out / "README.md").read_text()
     assert run["reference"]["cache"]["model"]["path"] == str(llama_dir)
-    assert run["reference"]["cache"]["manifest_sha256"] == store.sha256(store.location(prefix) / fmt.MANIFEST)
+    assert run["reference"]["cache"]["manifest_sha256"] == reads.sha256(places.location(prefix) / fmt.MANIFEST)
     code, report, output = audit_on(prefix, tmp_path, "--run", out)
     assert code == 0 and {c["name"]: c["status"] for c in report["checks"]}["run_cache"] == "PASS", output
 
@@ -301,7 +301,7 @@ def test_writer_killed_then_resumed(s3, job, prefix, tmp_path, at):
     assert r.exit_code == 0, r.output
     assert not any(p.exists() for p in left)  # the killed writer's temporary file, removed by the next writer
     assert f"({ROWS - PER_SHARD * len(done)} scored now)" in r.output, r.output
-    assert shard_entries(fmt.read_manifest(store.location(prefix))) == shard_entries(fmt.read_manifest(job["clean"]))
+    assert shard_entries(fmt.read_manifest(places.location(prefix))) == shard_entries(fmt.read_manifest(job["clean"]))
     same_values(prefix, job["clean"])
 
 
@@ -321,15 +321,15 @@ def test_foreign_object_refused_and_kept(s3, job, prefix):
 
 
 def test_live_lease_of_another_host_refused_and_expired_one_taken_over(s3, prefix):
-    root = store.location(prefix)
+    root = places.location(prefix)
     lock = f"{prefix.removeprefix('s3://')}/{fmt.LOCK}"
     s3.pipe_file(lock, json.dumps({"host": "elsewhere", "pid": 1, "expires": time.time() + 600}).encode())
-    with pytest.raises(store.LeaseHeld) as e:
-        with store.lease(root, fmt.LOCK):
+    with pytest.raises(lease.LeaseHeld) as e:
+        with lease.lease(root, fmt.LOCK):
             pass
     assert "pid 1 on elsewhere" in str(e.value)
     s3.pipe_file(lock, json.dumps({"host": "elsewhere", "pid": 1, "expires": time.time() - 1}).encode())
-    with store.lease(root, fmt.LOCK):
+    with lease.lease(root, fmt.LOCK):
         held = json.loads(s3.cat_file(lock))
         assert held["pid"] == os.getpid() and held["expires"] > time.time()
     s3.invalidate_cache()
@@ -339,16 +339,16 @@ def test_live_lease_of_another_host_refused_and_expired_one_taken_over(s3, prefi
 def test_writer_that_lost_its_lease_writes_no_manifest(s3, job, prefix, monkeypatch):
     """A writer whose lease was taken over (it stalled past the term) finds out at its next refresh and then writes no
     manifest."""
-    monkeypatch.setattr(store, "LEASE_S", 0.2)  # refreshed every 0.05 s
-    root = store.location(prefix)
+    monkeypatch.setattr(lease, "LEASE_S", 0.2)  # refreshed every 0.05 s
+    root = places.location(prefix)
     lock = f"{prefix.removeprefix('s3://')}/{fmt.LOCK}"
-    with store.lease(root, fmt.LOCK) as held:
+    with lease.lease(root, fmt.LOCK) as held:
         s3.pipe_file(lock, json.dumps({"host": "elsewhere", "pid": 7, "expires": time.time() + 600}).encode())
         deadline = time.monotonic() + 120  # a bound on a wait, generous for a loaded machine
         while held.lost is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert held.lost is not None
-        with pytest.raises(store.StoreConflict, match="lost its lease"):
+        with pytest.raises(writes.StoreConflict, match="lost its lease"):
             fmt.write_manifest(root, fmt.read_manifest(job["clean"]))
     assert json.loads(s3.cat_file(lock))["host"] == "elsewhere"  # the other writer's lease is not released by us
     s3.invalidate_cache()
@@ -360,19 +360,19 @@ def test_manifest_written_only_if_unchanged_since_read(s3, job, prefix):
     that read a manifest does not overwrite a changed one (If-Match)."""
     upload(s3, job["clean"], prefix, skip={fmt.MANIFEST})
     manifest = fmt.read_manifest(job["clean"])
-    root = store.location(prefix)
+    root = places.location(prefix)
     assert not (root / fmt.MANIFEST).exists()  # this writer saw none
     s3.pipe_file(f"{prefix.removeprefix('s3://')}/{fmt.MANIFEST}", b'{"another": "writer"}')
-    with pytest.raises(store.StoreConflict, match="created by another writer"):
+    with pytest.raises(writes.StoreConflict, match="created by another writer"):
         fmt.write_manifest(root, manifest)
     assert json.loads(s3.cat_file(f"{prefix.removeprefix('s3://')}/{fmt.MANIFEST}")) == {"another": "writer"}
 
-    reader = store.location(prefix)
+    reader = places.location(prefix)
     (reader / fmt.MANIFEST).read_bytes()  # this writer read it
     fmt.write_manifest(reader, manifest)  # unchanged since: written
-    assert fmt.read_manifest(store.location(prefix))["stamps"] == manifest["stamps"]
+    assert fmt.read_manifest(places.location(prefix))["stamps"] == manifest["stamps"]
     s3.pipe_file(f"{prefix.removeprefix('s3://')}/{fmt.MANIFEST}", b'{"changed": 1}')
-    with pytest.raises(store.StoreConflict, match="changed by another writer"):
+    with pytest.raises(writes.StoreConflict, match="changed by another writer"):
         fmt.write_manifest(reader, {**manifest, "rows": 0})
 
 
@@ -481,7 +481,7 @@ def test_store_faults_are_classified_by_type_not_text():
              "denied": [PermissionError("AccessDenied")]}
     for kind, errors in cases.items():
         for error in errors:
-            fault = store.store_fault(url, "s3", error)
+            fault = faults.store_fault(url, "s3", error)
             assert fault is not None and fault.kind == kind and url in str(fault) and "remedy:" in str(fault), error
     for error in (FileNotFoundError("no such key"), ValueError("x"), OSError(22, "Invalid argument")):
-        assert store.store_fault(url, "s3", error) is None
+        assert faults.store_fault(url, "s3", error) is None

@@ -1,4 +1,4 @@
-"""schemas/files.py: every write of the product goes through these, and none of them follows a symlink, writes into a
+"""storage/files.py: every write of the product goes through these, and none of them follows a symlink, writes into a
 hard-linked file or over something that is not a regular file; the file planted there (and what it points to) is left
 exactly as it was."""
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from schemas.files import UnsafeDestination, append_text, atomic_write, open_nofollow, remove_file
+from storage.files import UnsafeDestination, append_text, atomic_write, open_nofollow, remove_file
 
 
 
