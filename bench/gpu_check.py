@@ -74,7 +74,7 @@ import measure
 import prepare_device
 import train_steps
 from common import torch
-from gpu_figures import model_shape, pairs_flops, peak, tables
+from gpu_figures import TRAIN, model_shape, pairs_flops, peak, tables
 
 PART = "gpu_check"
 SCRIPT = str(Path(__file__).resolve())
@@ -87,11 +87,6 @@ SIZES = {
     # pairs: precompute's data (and train-dpo's); truth_pairs: the first pairs compared with the fp32 forward
     "gpu": dict(model=GPU_MODEL, pairs=1024, seq=1024, token_budget=32768, truth_pairs=48, batch=8, warmup=2, steps=6),
     "smoke": dict(model="1M", pairs=8, seq=48, token_budget=4096, truth_pairs=8, batch=2, warmup=1, steps=2),
-}
-TRAIN = {  # configuration: (reference, batch layout)
-    "cached_padded": ("cached", "padded"),
-    "live_padded": ("live", "padded"),
-    "cached_prefix_shared": ("cached", "prefix_shared"),
 }
 CHILD_TIMEOUT_S = 300
 # gpu_check.sh's limit (seconds) and when it ends (epoch seconds); unset (a run without it): none
@@ -363,7 +358,7 @@ def main():
     a.quick = a.quick or a.cpu_smoke
     result = check(a, lambda partial: common.save(PART, partial, a))
     path = common.save(PART, result, a)
-    print("\n" + "\n".join(tables(result, TRAIN)) + f"\n\nresults: {path}", flush=True)
+    print("\n" + "\n".join(tables(result)) + f"\n\nresults: {path}", flush=True)
 
 
 if __name__ == "__main__":

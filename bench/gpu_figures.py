@@ -12,6 +12,12 @@ import common
 import measure
 from common import torch
 
+TRAIN = {  # the train-dpo configurations: (reference, batch layout)
+    "cached_padded": ("cached", "padded"),
+    "live_padded": ("live", "padded"),
+    "cached_prefix_shared": ("cached", "prefix_shared"),
+}
+
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, by a pattern of the device's name (torch.cuda.get_device_name);
 # the first pattern that matches wins, so the more specific ones come first. NVIDIA's datasheets print these rates
 # "with sparsity", twice the dense figure. The third field is where the figure was checked (issue 39, 2026-12-04),
@@ -110,7 +116,7 @@ def _not_run(c: dict) -> str | None:
     return c.get("skipped") or c.get("error")
 
 
-def tables(r: dict, train_configs: dict) -> list[str]:
+def tables(r: dict) -> list[str]:
     """The check's result as Markdown lines: a header, the precompute table and the training table (a stage the
     result does not hold yet, as in a partial result, is left out)."""
     from report import table
@@ -148,7 +154,7 @@ def tables(r: dict, train_configs: dict) -> list[str]:
         rows = []
         base = r["train"].get("cached_padded", {})
         for name, t in r["train"].items():
-            reference, layout = train_configs[name]
+            reference, layout = TRAIN[name]
             if _not_run(t):
                 rows.append([reference, layout, f"not run: {_not_run(t)[:200]}", "", ""])
                 continue
