@@ -86,8 +86,9 @@ def wheels_in(dest: Path) -> dict:
     return found
 
 
-def check_closure(found: dict, python_version: str) -> list[str]:
-    """Every wheel's requirements met by a carried wheel or by the image's list: the problems, or []."""
+def check_closure(found: dict, python_version: str, assumed: list | None = None) -> list[str]:
+    """Every wheel's requirements met by a carried wheel or by the image's list: the problems, or []. A requirement
+    on an image package whose version no reading gave is appended to `assumed` (the device's --check tests it)."""
     image = {norm(r.name): r for r in requirements(IMAGE)}
     problems = []
     for name, (version, reqs, path) in found.items():
@@ -98,6 +99,8 @@ def check_closure(found: dict, python_version: str) -> list[str]:
             elif dep in image:
                 pinned = [s.version for s in image[dep].specifier if s.operator == "=="]
                 have = pinned[0] if pinned else None
+                if have is None and req.specifier and assumed is not None:
+                    assumed.append(f"{req} ({name})")
             else:
                 problems.append(f"{path.name} needs {req}, neither carried nor in {IMAGE.name}: add it to {WHEELS.name}")
                 continue
@@ -136,14 +139,20 @@ def download(dest: Path, python_version: str) -> None:
     missing = sorted(set(wanted) - set(found))
     if missing:
         fail(f"no wheel of {', '.join(missing)} in {dest}")
-    if problems := check_closure(found, python_version):
+    assumed = []
+    if problems := check_closure(found, python_version, assumed):
         fail("\n  ".join(["the carried wheels do not close over the image:", *problems]))
+    if assumed:
+        print(f"assumed of the image (no version read; checked there by --check): {', '.join(assumed)}")
     wheel_bytes = sum(p.stat().st_size for _, _, p in found.values())
-    tree = travelling_bytes() if dest.resolve().is_relative_to(REPO) else 0
+    inside = dest.resolve().is_relative_to(REPO)
+    tree = travelling_bytes() if inside else 0
     for (version, _, path) in sorted(found.values(), key=lambda v: v[2].name):
         print(f"  {path.stat().st_size / 2**20:7.2f} MiB  {path.name}")
-    print(f"{len(found)} wheels for CPython {python_version}, {wheel_bytes / 2**20:.2f} MiB; with the working tree "
-          f"that travels ({tree / 2**20:.2f} MiB): {(wheel_bytes + tree) / 2**20:.2f} MiB of {LIMIT_MIB} MiB")
+    with_tree = (f"with the working tree that travels ({tree / 2**20:.2f} MiB)" if inside else
+                 "outside the repository, the wheels alone")
+    print(f"{len(found)} wheels for CPython {python_version}, {wheel_bytes / 2**20:.2f} MiB; {with_tree}: "
+          f"{(wheel_bytes + tree) / 2**20:.2f} MiB of {LIMIT_MIB} MiB")
     if wheel_bytes + tree > LIMIT_MIB * 2**20:
         fail(f"over the device tool's {LIMIT_MIB} MiB: carry fewer wheels or move large untracked files out")
 

@@ -32,7 +32,7 @@ if "$work/venv/bin/python" -c "import polars" 2>/dev/null || "$work/venv/bin/pyt
     exit 1
 fi
 "$work/venv/bin/python" -m pip freeze > "$work/image-freeze.txt"
-say "image venv: $(grep -ciE '^(torch|transformers|numpy|pyarrow)=' "$work/image-freeze.txt") key packages: $(grep -iE '^(torch|transformers|accelerate|numpy|pyarrow|huggingface.hub)=' "$work/image-freeze.txt" | tr '\n' ' ')"
+say "image venv: $(grep -iE '^(torch|transformers|accelerate|numpy|pyarrow|huggingface.hub)=' "$work/image-freeze.txt" | tr '\n' ' ')"
 
 # the wheels, as scripts/prepare-device.sh makes them, for this Python (and, where it is not 3.12, the device's too)
 "$work/venv/bin/python" "$work/refcache/bench/prepare_device.py" --python-version "$pyver" --dest "$work/refcache/.whl"
