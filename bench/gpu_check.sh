@@ -15,13 +15,13 @@ for i in "${!args[@]}"; do
     [ "${args[$i]}" = --results ] && [ $((i + 1)) -lt ${#args[@]} ] && log="${args[$((i + 1))]}/gpu_check.log"
 done
 [ "$log" = /dev/null ] || mkdir -p "$(dirname "$log")"
-site=
-trap '[ -z "$site" ] || rm -rf "$site"' EXIT
 {
+    site=
+    trap '[ -z "$site" ] || rm -rf "$site"' EXIT  # here: the group runs in a subshell of the pipe
     if ! "$python" -c "import polars, datasets" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
         site=$(mktemp -d "${TMPDIR:-/tmp}/refcache-site-XXXXXX")
         echo "installing the carried wheels (.whl/) into $site"
-        "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
+        PIP_ROOT_USER_ACTION=ignore "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
         export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
         "$python" bench/prepare_device.py --check
     fi
