@@ -1,10 +1,15 @@
 """The GPU check: one script that shows, on one GPU in under 8 minutes, that refcache's numbers and speed hold there.
 
-    python bench/gpu_check.py [--results DIR]               # a GPU: ~1.1B Llama-style model, bf16
-    python bench/gpu_check.py --cpu-smoke [--results DIR]   # the same code paths on CPU, tiny sizes, float32
-    bench/gpu_check.sh [...]                                 # the same, from any directory, under a time limit
+    bench/gpu_check.sh --results DIR              # a GPU: ~1.1B Llama-style model, bf16, under an 8-minute limit
+    bench/gpu_check.sh --cpu-smoke --results DIR  # the same code paths on CPU, tiny sizes, float32
+    python bench/gpu_check.py [...]               # the same without the limit or the carried wheels
 
-It prints two Markdown tables (and writes them as JSON to <results>/gpu_check-<device>[-quick].json):
+On a bare device (README "GPU check": the command, its carry list, the wheels of bench/prepare_device.py) it is
+one command; scripts/rehearse-device.sh runs that command here, with --cpu-smoke, in a venv of the device image's
+packages plus only those wheels, from a fresh clone.
+
+It prints two Markdown tables and writes them as JSON to <results>/gpu_check-<device>[-quick].json, after each stage
+(with "complete": false until the end), so that a run stopped at its limit still leaves what it measured:
 
 1. precompute-ref, the real command (precompute.cli.main, one child process per attention implementation: sdpa and,
    where flash_attn is installed, flash_attention_2) in bf16 over synthetic preference pairs, on a Llama-style model
@@ -23,9 +28,24 @@ It prints two Markdown tables (and writes them as JSON to <results>/gpu_check-<d
 
 FLOPs are those of the pairs' own work, each prompt once (no mode needs less): 2 x N per token (N: the parameters
 other than the input embedding, whose lookup is no matmul) plus 4 x layers x hidden per token and key attended,
-causal. The peak is the datasheet's dense bf16 figure for the device's name (PEAK_BF16_TFLOPS); for a device not in
-the table, the rate of a large torch.mm measured here, and the table says so. The mm rate is measured and shown on
-every device, as what this device's matmul actually reaches.
+causal. The peak is the datasheet's dense bf16 figure for the device's name (gpu_figures.PEAK_BF16_TFLOPS, each
+with where it was checked); for a device not in the table, the rate of a large torch.mm measured here, and the
+table says so. The mm rate is measured and shown on every device, as what this device's matmul actually reaches.
+
+Sizing (8 minutes on an H200; GPU_CHECK_LIMIT, set by gpu_check.sh, is the limit: a child that would start with
+under MIN_CHILD_S left is skipped and says so). The H200 figures at hand are a floor for the rates: the 35M model's
+eager scoring in bf16 (bench/results/gpu-compile-h200.json) ran 49,152 tokens in 0.0666 s, 2 x 29.4M linear
+parameters x 49,152 = 2.9 TFLOP, i.e. 43 TFLOP/s (4% of 989: a model that small is launch-bound; a 1.1B model's
+matmuls are ~40x larger), and KINDS.md's 8192^3 bf16 torch.mm ran at 788 TFLOP/s. The 1.1B model has 1.03B linear
+parameters, 2.07 GFLOP per token. precompute-ref: 1024 pairs of prompt and completions each 256-511 tokens, ~1,150
+tokens per pair scored once = 1.2M tokens, 2.4 PFLOP (+4% attention): 58 s at the 43 TFLOP/s floor, 3 s at the mm
+rate; with its start (imports ~15 s, write, hash and load 2.2 GB ~15 s, probe ~10 s) at most ~100 s. The fp32
+truth: 96 sequences of ~770 tokens, 0.15 PFLOP at a fp32 rate of >= 10 TFLOP/s (67 datasheet, no TF32): <= 15 s, with
+its load ~25 s. train-dpo, 3 children of 8 steps (2 warm-up) of 8 pairs = 16 sequences of ~770 tokens: 6 x 1.03B x
+12.3k = 76 TFLOP a step (+25 with a live reference): <= 2.4 s a step at the floor, ~20 s a child, with its start
+(imports, load, AdamW state of 1.1B = 17.6 GB) ~50 s: ~150 s. With the parent's imports, the mm rate and building
+and saving the model (~35 s): ~330 s at the floor, inside 480 s; the carried wheels' install comes before, outside
+the limit, and the device tool's 10-minute command holds both.
 
 With --cpu-smoke the GPU is hidden (CUDA_VISIBLE_DEVICES=""), so everything runs on the CPU at tiny sizes in float32
 (bf16 on CPU says nothing about a GPU): tests/bench/test_gpu_check.py runs it, so the check is known to work before
@@ -46,33 +66,18 @@ import importlib.util
 import io
 import json
 import math
-import re
 import time
 from pathlib import Path
 
 import common
 import measure
+import prepare_device
 import train_steps
 from common import torch
+from gpu_figures import TRAIN, model_shape, pairs_flops, peak, tables
 
 PART = "gpu_check"
 SCRIPT = str(Path(__file__).resolve())
-
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by a pattern of the device's name
-# (torch.cuda.get_device_name); the first pattern that matches wins, so the more specific ones come first.
-PEAK_BF16_TFLOPS = [
-    (r"GH200", 989.0),
-    (r"H200", 989.0),
-    (r"H100.*PCIe", 756.0),
-    (r"H100.*NVL", 835.0),
-    (r"H100|H800", 989.0),  # SXM: "NVIDIA H100 80GB HBM3"
-    (r"B200", 2250.0),
-    (r"A100|A800", 312.0),
-    (r"L40S", 362.0),
-    (r"L40\b", 181.0),
-    (r"L4\b", 121.0),
-    (r"A10\b", 125.0),
-]
 
 # The ~1.1B model (TinyLlama's shapes: hidden 2048 x 22 layers, 32 heads, 4 key/value heads, vocab 32k).
 GPU_MODEL = "1.1B"
@@ -83,69 +88,26 @@ SIZES = {
     "gpu": dict(model=GPU_MODEL, pairs=1024, seq=1024, token_budget=32768, truth_pairs=48, batch=8, warmup=2, steps=6),
     "smoke": dict(model="1M", pairs=8, seq=48, token_budget=4096, truth_pairs=8, batch=2, warmup=1, steps=2),
 }
-TRAIN = {  # configuration: (reference, batch layout)
-    "cached_padded": ("cached", "padded"),
-    "live_padded": ("live", "padded"),
-    "cached_prefix_shared": ("cached", "prefix_shared"),
-}
 CHILD_TIMEOUT_S = 300
+# gpu_check.sh's limit (seconds) and when it ends (epoch seconds); unset (a run without it): none
+LIMIT_S = float(os.environ.get("GPU_CHECK_LIMIT") or 0) or None
+DEADLINE = float(os.environ.get("GPU_CHECK_DEADLINE") or math.inf)
+SAVE_MARGIN_S = 15  # kept back from the limit to write the results
+MIN_CHILD_S = 30  # the least a child (or the fp32 truth) is started with
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# FLOPs and the device's peak
+def time_left() -> float:
+    return DEADLINE - SAVE_MARGIN_S - time.time()
 
 
-def datasheet_peak(name: str) -> float | None:
-    """The dense bf16 peak of a device by name, TFLOP/s; None for one not in PEAK_BF16_TFLOPS."""
-    return next((peak for pattern, peak in PEAK_BF16_TFLOPS if re.search(pattern, name)), None)
+def out_of_time() -> str | None:
+    """Why a stage is not started (too little time left), or None."""
+    left = time_left()
+    return None if left >= MIN_CHILD_S else f"the time limit: {max(left, 0):.0f} s left of GPU_CHECK_LIMIT={LIMIT_S or 0:g}"
 
 
-def measured_mm_tflops(dev: torch.device, dtype: torch.dtype) -> float:
-    """The rate of square torch.mm in `dtype` on `dev`, TFLOP/s (best of a few timed batches after a warm-up)."""
-    n, reps = (8192, 20) if dev.type == "cuda" else (512, 4)
-    a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
-    best = math.inf
-    for i in range(4):
-        common.sync()
-        t = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        common.sync()
-        if i:  # the first batch is a warm-up
-            best = min(best, time.perf_counter() - t)
-    return 2 * n**3 * reps / best / 1e12
-
-
-def peak(dev: torch.device, dtype: torch.dtype) -> dict:
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else common.cpu_model()
-    mm = measured_mm_tflops(dev, dtype)
-    sheet = datasheet_peak(name) if dev.type == "cuda" else None
-    dtype_name = str(dtype).removeprefix("torch.")
-    source = ("datasheet, dense bf16" if sheet else
-              f"not in the datasheet table: the measured torch.mm {dtype_name} rate")
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()  # the children need the memory, not this process's allocator
-    return {"device": name, "tflops": sheet or mm, "source": source, "mm_tflops": mm, "mm_dtype": dtype_name}
-
-
-def model_shape(model) -> dict:
-    cfg = model.config
-    total = common.n_params(model)
-    return {"params": total, "linear_params": total - model.get_input_embeddings().weight.numel(),
-            "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
-            "kv_heads": cfg.num_key_value_heads, "vocab": cfg.vocab_size,
-            "attn_width": cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)}
-
-
-def pairs_flops(prompt_lens, chosen_lens, rejected_lens, shape: dict) -> float:
-    """FLOPs of scoring pairs, each prompt once: 2 x linear params per token, plus attention (QK^T and AV: 4 x
-    width per key) over the keys each token attends causally: 1..P for the prompt, P+1..P+C for a completion."""
-    import numpy as np
-
-    p, c, r = (np.asarray(v, np.float64) for v in (prompt_lens, chosen_lens, rejected_lens))
-    keys = p * (p + 1) / 2 + c * (2 * p + c + 1) / 2 + r * (2 * p + r + 1) / 2
-    return float(2 * shape["linear_params"] * (p + c + r).sum()
-                 + 4 * shape["layers"] * shape["attn_width"] * keys.sum())
+def not_run(r: dict) -> bool:
+    return "error" in r or "skipped" in r
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -227,15 +189,20 @@ def child_train(a) -> dict:
 
 
 def run_child(mode: str, **options) -> dict:
-    """One child's result; its failure is the result ({"error": ...}), so that the other rows still come."""
+    """One child's result; its failure is the result ({"error": ...}), so that the other rows still come, and so is
+    a child not started for the time limit ({"skipped": ...}); a child is stopped at the limit."""
     t = time.perf_counter()
-    try:
-        r = common.run_child(common.child_argv(SCRIPT, mode, **options), timeout=CHILD_TIMEOUT_S)
-    except Exception as e:
-        r = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[-600:]}"}
+    if skipped := out_of_time():
+        r = {"skipped": skipped}
+    else:
+        try:
+            timeout = min(CHILD_TIMEOUT_S, time_left())
+            r = common.run_child(common.child_argv(SCRIPT, mode, **options), timeout=timeout)
+        except Exception as e:
+            r = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[-600:]}"}
     r["child_wall_s"] = time.perf_counter() - t
     print(f"  {mode}{' ' + options['attn'] if 'attn' in options else ''}: "
-          f"{r.get('error') or 'done'} [{r['child_wall_s']:.0f} s]", flush=True)
+          f"{r.get('error') or r.get('skipped') or 'done'} [{r['child_wall_s']:.0f} s]", flush=True)
     return r
 
 
@@ -302,7 +269,8 @@ def attention_implementations(dev: torch.device) -> dict:
     return {"sdpa": None, "flash_attention_2": flash}
 
 
-def check(a) -> dict:
+def check(a, save) -> dict:
+    """The check's result; `save(result)` is called after each stage with the result so far."""
     dev = common.device()
     smoke = a.cpu_smoke or a.quick
     size = SIZES["smoke" if smoke else "gpu"]
@@ -311,18 +279,21 @@ def check(a) -> dict:
     common.quiet()
     t0 = time.perf_counter()
     stages = {}
-    out = {"size": size, "dtype": dtype_name, "device": dev.type}
+    out = {"size": size, "dtype": dtype_name, "device": dev.type, "limit_s": LIMIT_S, "complete": False,
+           "packages": prepare_device.package_versions(), "stages_s": stages}
     with common.workdir("gpu-check") as work:
         t = time.perf_counter()
         out["peak"] = peak(dev, dtype)
         model_dir, data, shape = build_case(work, size, dev, dtype)
         out["model"] = shape
         stages["build"] = time.perf_counter() - t
+        save(out)
         print(f"model {shape['params']:,} parameters, {size['pairs']} pairs of up to {size['seq']} tokens, "
               f"{dtype_name} on {out['peak']['device']} [{stages['build']:.0f} s]", flush=True)
 
         t = time.perf_counter()
         precompute, caches = {}, {}
+        out["precompute"] = precompute
         for attn, skipped in attention_implementations(dev).items():
             if skipped:
                 precompute[attn] = {"attn": attn, "skipped": skipped}
@@ -330,7 +301,7 @@ def check(a) -> dict:
             cache = work / f"cache-{attn}"
             r = run_child("precompute", model=model_dir, data=data, out=cache, dtype=dtype_name, attn=attn,
                           seq=size["seq"], token_budget=size["token_budget"])
-            if "error" not in r:
+            if not not_run(r):
                 caches[attn] = cache
                 lens = cache_lengths(cache)
                 r["flops"] = pairs_flops(*lens, shape)
@@ -338,19 +309,24 @@ def check(a) -> dict:
                 r["share_of_peak"] = r["flops"] / r["score_s"] / (out["peak"]["tflops"] * 1e12)
             precompute[attn] = r
         stages["precompute"] = time.perf_counter() - t
+        save(out)
 
         t = time.perf_counter()
         from runtime.tolerance import probe_tolerance
 
-        for attn, d in fp32_truth(model_dir, caches, size["truth_pairs"], dev).items():
-            precompute[attn]["vs_fp32"] = {**d, "tolerance": probe_tolerance(dtype)}
+        if caches and (skipped := out_of_time()):
+            out["fp32_truth_skipped"] = skipped
+        elif caches:
+            for attn, d in fp32_truth(model_dir, caches, size["truth_pairs"], dev).items():
+                precompute[attn]["vs_fp32"] = {**d, "tolerance": probe_tolerance(dtype)}
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         stages["fp32_truth"] = time.perf_counter() - t
-        out["precompute"] = precompute
+        save(out)
 
         t = time.perf_counter()
         train = {}
+        out["train"] = train
         cache = caches.get("sdpa") or next(iter(caches.values()), None)
         for name in TRAIN:
             if cache is None:
@@ -358,63 +334,13 @@ def check(a) -> dict:
                 continue
             train[name] = run_child(name, model=model_dir, data=data, cache=cache, out=work / "runs", seq=size["seq"],
                                     batch=size["batch"], warmup=size["warmup"], steps=size["steps"])
-            if "error" not in train[name]:
+            if not not_run(train[name]):
                 train[name]["step"] = measure.stats(train[name]["step_s"])
-        stages["train"] = time.perf_counter() - t
-        out["train"] = train
+            stages["train"] = time.perf_counter() - t
+            save(out)
     stages["total"] = time.perf_counter() - t0
-    out["stages_s"] = stages
+    out["complete"] = True
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the tables
-
-
-def _g(v, digits=3) -> str:
-    return f"{v:.{digits}g}"
-
-
-def tables(r: dict) -> list[str]:
-    """The check's result as Markdown lines: a header, the precompute table and the training table."""
-    from report import table
-
-    m, p, size = r["model"], r["peak"], r["size"]
-    memory = "torch.cuda.max_memory_allocated" if r["device"] == "cuda" else "peak RSS"
-    params = f"{m['params'] / 1e9:.2f}B" if m["params"] >= 1e9 else f"{m['params'] / 1e6:.1f}M"
-    L = [f"Device: {p['device']}; peak {_g(p['tflops'])} TFLOP/s ({p['source']}); torch.mm {p['mm_dtype']} "
-         f"measured {_g(p['mm_tflops'])} TFLOP/s. Model: Llama-style, {params} parameters (hidden "
-         f"{m['hidden']} x {m['layers']} layers, {m['heads']} heads, {m['kv_heads']} key/value heads, vocab "
-         f"{m['vocab']}), random init, {r['dtype']}. Data: {size['pairs']} synthetic pairs of up to {size['seq']} "
-         f"tokens. Wall: {r['stages_s']['total']:.0f} s "
-         f"({', '.join(f'{k} {v:.0f} s' for k, v in r['stages_s'].items() if k != 'total')}).", ""]
-    rows = []
-    for attn, c in r["precompute"].items():
-        if "skipped" in c or "error" in c:
-            rows.append([attn, f"not run: {c.get('skipped') or c.get('error')}"] + [""] * 7)
-            continue
-        v = c.get("vs_fp32") or {}
-        diffs = ([f"{v['max_abs_diff']:.3g}", f"{v['mean_abs_diff']:.3g}",
-                  f"{v['tokens']:,} ({v['pairs']} pairs); {v['tolerance']:g} "
-                  f"({'within' if v['max_abs_diff'] <= v['tolerance'] else 'EXCEEDED'})"] if v else ["n/a"] * 3)
-        rows.append([attn, c["mode"], f"{c['tokens_per_s']:,.0f}", f"{c['share_of_peak']:.1%}",
-                     f"{c['score_s']:.2f} / {c['wall_s']:.1f}", f"{c['peak_mb']:,.0f} MiB", *diffs])
-    L += [f"precompute-ref, {r['dtype']}:", ""]
-    L += table(f"attention | batching | tokens/s (scoring) | share of peak | scoring / end-to-end s | {memory} | "
-               "max abs diff vs fp32 | mean abs diff | tokens compared; tolerance", rows)
-    rows = []
-    base = r["train"].get("cached_padded", {})
-    for name, t in r["train"].items():
-        reference, layout = TRAIN[name]
-        if "error" in t:
-            rows.append([reference, layout, f"failed: {t['error'][:200]}", "", ""])
-            continue
-        ratio = (f"{measure.ratio(t['step'], base['step']):.2f}x" if "step" in base else "n/a")
-        rows.append([reference, layout, f"{t['step']['median'] * 1000:,.1f} ms ({len(t['step_s'])} steps)", ratio,
-                     f"{t['peak_mb']:,.0f} MiB"])
-    L += ["", f"train-dpo, batch {size['batch']} pairs, {'bf16 mixed precision' if r['dtype'] == 'bfloat16' else 'float32'}:", ""]
-    L += table(f"reference | batch layout | step time (median) | vs cached padded | {memory}", rows)
-    return L
 
 
 def main():
@@ -430,7 +356,7 @@ def main():
         print(json.dumps(child_train(a)))
         return
     a.quick = a.quick or a.cpu_smoke
-    result = check(a)
+    result = check(a, lambda partial: common.save(PART, partial, a))
     path = common.save(PART, result, a)
     print("\n" + "\n".join(tables(result)) + f"\n\nresults: {path}", flush=True)
 
