@@ -16,7 +16,6 @@ from runtime.cli import ENCODING_OPTIONS, field_help, read_locations
 from runtime.errors import JobError
 from runtime.hub import origin
 from runtime.paths import check_apart
-from runtime import remedies
 from runtime import placement
 from storage import places
 from schemas.encoding import EncodingConfig
@@ -201,6 +200,8 @@ def settings_refusal(differ: list[tuple[str | None, object, object]], where: str
     """A run into --out given settings other than those its rows were made with ((option, the cache's, this run's)),
     as the options a user types ("`where` made with --top-k 8; this run gives --top-k 4"): the two sides by owner and
     the remedy; None where a differing key has no option (the caller words it)."""
+    from runtime import remedies  # schemas.history (polars): not on a refused command line's path
+
     if not differ or any(option is None for option, _, _ in differ):
         return None
     was, uses = [f"{o} {v}" for o, v, _ in differ], [f"{o} {v}" for o, _, v in differ]

@@ -111,8 +111,9 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
                                      encoding.to_dict())
             if other and path.name not in pending:
                 raise JobError(settings_refusal(other, f"{out} already holds a different cache,", update=False))
-            if path.name not in pending and any(f.kind in ("ids_checksum", "mask_checksum") for f in found):
-                raise _other_rows(out, path.name, previous is not None or keep is not None)
+            other_rows = sorted({f.kind for f in found if f.kind in ("ids_checksum", "mask_checksum")})
+            if other_rows and path.name not in pending:
+                raise _other_rows(out, path.name, previous is not None or keep is not None, other_rows)
             if not damage:
                 if (differs or found) and path.name in pending:  # another update's rows: this one's to rewrite
                     why = (differs or found)[0].message
@@ -129,10 +130,12 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
     return Resume(done, _agreed(previous, computations), rescore, reclaimed)
 
 
-def _other_rows(out: Path, name: str, finished: bool) -> JobError:
-    """A shard of other rows (other data, or other --rows-per-shard) than this job plans under its name."""
+def _other_rows(out: Path, name: str, finished: bool, kinds=()) -> JobError:
+    """A shard of other rows (other data, or other --rows-per-shard) than this job plans under its name (`kinds`:
+    the footer's checksums that differ)."""
+    which = f"its {' and '.join(kinds)} differ{'s' if len(kinds) == 1 else ''}: " if kinds else ""
     return JobError(f"{out} already holds a different cache; {UPDATE if finished else UNFINISHED}\n  {name} holds "
-                    "other rows than this job's shard of that name (other data or --rows-per-shard?)")
+                    f"other rows than this job's shard of that name ({which}other data or --rows-per-shard?)")
 
 
 def _agreed(previous: dict | None, computations: dict[str, dict]) -> dict | None:

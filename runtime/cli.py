@@ -259,11 +259,14 @@ class Location(click.ParamType):
             if not self.store:
                 self._no_store(place, param, ctx)
         elif self.local is not None:  # its own check; a hub id's type gives the local snapshot folder it names
-            if isinstance(self.local, click.Path) and self.local.exists and not os.path.lexists(place):
+            try:
+                return Path(self.local.convert(str(place), param, ctx))
+            except click.BadParameter:
+                if os.path.lexists(place):
+                    raise
                 from storage.nearby import not_here
 
                 self.fail(f"{escaped(place)}: {escaped(not_here(place))}", param, ctx)  # what is there, the closest
-            return Path(self.local.convert(str(place), param, ctx))
         return place
 
     def _no_store(self, url, param, ctx):

@@ -417,7 +417,7 @@ def test_15_precompute_disk_full_names_its_cache_folder(llama_dir, dpo_data, tmp
     failed = precompute("--model", llama_dir, "--data", dpo_data, "--out", out)
     monkeypatch.setattr(pq, "write_table", real)
     output = refused(failed, "error: no space left on device ", f"while writing {out}",
-                     "then: re-run the same command to resume")
+                     "then: the finished shards are kept; resume with the same command:")
     assert "unexpected" not in output
     again = precompute("--model", llama_dir, "--data", dpo_data, "--out", out)
     assert again.exit_code == 0, again.output

@@ -185,7 +185,8 @@ def test_another_model_encoding_or_computation_is_refused_naming_it(llama_dir, l
     state = dir_state(base)
     result = update(model, grown, base, *extra)
     assert result.exit_code != 0
-    named = {"model": "model_hash mismatch", "max_length": "encoding config mismatch", "dtype": "dtype="}[change]
+    named = {"model": "model_hash mismatch", "max_length": "this run gives --max-length 64",
+             "dtype": "this run gives --dtype bfloat16"}[change]
     # a setting given that differs: the option and the cache's value to pass (the update takes it when left out)
     remedy = {"model": "another --out", "max_length": "pass --max-length 1024", "dtype": "pass --dtype float32"}[change]
     assert named in result.output and remedy in result.output, result.output
