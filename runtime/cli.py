@@ -262,7 +262,7 @@ class Location(click.ParamType):
             try:
                 return Path(self.local.convert(str(place), param, ctx))
             except click.BadParameter:
-                if os.path.lexists(place):
+                if os.path.lexists(place) or getattr(self.local, "names_misses", False):  # a hub id's type does
                     raise
                 from storage.nearby import not_here
 

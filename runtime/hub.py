@@ -58,6 +58,8 @@ def hub_path_type(repo_type: str, *, folder: bool = True):
     import click
 
     class HubPath(click.Path):
+        names_misses = True  # a path that is not there is named with what is near it (not_here), here
+
         def __init__(self):
             super().__init__(exists=True, file_okay=not folder)
 
@@ -66,6 +68,11 @@ def hub_path_type(repo_type: str, *, folder: bool = True):
                 value = resolve(value, repo_type) if isinstance(value, str) else value
             except JobError as e:
                 self.fail(str(e), param, ctx)
-            return super().convert(value, param, ctx)
+            try:
+                return super().convert(value, param, ctx)
+            except click.BadParameter:
+                if Path(value).exists() or Path(value).is_symlink():
+                    raise
+                self.fail(f"{value}: {not_here(value)}", param, ctx)
 
     return HubPath()
