@@ -115,8 +115,8 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
               trust_remote_code=False, split=None, cache_version: int | None = None) -> dict:
     """The whole audit as a JSON-ready report. A missing or unreadable manifest raises CacheError. `split`: the
     replay's runtime.placed.Placement (audit-ref --device-map ...), None for the whole model on one device.
-    `cache_version`: audit that
-    version of an updated cache (default: the current one, or with `run` the one the run trained on)."""
+    `cache_version`: audit that version of an updated cache (default: the current one, or with `run` the one the run
+    trained on)."""
     # imported here, not at the top: `audit-ref --help` and a refused command line need no polars nor pyarrow
     from schemas import format as fmt
 

@@ -465,7 +465,8 @@ def _load(cfg: TrainConfig, checkpoint: Checkpoint, what: str, dtype, device=Non
     try:
         return checkpoint.load_model(dtype, device, attention, **kwargs)
     except (ImportError, ValueError) as e:
-        if attention is None:  # transformers' own choice: not what went wrong
+        # transformers' own choice, or an error about something else (--load-in-4bit without bitsandbytes, ...)
+        if attention is None or not any(w in str(e).lower() for w in ("attn", "attention")):
             raise
         raise attention_refused(what, cfg.attn_implementation, checkpoint, e) from None
 
