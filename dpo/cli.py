@@ -16,7 +16,7 @@ import click
 from runtime import kl_control
 from runtime.cli import (TRL_ALIASES, GroupedCommand, Location, dataclass_options, exit_without_teardown,
                          given_values, option_specs, quiet_libraries, run_cli, spec_options)
-from runtime.placed import Placement, group_options
+from runtime.placed import Placement, group_options, prefix_of
 from runtime.terminal import echo
 
 from .lora import LoraOptions
@@ -41,7 +41,7 @@ REQUIRED = tuple(name for name, f in OURS.items() if f.metadata.get("required"))
 REPLACED_BY_CACHE = ("precompute_ref_log_probs", "precompute_ref_batch_size")
 # older TRL's DPOConfig.ref_model_init_kwargs (from_pretrained's keyword arguments for the reference): the keys that
 # place a live reference are train-dpo's --ref-* options (README, "Coming from TRL")
-REF_INIT_KWARGS = {name: TrainConfig.__option_groups__[Placement] + name for name in group_options(Placement)}
+REF_INIT_KWARGS = {name: prefix_of(TrainConfig, Placement) + name for name in group_options(Placement)}
 
 
 def _value_type(name: str):

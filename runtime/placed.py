@@ -46,7 +46,7 @@ class Placement:
     @classmethod
     def of(cls, config) -> Placement:
         """The group as `config` (a dataclass that `included` it) holds it."""
-        prefix = type(config).__option_groups__[cls]
+        prefix = prefix_of(type(config), cls)
         return cls(**{name: getattr(config, prefix + name) for name in group_options(cls)}, prefix=prefix)
 
     def flag(self, name: str) -> str:
@@ -95,6 +95,11 @@ def group_options(group) -> list[str]:
     return [f.name for f in dataclasses.fields(group) if f.metadata.get("cli") is not False]
 
 
+def prefix_of(config_cls, group) -> str:
+    """The prefix of `group`'s options in a config class that `included` it (a KeyError where it did not)."""
+    return config_cls._included_groups[group]
+
+
 def included(group, *, after: str, prefix: str = "", section: str | None = None, notes: dict | None = None):
     """Class decorator, under @dataclass: the options of `group` (a dataclass of option fields) as flat fields of a
     command's config, named `prefix` + field name, placed after its field `after` (their place in --help and in a
@@ -124,7 +129,7 @@ def included(group, *, after: str, prefix: str = "", section: str | None = None,
         if clash:
             raise TypeError(f"{cls.__name__}: {', '.join(sorted(clash))} declared by the class and by {group.__name__}")
         cls.__annotations__ = {**{n: own[n] for n in names[:at]}, **added, **{n: own[n] for n in names[at:]}}
-        cls.__option_groups__ = {**getattr(cls, "__option_groups__", {}), group: prefix}
+        cls._included_groups = {**getattr(cls, "_included_groups", {}), group: prefix}
         before = cls.__dict__.get("__post_init__")
 
         def __post_init__(self):
