@@ -13,7 +13,7 @@ import numpy as np
 import polars as pl
 
 from runtime.cli import heap_settled
-from runtime.placed import load_placed
+from runtime.placed import Placement, load_placed
 from runtime.placement import describe
 from schemas.encoding import EncodedPair
 from schemas.format import TokenScores, top_k_of
@@ -26,10 +26,9 @@ from .checks import short as _short
 
 
 def audit_model(root: Path, manifest: dict, scan: CacheScan, model_dir: str, *, sample: int | None, seed: int,
-                tolerance: float | None, trust_remote_code: bool, split: dict | None = None):
+                tolerance: float | None, trust_remote_code: bool, split: Placement | None = None):
     """Model and tokenizer hash checks and the replay; returns (checks, tokenizer, tokenizer_ok). `split`: the
-    replay's device_map, max_memory and offload_folder (runtime/placement.py), None for the whole model on one
-    device."""
+    replay's placement (runtime/placed.py, audit-ref --device-map ...), None for the whole model on one device."""
     from runtime.checkpoint import Checkpoint
 
     checkpoint = Checkpoint.open(model_dir, trust_remote_code)
@@ -65,7 +64,7 @@ def _top_k(manifest: dict) -> tuple[int, str | None]:
 
 
 def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sample, seed, tolerance,
-           split: dict | None = None) -> list[Check]:
+           split: Placement | None = None) -> list[Check]:
     """Score a seeded sample of cached rows again, in the recorded dtype on this machine's device, and compare per
     token with the cached values; with top-k columns, also those (check replay_top_k). `checkpoint`: a
     runtime.checkpoint.Checkpoint; `sample=None` replays every row.
@@ -76,16 +75,13 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
     at the tolerance of runtime/tolerance.py; otherwise (or for a model whose numbers depend on the batch's shape)
     one sequence at a time with reference_logps itself, the reason in the check's info. With `split` the model is
     dispatched by its device map (runtime/placement.py): probe, truth and batches all run on the split model."""
-    from runtime import placement
     from runtime.checkpoint import preserved_rng, resolve_device, resolve_dtype
     from runtime.tolerance import replay_tolerance
 
     t0 = time.perf_counter()
     comp = manifest.get("computation") or {}
     dtype = comp.get("dtype", "float32")
-    device = resolve_device("auto")
-    if split:
-        device = placement.main_device(placement.max_memory_dict(split.get("max_memory")), device)
+    device = split.main_device(resolve_device("auto")) if split else resolve_device("auto")
     tol = tolerance if tolerance is not None else replay_tolerance(dtype, comp.get("device_type"), device.type)
     count = index.height if sample is None else min(sample, index.height)
     picks = np.sort(np.random.default_rng(seed).choice(index.height, size=count, replace=False))
@@ -96,8 +92,7 @@ def replay(root: Path, manifest: dict, index: pl.DataFrame, checkpoint, *, sampl
         load = functools.partial(_load, checkpoint, resolve_dtype(dtype, device), None if split else device,
                                  comp.get("attn_implementation"))
         if split:
-            model, layout = load_placed(load, f"--model {checkpoint.path}", split["device_map"],
-                                        split.get("max_memory"), split.get("offload_folder"), held)
+            model, layout = load_placed(load, f"--model {checkpoint.path}", split, held)
         else:
             model = load()
         heap_settled()  # the libraries and the model: alive until the audit ends (audit.cli.process_main)

@@ -17,6 +17,7 @@ from runtime import kl_control
 from runtime.cli import (TRL_ALIASES, GroupedCommand, Location, command_text, dataclass_options,
                          exit_without_teardown, given_values, number_text, option_specs, quiet_libraries, run_cli,
                          spec_options)
+from runtime.placed import Placement, group_options, prefix_of
 from runtime.terminal import echo
 
 from .lora import LoraOptions
@@ -41,8 +42,7 @@ REQUIRED = tuple(name for name, f in OURS.items() if f.metadata.get("required"))
 REPLACED_BY_CACHE = ("precompute_ref_log_probs", "precompute_ref_batch_size")
 # older TRL's DPOConfig.ref_model_init_kwargs (from_pretrained's keyword arguments for the reference): the keys that
 # place a live reference are train-dpo's --ref-* options (README, "Coming from TRL")
-REF_INIT_KWARGS = {"device_map": "ref_device_map", "max_memory": "ref_max_memory",
-                   "offload_folder": "ref_offload_folder"}
+REF_INIT_KWARGS = {name: prefix_of(TrainConfig, Placement) + name for name in group_options(Placement)}
 
 
 def _value_type(name: str):
@@ -139,32 +139,33 @@ def _one_loss(path: str, data: dict) -> None:
 
 
 def _ref_init_kwargs(path: str, data: dict, given_as: dict) -> None:
-    """ref_model_init_kwargs' device_map, max_memory and offload_folder as --ref-device-map, --ref-max-memory and
-    --ref-offload-folder (a max_memory mapping {0: "20GiB", "cpu": "60GiB"} in the option's DEVICE=SIZE form); any
-    other key, and a device map that is not a splitting strategy, refused naming it. model_init_kwargs (TRL 1.16:
-    the policy's and the reference's) is refused pointing here: refcache places the policy itself."""
+    """ref_model_init_kwargs' keys of the placement group (runtime/placed.py: device_map, max_memory,
+    offload_folder) as train-dpo's --ref-* options (a max_memory mapping {0: "20GiB", "cpu": "60GiB"} in the option's
+    DEVICE=SIZE form); any other key, and a device map that is not a splitting strategy, refused naming it.
+    model_init_kwargs (TRL 1.16: the policy's and the reference's) is refused pointing here: refcache places the
+    policy itself."""
     from runtime.placement import DEVICE_MAPS
 
     where = "ref_model_init_kwargs"
+    keys, flags = _listed(REF_INIT_KWARGS), _listed(f"--{o.replace('_', '-')}" for o in REF_INIT_KWARGS.values())
     if data.get("model_init_kwargs"):
         raise click.UsageError(
             f"{path}: model_init_kwargs: TRL 1.16 loads the policy and the reference with it; refcache places the "
-            "policy itself (the accelerator, or --use-cpu) and loads it in --model-dtype, and splits a live reference "
-            "with --ref-device-map, --ref-max-memory and --ref-offload-folder (or the same keys under "
-            f"{where}); move device_map, max_memory and offload_folder there, and drop model_init_kwargs")
+            f"policy itself (the accelerator, or --use-cpu) and loads it in --model-dtype, and splits a live reference "
+            f"with {flags} (or the same keys under {where}); move {keys} there, and drop model_init_kwargs")
     data.pop("model_init_kwargs", None)
     kwargs = data.pop(where, None)
     if kwargs is None or kwargs == {}:
         return
     if not isinstance(kwargs, dict):
         raise click.UsageError(f"{path}: {where} is {type(kwargs).__name__}; expected a mapping of "
-                               "from_pretrained's keyword arguments (device_map, max_memory, offload_folder)")
+                               f"from_pretrained's keyword arguments ({', '.join(REF_INIT_KWARGS)})")
     other = [str(k) for k in kwargs if k not in REF_INIT_KWARGS]
     if other:
         raise click.UsageError(
-            f"{path}: {where}: {', '.join(other)}: not mapped; refcache maps device_map, max_memory and offload_folder "
-            "(to --ref-device-map, --ref-max-memory and --ref-offload-folder); the reference is loaded in the "
-            "training dtype (--bf16 / --fp16, else --model-dtype) and with --trust-remote-code: drop the other keys")
+            f"{path}: {where}: {', '.join(other)}: not mapped; refcache maps {keys} (to {flags}); the reference is "
+            "loaded in the training dtype (--bf16 / --fp16, else --model-dtype) and with --trust-remote-code: drop the "
+            "other keys")
     for key, option in REF_INIT_KWARGS.items():
         if key not in kwargs:
             continue
@@ -181,6 +182,12 @@ def _ref_init_kwargs(path: str, data: dict, given_as: dict) -> None:
                                    f"({data[option]!r}, {value!r}); keep one")
         data[option] = value
         given_as[option] = f"{where}.{key}"
+
+
+def _listed(words) -> str:
+    """a, b and c."""
+    words = list(words)
+    return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else "".join(words)
 
 
 def _from_trl(path: str, data: dict) -> tuple[dict, dict]:

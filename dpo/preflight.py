@@ -40,10 +40,10 @@ def check_reference_split(cfg) -> None:
     """--ref-device-map / --ref-max-memory / --ref-offload-folder place a live reference model of its own: refused
     where there is none (a cache; --use-peft, whose reference is the policy with its adapter disabled) and where
     precompute-ref refuses its own (runtime/placement.py)."""
-    from runtime import placement
+    from runtime.placed import Placement
 
-    given = [f"--ref-{name.replace('_', '-')}" for name in ("device_map", "max_memory", "offload_folder")
-             if getattr(cfg, f"ref_{name}") is not None]
+    placed = Placement.of(cfg)
+    given = placed.given()
     if not given:
         return
     if cfg.ref_cache is not None:
@@ -54,12 +54,7 @@ def check_reference_split(cfg) -> None:
         raise JobError(f"{', '.join(given)} with --use-peft: the live reference is the policy itself with its adapter "
                        "disabled (one model, placed with the policy), so there is no separate reference to split; drop "
                        "them, or train against a --ref-cache made by precompute-ref --device-map")
-    try:
-        cfg.ref_max_memory = None if cfg.ref_max_memory is None else placement.parse_max_memory(cfg.ref_max_memory)
-    except ValueError as e:
-        raise JobError(f"--ref-max-memory {cfg.ref_max_memory}: {e}") from None
-    placement.check_placement(cfg.ref_device_map, cfg.ref_max_memory, cfg.ref_offload_folder, "auto", Dist().world,
-                              None, prefix="ref-")
+    placed.check(world=Dist().world)
 
 
 def check_evaluation(cfg, log) -> str:

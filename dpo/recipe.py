@@ -10,14 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import click
-
 from runtime.cli import field_help, heap_settled, read_locations
 from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
-from runtime.placed import load_placed
+from runtime.placed import Attention, Placement, attention_of, attention_refused, included, load_placed
 from runtime import kl_control, placement
 from runtime.kl_control import alarm_text, target_text  # (the class body has a field named kl_control)
 from runtime.terminal import echo
@@ -27,7 +25,7 @@ from schemas.stamps import model_hash
 
 from . import lora
 from .loss_config import LOSS_TYPES, LossConfig, loss_field
-from .outdir import check_no_links, check_output_dir, prepare_metrics
+from .outdir import check_no_links, check_output_dir, inputs, prepare_metrics
 from .phases import PhaseTimer
 from .preflight import check_reference_options, check_training_options, has_accelerator
 from .preflight import latest_checkpoint  # noqa: F401  (re-exported)
@@ -48,6 +46,14 @@ def _loss(name: str, help: str):
 
 
 @dataclass
+@included(Attention, after="trust_remote_code", section="Model", notes={"attn_implementation": (
+    "For the policy and a live reference (--ref-model without --ref-cache); TRL's attn_implementation.")})
+# a live reference split by accelerate's dispatch: precompute-ref's placement options with the ref_ prefix, for
+# --ref-model (older TRL's DPOConfig.ref_model_init_kwargs, passed to the reference's from_pretrained; TRL 1.16 loads
+# its reference with the policy's model_init_kwargs)
+@included(Placement, prefix="ref_", after="ref_model_hash", section="Live reference", notes={"device_map": (
+    "For the live reference (--ref-model, no --ref-cache), as precompute-ref --device-map; not with --use-peft. The "
+    "batch layout is probed on the split model.")})
 class TrainConfig:
     """Every field is a train-dpo option (dpo/cli.py generates them, help from the metadata) and a --config key.
     Fields named as transformers.TrainingArguments fields are passed to it (refcache's defaults, TRL's where they
@@ -72,24 +78,6 @@ class TrainConfig:
                                      "without, live-reference mode.", "Reference cache", location="input")
     ref_model_hash: str | None = _f(None, "Model hash the cache must carry, when the reference differs from --model "
                                           "and is not at hand.", "Reference cache")
-    # a live reference split by accelerate's dispatch: precompute-ref's --device-map/--max-memory/--offload-folder
-    # for --ref-model (older TRL's DPOConfig.ref_model_init_kwargs, passed to the reference's from_pretrained; TRL
-    # 1.16 loads its reference with the policy's model_init_kwargs)
-    ref_device_map: str | None = _f(None, "Live reference (--ref-model, no --ref-cache): split it across the visible "
-                                          "GPUs, then CPU memory, then disk (accelerate's big-model dispatch, as "
-                                          "precompute-ref --device-map); one process, not with --use-peft. The batch "
-                                          "layout is probed on the split model.", "Live reference",
-                                    choices=placement.DEVICE_MAPS)
-    ref_max_memory: str | None = _f(None, "With --ref-device-map: the memory each device may hold for the reference, "
-                                          "DEVICE=SIZE,... (e.g. 0=20GiB,1=20GiB,cpu=60GiB), or one SIZE for the CPU; "
-                                          "what does not fit goes to disk.", "Live reference",
-                                    parse=placement.parse_max_memory, metavar="DEVICE=SIZE,...",
-                                    show_default="what accelerate finds free")
-    ref_offload_folder: str | None = _f(None, "With --ref-device-map: folder for the reference weights offloaded to "
-                                              "disk (a fresh folder is made inside it and removed at the end); apart "
-                                              "from the inputs and --output-dir.", "Live reference",
-                                        show_default="a temporary folder", click_type=click.Path(file_okay=False),
-                                        location="output")
     split: str = _f("train", "Split of --data to train on (datasets' split names: train, test/eval, validation).",
                     "Data")
     eval_data: str | None = _f(None, "Evaluation preference data (needs its own cache: --eval-ref-cache).", "Data",
@@ -337,12 +325,7 @@ def _open_policy(cfg: TrainConfig, log) -> Checkpoint:
     cfg.origins = {name: origin(getattr(cfg, name), "model") for name in ("model", "ref_model") if getattr(cfg, name)}
     cfg.model = cfg.origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     cfg.ref_model = cfg.origins["ref_model"]["path"] if cfg.ref_model else None
-    if cfg.ref_offload_folder is not None:  # an output: apart from every input and from --output-dir
-        from runtime.paths import check_apart
-
-        from .outdir import inputs
-
-        check_apart(cfg.ref_offload_folder, "--ref-offload-folder", inputs(cfg) | {"--output-dir": cfg.output_dir})
+    Placement.of(cfg).check_apart(lambda: inputs(cfg) | {"--output-dir": cfg.output_dir})  # an output as well
     policy = Checkpoint.open(cfg.model, cfg.trust_remote_code, lora.init_adapter(cfg.lora))
     policy.start_hashing()  # while the tokenizer loads and the cache's files are hashed
     lora.check_options(cfg.lora)
@@ -457,27 +440,35 @@ def _load_models(cfg: TrainConfig, run: Run, args, held: contextlib.ExitStack, l
     # --bf16/--fp16 are the Trainer's mixed precision (autocast over float32 master weights); the load dtype is
     # --model-dtype. A live reference needs no master weights: it runs in the autocast dtype.
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else getattr(torch, cfg.model_dtype)
-    policy = run.policy.load_model(getattr(torch, cfg.model_dtype), trainable=True,
-                                   **lora.load_kwargs(cfg.lora, dtype))
+    policy = _load(cfg, run.policy, f"--model {cfg.model}", getattr(torch, cfg.model_dtype), trainable=True,
+                   **lora.load_kwargs(cfg.lora, dtype))
     disable_dropout(policy)
     ref_model = None
+    placed = Placement.of(cfg)
     if cfg.lora.use_peft:
         policy = lora.wrap_policy(policy, cfg.lora, cfg.gradient_checkpointing, cfg.seed, cfg.origins["model"])
         ref_model = lora.AdapterDisabled(policy) if cfg.ref_cache is None else None
-    elif cfg.ref_cache is None and cfg.ref_device_map is not None:
-        ref_model, run.ref_layout = _load_split_reference(cfg, run.live, dtype, held, log)
+    elif cfg.ref_cache is None and placed.split:  # dispatched as precompute-ref does (runtime/placed.py)
+        what = f"--ref-model {cfg.ref_model}"
+        ref_model, run.ref_layout = load_placed(lambda **split: _load(cfg, run.live, what, dtype, None, **split),
+                                                what, placed, held)
+        log(f"live reference: {placement.describe(run.ref_layout)}")
     elif cfg.ref_cache is None:
-        ref_model = run.live.load_model(dtype, args.device)
+        ref_model = _load(cfg, run.live, f"--ref-model {cfg.ref_model}", dtype, args.device)
     return policy, ref_model
 
 
-def _load_split_reference(cfg: TrainConfig, live: Checkpoint, dtype, held: contextlib.ExitStack, log):
-    """The live reference dispatched by --ref-device-map (runtime/placed.py, as precompute-ref does), and its
-    layout."""
-    model, layout = load_placed(lambda **placed: live.load_model(dtype, None, **placed), f"--ref-model {cfg.ref_model}",
-                                cfg.ref_device_map, cfg.ref_max_memory, cfg.ref_offload_folder, held, prefix="ref-")
-    log(f"live reference: {placement.describe(layout)}")
-    return model, layout
+def _load(cfg: TrainConfig, checkpoint: Checkpoint, what: str, dtype, device=None, **kwargs):
+    """A model of train-dpo with --attn-implementation: one the model or this installation cannot use is refused
+    naming those it can (as precompute-ref refuses it)."""
+    attention = attention_of(cfg)
+    try:
+        return checkpoint.load_model(dtype, device, attention, **kwargs)
+    except (ImportError, ValueError) as e:
+        # transformers' own choice, or an error about something else (--load-in-4bit without bitsandbytes, ...)
+        if attention is None or not any(w in str(e).lower() for w in ("attn", "attention")):
+            raise
+        raise attention_refused(what, cfg.attn_implementation, checkpoint, e) from None
 
 
 def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, timer: PhaseTimer):

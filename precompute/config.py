@@ -16,7 +16,7 @@ from runtime.cli import ENCODING_OPTIONS, field_help, read_locations
 from runtime.errors import JobError
 from runtime.hub import origin
 from runtime.paths import check_apart
-from runtime import placement
+from runtime.placed import Attention, Placement, included
 from storage import places
 from schemas.encoding import EncodingConfig
 
@@ -24,6 +24,10 @@ from .modes import REGISTRY, batching_help
 
 
 @dataclass
+@included(Attention, after="tp_size", section="Computation")
+@included(Placement, after="device", section="Computation", notes={"device_map": (
+    "For a reference larger than one device; not with --device. The numbers are the model's own: batching modes "
+    "are probed on the split model.")})
 class PrecomputeConfig:
     """Every field is a precompute-ref option (precompute/cli.py generates them); the metadata is its --help text."""
 
@@ -60,28 +64,12 @@ class PrecomputeConfig:
         choices=("auto", "float32", "bfloat16", "float16")))
     device: str = field(default="auto", metadata=field_help(
         "auto (CUDA device LOCAL_RANK if present, else CPU), cpu, cuda, cuda:N.", "Computation"))
-    device_map: str | None = field(default=None, metadata=field_help(
-        "Split a reference larger than one device across the visible GPUs, then CPU memory, then disk (accelerate's "
-        "big-model dispatch through transformers' from_pretrained(device_map=...)); one process, not with --device. "
-        "The numbers are the model's own: batching modes are probed on the split model.", "Computation",
-        choices=placement.DEVICE_MAPS))
-    max_memory: str | None = field(default=None, metadata=field_help(
-        "With --device-map: the memory each device may hold, DEVICE=SIZE,... (e.g. 0=20GiB,1=20GiB,cpu=60GiB), or "
-        "one SIZE for the CPU; what does not fit goes to disk. Default: what accelerate finds free.", "Computation",
-        parse=placement.parse_max_memory, metavar="DEVICE=SIZE,..."))
-    offload_folder: str | None = field(default=None, metadata=field_help(
-        "With --device-map: folder for weights offloaded to disk (a fresh folder is made inside it and removed at the "
-        "end); apart from --model, --data and --out. Default: a temporary folder.", "Computation",
-        click_type=click.Path(file_okay=False), location="output"))
     tp_size: int = field(default=1, metadata=field_help(
         "Tensor parallelism under torchrun: each group of N consecutive ranks loads one copy of the model split N "
         "ways by the tensor-parallel plan transformers has for the architecture (refused for one without a plan) "
         "and scores its shards together; groups share the shards out as ranks do. WORLD_SIZE must be a multiple "
         "of N. Not with --device, --adapter, --torch-compile or --device-map. Batching modes are probed on the "
         "split model.", "Computation", domain="count", metavar="N"))
-    attn_implementation: str = field(default="auto", metadata=field_help(
-        "Attention kernel: auto (what transformers picks for the model), sdpa, eager, flash_attention_2.",
-        "Computation"))
     batching: str = field(default="auto", metadata=field_help(batching_help(), "Computation",
                                                           choices=("auto", *REGISTRY)))
     top_k: int = field(default=0, metadata=field_help(

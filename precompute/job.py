@@ -27,8 +27,7 @@ from runtime.distributed import Dist, balanced_assignment, distributed
 from runtime import locks
 from runtime.errors import JobError
 from runtime.logprobs import verified_head
-from runtime.paths import check_apart
-from runtime.placed import load_placed
+from runtime.placed import Placement, attention_of, attention_refused, load_placed
 from runtime.terminal import echo
 from runtime import placement
 from schemas import format as fmt
@@ -63,7 +62,7 @@ class Job:
     device: torch.device
     dtype: torch.dtype
     origins: dict = field(default_factory=dict)  # {"model", "data"}: runtime.hub.origin, hub ids beside the paths
-    max_memory: dict | None = None  # --max-memory as from_pretrained takes it
+    placed: Placement | None = None  # --device-map, --max-memory, --offload-folder (runtime/placed.py)
     change: object = None  # --update: what the update does (precompute/update.py Change)
     batching: str | None = None  # --update: the batching mode that scored the cache, asked for by name
 
@@ -114,12 +113,10 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
                  or checkpoint.config.get("vocab_size"))  # from config.json: before anything is made in --out
     if dist.rank == 0:  # the one rank that hashes it (stamps below): while the tokenizer loads and the rows encode
         checkpoint.start_hashing()
-    max_memory = _placement(cfg, inputs, dist)
+    placed = _placement(cfg, inputs, dist)
     if cfg.tp_size > 1:  # an architecture transformers cannot split is refused before any weight is read
         _check_tp_plan(cfg, checkpoint)
-    device = resolve_device(cfg.device)  # a bad --device is refused before any work
-    if cfg.device_map is not None:
-        device = placement.main_device(max_memory, device)
+    device = placed.main_device(resolve_device(cfg.device))  # a bad --device is refused before any work
     tokenizer = checkpoint.tokenizer
     source = load_rows(cfg.data, cfg.split, _data_config(cfg, out))
     encoded = usable_rows(source, tokenizer, cfg.encoding, cfg.on_bad_row, cfg.data)
@@ -134,7 +131,7 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
     }
     plan = plan_shards(encoded, cfg.rows_per_shard, cfg.encoding)
     return Job(out, checkpoint, source, encoded, stamps, plan, device, resolve_dtype(cfg.dtype, device), origins,
-               max_memory)
+               placed)
 
 
 def _check_top_k(top_k: int, vocab) -> None:
@@ -153,20 +150,15 @@ def _data_config(cfg: PrecomputeConfig, out) -> str | None:
         return None
 
 
-def _placement(cfg: PrecomputeConfig, inputs: dict, dist: Dist) -> dict | None:
-    """--device-map, --max-memory and --offload-folder checked (the offload folder is an output: apart from every
-    input and from --out); --max-memory as from_pretrained takes it."""
-    try:
-        cfg.max_memory = placement.parse_max_memory(cfg.max_memory) if cfg.max_memory is not None else None
-    except ValueError as e:
-        raise JobError(f"--max-memory {cfg.max_memory}: {e}") from None
-    placement.check_tensor_parallel(cfg.tp_size, dist.world, cfg.device, cfg.device_map, cfg.adapter,
+def _placement(cfg: PrecomputeConfig, inputs: dict, dist: Dist) -> Placement:
+    """The placement options and --tp-size checked (the offload folder is an output: apart from every input and from
+    --out)."""
+    placed = Placement.of(cfg)
+    placement.check_tensor_parallel(cfg.tp_size, dist.world, cfg.device, placed.device_map, cfg.adapter,
                                     cfg.torch_compile)
-    placement.check_placement(cfg.device_map, cfg.max_memory, cfg.offload_folder, cfg.device, dist.world,
-                              cfg.adapter)
-    if cfg.offload_folder is not None:
-        check_apart(cfg.offload_folder, "--offload-folder", {**inputs, "--out": cfg.out})
-    return placement.max_memory_dict(cfg.max_memory)
+    placed.check(cfg.device, dist.world, cfg.adapter)
+    placed.check_apart({**inputs, "--out": cfg.out})
+    return placed
 
 
 def _check_tp_plan(cfg: PrecomputeConfig, checkpoint: Checkpoint) -> None:
@@ -301,7 +293,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
                                distributed_config=placement.distributed_config(cfg.tp_size, dist.world))
         layout = placement.tensor_parallel_layout(cfg.tp_size, dist.world)
         log(f"split by {placement.describe(layout)}")
-    elif cfg.device_map is None:
+    elif not job.placed.split:
         model, layout = load_model_for(cfg, job.dtype, job.device, job.checkpoint), None
     else:
         model, layout = _load_dispatched(cfg, job, log, stack)
@@ -340,8 +332,8 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
 def _load_dispatched(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
     """The model split by accelerate's dispatch (--device-map), and its layout. Weights offloaded to disk go to a
     fresh folder of this job's own inside --offload-folder (or the system's temporary folder), removed at the end."""
-    model, layout = load_placed(lambda **placed: load_model_for(cfg, job.dtype, None, job.checkpoint, **placed),
-                                cfg.model, cfg.device_map, cfg.max_memory, cfg.offload_folder, stack)
+    model, layout = load_placed(lambda **split: load_model_for(cfg, job.dtype, None, job.checkpoint, **split),
+                                cfg.model, job.placed, stack)
     log(f"device map: {placement.describe(layout)}")
     return model, layout
 
@@ -442,10 +434,10 @@ def _summary(job: Job, resume: Resume, scored: dict, entries: list[dict], wall: 
 
 def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint | None = None, **placed):
     """The reference model of `checkpoint` (opened from cfg when None) with the requested attention implementation
-    (None: transformers' choice); one that cannot use it is refused naming those it can. `placed`: device_map,
-    max_memory and offload_folder, or distributed_config (--tp-size), for from_pretrained (device None then)."""
+    (None: transformers' choice); one that cannot use it is refused naming those it can. `placed`: a split's
+    from_pretrained options (runtime/placed.py load_placed), or distributed_config (--tp-size); device None then."""
     checkpoint = checkpoint or Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
-    attn = None if cfg.attn_implementation in (None, "auto") else cfg.attn_implementation
+    attn = attention_of(cfg)
     try:
         return checkpoint.load_model(dtype, device, attn, **placed)
     except (ImportError, ValueError) as e:  # an implementation the model or this install does not have
@@ -455,10 +447,8 @@ def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint 
                            f"({detail}); pick a --tp-size that divides its attention heads, or use --device-map "
                            "auto") from None
         if placed and attn is None:  # then only the split can be what from_pretrained refused
-            raise placement.cannot_split(cfg.model, cfg.device_map, cfg.max_memory, e) from None
-        raise JobError(f"{cfg.model}: the model cannot be loaded with --attn-implementation {cfg.attn_implementation} "
-                       f"({detail}); it supports: {', '.join(checkpoint.attention_choices())}, "
-                       "or leave --attn-implementation at auto") from None
+            raise Placement.of(cfg).cannot_split(cfg.model, e) from None
+        raise attention_refused(cfg.model, cfg.attn_implementation, checkpoint, e) from None
 
 
 def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computation, show_progress: bool,
