@@ -12,8 +12,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.encoding import (BadRowError, ChatTemplateError, EncodedPair, EncodingConfig, column_pairs, encode_pair,
-                              rename_columns, row_id)
+from schemas.chat_template import ChatTemplateError
+from schemas.encoding import EncodedPair, EncodingConfig, column_pairs, encode_pair, rename_columns, row_id
+from schemas.rows import BadRowError
 
 from .errors import JobError
 
