@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from schemas.format import TOP_K_COLUMNS, TokenScores
+from schemas.columns import TOP_K_COLUMNS, TokenScores
 
 from .head import HEADS, PROBE_TOKENS
 from .placement import input_device
