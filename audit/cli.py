@@ -265,13 +265,14 @@ def output_file(path, label: str, places: dict, data: bytes | None = None) -> No
 
 
 def view(cache, opts: AuditOptions, sample: int | None) -> None:
-    """--show and --html: the rows token by token, once the tokenizer is the cache's (audit/show.py)."""
+    """--show and --html: the rows token by token, once the tokenizer is the cache's (audit/views.py, audit/show.py)."""
     from schemas import format as fmt
     from schemas import run_manifest
 
     from . import show
     from .cache import audit_cache
     from .runs import audit_data
+    from .views import load_policy, pick_rows, row_views, sample_rows, verified_tokenizer
 
     from storage.places import location
 
@@ -280,7 +281,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     manifest, version = audited_version(root, opts.run, opts.cache_version)
     if opts.html:  # checked once the manifest names the model folder the tokenizer may come from, before any work
         output_file(opts.html, "--html", inputs(cache, opts, manifest))
-    tokenizer = show.verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
+    tokenizer = verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
     # rows are shown from the shards that pass shard_files only
     scan = audit_cache(root, manifest, current=version["file"] == fmt.MANIFEST)
     failed = [c.name for c in scan.checks if c.status == FAIL]
@@ -292,8 +293,8 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         notes.append(f"--data {opts.data}: {check.status}: {check.detail}")
     for note in notes:
         echo(f"note: {note}", err=True)
-    picks = (show.pick_rows(scan.index, opts.show, cache) if opts.show else
-             show.sample_rows(scan.index, sample, opts.seed))
+    picks = (pick_rows(scan.index, opts.show, cache) if opts.show else
+             sample_rows(scan.index, sample, opts.seed))
     policy, run_named = None, None
     if opts.run:
         try:
@@ -303,9 +304,9 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         _, problems = run_manifest.run_cache_findings(recorded, root, manifest["stamps"], version["file"])
         if problems:  # a log-ratio against a reference the run did not train with means nothing
             raise JobError(f"--run {opts.run}: {problems[0].message}")
-        policy = show.load_policy(opts.run, opts.model, manifest, opts.trust_remote_code)
+        policy = load_policy(opts.run, opts.model, manifest, opts.trust_remote_code)
         run_named = show.run_label(opts.run, recorded)
-    views = show.row_views(root, picks, tokenizer, policy)
+    views = row_views(root, picks, tokenizer, policy)
     if opts.show:
         colour = colour_wanted(sys.stdout)
         echo(show.render_text(views, colour=colour), colour=colour)

@@ -16,7 +16,8 @@ from runtime.cli import heap_settled
 from runtime.placed import Placement, load_placed
 from runtime.placement import describe
 from schemas.encoding import EncodedPair
-from schemas.format import TokenScores, top_k_of
+from schemas.columns import TokenScores
+from schemas.format import top_k_of
 from schemas.rules import stamp_findings, top_k_allowance
 from schemas.stamps import tokenizer_hash
 

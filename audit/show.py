@@ -4,28 +4,23 @@ ends. Each completion token carries its cached reference log-prob and, with a tr
 definition). The token text comes from the tokenizer the cache was made with: its hash is checked against the
 cache's tokenizer_hash stamp before anything is shown. `--show` prints to the console (colour on a terminal);
 `--html` renders one self-contained page (inline CSS, no scripts, no external resources) whose every data text is
-escaped."""
+escaped. What is shown (the rows, their token texts, the policy's values) is gathered by audit/views.py; this module
+renders it."""
 
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import polars as pl
 
-from runtime.errors import JobError
 from runtime.placement import describe
 from runtime.terminal import escaped
 from runtime.terminal import style as styled
-from schemas import format as fmt
 from storage import places
-from schemas.findings import labelled
-from schemas.rules import stamp_findings
-from schemas.stamps import tokenizer_hash
 
 from .checks import PAGE_GENERATOR
+from .views import TOP_ALTERNATIVES, Part, RowView, TopK
 
 # Log-prob bands (lower bound, name): the token's probability >= 1/2, >= 1/10, >= 1/100, below.
 BANDS = ((np.log(0.5), "likely"), (np.log(0.1), "plausible"), (np.log(0.01), "unlikely"), (-np.inf, "surprising"))
@@ -33,234 +28,6 @@ BANDS = ((np.log(0.5), "likely"), (np.log(0.1), "plausible"), (np.log(0.01), "un
 INVALID = "invalid"
 TERMINAL_COLOURS = {"likely": "green", "plausible": "yellow", "unlikely": "magenta", "surprising": "red",
                     INVALID: "cyan"}
-FIND_IDS = ("give a row id (the cache's `id` column: the data's `id` field, or the one precompute-ref gave the row; "
-            "here {some}) or a row index 0..{last}; `audit-ref CACHE --html FILE --all` lists every row with its id")
-TOP_CONTRIBUTIONS = 3
-TOP_ALTERNATIVES = 3  # the reference's alternatives shown per token of a top-k cache
-
-
-@dataclass
-class Part:
-    """One part of a row: its token ids and texts; for a completion the cached reference log-probs and, with a
-    policy, its log-ratios (both None for the prompt, which is not scored)."""
-
-    name: str
-    ids: list[int]
-    texts: list[str]
-    ref: np.ndarray | None = None
-    ratio: np.ndarray | None = None
-    top: "TopK | None" = None  # a top-k cache's distribution at each completion token
-
-
-@dataclass
-class TopK:
-    """A completion's reference distribution as a top-k cache holds it: per token the K most probable ids ([T, K]),
-    their texts and log-probs, the log of the mass outside them (the tail), and with a policy the KL(policy ||
-    reference) over those K tokens and the rest (the bound train-dpo logs as kl/policy_ref)."""
-
-    ids: np.ndarray
-    texts: list[list[str]]
-    logps: np.ndarray
-    tail: np.ndarray
-    kl: np.ndarray | None = None
-
-    @property
-    def mass(self) -> np.ndarray:
-        """The probability the K tokens hold at each position (1 - exp(tail))."""
-        return -np.expm1(self.tail)
-
-    def alternatives(self, j: int, n: int = TOP_ALTERNATIVES) -> list[tuple[str, float]]:
-        """The reference's n most probable tokens at position j: (text, probability)."""
-        return [(self.texts[j][i], float(np.exp(self.logps[j][i]))) for i in range(min(n, len(self.texts[j])))]
-
-
-@dataclass
-class RowView:
-    id: str
-    index: int  # position in the cache (shards in manifest order)
-    shard: str
-    row: int  # row inside the shard
-    prompt: Part
-    chosen: Part
-    rejected: Part
-    chosen_logp: float  # the cached sequence sums
-    rejected_logp: float
-
-    @property
-    def margin(self) -> float:
-        """The reference's margin, chosen minus rejected sequence log-prob."""
-        return self.chosen_logp - self.rejected_logp
-
-    @property
-    def policy_margin(self) -> float | None:
-        """The policy's log-ratio margin (DPO's implicit reward margin over beta), None without a policy."""
-        if self.chosen.ratio is None:
-            return None
-        return float(self.chosen.ratio.sum() - self.rejected.ratio.sum())
-
-    def contributions(self, k: int = TOP_CONTRIBUTIONS) -> list[tuple[str, int, float]]:
-        """The k tokens that move the margin most, (side, position, signed contribution): with a policy its
-        log-ratios (chosen adds, rejected subtracts), else the reference log-probs the same way."""
-        source = "ratio" if self.chosen.ratio is not None else "ref"
-        values = [getattr(self.chosen, source), -getattr(self.rejected, source)]
-        sides = np.repeat(["chosen", "rejected"], [len(v) for v in values])
-        positions = np.concatenate([np.arange(len(v)) for v in values])
-        signed = np.concatenate(values)
-        order = np.argsort(-np.abs(signed), kind="stable")[:k]
-        return [(str(sides[i]), int(positions[i]), float(signed[i])) for i in order]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# what is shown: the verified tokenizer, the rows, the policy
-
-
-def verified_tokenizer(manifest: dict, source: str | None, trust_remote_code: bool = False):
-    """The tokenizer of `source` (a folder), else of the model folder the cache recorded, once its hash is the
-    cache's tokenizer_hash stamp; a JobError saying what to pass otherwise."""
-    from runtime.checkpoint import load_tokenizer
-
-    if source is None:
-        model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
-        recorded = model.get("path")
-        if (not recorded or not Path(recorded).is_dir()) and model.get("hub_id"):  # the hub id, in this HF cache
-            from runtime.hub import resolve
-
-            try:
-                recorded = resolve(model["hub_id"], "model")
-            except JobError:
-                pass
-        if not recorded or not Path(recorded).is_dir():
-            raise JobError(f"the token text needs the tokenizer the cache was made with; its recorded model folder "
-                           f"{recorded!r} is not here: pass --model (or --tokenizer) with that checkpoint")
-        source = recorded
-    tokenizer = load_tokenizer(source, trust_remote_code)
-    differ = stamp_findings(manifest["stamps"], {"tokenizer_hash": tokenizer_hash(tokenizer)})
-    if differ:
-        f = differ[0]
-        hashes = "\n".join(labelled(("this tokenizer", "the cache"), f.expected, f.found))
-        raise JobError(f"{source}: not the tokenizer the cache was made with (tokenizer_hash), so the token text "
-                       f"would be wrong; pass --model (or --tokenizer) with the checkpoint the cache was made with\n"
-                       f"{hashes}")
-    return tokenizer
-
-
-def pick_rows(index: pl.DataFrame, wanted: list[str], cache) -> pl.DataFrame:
-    """The index rows named by `wanted`: each a row id, else a row index (a value that is not an id may list several,
-    comma-separated); an unknown one is a JobError naming it."""
-    numbered = index.with_row_index("index")
-    by_id = dict(zip(numbered["id"].to_list(), numbered["index"].to_list()))
-    picks = []
-    for w in [piece.strip() for given in wanted for piece in ([given] if given in by_id else given.split(","))]:
-        if w in by_id:
-            picks.append(by_id[w])
-        elif w.isdigit() and int(w) < index.height:
-            picks.append(int(w))
-        else:
-            some = ", ".join(map(repr, index["id"].head(3).to_list())) + (", …" if index.height > 3 else "")
-            how = FIND_IDS.format(some=some, last=index.height - 1) if index.height else "it has no readable rows"
-            raise JobError(f"{cache}: no row {w!r} (neither an id nor an index of its {index.height:,} rows); {how}")
-    return numbered[picks]
-
-
-def sample_rows(index: pl.DataFrame, count: int | None, seed: int) -> pl.DataFrame:
-    """A seeded sample of `count` rows in cache order (None: every row)."""
-    numbered = index.with_row_index("index")
-    if count is None or count >= index.height:
-        return numbered
-    return numbered[np.sort(np.random.default_rng(seed).choice(index.height, size=count, replace=False))]
-
-
-def _texts(tokenizer, ids: list[int]) -> list[str]:
-    """Each token's own text (a byte-level piece of a longer character shows as U+FFFD)."""
-    return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def row_views(root: Path, picks: pl.DataFrame, tokenizer, policy=None) -> list[RowView]:
-    """The picked rows (from an audit_cache index, with its `index` column) read from their shards, in the order
-    picked; with `policy` (a model) each completion token's log-ratio."""
-    from runtime.logprobs import reference_logps
-
-    from .cache import shard_rows
-
-    views = {}
-    for (shard,), group in picks.group_by("shard", maintain_order=True):
-        index_of = dict(zip(group["row"].to_list(), group["index"].to_list()))
-        for r in shard_rows(root / shard, group["row"]):
-            r["index"] = index_of[r["row"]]
-            parts = {"prompt": Part("prompt", r["prompt_input_ids"], _texts(tokenizer, r["prompt_input_ids"]))}
-            for side in fmt.SIDES:
-                ids = r[f"{side}_input_ids"]
-                top = _top_k(r, side, tokenizer)
-                ratio = None
-                if policy is not None and top is not None:  # one forward: the log-ratios and the KL
-                    ratio, top.kl = _policy_against(policy, r["prompt_input_ids"], ids, r[f"{side}_logps"], top)
-                elif policy is not None:
-                    policy_logps = reference_logps(policy, r["prompt_input_ids"], ids).cpu().double().numpy()
-                    ratio = policy_logps - np.asarray(r[f"{side}_logps"], np.float64)
-                parts[side] = Part(side, ids, _texts(tokenizer, ids), np.asarray(r[f"{side}_logps"], np.float64), ratio,
-                                   top)
-            views[r["index"]] = RowView(r["id"], r["index"], shard, r["row"], **parts,
-                                        chosen_logp=float(r["chosen_logp"]), rejected_logp=float(r["rejected_logp"]))
-    return [views[i] for i in picks["index"].to_list()]
-
-
-def _top_k(row: dict, side: str, tokenizer) -> TopK | None:
-    """One completion's top-k columns (None for a cache without them), the ids' texts decoded once."""
-    if row.get(f"{side}_top_ids") is None:
-        return None
-    listed = row[f"{side}_top_ids"]
-    width = len(listed[0]) if len(listed) else 0
-    ids = np.asarray(listed, np.int64).reshape(len(listed), width)
-    flat = _texts(tokenizer, ids.ravel().tolist())
-    return TopK(ids, [flat[i * width:(i + 1) * width] for i in range(len(ids))],
-                np.asarray(row[f"{side}_top_logps"], np.float64).reshape(ids.shape),
-                np.asarray(row[f"{side}_tail"], np.float64))
-
-
-def _policy_against(policy, prompt_ids, ids, ref_logps, top: TopK) -> tuple[np.ndarray, np.ndarray]:
-    """The policy's log-ratio at each completion token and its KL(policy || reference) over the reference's K tokens
-    and the rest, from the policy's own distribution (runtime.logprobs.reference_log_softmax, the one definition)."""
-    import torch
-
-    from runtime.logprobs import reference_log_softmax
-
-    logps = reference_log_softmax(policy, prompt_ids, ids).double().cpu()
-    at_tokens = logps.gather(-1, torch.as_tensor(ids)[:, None]).squeeze(-1).numpy()
-    top_ids = torch.as_tensor(top.ids)
-    p_top = logps.gather(-1, top_ids).numpy()
-    p_rest = logps.scatter(-1, top_ids, float("-inf")).logsumexp(-1).numpy()
-    return at_tokens - np.asarray(ref_logps, np.float64), coarse_kl(p_top, p_rest, top.logps, top.tail)
-
-
-def coarse_kl(p_top: np.ndarray, p_rest: np.ndarray, q_top: np.ndarray, q_rest: np.ndarray) -> np.ndarray:
-    """Per position KL(p || q) of two distributions coarsened to K outcomes and the rest (log-probs, [T, K] and [T]):
-    the sum of p (log p - log q) over the outcomes, an outcome p gives no mass counting 0."""
-    lp = np.concatenate([p_top, p_rest[:, None]], 1)
-    lq = np.concatenate([q_top, q_rest[:, None]], 1)
-    with np.errstate(invalid="ignore"):
-        terms = np.where(np.isneginf(lp), 0.0, np.exp(lp) * (lp - lq))
-    return terms.sum(-1)
-
-
-def load_policy(run_dir: str, model_dir: str | None, manifest: dict, trust_remote_code: bool = False):
-    """The policy a train-dpo run left in `run_dir` (its checkpoint, or `model_dir` + its LoRA adapter), in the dtype
-    the cache was computed in, on this machine's device."""
-    from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype
-
-    if (Path(run_dir) / "adapter_config.json").is_file():
-        if not model_dir:
-            raise JobError(f"{run_dir} holds a LoRA adapter: pass --model with its base checkpoint to score the policy")
-        checkpoint = Checkpoint.open(model_dir, trust_remote_code, adapter=run_dir)
-    else:
-        checkpoint = Checkpoint.open(run_dir, trust_remote_code)
-    device = resolve_device("auto")
-    with preserved_rng():
-        return checkpoint.load_model(resolve_dtype((manifest.get("computation") or {}).get("dtype", "float32"),
-                                                   device), device)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# rendering
 
 
 def band(logp: float) -> str:

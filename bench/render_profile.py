@@ -253,7 +253,7 @@ def render_topk_train(T: dict) -> list[str]:
     L += ["", "Where the time went before (profiles below, commit 07b0f2e): the policy's scores at the reference's ids "
           "took a masked copy of each chunk's logits, isneginf / all / where passes over it, a second log-sum-exp, and "
           "in the backward their gradients (each a tensor of the logits' size) summed by autograd. Now "
-          "(runtime/logprobs.py `_Distribution`) the log-probs, the scores at the ids and the tail come from one "
+          "(runtime/distribution.py `_Distribution`) the log-probs, the scores at the ids and the tail come from one "
           "exp(logits - max) with the ids zeroed, and the backward is the closed form in one such tensor; with ids the "
           "head's elementwise work is below the plain log-softmax's, and what is left of a top-k step's extra is "
           "collating the [tokens, K] columns and the [tokens, K + 1] KL arithmetic in the loss."]

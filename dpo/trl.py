@@ -16,7 +16,8 @@ turned on here, so TRL neither loads nor runs a reference model). There, before 
 
 All of it goes through train-dpo's rules (schemas/rules.py use_findings, dpo/verify.py check_values), so the messages
 are train-dpo's. The sums TRL's loss reads are TRL's reduction of the cached per-token values (a plain sum, or with
-`ld_alpha` the shared-length part plus ld_alpha times the rest).
+`ld_alpha` the shared-length part plus ld_alpha times the rest). The reference is hashed in dpo/trl_reference.py,
+TRL's rows are read in dpo/trl_rows.py.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from collections import Counter
 from pathlib import Path
 
 from runtime.terminal import echo
 from runtime import remedies
 from runtime.errors import JobError
+
+from .trl_reference import _folder_of, reference_hash
+from .trl_rows import _after_final_eos, _row_ids, _skipped_by_the_cache, trl_rows
 
 TRL_TESTED = ("1.16.0", "1.17")  # >= first, < second: the TRL versions whose private hooks this module was tested on
 ROW = "refcache_row"
@@ -52,149 +55,6 @@ def _check_trl():
 
 
 _trl = _check_trl()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the reference TRL would have used, hashed
-
-
-def _folder_of(model, what: str) -> str:
-    """The checkpoint folder a model (a path, a hub id, or a model loaded from one) comes from."""
-    from runtime.hub import resolve_model
-
-    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
-    if not name:
-        raise JobError(f"{what} was not loaded from a checkpoint folder (its config names none), so its weights "
-                       "cannot be hashed against the cache; save it (save_pretrained) and load it from there")
-    return resolve_model(str(name))
-
-
-def _same_weights(model, folder: str, what: str) -> None:
-    """A model passed in memory still holds its folder's weights (in the dtype it was loaded in): the cache's model
-    hash is the folder's, so a model changed after loading would be another reference. Compared, never run."""
-    import torch
-    from safetensors import safe_open
-
-    from schemas.stamps import weight_files
-
-    state = {k: v for k, v in model.state_dict().items()}
-    unknown = []
-    for path in weight_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                held = state.get(name)
-                if held is None:
-                    unknown.append(name)
-                    continue
-                stored = f.get_tensor(name).to(held.dtype)
-                if stored.shape != held.shape or not torch.equal(stored, held.detach().to("cpu")):
-                    raise JobError(f"model_hash mismatch: {what} differs from its checkpoint folder {folder} in "
-                                   f"tensor {name!r} (changed after loading), so it is not the model the folder's "
-                                   "hash names; save it (save_pretrained) and make the cache from that folder")
-    if unknown:
-        raise JobError(f"{what}: the tensors of {folder} are stored under other names than the model's (first: "
-                       f"{unknown[0]!r}), so refcache cannot compare them with the model in memory; pass the model "
-                       "as its folder path")
-
-
-def reference_hash(model, ref_model, peft_config) -> tuple[str, str]:
-    """(folder, model hash) of the reference TRL would use: `ref_model` if given, else the policy's starting weights
-    (with peft_config: the base, the adapter disabled)."""
-    from schemas.stamps import model_hash
-
-    if ref_model is not None:
-        folder = _folder_of(ref_model, "ref_model")
-        _same_weights(ref_model, folder, "ref_model")
-        return folder, model_hash(folder)
-    if _is_peft(model):
-        raise JobError("model is a PeftModel with an adapter loaded: TRL's reference is then a copy of that adapter, "
-                       "which refcache cannot hash; merge it (merge_and_unload), save the merged checkpoint and pass "
-                       "its folder as model with peft_config (precompute-ref --model MERGED makes the cache)")
-    folder = _folder_of(model, "model")
-    if not isinstance(model, str):
-        _same_weights(model, folder, "model")
-    return folder, model_hash(folder)
-
-
-def _is_peft(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# TRL's rows: ids as its collator truncates them
-
-
-def trl_rows(dataset, collator, batch: int = 256) -> list[tuple[list[int], list[int], list[int]]]:
-    """(prompt_ids, chosen_ids, rejected_ids) of every processed row as TRL's collator gives them to the model
-    (truncated, unpadded). TRL's keep_end truncation cuts chosen and rejected apart; a row whose two prompts then
-    differ cannot be one cached pair and is refused."""
-    out = []
-    columns = ["prompt_ids", "chosen_ids", "rejected_ids"]
-    for start in range(0, len(dataset), batch):
-        chunk = dataset.select_columns(columns)[start:start + batch]
-        examples = [dict(zip(columns, values)) for values in zip(*(chunk[c] for c in columns))]
-        b = collator(examples)
-        ids, attention, completion = (b[k].tolist() for k in ("input_ids", "attention_mask", "completion_mask"))
-        n = len(examples)
-        for i in range(n):
-            sides = []
-            for j in (i, n + i):
-                seq = [t for t, a in zip(ids[j], attention[j]) if a]
-                mask = completion[j][:len(seq)]
-                first = mask.index(1) if 1 in mask else len(mask)
-                sides.append((seq[:first], seq[first:]))
-            (prompt, chosen), (prompt_r, rejected) = sides
-            if prompt != prompt_r:
-                raise JobError(f"row {start + i} of the dataset: TRL's truncation (truncation_mode keep_end) cut the "
-                               "prompt differently before chosen and rejected, and a cache holds one prompt per pair; "
-                               "use truncation_mode keep_start, or a max_length that fits the row")
-            out.append((prompt, chosen, rejected))
-    return out
-
-
-def _after_final_eos(ids: list[int], eos) -> list[int]:
-    """The tokens after the last EOS (what TRL scores of a chat template's text after the completion's end)."""
-    if eos is None or eos not in ids:
-        return []
-    return ids[len(ids) - ids[::-1].index(eos):]
-
-
-def _row_ids(dataset, columns) -> list[str]:
-    """refcache's id of each row, as precompute-ref names it (its `id` column, else a hash of its content)."""
-    from runtime.data import _clean
-    from schemas.encoding import rename_columns, row_id
-
-    return [row_id(_clean(rename_columns(row, columns))) for row in dataset]
-
-
-def _skipped_by_the_cache(error, cache, checks: dict):
-    """Rows missing because the cache's precompute-ref left them out as bad rows (--on-bad-row skip, listed in its
-    skipped.jsonl, e.g. special-token text, which TRL would read as control tokens): say so, and which remedy."""
-    from schemas.format import SKIPPED
-
-    try:
-        listed = [json.loads(line) for line in (cache.root / SKIPPED).read_text(encoding="utf-8").splitlines()
-                  if line.strip()]
-    except (OSError, ValueError):
-        return error
-    cached = set(cache.index.column("id").to_pylist())
-    bad = [s for s in listed if isinstance(s, dict) and s.get("id") in checks and s.get("id") not in cached]
-    if not bad:
-        return error
-    reasons = ", ".join(f"{r}: {n}" for r, n in sorted(Counter(s.get("reason") for s in bad).items()))
-    return type(error)(error.kind, f"{error.message}; {len(bad)} of them were left out by precompute-ref as bad rows "
-                       f"({reasons}; listed in its {SKIPPED}), which TRL would train on as they are",
-                       remedy="remove those rows from the dataset (refcache refuses them: e.g. special-token text "
-                              "would be read as control tokens), or fix them and re-run precompute-ref",
-                       expected=error.expected, found=error.found)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the trainer
 
 
 TRL_REMEDIES = {

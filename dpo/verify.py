@@ -23,7 +23,8 @@ from schemas import history
 from schemas.encoding import EncodingConfig
 from schemas.cache import Cache, open_cache
 from schemas.findings import CacheError
-from schemas.format import per_token_columns, top_k_of
+from schemas.columns import per_token_columns
+from schemas.format import top_k_of
 from schemas.rules import top_k_findings, use_findings, value_findings
 from schemas.stamps import model_hash, tokenizer_hash, tokenizer_parts
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from schemas.encoding import EncodedPair
-from schemas.format import TokenScores
+from schemas.columns import TokenScores
 
 from .logprobs import reference_logps, reference_scores, reference_top_k, unwrap
 from .tolerance import probe_tolerance

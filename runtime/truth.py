@@ -19,7 +19,7 @@ import inspect
 import numpy as np
 import torch
 
-from schemas.format import TokenScores
+from schemas.columns import TokenScores
 
 from .tolerance import truth_tolerance
 from .logprobs import (CHUNK_ELEMENTS, _at_tokens, _top_k, input_device, reference_logps, reference_scores,

@@ -21,6 +21,9 @@ Data text is data, and none of it is dropped: a row holding the text of a specia
 as that control token, and an EOS in a completion would end it there), every field of a message and the row's
 `tools` / `chat_template_kwargs` reach the chat template (a field the template does not render is refused), and a
 template that fails on a row makes a bad row. Rows without such text are tokenized exactly as before.
+
+The row's fields are checked and read in `rows.py`, the special-token rule is `special_tokens.py`, the chat
+template's calls are `chat_template.py`; the config, the rendering and the tokenization are here.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import dataclasses
 import functools
 import hashlib
 import json
-import weakref
 from dataclasses import dataclass
-from typing import Any
+
+from .chat_template import ChatTemplateError, _apply_template, _check_rendered, _template_inputs  # noqa: F401  (ChatTemplateError: re-exported for the tests)
+from .rows import ROLES, BadRowError, _data_texts, _text, parse_row  # noqa: F401  (ROLES: re-exported for the tests)
+from .special_tokens import _refuse_formed_controls, refuse_control_text
 
 TRUNCATION_MODES = ("keep_start", "keep_end", "error")
 # "tokenizer": follow the tokenizer's own special tokens for plain text and the template for templated text.
@@ -41,7 +46,6 @@ CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 # where a chat-templated completion ends: at its final EOS (refcache's own), or where the template's text ends (TRL's
 # DPOTrainer, which scores whatever the template writes after the EOS, e.g. a newline)
 COMPLETION_END_MODES = ("eos", "template")
-ROLES = ("system", "user", "assistant", "tool")
 # the columns the encoder reads, in the order a column mapping is written
 COLUMNS = ("id", "prompt", "chosen", "rejected", "tools", "chat_template_kwargs")
 
@@ -94,15 +98,6 @@ def rename_columns(row: dict, columns: str | None) -> dict:
     sources = set(mapping.values())
     kept = {k: v for k, v in row.items() if k not in sources and k not in mapping}
     return {**kept, **{target: row.get(column) for target, column in mapping.items()}}
-
-
-class BadRowError(ValueError):
-    """A preference row that cannot be encoded. `reason` is a short stable key used to count skips."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -207,330 +202,12 @@ def row_id(row: dict) -> str:
     return "sha256:" + hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-def _text(value: str, what: str) -> str:
-    """`value` if it is valid Unicode text (JSON's \\ud800 escapes can produce lone surrogates, which no tokenizer or
-    Parquet file accepts)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadRowError(
-            "bad_text", f"{what} is not valid Unicode text (lone surrogate {value[e.start]!r} at character {e.start})"
-        ) from None
-    return value
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# row validation and prompt extraction
-
-
-def _check_value(value: Any, where: str) -> None:
-    """A message field other than role/content: what JSON holds (the template reads it), its text valid Unicode."""
-    if isinstance(value, str):
-        _text(value, where)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_value(v, f"{where}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise BadRowError("bad_type", f"{where} has a key of type {type(k).__name__}, not text")
-            _text(k, f"a key of {where}")
-            _check_value(v, f"{where}.{k}")
-    elif value is not None and not isinstance(value, (bool, int, float)):
-        raise BadRowError("bad_type", f"{where} is {type(value).__name__}, which JSON cannot hold")
-
-
-def _check_messages(value: Any, field: str) -> list[dict]:
-    """The messages with every field they carry, so that the chat template sees all of them (a field it does not
-    render is refused in `_render`). A null field is left out: loaders fill a key that only some messages have
-    with null in the others, and a template may test for the key."""
-    if not value:
-        raise BadRowError("empty_field", f"'{field}' is an empty message list")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise BadRowError("bad_message", f"'{field}'[{i}] is not a {{'role', 'content'}} message")
-        if m["role"] not in ROLES:
-            raise BadRowError("bad_role", f"'{field}'[{i}] has role {m['role']!r}; expected one of {ROLES}")
-        if not isinstance(m["content"], str):
-            raise BadRowError("bad_type", f"'{field}'[{i}].content is {type(m['content']).__name__}, not text")
-        _text(m["content"], f"'{field}'[{i}].content")
-        for key, v in m.items():
-            if key not in ("role", "content"):
-                if not isinstance(key, str):
-                    raise BadRowError("bad_type", f"'{field}'[{i}] has a key of type {type(key).__name__}")
-                _check_value(v, f"'{field}'[{i}].{key}")
-        out.append({"role": m["role"], "content": m["content"],
-                    **{k: v for k, v in m.items() if k not in ("role", "content") and v is not None}})
-    return out
-
-
-def _field(row: dict, key: str):
-    value = row.get(key)
-    if value is None:
-        # "or null": loaders fill a key missing from some rows with null, so the two cannot be told apart here
-        raise BadRowError("missing_field", f"row has no '{key}' value (missing or null; keys: {sorted(row)})")
-    if isinstance(value, str):
-        if not value.strip():
-            raise BadRowError("empty_field", f"'{key}' is an empty string")
-        return _text(value, f"'{key}'")
-    if isinstance(value, list):
-        return _check_messages(value, key)
-    raise BadRowError("bad_type", f"'{key}' is {type(value).__name__}; expected a string or a list of messages")
-
-
-def _data_texts(value, where: str):
-    """(where, text) for every string of a row field that reaches the tokenizer, message fields and keys included."""
-    if isinstance(value, str):
-        yield where, value
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _data_texts(v, f"{where}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _data_texts(k, f"a key of {where}")
-            yield from _data_texts(v, f"{where}.{k}")
-
-
-_CONTROLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its added tokens' state, texts)
-
-
-def control_tokens(tokenizer) -> list[str]:
-    """The texts the tokenizer reads as control tokens: its named special tokens (bos, eos, pad, ... and the
-    additional ones) and every added token flagged special. Added tokens that are not special are ordinary
-    vocabulary (the tokenizer reads them in any text, as it did when the model was trained) and are not listed."""
-    state = (len(tokenizer), tuple(str(getattr(tokenizer, f"{k}_token", None)) for k in ("bos", "eos", "pad", "unk")))
-    try:
-        cached = _CONTROLS.get(tokenizer)
-    except TypeError:  # not weakly referable: listed every time
-        cached = None
-    if cached is not None and cached[0] == state:  # listing them costs about 1 ms for a tokenizer with 250 of them
-        return cached[1]
-    texts = dict.fromkeys(str(t) for t in tokenizer.all_special_tokens)
-    for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
-        if token.special:
-            texts[token.content] = None
-    texts = [t for t in texts if t]
-    try:
-        _CONTROLS[tokenizer] = (state, texts)
-    except TypeError:
-        pass
-    return texts
-
-
-def control_ids(tokenizer) -> dict[int, str]:
-    """The ids of `control_tokens`, with their texts."""
-    ids = {}
-    for text in control_tokens(tokenizer):
-        i = tokenizer.convert_tokens_to_ids(text)
-        if isinstance(i, int) and i >= 0:
-            ids.setdefault(i, text)
-    return ids
-
-
-def _normalized(tokenizer, text: str) -> str:
-    """`text` after the tokenizer's own normaliser (itself when it has none)."""
-    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
-    return normalizer.normalize_str(text) if normalizer is not None else text
-
-
-def control_spans(tokenizer, texts: list[str]) -> list[list[tuple[int | None, int | None, str]]]:
-    """THE special-token rule: per text, the control tokens the tokenizer reads in it, (start, end, token text), found
-    by encoding the text itself (add_special_tokens=False) and looking for control ids, so the tokenizer's own
-    normalisation, pre-tokenisation and added-token matching decide, never a comparison of raw strings. start/end:
-    the characters of `text` the token came from (None where the tokenizer gives no offsets). An unknown character
-    read as the unk token is vocabulary, not control text: the unk id counts only where its characters are the unk
-    token's text (after normalisation)."""
-    if not texts:
-        return []
-    controls = control_ids(tokenizer)
-    unk = getattr(tokenizer, "unk_token_id", None)
-    offsets = bool(getattr(tokenizer, "is_fast", False))
-    encoded = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=offsets)
-    out = []
-    for n, text in enumerate(texts):
-        spans, cursor = [], 0
-        for k, i in enumerate(encoded["input_ids"][n]):
-            token = controls.get(i)
-            if token is None:
-                continue
-            start, end = encoded["offset_mapping"][n][k] if offsets else (None, None)
-            if i == unk and (start is None or _normalized(tokenizer, text[start:end]) != _normalized(tokenizer, token)):
-                continue
-            if start is None and text.find(token, cursor) >= 0:  # no offsets: the raw text's next occurrence
-                start = text.find(token, cursor)
-                end = cursor = start + len(token)
-            spans.append((start, end, token))
-        out.append(spans)
-    return out
-
-
-def refuse_control_text(row: dict, tokenizer) -> None:
-    """Data text is data: a special token's text inside a row would be read as that control token (an EOS in a
-    completion would end it there). The tokenizer cannot be told which parts of a rendered chat template are the
-    template's own tokens and which are message text, so such a row is refused, naming the field and the token. What
-    counts is what the tokenizer reads in each data string alone (`control_spans`: its ids, after its normalisation),
-    so text that becomes a control token only once normalised (a fullwidth '＜/s＞' under NFKC) is refused too."""
-    texts = [(where, text) for key in ("prompt", "chosen", "rejected", "tools", "chat_template_kwargs")
-             for where, text in _data_texts(row.get(key), f"'{key}'")]
-    for (where, text), spans in zip(texts, control_spans(tokenizer, [t for _, t in texts])):
-        if spans:
-            start, end, token = spans[0]
-            source = text[start:end] if start is not None else token
-            read = "" if source == token else f" (which the tokenizer reads as {token!r})"
-            at = f", at character {start}" if start is not None else ""
-            raise BadRowError(
-                "special_token_text",
-                f"{where} contains {source!r}{read}, the text of the tokenizer's special token (id "
-                f"{tokenizer.convert_tokens_to_ids(token)}){at}; data text is never read as control tokens: remove it "
-                "(refcache ends every completion with EOS itself)")
-
-
-def _refuse_formed_controls(text: str, data: list[tuple[str, str]], tokenizer) -> None:
-    """No control token may be formed across the edge of message text in the rendered template (text "<|us" in one
-    message and "er|>" in the next): each (where, message string) of `data` found in `text` must not partly overlap a
-    control token the tokenizer reads in `text` (control_spans). (An occurrence wholly inside a control token's text
-    is a coincidence, not the message.)"""
-    spans = [(a, b, token) for a, b, token in control_spans(tokenizer, [text])[0] if a is not None]
-    if not spans:
-        return
-    for where, value in data:
-        value = value.strip()  # as templates that trim message text render it
-        start = text.find(value) if value else -1
-        while start >= 0:
-            end = start + len(value)
-            for a, b, token in spans:
-                if a < end and start < b and not (a <= start and end <= b):
-                    raise BadRowError("special_token_text", f"{where} and the text next to it in the rendered chat "
-                                                            f"template form {token!r}, the text of the tokenizer's "
-                                                            "special token; data text is never read as control tokens")
-            start = text.find(value, start + 1)
-
-
-def _split_implicit_prompt(chosen, rejected):
-    """TRL's implicit-prompt format: the prompt is the longest common prefix of chosen and rejected."""
-    if isinstance(chosen, list):
-        n = 0
-        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-            n += 1
-        if n == 0:
-            raise BadRowError("no_common_prompt", "chosen and rejected share no leading messages")
-        return chosen[:n], chosen[n:], rejected[n:]
-    n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-        n += 1
-    # Back up to the last whitespace so the completions start on a word boundary (the space goes with them).
-    cut = max(chosen.rfind(" ", 0, n), chosen.rfind("\n", 0, n)) if n < min(len(chosen), len(rejected)) else n
-    cut = cut if cut > 0 else n
-    if cut == 0:
-        raise BadRowError("no_common_prompt", "chosen and rejected share no common prefix")
-    return chosen[:cut], chosen[cut:], rejected[cut:]
-
-
-def parse_row(row: dict):
-    """Validate a row and return (prompt, chosen, rejected, conversational)."""
-    if not isinstance(row, dict):
-        raise BadRowError("bad_type", f"row is {type(row).__name__}, not an object")
-    chosen, rejected = _field(row, "chosen"), _field(row, "rejected")
-    if type(chosen) is not type(rejected):
-        raise BadRowError("mixed_format", "'chosen' and 'rejected' mix strings and message lists")
-    if "prompt" not in row:
-        prompt, chosen, rejected = _split_implicit_prompt(chosen, rejected)
-    else:
-        prompt = _field(row, "prompt")
-        if type(prompt) is not type(chosen):
-            raise BadRowError("mixed_format", "'prompt' and the completions mix strings and message lists")
-    conversational = isinstance(chosen, list)
-    for name, comp in (("chosen", chosen), ("rejected", rejected)):
-        if not comp or (isinstance(comp, str) and not comp.strip()):
-            raise BadRowError("empty_completion", f"'{name}' completion is empty")
-        if conversational and any(m["role"] != "assistant" for m in comp):
-            raise BadRowError("bad_role", f"'{name}' completion must hold assistant messages only")
-    return prompt, chosen, rejected, conversational
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # tokenization
 
 
-def _template_inputs(row: dict, tokenizer) -> dict:
-    """What the row gives the chat template besides its messages, as TRL reads it: `tools` (a list of tool schemas,
-    or that list as a JSON string) and `chat_template_kwargs` (a mapping of template variables)."""
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except ValueError as e:
-            raise BadRowError("bad_type", f"'tools' is a string but not JSON ({e})") from None
-    if tools is not None and not isinstance(tools, list):
-        raise BadRowError("bad_type", f"'tools' is {type(tools).__name__}; expected a list of tool schemas")
-    _check_value(tools, "'tools'")
-    kwargs = row.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise BadRowError("bad_type", f"'chat_template_kwargs' is {type(kwargs).__name__}; expected a mapping")
-    _check_value(kwargs, "'chat_template_kwargs'")
-    kwargs = {k: v for k, v in (kwargs or {}).items() if v is not None}
-    if kwargs:
-        import inspect
-
-        reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters) & set(kwargs)
-        if reserved:
-            raise BadRowError("bad_type", f"'chat_template_kwargs' sets {sorted(reserved)}, which are arguments of "
-                                          "apply_chat_template, not template variables")
-    return {**({"tools": tools} if tools else {}), **kwargs}
-
-
 def _uses_template(conversational: bool, config: EncodingConfig) -> bool:
     return config.chat_template == "on" or (config.chat_template == "auto" and conversational)
-
-
-class ChatTemplateError(ValueError):
-    """The tokenizer's chat template cannot be used at all (it is not valid Jinja): an error for the whole job."""
-
-
-def _apply_template(tokenizer, messages: list[dict], inputs: dict, **kwargs) -> str:
-    """The template's text for `messages`. A template that fails on this row (its own raise_exception, a sandbox
-    violation, an error on these values) makes a bad row; one that does not compile fails the job."""
-    import jinja2
-
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, **inputs, **kwargs)
-    except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(
-            f"the chat template of the tokenizer {getattr(tokenizer, 'name_or_path', '') or '(in memory)'} is not "
-            f"valid Jinja (line {e.lineno}: {e.message}); fix chat_template.jinja / tokenizer_config.json in the "
-            "model folder") from None
-    except Exception as e:
-        raise BadRowError("template_error", f"the chat template failed on this row ({type(e).__name__}: "
-                                            f"{str(e).splitlines()[0][:300] if str(e) else 'no message'})") from None
-
-
-def _empty(value) -> bool:
-    return value is None or (isinstance(value, (str, list, dict)) and not value)
-
-
-def _check_rendered(tokenizer, prompt: list[dict], completion: list[dict], inputs, full_text: str, field_of) -> None:
-    """Every non-empty message field besides role/content, and the row's tools, must change what the template
-    renders: a field the template leaves out would be dropped silently. (chat_template_kwargs are settings, which
-    may well equal the template's defaults: they are passed, not checked.)"""
-    conversation = prompt + completion
-    for i, m in enumerate(conversation):
-        for key in m:
-            if key in ("role", "content") or _empty(m[key]):
-                continue
-            without = [*conversation[:i], {k: v for k, v in m.items() if k != key}, *conversation[i + 1 :]]
-            try:
-                dropped = _apply_template(tokenizer, without, inputs) == full_text
-            except BadRowError:  # the template needs the field (it fails without it): it is used
-                dropped = False
-            if dropped:
-                raise BadRowError("field_not_rendered", f"{field_of(i)}.{key} is not rendered by the chat template, "
-                                                        "so it would be dropped; remove it or use a template that "
-                                                        "renders it")
-    if "tools" in inputs and _apply_template(tokenizer, conversation, {k: v for k, v in inputs.items()
-                                                                      if k != "tools"}) == full_text:
-        raise BadRowError("field_not_rendered", "'tools' is not rendered by the chat template, so it would be "
-                                                "dropped; remove it or use a template that renders it")
 
 
 def _render(tokenizer, prompt, completion, conversational: bool, config: EncodingConfig, inputs: dict,

@@ -2,7 +2,8 @@
 
 Writers use `shard_table`, `write_shard` and `write_manifest` (both atomic: temp file, fsync, rename). The pieces a
 reader is made of are here too (`read_manifest`, `shard_path`, `read_footer`, `read_columns`); the reader itself is
-`schemas/cache.py` (`open_cache`), which judges them by the rules of `schemas/rules.py`.
+`schemas/cache.py` (`open_cache`), which judges them by the rules of `schemas/rules.py`. The columns a shard holds are
+`schemas/columns.py`'s, the 16-bit codes of its top-k log-probs `schemas/logp_codes.py`'s.
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ import pyarrow.parquet as pq
 from storage import places, reads, writes
 from storage.files import atomic_write
 
-from .encoding import EncodingConfig, row_mask_checksum
 from .absent import absent_cache
+from .columns import (PER_TOKEN, SIDES, TOP_K_COLUMNS, Column, TokenScores, _list_array, _nested_array, shard_columns,
+                      shard_schema)
+from .columns import SHARD_SCHEMA, per_token_columns  # noqa: F401  (re-exported for the tests)
+from .encoding import EncodingConfig, row_mask_checksum
+from .logp_codes import _code_steps, _code_values, decode_logps, encode_logps, normalised_top_k
+from .logp_codes import LOGP_ERROR  # noqa: F401  (re-exported for the tests)
 from .findings import RERUN, CacheError, StampMismatch  # noqa: F401  (re-exported)
 from .stamps import canonical_json, combined_mask_checksum, ids_checksum
 
@@ -35,9 +41,6 @@ SHARD_ENTRY = ("file", "rows", "bytes", "sha256", "mask_checksum", "ids_checksum
 META_PREFIX = "refcache."
 SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.parquet$")
 
-SIDES = ("chosen", "rejected")
-PER_TOKEN = ("logps",)  # per-token scores every cache holds: shard columns f"{side}_{suffix}"
-TOP_K_COLUMNS = ("top_ids", "top_logps", "tail")  # and those a cache made with --top-k K > 0 holds
 COMPUTATION_DEFAULTS = {"top_k": 0}  # a computation key a cache may leave out, and what its absence means
 # computation keys that say where or how the model ran, not what it computed (the layout of --device-map or --tp-size,
 # --torch-compile's compiled and compile_choice (why compiled or not), the number --token-budget auto came to on this machine's memory: the request `auto`
@@ -50,76 +53,6 @@ COMPUTATION_NOTES = ("layout", "token_budget_resolved", "compiled", "compile_cho
 # (one the new rows can use, e.g. full_forward for rows longer than a sliding window): their manifest entries then
 # carry their own `computation`, which differs from the manifest's in these keys only
 MODE_KEYS = ("mode", "batching")
-
-
-@dataclass(frozen=True)
-class Column:
-    """One shard column: `logical` is what `read_columns` returns, `physical` what the file stores (they differ
-    only where storage is chosen for size); `dictionary`: Parquet dictionary encoding of its values, `split`:
-    BYTE_STREAM_SPLIT encoding of its values (floats), `nested`: values are stored flat, K per token."""
-
-    name: str
-    logical: pa.DataType
-    physical: pa.DataType | None = None
-    dictionary: bool = False
-    split: bool = False
-    nested: bool = False
-    codec: str | None = None  # "logp16": log-probs as 16-bit codes (encode_logps)
-    level: int | None = None  # a zstd level other than the writer's default (1)
-
-    @property
-    def stored(self) -> pa.DataType:
-        return self.physical or self.logical
-
-
-TOP_K_LEVEL = 9  # zstd level of the top-k ids and log-probs: 4-5% smaller than 1, about 4 us per token to write
-
-
-def _ints():
-    return pa.list_(pa.int32())
-
-
-def _per_token(suffix: str) -> list[Column]:
-    """The chosen and rejected column of one per-token score."""
-    kinds = {
-        "logps": dict(logical=pa.list_(pa.float32())),
-        # ids: dictionary-encoded (indices bit-packed to the distinct ids of a row group), K per token stored flat
-        "top_ids": dict(logical=pa.list_(pa.list_(pa.int32())), physical=pa.list_(pa.int32()), dictionary=True,
-                        nested=True, level=TOP_K_LEVEL),
-        # log-probs: 16-bit codes, error <= 2**-12 nats down to -24 (encode_logps; FORMAT.md: what it does to a
-        # KL), byte-split
-        "top_logps": dict(logical=pa.list_(pa.list_(pa.float32())), physical=pa.list_(pa.uint16()), split=True,
-                          nested=True, codec="logp16", level=TOP_K_LEVEL),
-        "tail": dict(logical=pa.list_(pa.float32())),
-    }
-    return [Column(f"{side}_{suffix}", **kinds[suffix]) for side in SIDES]
-
-
-def shard_columns(top_k: int = 0) -> list[Column]:
-    """THE list of a shard's columns, for a cache made with `--top-k top_k` (0: none of the top-k columns)."""
-    return [
-        Column("id", pa.string()),
-        *[Column(f"{part}_input_ids", _ints(), dictionary=True) for part in ("prompt", *SIDES)],
-        *[c for suffix in per_token_suffixes(top_k) for c in _per_token(suffix)],
-        Column("chosen_logp", pa.float64()),
-        Column("rejected_logp", pa.float64()),
-        Column("mask_checksum", pa.string()),
-    ]
-
-
-def per_token_suffixes(top_k: int = 0) -> tuple[str, ...]:
-    """The per-token scores of a cache made with --top-k top_k."""
-    return PER_TOKEN + (TOP_K_COLUMNS if top_k else ())
-
-
-def per_token_columns(top_k: int = 0) -> list[str]:
-    """The shard's per-token columns (f"{side}_{suffix}"), aligned token for token with its completion ids."""
-    return [f"{side}_{suffix}" for suffix in per_token_suffixes(top_k) for side in SIDES]
-
-
-def shard_schema(top_k: int = 0) -> pa.Schema:
-    """The schema stored in a shard of a cache made with --top-k top_k."""
-    return pa.schema([(c.name, c.stored) for c in shard_columns(top_k)])
 
 
 def scored_computation(computation):
@@ -142,132 +75,8 @@ def top_k_of(computation) -> int:
     return k if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else 0
 
 
-SHARD_SCHEMA = shard_schema(0)
-
-
-@dataclass
-class TokenScores:
-    """One shape for the per-token scores of a completion (or of a flat batch of them): `logps` [T] and, with a
-    top-k, `top_ids` [T, K], `top_logps` [T, K] and `tail` [T]. Fields are PER_TOKEN + TOP_K_COLUMNS; numpy or
-    torch values alike."""
-
-    logps: object
-    top_ids: object = None
-    top_logps: object = None
-    tail: object = None
-
-    def fields(self) -> dict:
-        """The scores it holds, by suffix."""
-        return {k: getattr(self, k) for k in PER_TOKEN + TOP_K_COLUMNS if getattr(self, k) is not None}
-
-    def map(self, fn) -> TokenScores:
-        """Every score it holds, through `fn` (a slice, a device move, a conversion)."""
-        return TokenScores(**{k: fn(v) for k, v in self.fields().items()})
-
-    @classmethod
-    def join(cls, parts: list[TokenScores], cat) -> TokenScores:
-        """Parts of one completion (or batch), token after token; `cat`: numpy's or torch's concatenate."""
-        return cls(**{k: cat([p.fields()[k] for p in parts]) for k in parts[0].fields()})
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # writing
-
-
-def _list_array(values: list, value_type) -> pa.ListArray:
-    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
-    offsets = np.zeros(len(values) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate([np.asarray(v) for v in values]) if values else np.zeros(0)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(value_type.to_pandas_dtype())))
-
-
-LOGP_STEP = 2.0**-11  # code step: absolute (nats) above LOGP_FIXED, of log(-logp) below it
-LOGP_FIXED = 24.0  # log-probs in [-24, 0]: fixed point; below: logarithmic (relative error)
-LOGP_ERROR = LOGP_STEP / 2  # the stored error bound: absolute above -24, relative (of |logp|) below
-_LOG_START = round(LOGP_FIXED / LOGP_STEP)  # 49152, the first logarithmic code
-_NEG_INF = 2**16 - 1
-
-
-def encode_logps(values) -> np.ndarray:
-    """Log-probs (<= 0) as uint16 codes: c = round(-v / step) for v >= -24 (error <= 2**-12 nats), then
-    49152 + round(log(-v / 24) / step) (relative error <= 2**-12) down to about -71500, where it saturates; 65535 is
-    -inf. Probabilities of log-probs below -24 are under 4e-11, so a KL term they enter (p x logp) moves by less
-    than their relative error of what it already is."""
-    v = np.asarray(values, np.float64)
-    if np.isnan(v).any():
-        raise ValueError("a top-k log-prob is NaN")
-    a = np.maximum(-v, 0.0)  # a log-prob rounded above 0 is 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        log_part = _LOG_START + np.rint(np.log(np.maximum(a, LOGP_FIXED) / LOGP_FIXED) / LOGP_STEP)
-    code = np.where(a < LOGP_FIXED, np.rint(a / LOGP_STEP), log_part)
-    return np.where(np.isinf(a), _NEG_INF, np.minimum(code, _NEG_INF - 1)).astype(np.uint16)
-
-
-def decode_logps(codes) -> np.ndarray:
-    """The float32 log-probs of `encode_logps`' codes."""
-    c = np.asarray(codes).astype(np.float64)
-    v = np.where(c < _LOG_START, -c * LOGP_STEP, -LOGP_FIXED * np.exp((c - _LOG_START) * LOGP_STEP))
-    return np.where(c == _NEG_INF, -np.inf, v).astype(np.float32)
-
-
-# How far the true top-k mass plus the tail's may be from 1 before any code is rounded: float32 log_softmax and
-# log-sum-exp of the same logits agree within about 1e-6 (tests/precompute/test_topk.py); 1e-5 leaves room.
-MASS_SLACK = 1e-5
-
-
-def code_allowance(decoded) -> np.ndarray:
-    """How far a decoded log-prob may be from the value it was encoded from, as the top-k rules state it: 2.45e-4 x
-    max(1, |v|) (the codes' error is at most LOGP_ERROR above -24 and 2.45e-4 of |v| below), plus the float32
-    rounding of a decoded value (2e-6); 0 for -inf (stored exactly)."""
-    a = np.abs(np.asarray(decoded, np.float64))
-    return np.where(np.isfinite(a), 2.45e-4 * np.maximum(1.0, a) + 2e-6, 0.0)
-
-
-def mass_allowance(top_logps, tail) -> np.ndarray:
-    """Per position ([T, K] decoded log-probs, [T] tails), how far their mass plus the tail's may be from 1 when each
-    value is within `code_allowance` of a true one and the true mass is 1 within MASS_SLACK:
-    sum_i exp(v_i) exp(a_i) (exp(a_i) - 1) + MASS_SLACK (exp(v_i + a_i) bounds the true p_i)."""
-    v = np.asarray(top_logps, np.float64)
-    a = code_allowance(v)
-    with np.errstate(invalid="ignore", over="ignore"):
-        return (np.exp(v + a) * np.expm1(a)).sum(-1) + MASS_SLACK
-
-
-def normalised_top_k(top_logps, tail) -> tuple[np.ndarray, np.ndarray]:
-    """The decoded top-k log-probs ([T, K]) and tails ([T]) less log Z per position, Z their mass plus the tail's
-    (float64), so that the distribution they stand for sums to 1 (within float32 rounding) wherever the codes'
-    rounding explains how far Z is from 1 (`mass_allowance`). Why: a KL against a distribution of mass Z is off by
-    about log Z (first order, up to 2.4e-4 nats per token), against a normalised one of the same accuracy by half the
-    variance of the rounding (under 3e-8). A position the rounding cannot explain (a damaged value or tail) is
-    returned as decoded, so the top-k rules (schemas/rules.py `top_k_mass`) still see and name it."""
-    v = np.asarray(top_logps, np.float64)
-    t = np.asarray(tail, np.float64)
-    every = np.concatenate([v, t[:, None]], axis=1)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        top = np.max(every, axis=1, initial=-np.inf)
-        log_z = top + np.log(np.exp(every - np.where(np.isfinite(top), top, 0.0)[:, None]).sum(1))
-        explained = np.isfinite(log_z) & (np.abs(np.expm1(log_z)) <= mass_allowance(v, t))
-    shift = np.where(explained, log_z, 0.0)
-    return (v - shift[:, None]).astype(np.float32), (t - shift).astype(np.float32)
-
-
-def _code_steps(codes: np.ndarray) -> np.ndarray:
-    """Per token, the first code and then each code's step from the one before, modulo 2**16 (lossless whatever
-    the order; a descending top-k's steps are small and non-negative, which zstd packs tighter than the codes)."""
-    steps = codes.astype(np.int64)
-    steps[..., 1:] = np.diff(steps, axis=-1)
-    return (steps % 2**16).astype(np.uint16)
-
-
-def _code_values(steps: np.ndarray) -> np.ndarray:
-    """The codes of `_code_steps`' steps ([tokens, K])."""
-    return (np.cumsum(steps.astype(np.int64), axis=-1) % 2**16).astype(np.uint16)
-
-
-def _nested_array(values: list, value_type) -> pa.ListArray:
-    """Per-row [T, K] values stored flat (T x K per row)."""
-    return _list_array([np.asarray(v).reshape(-1) for v in values], value_type)
 
 
 def _scores(value, suffix: str):

@@ -31,6 +31,7 @@ from .card import DEFINED, card_metadata, read_card_metadata
 from .format import TOP_K_COLUMNS
 from .encoding import EncodingConfig, row_mask_checksum
 from .findings import CACHE_SIDE, RERUN, RUN_SIDE, CacheError, Finding
+from .logp_codes import mass_allowance
 from .stamps import canonical_json, combined_mask_checksum, ids_checksum
 
 SUM_TOLERANCE = 1e-6  # a stored float64 sum vs the float64 sum of the stored float32 values
@@ -370,7 +371,7 @@ def _side_flags(table: pa.Table, side: str, k: int, vocab, tol: float):
         mass = top + np.log(np.exp(every - top[:, None]).sum(1))
     # the codes' own bound: read_columns normalises every position within it (format.normalised_top_k), so what
     # is left beyond it is damage
-    flags["top_k_mass"] = live & ~(np.abs(np.expm1(mass)) <= fmt.mass_allowance(lp, tail))
+    flags["top_k_mass"] = live & ~(np.abs(np.expm1(mass)) <= mass_allowance(lp, tail))
     live &= ~flags["top_k_mass"]
     judged = live & np.isfinite(own) & (own <= 0)  # a bad own log-prob is logprob_values' (or list_lengths')
     match = ids == token[:, None]

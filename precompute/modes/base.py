@@ -20,7 +20,7 @@ from runtime.architecture import shape_dependent
 from runtime.cost import work
 
 if TYPE_CHECKING:  # pyarrow only where scores are made: the registry is read by --help
-    from schemas.format import TokenScores
+    from schemas.columns import TokenScores
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 

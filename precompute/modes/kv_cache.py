@@ -22,7 +22,7 @@ from .base import BatchingMode, long_alone
 from runtime.architecture import state_layers, window_too_short
 
 if TYPE_CHECKING:
-    from schemas.format import TokenScores
+    from schemas.columns import TokenScores
 
 
 def kv_batches(pairs: list[EncodedPair], token_budget: int) -> list[list[int]]:
@@ -59,7 +59,7 @@ def kv_cache_batch(model, pairs: list[EncodedPair], batch: list[int], pad_id: in
     import torch
 
     from runtime.logprobs import pad_sequences, split_scores, token_scores
-    from schemas.format import TokenScores
+    from schemas.columns import TokenScores
 
     device = input_device(model)
     completions = [c for i in batch for c in (pairs[i].chosen_ids, pairs[i].rejected_ids)]

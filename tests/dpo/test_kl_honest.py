@@ -1,5 +1,5 @@
 """The logged KL is honest at small KL (issue 35 item 0): the decoded top-k distribution sums to 1 (the codec
-normalises it, schemas/format.py `normalised_top_k`), so at step 1, where the policy is the reference, every logged
+normalises it, schemas/logp_codes.py `normalised_top_k`), so at step 1, where the policy is the reference, every logged
 KL figure is in [0, 1e-7], and after a few steps at the README's learning rate it agrees with a float64 KL computed
 here from plain forwards of the checkpoints and of the reference (uncompressed), and stays below the full-vocabulary
 KL. data/'s trained model, K = 1, 8 and its vocabulary (1024)."""
