@@ -84,29 +84,25 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
         if want is None:
             raise JobError(f"{out} already holds a different cache; {UPDATE}\n  {path.name} is not a shard of this "
                            "job (other data or --rows-per-shard?)")
-        entry = listed.get(path.name)
-        damage = rules.shard_file_findings(out, entry)[1] if entry else []
-        if not damage:
-            meta, found = rules.shard_footer_findings(path, rules.expected_footer(stamps, encoding, want, None,
-                                                                            with_computation=False),
-                                                      want["stop"] - want["start"])
-            damage = [f for f in found if f.rule == "shard_files"]
-            if not damage:
-                recorded = rules.footer_computation(meta) or {}
-                differs = rules.computation_findings(recorded, claimed, partial=True, where=path.name,
-                                                       remedy=COMPUTATION)
-                if (differs or found) and path.name in pending:  # another update's rows: this one's to rewrite
-                    why = (differs or found)[0].message
-                    rescore.append((path.name, f"left by an interrupted update of other rows ({why}), which no "
-                                    "version names"))
-                    continue
-                if differs or found:
-                    _refuse(differs or found, f"{out} already holds a different cache")
-                computations[path.name] = recorded
-        if damage:
-            rescore.append((path.name, damage[0].message))
-        else:
-            done.add(path.name)
+        # the registry's shard rules (schemas/rules.py shard_findings): the file against the previous manifest's
+        # listing (if any), the footer against the plan; damage is scored again, anything else refused
+        shard = rules.shard_view(out, path.name, listed.get(path.name), rules.expected_footer(
+            stamps, encoding, want, None, with_computation=False), want["stop"] - want["start"])
+        rule, found = rules.shard_findings(shard)
+        if rule is not None and rule.damage:
+            rescore.append((path.name, found[0].message))
+            continue
+        recorded = rules.footer_computation(shard.meta) or {}
+        differs = rules.computation_findings(recorded, claimed, partial=True, where=path.name, remedy=COMPUTATION)
+        if (differs or found) and path.name in pending:  # another update's rows: this one's to rewrite
+            why = (differs or found)[0].message
+            rescore.append((path.name, f"left by an interrupted update of other rows ({why}), which no "
+                            "version names"))
+            continue
+        if differs or found:
+            _refuse(differs or found, f"{out} already holds a different cache")
+        computations[path.name] = recorded
+        done.add(path.name)
     return Resume(done, _agreed(previous, computations), rescore, reclaimed)
 
 
