@@ -52,7 +52,7 @@ def audit_cache(root: Path, manifest: dict, current: bool = True) -> CacheScan:
     unverified = len(cache.shards) - len(sound)
     checks = []
     for name, tally in tallies.items():
-        rule = rules.RULES[name]
+        rule = rules.REGISTRY[name]
         if rule.current and not current:
             checks.append(Check(name, SKIP, f"{_file(name)} is {LATER}"))
         elif name == "card":
@@ -86,7 +86,7 @@ def _passed(name: str, cache) -> str:
         listed = cache.info["skipped_listed"]
         return (f"{listed} skipped row(s), {(manifest.get('source') or {}).get('rows_in')} rows in = "
                 f"{manifest.get('rows')} cached + {listed} skipped")
-    return rules.RULES[name].what
+    return rules.REGISTRY[name].what
 
 
 def _card(cache, found: list, failed: list[str]) -> Check:

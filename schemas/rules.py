@@ -221,9 +221,11 @@ def _rows_rule(name: str, what: str, check: Callable, **kw) -> Rule:
 # ---------------------------------------------------------------------------------------------------------------
 # the registry: its order is the walk's, the order audit-ref reports the checks in and schemas/FORMAT.md's table's
 
-REGISTRY: tuple[Rule, ...] = (
-    Rule("manifest", MANIFEST, "no shard listed twice, rows adding up, one computation (but the batching mode)",
-         lambda c: manifest_findings(c.manifest), per=""),
+# A rule registered later (REGISTRY[name] = Rule(...), before audit-ref is imported for its report's table) is walked
+# by every driver from then on.
+REGISTRY: dict[str, Rule] = {rule.name: rule for rule in (
+    Rule("manifest", MANIFEST, "no shard listed twice, rows adding up, one computation for every shard (the "
+         "batching mode aside)", lambda c: manifest_findings(c.manifest), per=""),
     Rule("shard_files", SHARD, "sizes, sha256, schema and row counts match the manifest", _shard_files,
          damage=True),
     Rule("shard_stamps", SHARD, "metadata stamps, encoding, computation and file format match the manifest",
@@ -248,9 +250,12 @@ REGISTRY: tuple[Rule, ...] = (
          opened=False, current=True),
     Rule("card", CACHE, "the dataset card's refcache metadata agrees with the manifest", _card, per="",
          opened=False, current=True),
-)
-RULES = {rule.name: rule for rule in REGISTRY}
-CHECKS = tuple(dict.fromkeys(rule.check_name for rule in REGISTRY))  # audit-ref's cache checks, in order
+)}
+
+
+def checks() -> tuple[str, ...]:
+    """audit-ref's cache checks, in the registry's order (a rule reported under another's check adds none)."""
+    return tuple(dict.fromkeys(rule.check_name for rule in REGISTRY.values()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -270,7 +275,7 @@ def walk(cache: CacheView, select: Callable = lambda rule: True, shards=None):
     """Every selected rule in the registry's order over `cache`, lazily: (rule, shard view or None, findings) for
     each judgement made. A run of consecutive shard and row rules is judged shard by shard (`shards`: those views,
     default every listed one); a rule runs where what it needs passed."""
-    rules = [r for r in REGISTRY if select(r)]
+    rules = [r for r in REGISTRY.values() if select(r)]
     i = 0
     while i < len(rules):
         if rules[i].unit in (SHARD, ROWS):
@@ -313,8 +318,8 @@ class Tally:
 
 
 def collect(cache: CacheView) -> dict[str, Tally]:
-    """The collect-all driver: every rule over the whole cache, the findings and counts of each check (CHECKS)."""
-    tallies = {name: Tally() for name in CHECKS}
+    """The collect-all driver: every rule over the whole cache, the findings and counts of each check (`checks`)."""
+    tallies = {name: Tally() for name in checks()}
     for rule, shard, found in walk(cache):
         tally = tallies[rule.check_name]
         tally.findings += found
@@ -347,7 +352,7 @@ def rule_table() -> str:
     yes = lambda b, text="yes": text if b else ""
     rows = ["| rule (audit check) | unit | what it checks | needs | within | open_cache | resume |",
             "|---|---|---|---|---|---|---|"]
-    for r in REGISTRY:
+    for r in REGISTRY.values():
         name = f"`{r.name}`" + (f" (`{r.reports}`)" if r.reports else "")
         within = "" if r.within is None else f"`{r.within}`"
         resume = yes(r.unit == SHARD, "scored again" if r.damage else "refused")
