@@ -1,10 +1,10 @@
-"""audit-ref's scan of a cache against itself: every rule of schemas/rules.py over every shard and row, each
-corruption reported once, by the rule that owns it. A shard that fails `shard_files` is left out of the row checks
-(its content may not even parse) and the cache checksum waits for every shard checksum."""
+"""audit-ref's scan of a cache against itself: the rule registry's collect-all walk (schemas/rules.py `collect`) over
+every shard and row, each corruption reported once, by the rule that owns it, one check per rule in the registry's
+order. A shard that fails `shard_files` is left out of the row checks (its content may not even parse) and a rule
+waits for what it needs (the cache checksum for every shard checksum)."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,22 +12,12 @@ import polars as pl
 
 from schemas import format as fmt
 from schemas import rules
-from schemas.encoding import EncodingConfig
 
 from .checks import FAIL, PASS, SKIP, Check, from_findings
 
 INDEX_SCHEMA = {"id": pl.String, "shard": pl.String, "row": pl.UInt32, "mask_checksum": pl.String,
                 "prompt_tokens": pl.UInt32, "chosen_tokens": pl.UInt32, "rejected_tokens": pl.UInt32}
-WHAT = {
-    "shard_files": ("shard", "sizes, sha256, schema and row counts match the manifest"),
-    "shard_stamps": ("shard", "metadata stamps, encoding, computation and file format match the manifest"),
-    "shard_checksums": ("shard", "the rows' mask checksums and ids add up to each shard's"),
-    "row_checksums": ("row", "mask checksums recomputed from the stored ids match"),
-    "unique_ids": ("row", "ids unique across shards"),
-    **{n: ("row", w) for n, w in rules.VALUE_WHAT.items()},
-    **{n: ("row", w) for n, w in rules.TOP_K_RULES.items()},
-}
-NO_TOP_K = "no top-k columns (a cache made without precompute-ref --top-k)"
+LATER = "of the cache's current version (manifest.json), not of the earlier version audited here"
 
 
 @dataclass
@@ -52,105 +42,57 @@ def _logprob_stats(df: pl.DataFrame, shard: str) -> dict:
     return {"shard": shard, "rows": df.height, **stats, **sequences}
 
 
-def _shard(root: Path, manifest: dict, entry: dict, found: dict, checked: dict) -> pl.DataFrame | None:
-    """One listed shard through every rule; its rows as a frame, or None when it failed shard_files."""
-    checked["shard_files"] += 1
-    path, problems = rules.shard_file_findings(root, entry)
-    meta = {}  # the footer, once the file passed (its computation's top_k says whether there are top-k columns)
-    if not problems:
-        want = rules.expected_footer(manifest["stamps"], EncodingConfig.from_dict(manifest["encoding"]), entry,
-                                     manifest.get("computation"))
-        meta, problems = rules.shard_footer_findings(path, want, entry["rows"])
-    files = [f for f in problems if f.rule == "shard_files"]
-    if not files:
-        try:
-            table = fmt.read_columns(path).replace_schema_metadata(None)
-        except fmt.CacheError as e:
-            files = [rules.Finding("shard_files", e.kind, e.message, shard=entry["file"])]
-    found["shard_files"] += files
-    if files:
-        return None
-    checked["shard_stamps"] += 1
-    found["shard_stamps"] += problems[:1]  # one per shard: the first key that differs
-    name = entry["file"]
-    df = pl.from_arrow(table).with_row_index("row").with_columns(pl.lit(name).alias("shard"))
-    checked["shard_checksums"] += 1
-    found["shard_checksums"] += rules.shard_checksum_findings(name, entry, df["mask_checksum"].to_list(),
-                                                              df["id"].to_list(), EncodingConfig.from_dict(
-                                                                  manifest["encoding"]).to_json())[:1]
-    for rule_findings in (rules.row_checksum_findings(df, name), rules.value_findings(df, name)):
-        for f in rule_findings:
-            found[f.rule].append(f)
-    for rule in ("row_checksums", *rules.VALUE_RULES):
-        checked[rule] += df.height
-    k = fmt.top_k_of(rules.footer_computation(meta))
-    if k:
-        for f in rules.top_k_findings(df, k, _vocabulary(manifest), name):
-            found[f.rule].append(f)
-        for rule in rules.TOP_K_RULES:
-            checked[rule] += df.height
-    return df
-
-
-def _vocabulary(manifest: dict) -> int | None:
-    """The bound of a top-k id: the tokenizer's size as the manifest records it (None when it records none)."""
-    size = (manifest.get("tokenizer") or {}).get("size") if isinstance(manifest.get("tokenizer"), dict) else None
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
-
-
 def audit_cache(root: Path, manifest: dict, current: bool = True) -> CacheScan:
-    """`current`: False when `manifest` is an earlier version of an updated cache (schemas/history.py), whose
+    """Every rule of the registry (schemas/rules.py, `collect`) over the cache, one check per rule in the registry's
+    order. `current`: False when `manifest` is an earlier version of an updated cache (schemas/history.py), whose
     skipped.jsonl and dataset card are the current version's, not its own: those two checks are skipped."""
-    found, checked = defaultdict(list), defaultdict(int)
-    frames, stats, ids_by_shard = [], [], []
-    for entry in manifest["shards"]:
-        df = _shard(root, manifest, entry, found, checked)
-        if df is None:
-            continue
-        frames.append(df)
-        ids_by_shard.append((entry["file"], df["id"].to_list()))
-        stats.append(_logprob_stats(df, entry["file"]))
-    unlisted = rules.unlisted_findings(root, [e["file"] for e in manifest["shards"]])
-    found["shard_files"] += unlisted
-    checked["shard_files"] += sum(f.count for f in unlisted)
-    unverified = len(manifest["shards"]) - len(frames)
-    manifest_problems = rules.manifest_findings(manifest)
-    checks = [Check("manifest", FAIL, "; ".join(f.message for f in manifest_problems)) if manifest_problems else
-              Check("manifest", PASS, f"refcache file format {manifest['format_version']}, "
-                    f"{len(manifest['shards'])} "
-                    f"shard(s), {sum(e['rows'] for e in manifest['shards']):,} rows")]
-    result = lambda n: from_findings(n, found[n], checked[n], *WHAT[n], unchecked_shards=unverified)
-    checks += [result("shard_files"), result("shard_stamps"), result("row_checksums"), result("shard_checksums")]
-    if unverified or found["shard_checksums"]:
-        checks.append(Check("cache_checksum", SKIP, "needs every shard to pass shard_files and shard_checksums"))
-    else:
-        every = [c for df in frames for c in df["mask_checksum"].to_list()]
-        bad = rules.cache_checksum_findings(every, manifest)
-        checks.append(Check("cache_checksum", FAIL, bad[0].message) if bad else
-                      Check("cache_checksum", PASS, "the shards' rows add up to the manifest's mask_checksum stamp"))
-    found["unique_ids"] = rules.unique_id_findings(ids_by_shard)
-    checked["unique_ids"] = sum(len(ids) for _, ids in ids_by_shard)
-    checks += [result(n) for n in ("unique_ids", *rules.VALUE_RULES)]
-    with_top_k = any(checked[n] for n in rules.TOP_K_RULES) or fmt.top_k_of(manifest.get("computation"))
-    checks += [result(n) if with_top_k else Check(n, SKIP, NO_TOP_K) for n in rules.TOP_K_RULES]
-    if current:
-        listed, skipped = rules.skipped_findings(root, manifest)
-        checks.append(Check("skipped_counts", FAIL, skipped[0].message) if skipped else Check(
-            "skipped_counts", PASS, f"{listed} skipped row(s), {(manifest.get('source') or {}).get('rows_in')} rows "
-            f"in = {manifest.get('rows')} cached + {listed} skipped"))
-        checks.append(_card(root, manifest, failed=[c.name for c in checks if c.status == FAIL]))
-    else:
-        later = "of the cache's current version (manifest.json), not of the earlier version audited here"
-        checks += [Check("skipped_counts", SKIP, f"{fmt.SKIPPED} is {later}"), Check("card", SKIP,
-                                                                                      f"{fmt.CARD} is {later}")]
+    cache = rules.CacheView(root, manifest, columns=None, current=current)
+    tallies = rules.collect(cache)
+    sound = cache.passed("shard_files")
+    unverified = len(cache.shards) - len(sound)
+    checks = []
+    for name, tally in tallies.items():
+        rule = rules.REGISTRY[name]
+        if rule.current and not current:
+            checks.append(Check(name, SKIP, f"{_file(name)} is {LATER}"))
+        elif name == "card":
+            checks.append(_card(cache, tally.findings, failed=[c.name for c in checks if c.status == FAIL]))
+        elif rule.unit == rules.CACHE and not tally.ran:
+            checks.append(Check(name, SKIP, f"needs every shard to pass {' and '.join(rule.needs)}"))
+        elif rule.only and not tally.checked and not fmt.top_k_of(manifest.get("computation")):
+            checks.append(Check(name, SKIP, rules.ONLY[rule.only]))
+        elif not rule.per:  # one judgement of the whole: its findings, or what it checks
+            checks.append(Check(name, FAIL, "; ".join(f.message for f in tally.findings)) if tally.findings else
+                          Check(name, PASS, _passed(name, cache)))
+        else:
+            checks.append(from_findings(name, tally.findings, tally.checked, rule.per, rule.what,
+                                        unchecked_shards=unverified))
+    frames = [s.frame for s in sound]
     index = pl.concat([_index(df) for df in frames]) if frames else pl.DataFrame(schema=INDEX_SCHEMA)
-    return CacheScan(checks, index, stats, unverified)
+    return CacheScan(checks, index, [_logprob_stats(s.frame, s.name) for s in sound], unverified)
 
 
-def _card(root: Path, manifest: dict, failed: list[str]) -> Check:
+def _file(name: str) -> str:
+    return {"skipped_counts": fmt.SKIPPED, "card": fmt.CARD}.get(name, name)
+
+
+def _passed(name: str, cache) -> str:
+    """The line of a passing check that judges the cache as a whole (its rule's `what`, with counts where known)."""
+    manifest = cache.manifest
+    if name == "manifest":
+        return (f"refcache file format {manifest['format_version']}, {len(manifest['shards'])} shard(s), "
+                f"{sum(e['rows'] for e in manifest['shards']):,} rows")
+    if name == "skipped_counts":
+        listed = cache.info["skipped_listed"]
+        return (f"{listed} skipped row(s), {(manifest.get('source') or {}).get('rows_in')} rows in = "
+                f"{manifest.get('rows')} cached + {listed} skipped")
+    return rules.REGISTRY[name].what
+
+
+def _card(cache, found: list, failed: list[str]) -> Check:
     """The dataset card against the manifest, once the cache itself passed: a damaged or edited manifest is reported
     by its own check, not again as a card that disagrees with it."""
-    present, found = rules.card_findings(root, manifest)
+    present = cache.info["card_present"]
     if present and failed:
         return Check("card", SKIP, f"compared with the manifest once the cache passes (failed: {', '.join(failed)})")
     if found:

@@ -1,18 +1,18 @@
-"""What an audit check is: a named result (PASS, FAIL or SKIP), the sections of the report, and how a rule's
-findings (schemas/rules.py) become one check."""
+"""What an audit check is: a named result (PASS, FAIL or SKIP), the sections of the report (the cache's checks are
+the rule registry's, schemas/rules.py `checks`), and how a rule's findings become one check."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from schemas.rules import checks
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 # what marks audit-ref's own output files, so that a later run may replace them and nothing else (runtime/paths.py)
 REPORT_KIND = "refcache-audit-ref-report"  # the JSON report's `kind`
 PAGE_GENERATOR = '<meta name="generator" content="refcache audit-ref">'  # in the --html page's head
 SECTIONS = {
-    "cache": ("manifest", "shard_files", "shard_stamps", "row_checksums", "shard_checksums", "cache_checksum",
-              "unique_ids", "list_lengths", "sums", "logprob_values", "top_k_shape", "top_k_ids", "top_k_order",
-              "top_k_mass", "top_k_dataset", "skipped_counts", "card"),
+    "cache": checks(),  # one per rule of the cache's registry, in its order (as registered when audit is imported)
     "model": ("model_hash", "tokenizer_hash", "replay", "replay_top_k"),
     "data": ("data_rows",),
     "run": ("run_cache", "run_final_hash", "run_kl_control"),

@@ -95,38 +95,35 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
             continue
         if want is None:
             raise _other_rows(out, path.name, previous is not None or keep is not None)
-        entry = listed.get(path.name)
-        damage = rules.shard_file_findings(out, entry)[1] if entry else []
-        if not damage:
-            meta, found = rules.shard_footer_findings(path, rules.expected_footer(stamps, encoding, want, None,
-                                                                            with_computation=False),
-                                                      want["stop"] - want["start"])
-            damage = [f for f in found if f.rule == "shard_files"]
-            recorded = rules.footer_computation(meta) or {}
-            differs = rules.computation_findings(recorded, claimed, partial=True, where=path.name,
-                                                 remedy=COMPUTATION)
-            if recorded and differs and path.name not in pending:  # other settings (--rows-per-shard...), not damage
+        # the registry's shard rules (schemas/rules.py shard_findings): the file against the previous manifest's
+        # listing (if any), the footer against the plan; damage is scored again, anything else refused
+        shard = rules.shard_view(out, path.name, listed.get(path.name), rules.expected_footer(
+            stamps, encoding, want, None, with_computation=False), want["stop"] - want["start"])
+        rule, found = rules.shard_findings(shard)
+        recorded = rules.footer_computation(shard.meta) or {}
+        differs = rules.computation_findings(recorded, claimed, partial=True, where=path.name, remedy=COMPUTATION)
+        if path.name not in pending:  # a readable footer of other settings or other rows: refused, never "damage"
+            if recorded and differs:
                 _refuse(differs, f"{out} already holds a different cache", f"{out} already holds a different cache,")
-            other = encoding_options(_json_dict(meta.get("encoding")),
-                                     encoding.to_dict())
-            if other and path.name not in pending:
+            other = encoding_options(_json_dict(shard.meta.get("encoding")), encoding.to_dict()) if shard.meta else []
+            if other:
                 raise JobError(settings_refusal(other, f"{out} already holds a different cache,", update=False))
-            other_rows = sorted({f.kind for f in found if f.kind in ("ids_checksum", "mask_checksum")})
-            if other_rows and path.name not in pending:
+            other_rows = [k for k in ("ids_checksum", "mask_checksum")
+                          if k in shard.meta and shard.meta.get(k) != shard.want.get(k)]
+            if other_rows:
                 raise _other_rows(out, path.name, previous is not None or keep is not None, other_rows)
-            if not damage:
-                if (differs or found) and path.name in pending:  # another update's rows: this one's to rewrite
-                    why = (differs or found)[0].message
-                    rescore.append((path.name, f"left by an interrupted update of other rows ({why}), which no "
-                                    "version names"))
-                    continue
-                if differs or found:
-                    _refuse(differs or found, f"{out} already holds a different cache", f"{out} already holds a different cache,")
-                computations[path.name] = recorded
-        if damage:
-            rescore.append((path.name, damage[0].message))
-        else:
-            done.add(path.name)
+        if rule is not None and rule.damage:
+            rescore.append((path.name, found[0].message))
+            continue
+        if (differs or found) and path.name in pending:  # another update's rows: this one's to rewrite
+            why = (differs or found)[0].message
+            rescore.append((path.name, f"left by an interrupted update of other rows ({why}), which no "
+                            "version names"))
+            continue
+        if differs or found:
+            _refuse(differs or found, f"{out} already holds a different cache", f"{out} already holds a different cache,")
+        computations[path.name] = recorded
+        done.add(path.name)
     return Resume(done, _agreed(previous, computations), rescore, reclaimed)
 
 

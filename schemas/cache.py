@@ -16,9 +16,7 @@ from . import format as fmt
 from . import history
 from .encoding import EncodingConfig
 from .findings import CacheError  # noqa: F401  (re-exported)
-from .rules import cache_findings
-
-INDEX = ("id", "mask_checksum")  # the columns open_cache reads (the checksum rules need them)
+from .rules import INDEX, cache_findings  # INDEX: the columns open_cache reads (the checksum rules need them)
 
 
 @dataclass

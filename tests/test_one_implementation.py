@@ -124,7 +124,7 @@ def test_one_footer_reader():
 
 
 def test_one_stamp_comparison():
-    assert stamp_comparisons() == {"schemas.rules.stamp_findings"}
+    assert stamp_comparisons() == {"schemas.rule_caller.stamp_findings"}
 
 
 @pytest.mark.parametrize("caller, via", [
@@ -142,7 +142,7 @@ def test_each_caller_compares_stamps_through_the_rule_book(caller, via):
 
 
 def test_use_findings_compares_stamps_with_stamp_findings():
-    tree = ast.parse((ROOT / "schemas" / "rules.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "schemas" / "rule_caller.py").read_text(encoding="utf-8"))
     use = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "use_findings")
     assert "stamp_findings" in {getattr(n.func, "id", None) for n in ast.walk(use) if isinstance(n, ast.Call)}
 

@@ -415,7 +415,7 @@ def test_one_float64_sum_and_one_sum_tolerance():
     modules = list(_product_modules())
     sums = {(name, _function_of(n, parents)) for name, tree, parents in modules for n in ast.walk(tree)
             if float64_sum(n)}
-    assert sums == {("schemas/format.py", "shard_table"), ("schemas/rules.py", "_sum64")}
+    assert sums == {("schemas/format.py", "shard_table"), ("schemas/rule_rows.py", "_sum64")}
     summing = {f for _, f in sums}
 
     def is_sum(node) -> bool:
@@ -434,10 +434,10 @@ def test_one_float64_sum_and_one_sum_tolerance():
                 sides = [cmp.left, *cmp.comparators]
                 if any(absolute(s) and (_uses(s, sum_names) or any(is_sum(n) for n in ast.walk(s))) for s in sides):
                     compared.append((name, func.name, [ast.unparse(s) for s in sides if not absolute(s)]))
-    assert compared == [("schemas/rules.py", "_close", ["SUM_TOLERANCE"])]
+    assert compared == [("schemas/rule_rows.py", "_close", ["SUM_TOLERANCE"])]
     tolerances = [(name, t.id) for name, tree, _ in modules for node in tree.body if isinstance(node, ast.Assign)
                   for t in node.targets if isinstance(t, ast.Name) and t.id == "SUM_TOLERANCE"]
-    assert tolerances == [("schemas/rules.py", "SUM_TOLERANCE")]
+    assert tolerances == [("schemas/rule_rows.py", "SUM_TOLERANCE")]
 
 
 def test_one_footer_read_and_one_footer_comparison():
@@ -459,4 +459,4 @@ def test_one_footer_read_and_one_footer_comparison():
                         and any(isinstance(o, (ast.Eq, ast.NotEq)) for o in n.ops)):
                 if _uses(cmp, footers) or any(reads_footer(n) for n in ast.walk(cmp)):
                     comparing.append((name, func.name))
-    assert sorted(set(comparing)) == [("schemas/rules.py", "shard_footer_findings")]
+    assert sorted(set(comparing)) == [("schemas/rule_files.py", "shard_footer_findings")]

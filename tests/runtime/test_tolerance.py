@@ -80,13 +80,13 @@ def test_the_readme_and_audit_help_quote_the_policy():
 
 # Figures that are not "matches the plain forward", each with why it lives elsewhere.
 NOT_THE_POLICY = {
-    ("schemas/rules.py", "SUM_TOLERANCE"): "a stored float64 sum against the sum of its stored float32 tokens",
-    ("schemas/rules.py", "TOP_K_TOLERANCE"): "stored top-k values against each other and the token's own log-prob "
+    ("schemas/rule_rows.py", "SUM_TOLERANCE"): "a stored float64 sum against the sum of its stored float32 tokens",
+    ("schemas/rule_top_k.py", "TOP_K_TOLERANCE"): "stored top-k values against each other and the token's own log-prob "
                                              "(the storage's rounding of them, issue 24)",
     ("dpo/loss_config.py", "0.5"): "the range of a loss parameter (0 <= label_smoothing < 0.5)",
     ("schemas/logp_codes.py", "mass_allowance"): "the 16-bit codes' own rounding of a decoded top-k distribution's mass "
                                              "(issue 35: where the reader normalises it), not a forward's",
-    ("schemas/rules.py", "mass_allowance"): "the same codec bound, where the audit judges a stored mass",
+    ("schemas/rule_top_k.py", "mass_allowance"): "the same codec bound, where the audit judges a stored mass",
     ("audit/cli.py", "tolerance"): "audit-ref's --tolerance option: the user's override (default None: the policy)",
 }
 

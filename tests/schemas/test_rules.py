@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from schemas import format as fmt
-from schemas import rules
+from schemas import rule_top_k, rules
 from schemas.card import dataset_card, write_card
 from schemas.encoding import EncodingConfig, row_mask_checksum
 from schemas.stamps import combined_mask_checksum
@@ -443,7 +443,7 @@ def test_top_k_findings_are_the_same_judged_a_few_rows_at_a_time(monkeypatch):
     whole = rules.top_k_findings(table, K, VOCAB, "s")
     assert {f.rule: (f.row, f.count) for f in whole} == {"top_k_shape": (5, 1), "top_k_ids": (4, 1),
                                                          "top_k_order": (1, 1), "top_k_mass": (3, 1)}
-    monkeypatch.setattr(rules, "TOP_K_CHUNK", 2 * K)  # one or two rows at a time
+    monkeypatch.setattr(rule_top_k, "TOP_K_CHUNK", 2 * K)  # one or two rows at a time
     assert rules.top_k_findings(table, K, VOCAB, "s") == whole
 
 
