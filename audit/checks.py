@@ -3,20 +3,38 @@ the rule registry's, schemas/rules.py `checks`), and how a rule's findings becom
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-from schemas.rules import checks
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 # what marks audit-ref's own output files, so that a later run may replace them and nothing else (runtime/paths.py)
 REPORT_KIND = "refcache-audit-ref-report"  # the JSON report's `kind`
 PAGE_GENERATOR = '<meta name="generator" content="refcache audit-ref">'  # in the --html page's head
-SECTIONS = {
-    "cache": checks(),  # one per rule of the cache's registry, in its order (as registered when audit is imported)
-    "model": ("model_hash", "tokenizer_hash", "replay", "replay_top_k"),
-    "data": ("data_rows",),
-    "run": ("run_cache", "run_final_hash", "run_kl_control"),
-}
+
+
+class _Sections(Mapping):
+    """The report's sections and their checks, in order; the cache's are the rule registry's, read when asked for
+    (a rule registered after audit is imported is reported too; --help and a refused command line import no
+    schemas.rules, which needs polars)."""
+
+    FIXED = {"model": ("model_hash", "tokenizer_hash", "replay", "replay_top_k"), "data": ("data_rows",),
+             "run": ("run_cache", "run_final_hash", "run_kl_control")}
+
+    def __getitem__(self, section: str) -> tuple:
+        if section == "cache":
+            from schemas.rules import checks
+
+            return tuple(checks())
+        return self.FIXED[section]
+
+    def __iter__(self):
+        return iter(("cache", *self.FIXED))
+
+    def __len__(self) -> int:
+        return 1 + len(self.FIXED)
+
+
+SECTIONS = _Sections()
 
 
 @dataclass
