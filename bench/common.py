@@ -31,6 +31,7 @@ import datetime
 import json
 import platform
 import shutil
+import statistics  # noqa: F401  (the parts read common.statistics)
 import subprocess
 import sys
 import time
