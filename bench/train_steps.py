@@ -1,4 +1,4 @@
-"""The training-step harness of bench_train, bench_lora, bench_layout and bench_memory (no measurement of its own).
+"""The training-step harness of the parts that time train-dpo steps (no measurement of its own).
 
 Each configuration trains in a child process of its own (`--child MODE`, so none shares another's heap or peak):
 `child` imports the libraries (so the baseline RSS includes them), runs the part's runner for MODE with a step
