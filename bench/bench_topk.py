@@ -21,20 +21,6 @@ import measure
 KS = (0, 8, 32, 128)
 
 
-def column_bytes(cache_dir) -> dict:
-    import pyarrow.parquet as pq
-
-    sizes = {}
-    for path in sorted(cache_dir.glob("*.parquet")):
-        meta = pq.ParquetFile(path).metadata
-        for g in range(meta.num_row_groups):
-            for c in range(meta.row_group(g).num_columns):
-                col = meta.row_group(g).column(c)
-                name = col.path_in_schema.split(".")[0]
-                sizes[name] = sizes.get(name, 0) + col.total_compressed_size
-    return sizes
-
-
 def run(model, data, out, k: int, batching: str = "full_forward") -> dict:
     from precompute.job import PrecomputeConfig, run_precompute
 
@@ -48,7 +34,7 @@ def sizes(model, data, work, name: str) -> dict:
     for k in KS:
         out = work / f"{name}-k{k}"
         s = run(model, data, out, k)
-        cols = column_bytes(out)
+        cols = common.column_bytes(out)
         tokens = s["bytes"] / s["bytes_per_completion_token"]
         rows[k] = {"bytes": s["bytes"], "bytes_per_completion_token": round(s["bytes_per_completion_token"], 1),
                    "per_column_per_token": {c: round(b / tokens, 2) for c, b in cols.items()

@@ -189,6 +189,38 @@ def sft_data() -> tuple[Path, Path]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# caches: what the parts read back from a cache precompute-ref wrote (its shards as the manifest lists them, never a
+# glob: an updated cache keeps the earlier versions' shards beside the current ones)
+
+def column_bytes(cache) -> dict:
+    """Compressed bytes of each column over the cache's shards, from their Parquet footers."""
+    import pyarrow.parquet as pq
+
+    from schemas.cache import open_cache
+
+    sizes = {}
+    for path in open_cache(cache).shard_paths:
+        meta = pq.ParquetFile(path).metadata
+        for g in range(meta.num_row_groups):
+            for c in range(meta.row_group(g).num_columns):
+                col = meta.row_group(g).column(c)
+                name = col.path_in_schema.split(".")[0]
+                sizes[name] = sizes.get(name, 0) + col.total_compressed_size
+    return sizes
+
+
+def max_abs_diff(cache, reference) -> float:
+    """The largest per-token log-prob difference between two caches of the same rows (matched by id)."""
+    from schemas.cache import read_cache
+
+    a, b = (read_cache(c).select("id", "chosen_logps", "rejected_logps").collect().sort("id") for c in (cache, reference))
+    if a["id"].to_list() != b["id"].to_list():
+        raise AssertionError(f"{cache} and {reference} do not hold the same rows")
+    return max(float(np.abs(np.concatenate(a[c].to_list()) - np.concatenate(b[c].to_list())).max())
+               for c in ("chosen_logps", "rejected_logps"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # timing
 
 def run_child(args: list[str], env: dict | None = None, timeout: float = 1800) -> dict:
