@@ -102,9 +102,7 @@ def main():
     with common.workdir("topk") as work:
         model_dir, data = common.sft_data()
         result = {"data/": sizes(model_dir, data / "train.jsonl", work, "data")}
-        big = work / "model-32k"
-        common.build_llama("1M", vocab=32768).save_pretrained(big, safe_serialization=True)
-        common.word_tokenizer(32768).save_pretrained(big)
+        big = common.make_checkpoint(work, "1M-32k", spec={**common.MODELS["1M"], "vocab": 32768})
         synthetic = common.write_jsonl(work / "synthetic.jsonl", common.synthetic_pairs(16 if args.quick else 64, 256,
                                                                                          32768))
         result["1M, vocab 32k, untrained"] = sizes(big, synthetic, work, "32k")

@@ -120,14 +120,13 @@ def word_tokenizer(vocab: int):
                                    model_max_length=4096)
 
 
-def make_checkpoint(root: Path, name: str, seed: int = 0) -> Path:
-    """Save model `name` and its word tokenizer under root/name (reused if already there)."""
+def make_checkpoint(root: Path, name: str, seed: int = 0, spec: dict | None = None, max_positions: int = 2048) -> Path:
+    """Save model `name` (MODELS[name], or `spec`) and its word tokenizer under root/model-name (reused if there)."""
     path = Path(root) / f"model-{name}"
-    if (path / "config.json").exists():
-        return path
-    model = build_llama(name, seed)
-    model.save_pretrained(path, safe_serialization=True)
-    word_tokenizer(MODELS[name]["vocab"]).save_pretrained(path)
+    if not (path / "config.json").exists():
+        spec = spec or MODELS[name]
+        build_llama(spec, seed, max_positions).save_pretrained(path, safe_serialization=True)
+        word_tokenizer(spec["vocab"]).save_pretrained(path)
     return path
 
 
