@@ -43,7 +43,8 @@ main(sys.argv[1:])
 def case(work: Path, name: str, vocab: int, tokens: int) -> tuple[Path, Path]:
     """A checkpoint of that vocabulary and one pair: a prompt and two completions of tokens/2 words each, so each
     scored sequence is `tokens` long (the word tokenizer gives one token a word)."""
-    folder = common.make_checkpoint(work, str(vocab), spec={**BODY, "vocab": vocab}, max_positions=max(tokens, 2048) + 8)
+    folder = common.make_checkpoint(work, str(vocab), spec={**BODY, "vocab": vocab},
+                                    max_positions=max(tokens, 2048) + 8)
     half = tokens // 2 - 2
     words = lambda start: " ".join(f"w{3 + (start + i) % (vocab - 3)}" for i in range(half))
     data = common.write_jsonl(work / name.replace(" ", "") / "train.jsonl",

@@ -212,7 +212,8 @@ def max_abs_diff(cache, reference) -> float:
     """The largest per-token log-prob difference between two caches of the same rows (matched by id)."""
     from schemas.cache import read_cache
 
-    a, b = (read_cache(c).select("id", "chosen_logps", "rejected_logps").collect().sort("id") for c in (cache, reference))
+    columns = ("id", "chosen_logps", "rejected_logps")
+    a, b = (read_cache(c).select(columns).collect().sort("id") for c in (cache, reference))
     if a["id"].to_list() != b["id"].to_list():
         raise AssertionError(f"{cache} and {reference} do not hold the same rows")
     return max(float(np.abs(np.concatenate(a[c].to_list()) - np.concatenate(b[c].to_list())).max())

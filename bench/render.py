@@ -3,7 +3,8 @@
 Per device: the machine and load lines, the targets (ratios judged from the parts' results), the key figures, where
 the time goes for a missed target, then one section per part whose results are there (SECTIONS: part, title,
 renderer; each renderer turns a part's JSON into lines, mostly through `table`). A full run's results are used, else a
-quick run's, marked as such in the section title. Last, the GPU check, then the retired parts (bench/retired.md, static).
+quick run's, marked as such in the section title. Last, the GPU check, then the retired parts (bench/retired.md,
+static).
 """
 
 from __future__ import annotations

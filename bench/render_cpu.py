@@ -71,8 +71,8 @@ def render_verify(V: dict) -> list[str]:
                                    f"{c['s_per_million_rows']:.2f}"] for c in V["caches"]])
     big, h = V["caches"][-1], V["hash"]
     L += ["", "Per GB, by step: " + ", ".join(f"{k} {v:.2f} s" for k, v in big["per_gb"].items()) + ".", "",
-          f"Model hashing ({h['mb']} MB safetensors, page cache warm; bench_verify.py's hash child, {h['runs']} runs of best-of-"
-          f"{h['repeat']}, median (min-max) over runs):", ""]
+          f"Model hashing ({h['mb']} MB safetensors, page cache warm; bench_verify.py's hash child, {h['runs']} runs "
+          f"of best-of-{h['repeat']}, median (min-max) over runs):", ""]
     return L + table("tool | MB/s", [[tool, f"{st['median']:,.0f} ({st['min']:,.0f}-{st['max']:,.0f})"]
                                      for tool, st in h["mb_per_s"].items()])
 
