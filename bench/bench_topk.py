@@ -43,25 +43,6 @@ def sizes(model, data, work, name: str) -> dict:
     return rows
 
 
-def cpu_seconds(fns: dict, reps: int) -> dict:
-    """CPU seconds of each function on one torch thread, round-robin after a warm-up: a figure that other processes
-    on a shared machine barely move (wall-clock times there swing by several times)."""
-    threads = common.torch.get_num_threads()
-    common.torch.set_num_threads(1)
-    try:
-        for fn in fns.values():
-            fn()
-        out = {k: [] for k in fns}
-        for _ in range(reps):
-            for k, fn in fns.items():
-                t = time.process_time()
-                fn()
-                out[k].append(time.process_time() - t)
-    finally:
-        common.torch.set_num_threads(threads)
-    return {k: measure.stats(v) for k, v in out.items()}
-
-
 def timing(model_dir, data, work, reps: int) -> dict:
     from precompute.job import Checkpoint
     from precompute.modes import score_pairs
@@ -71,7 +52,10 @@ def timing(model_dir, data, work, reps: int) -> dict:
 
     whole = measure.interleaved({k: (lambda k=k: run(model_dir, data, work / f"time-k{k}", k)) for k in (0, 32)},
                                reps=reps, warmup=1)
-    whole_cpu = cpu_seconds({k: (lambda k=k: run(model_dir, data, work / f"time-k{k}", k)) for k in (0, 32)}, reps)
+    whole_cpu = {}  # CPU seconds on one torch thread: a figure other processes on a shared machine barely move
+    with measure.threads(1):
+        measure.interleaved({k: (lambda k=k: run(model_dir, data, work / f"time-k{k}", k)) for k in (0, 32)},
+                            reps=reps, warmup=1, cpu=whole_cpu)
     checkpoint = Checkpoint.open(str(model_dir), False, None)
     model = checkpoint.load_model(common.torch.float32, common.torch.device("cpu"), None)
     encoded = usable_rows(load_rows(str(data), "train"), checkpoint.tokenizer, EncodingConfig(), "error", str(data))
