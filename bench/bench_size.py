@@ -4,7 +4,7 @@ Runs precompute-ref on the embedded data/ (a trained model: real log-prob entrop
 sequence lengths 128, 512 and 1024 (1M model, 1k vocabulary; ids follow a Zipf-like law), then reads the Parquet
 footers for the compressed size of each column. Sizes are deterministic: one run per case.
 
-    .venv/bin/python bench/bench_cache_size.py [--quick]
+    .venv/bin/python bench/bench_size.py [--quick]
 """
 
 from __future__ import annotations

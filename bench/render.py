@@ -33,6 +33,7 @@ def load(results: Path, device: str) -> dict:
                 break
     return out
 
+
 SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on run only when asked; the
     # numbers of the retired parts (4, 6, 15, 19) stay theirs: their sections are in RETIRED
     ("precompute", "1. Precompute throughput", render_precompute),

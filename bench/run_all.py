@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/run_all.py [--quick] [--parts precompute,train,...] [--render-only] [--results DIR]
 
-Each part writes <results>/<part>-<cpu|cuda>.json (bench/results/ by default); RESULTS.md, beside the results
-folder, is rendered from whatever JSON is there (render.py), with the CPU and GPU results in sections of their own (a
-run on a GPU machine adds the GPU section and keeps the CPU one).
+A part is a script bench/bench_<part>.py (`--parts kl-control`: bench_kl_control.py); the default run is PARTS, the
+others run when named. Each part writes <results>/<part>-<cpu|cuda>.json (bench/results/ by default); RESULTS.md,
+beside the results folder, is rendered from whatever JSON is there (render.py), with the CPU and GPU results in
+sections of their own (a run on a GPU machine adds the GPU section and keeps the CPU one).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import render
 
 SCRIPTS = {p.stem.removeprefix("bench_").replace("_", "-"): p.name  # part -> script: every bench_*.py there is
            for p in sorted(common.BENCH.glob("bench_*.py"))}
-PARTS = ("precompute", "train", "verify", "cache-size", "modes")  # the default run; the others only when named
+PARTS = ("precompute", "train", "verify", "size", "modes")  # the default run; the others only when named
 
 
 def run_parts(parts: list[str], quick: bool, results: Path) -> dict:
