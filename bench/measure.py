@@ -132,7 +132,3 @@ def reset_peak() -> bool:
 
 def cuda_peak_mb() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
-
-
-def cuda_now_mb() -> float | None:
-    return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
