@@ -67,7 +67,8 @@ def main():
                 layout = "padded" if mode == "cached_padded" else "auto"
                 runs[mode] = run_cli(size, model_dir, data, cache, work / mode, layout)
             else:
-                runs[mode] = common.run_child(bench_train.child_argv(size, model_dir, data, cache, work, mode))
+                argv = train_steps.child_argv(bench_train.__file__, size, model_dir, data, cache, work, mode)
+                runs[mode] = common.run_child(argv)
             log(f"{mode:<7} peak RSS {runs[mode]['maxrss_mb']:.0f} MiB [{time.perf_counter() - t:.0f} s]")
     c, a, p, t = (runs[m]["maxrss_mb"] for m in ("cached_padded", "cached", "policy", "trl"))
     floor = t - weights_mb

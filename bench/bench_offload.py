@@ -16,21 +16,10 @@ import shutil
 
 import common
 import measure
-import numpy as np
 
 QUICK = dict(model="1M", seq=128, pairs=32, reps=3)
 FULL = dict(model="5M", seq=512, pairs=32, reps=3)
 GPU = dict(model="35M", seq=512, pairs=256, reps=3)  # a GPU budget would be 0=SIZE; here the split is CPU and disk
-
-
-def values(out) -> np.ndarray:
-    import polars as pl
-
-    from schemas import format as fmt
-
-    manifest = fmt.read_manifest(out)
-    df = pl.concat([pl.read_parquet(out / s["file"]) for s in manifest["shards"]])
-    return np.concatenate([np.concatenate(df[c].to_list()) for c in ("chosen_logps", "rejected_logps")])
 
 
 def main():
@@ -54,8 +43,7 @@ def main():
         times = measure.interleaved(fns, reps=size["reps"], warmup=1)
         from schemas import format as fmt
 
-        base = values(work / "cache-in-memory")
-        diff = {n: float(np.abs(values(work / f"cache-{n}") - base).max()) for n in ways}
+        diff = {n: common.max_abs_diff(work / f"cache-{n}", work / "cache-in-memory") for n in ways}
         layout = fmt.read_manifest(work / "cache-offload")["computation"].get("layout")
     ratio = {n: measure.ratio(times[n], times["in-memory"]) for n in ways}
     for n in ways:

@@ -78,15 +78,23 @@ def run_ours(size: dict, model: Path, data: Path, cache: Path, out: Path, beta: 
     return r | {"fixed": fixed_cost("refcache", r)}
 
 
-def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log) -> dict:
+def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log, cache: Path | None = None) -> dict:
+    """sweep_trl.py, TRL's run as a user writes it (with `cache`: through dpo.trl, bench_trl_entry's side)."""
     phases = out.with_suffix(".json")
     cmd = [sys.executable, str(common.BENCH / "sweep_trl.py"), str(model), str(data), str(out), str(beta),
-           str(size["steps"]), str(size["batch"]), str(size["seq"]), str(phases)]
+           str(size["steps"]), str(size["batch"]), str(size["seq"]), str(phases)] + ([str(cache)] if cache else [])
     r = timed(cmd, out, log)
     rec = json.loads(phases.read_text())
-    r.update(loop_s=rec["phases"]["train"]["wall_s"], train_runtime=rec["train_runtime"], phases=rec["phases"],
-             steps=rec["steps"])
+    r.update(loop_s=rec["phases"]["train"]["wall_s"], setup_s=rec["phases"]["setup"]["wall_s"], phases=rec["phases"],
+             train_runtime=rec["train_runtime"], train_loss=rec["train_loss"], steps=rec["steps"])
     return r | {"fixed": fixed_cost("trl", r)}
+
+
+def precompute(size: dict, model: Path, data: Path, cache: Path, log) -> dict:
+    """precompute-ref as a user runs it, once for the sweep."""
+    log("precompute-ref")
+    return timed([sys.executable, "-m", "precompute.cli", "--model", str(model), "--data", str(data), "--out",
+                  str(cache), "--max-length", str(size["seq"]), "--no-progress"], cache, log)
 
 
 def sweep(size: dict, work: Path, log) -> dict:
@@ -96,9 +104,7 @@ def sweep(size: dict, work: Path, log) -> dict:
     # computed and stored the first time after an install or a change of its code, as the .pyc files are; a user's
     # sweep finds them made. `--help` makes both.
     common.run_process([sys.executable, "-m", "dpo.cli", "--help"], work / "help.log")
-    log("precompute-ref")
-    pre = timed([sys.executable, "-m", "precompute.cli", "--model", str(model), "--data", str(data), "--out",
-                 str(cache), "--max-length", str(size["seq"]), "--no-progress"], cache, log)
+    pre = precompute(size, model, data, cache, log)
     pre["job_s"] = precompute_job_s(cache.parent / f"{cache.name}.log")
     ours, trl = [], []
     for beta in size["betas"]:  # interleaved: ours, then TRL, per beta

@@ -21,20 +21,6 @@ import measure
 KS = (0, 8, 32, 128)
 
 
-def column_bytes(cache_dir) -> dict:
-    import pyarrow.parquet as pq
-
-    sizes = {}
-    for path in sorted(cache_dir.glob("*.parquet")):
-        meta = pq.ParquetFile(path).metadata
-        for g in range(meta.num_row_groups):
-            for c in range(meta.row_group(g).num_columns):
-                col = meta.row_group(g).column(c)
-                name = col.path_in_schema.split(".")[0]
-                sizes[name] = sizes.get(name, 0) + col.total_compressed_size
-    return sizes
-
-
 def run(model, data, out, k: int, batching: str = "full_forward") -> dict:
     from precompute.job import PrecomputeConfig, run_precompute
 
@@ -48,32 +34,13 @@ def sizes(model, data, work, name: str) -> dict:
     for k in KS:
         out = work / f"{name}-k{k}"
         s = run(model, data, out, k)
-        cols = column_bytes(out)
+        cols = common.column_bytes(out)
         tokens = s["bytes"] / s["bytes_per_completion_token"]
         rows[k] = {"bytes": s["bytes"], "bytes_per_completion_token": round(s["bytes_per_completion_token"], 1),
                    "per_column_per_token": {c: round(b / tokens, 2) for c, b in cols.items()
                                             if any(t in c for t in ("top_ids", "top_logps", "tail"))}}
         print(f"{name} K={k}: {s['bytes_per_completion_token']:.1f} B per completion token")
     return rows
-
-
-def cpu_seconds(fns: dict, reps: int) -> dict:
-    """CPU seconds of each function on one torch thread, round-robin after a warm-up: a figure that other processes
-    on a shared machine barely move (wall-clock times there swing by several times)."""
-    threads = common.torch.get_num_threads()
-    common.torch.set_num_threads(1)
-    try:
-        for fn in fns.values():
-            fn()
-        out = {k: [] for k in fns}
-        for _ in range(reps):
-            for k, fn in fns.items():
-                t = time.process_time()
-                fn()
-                out[k].append(time.process_time() - t)
-    finally:
-        common.torch.set_num_threads(threads)
-    return {k: measure.stats(v) for k, v in out.items()}
 
 
 def timing(model_dir, data, work, reps: int) -> dict:
@@ -85,7 +52,10 @@ def timing(model_dir, data, work, reps: int) -> dict:
 
     whole = measure.interleaved({k: (lambda k=k: run(model_dir, data, work / f"time-k{k}", k)) for k in (0, 32)},
                                reps=reps, warmup=1)
-    whole_cpu = cpu_seconds({k: (lambda k=k: run(model_dir, data, work / f"time-k{k}", k)) for k in (0, 32)}, reps)
+    whole_cpu = {}  # CPU seconds on one torch thread: a figure other processes on a shared machine barely move
+    with measure.threads(1):
+        measure.interleaved({k: (lambda k=k: run(model_dir, data, work / f"time-k{k}", k)) for k in (0, 32)},
+                            reps=reps, warmup=1, cpu=whole_cpu)
     checkpoint = Checkpoint.open(str(model_dir), False, None)
     model = checkpoint.load_model(common.torch.float32, common.torch.device("cpu"), None)
     encoded = usable_rows(load_rows(str(data), "train"), checkpoint.tokenizer, EncodingConfig(), "error", str(data))
@@ -116,9 +86,7 @@ def main():
     with common.workdir("topk") as work:
         model_dir, data = common.sft_data()
         result = {"data/": sizes(model_dir, data / "train.jsonl", work, "data")}
-        big = work / "model-32k"
-        common.build_llama("1M", vocab=32768).save_pretrained(big, safe_serialization=True)
-        common.word_tokenizer(32768).save_pretrained(big)
+        big = common.make_checkpoint(work, "1M-32k", spec={**common.MODELS["1M"], "vocab": 32768})
         synthetic = common.write_jsonl(work / "synthetic.jsonl", common.synthetic_pairs(16 if args.quick else 64, 256,
                                                                                          32768))
         result["1M, vocab 32k, untrained"] = sizes(big, synthetic, work, "32k")

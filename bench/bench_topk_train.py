@@ -88,10 +88,6 @@ def components(a, reps: int) -> dict:
     return {"reps": reps, "cpu_s": out}
 
 
-def child_argv(size, model_dir, data, cache, work, mode, profile=False) -> list[str]:
-    return steps.child_argv(__file__, size, model_dir, data, cache, work, mode) + (["--profile"] if profile else [])
-
-
 def main():
     ap = common.child_parser(__doc__, (*MODES, "components"))
     ap.add_argument("--top-k-cache", help=argparse.SUPPRESS)
@@ -114,8 +110,9 @@ def main():
         top_k_cache = work / f"cache-top{TOP_K}"
         common.precompute(model_dir, data, top_k_cache, size["seq"], top_k=TOP_K)
         caches = {"sigmoid": cache, "kl": top_k_cache, "tdpo2": top_k_cache}
-        rounds = common.rounds(size["rounds"], MODES, lambda m: child_argv(size, model_dir, data, caches[m], work, m),
-                               steps.step_line)
+        argv = lambda mode, size=size, **more: steps.child_argv(__file__, size, model_dir, data, caches[mode], work,
+                                                                mode, **more)
+        rounds = common.rounds(size["rounds"], MODES, argv, steps.step_line)
         runs = {m: steps.summarize(v) for m, v in rounds.items()}
         base = runs["sigmoid"]
         res = {"size": size, "top_k": TOP_K, "params": common.n_params(common.build_llama(size["model"])), **info,
@@ -124,11 +121,10 @@ def main():
                **{f"mem_{m}_vs_sigmoid": runs[m]["maxrss_mb"] / base["maxrss_mb"] for m in ("kl", "tdpo2")}}
         steps.show_runs(runs)
         if not args.no_profile:
-            prof_size = {**size, "warmup": 1, "steps": 2}
-            res["profiles"] = {m: common.run_child(child_argv(prof_size, model_dir, data, caches[m], work, m,
-                                                              profile=True)).get("profile") for m in MODES}
-        res["components"] = common.run_child(child_argv({**size, "steps": 8}, model_dir, data, cache, work,
-                                                        "components") + ["--top-k-cache", str(top_k_cache)])
+            res["profiles"] = {m: common.run_child(argv(m, {**size, "warmup": 1, "steps": 2}, profile=True)).get("profile")
+                               for m in MODES}
+        res["components"] = common.run_child(steps.child_argv(__file__, {**size, "steps": 8}, model_dir, data, cache,
+                                                              work, "components", top_k_cache=top_k_cache))
         print("  ".join(f"{k} {v:.3f}" for k, v in res.items() if k.startswith(("ratio", "mem"))), flush=True)
         print("CPU seconds on one thread: " + "  ".join(f"{m} {t['total']:.3f} ({t['vs_sigmoid']:.3f}x)"
                                                        for m, t in res["components"]["cpu_s"].items()), flush=True)

@@ -63,11 +63,6 @@ RUNNERS = {"policy": run_policy, "cached": lambda a, timer, out: steps.run_ours(
            "live": lambda a, timer, out: steps.run_ours(a, "live", timer, out), "trl": steps.run_trl}
 
 
-def child_argv(size, model_dir, data, cache, work, mode, profile=False) -> list[str]:
-    """The child of one configuration (bench_memory starts them too)."""
-    return steps.child_argv(__file__, size, model_dir, data, cache, work, mode) + (["--profile"] if profile else [])
-
-
 def main():
     ap = common.child_parser(__doc__, MODES)
     ap.add_argument("--profile", action="store_true")
@@ -84,8 +79,8 @@ def main():
     with common.workdir("train") as work:
         model_dir, data, cache, info = steps.prepare(size, work)
         modes = [m for m in MODES if m != "trl" or common.has_trl()]
-        rounds = common.rounds(size["rounds"], modes, lambda m: child_argv(size, model_dir, data, cache, work, m),
-                               steps.step_line)
+        argv = lambda mode, size=size, **more: steps.child_argv(__file__, size, model_dir, data, cache, work, mode, **more)
+        rounds = common.rounds(size["rounds"], modes, argv, steps.step_line)
         runs = {m: steps.summarize(v) for m, v in rounds.items()}
         steps.show_runs(runs)
         p, c, l = runs["policy"], runs["cached"], runs["live"]
@@ -111,8 +106,7 @@ def main():
             missed += ["cached", "live"]
         res["profiles"] = {}
         for mode in dict.fromkeys(missed):
-            prof_size = {**size, "warmup": 1, "steps": 2, "rounds": 1}
-            r = common.run_child(child_argv(prof_size, model_dir, data, cache, work, mode, profile=True))
+            r = common.run_child(argv(mode, {**size, "warmup": 1, "steps": 2, "rounds": 1}, profile=True))
             res["profiles"][mode] = r.get("profile")
             print(f"profiled {mode}", flush=True)
         print(f"cached/policy {res['ratio_cached_vs_policy']:.3f}x  cached/live {res['ratio_cached_vs_live']:.3f}x  "

@@ -12,35 +12,21 @@ load from other processes falls on both.
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import common
-from bench_sweep import FULL, QUICK, timed
-
-
-def run(size: dict, model: Path, data: Path, out: Path, beta: float, log, cache: Path | None = None) -> dict:
-    phases = out.with_suffix(".json")
-    cmd = [sys.executable, str(common.BENCH / "sweep_trl.py"), str(model), str(data), str(out), str(beta),
-           str(size["steps"]), str(size["batch"]), str(size["seq"]), str(phases)] + ([str(cache)] if cache else [])
-    r = timed(cmd, out, log)
-    rec = json.loads(phases.read_text())
-    return r | {"loop_s": rec["phases"]["train"]["wall_s"], "setup_s": rec["phases"]["setup"]["wall_s"],
-                "train_loss": rec["train_loss"], "steps": rec["steps"]}
+from bench_sweep import FULL, QUICK, precompute, run_trl
 
 
 def sweep(size: dict, work: Path, log) -> dict:
     model, data = common.synthetic_case(work, size["model"], size["pairs"], size["seq"], seed=3)
     cache = work / "cache"
-    log("precompute-ref")
-    pre = timed([sys.executable, "-m", "precompute.cli", "--model", str(model), "--data", str(data), "--out",
-                 str(cache), "--max-length", str(size["seq"]), "--no-progress"], cache, log)
+    pre = precompute(size, model, data, cache, log)
     ours, trl = [], []
     for beta in size["betas"]:
         log(f"beta {beta}: TRL with the cache, then TRL's own precompute")
-        ours.append(run(size, model, data, work / f"cache-{beta}", beta, log, cache))
-        trl.append(run(size, model, data, work / f"trl-{beta}", beta, log))
+        ours.append(run_trl(size, model, data, work / f"cache-{beta}", beta, log, cache))
+        trl.append(run_trl(size, model, data, work / f"trl-{beta}", beta, log))
     total = {"trl+cache": pre["wall_s"] + sum(r["wall_s"] for r in ours), "trl": sum(r["wall_s"] for r in trl)}
     return {"precompute": pre, "trl+cache": ours, "trl": trl, "total_wall_s": total,
             "ratio_wall": total["trl+cache"] / total["trl"],

@@ -43,16 +43,8 @@ main(sys.argv[1:])
 def case(work: Path, name: str, vocab: int, tokens: int) -> tuple[Path, Path]:
     """A checkpoint of that vocabulary and one pair: a prompt and two completions of tokens/2 words each, so each
     scored sequence is `tokens` long (the word tokenizer gives one token a word)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = work / f"model-{vocab}"
-    if not (folder / "config.json").exists():
-        config = LlamaConfig(vocab_size=vocab, hidden_size=BODY["hidden"], intermediate_size=BODY["inter"],
-                             num_hidden_layers=BODY["layers"], num_attention_heads=BODY["heads"],
-                             num_key_value_heads=BODY["kv"], max_position_embeddings=max(tokens, 2048) + 8,
-                             bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-        LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-        common.word_tokenizer(vocab).save_pretrained(folder)
+    folder = common.make_checkpoint(work, str(vocab), spec={**BODY, "vocab": vocab},
+                                    max_positions=max(tokens, 2048) + 8)
     half = tokens // 2 - 2
     words = lambda start: " ".join(f"w{3 + (start + i) % (vocab - 3)}" for i in range(half))
     data = common.write_jsonl(work / name.replace(" ", "") / "train.jsonl",

@@ -16,22 +16,10 @@ import time
 
 import common
 import measure
-import numpy as np
 
 QUICK = dict(model="1M", seq=128, pairs=200, added=20, rows_per_shard=50, reps=3)
 FULL = dict(model="5M", seq=256, pairs=400, added=40, rows_per_shard=100, reps=3)
 GPU = dict(model="35M", seq=512, pairs=4000, added=400, rows_per_shard=500, reps=3)
-
-
-def by_id(out) -> dict:
-    import polars as pl
-
-    from schemas.cache import open_cache
-
-    cache = open_cache(out)
-    df = pl.concat([pl.read_parquet(p) for p in cache.shard_paths]).sort("id")
-    return {"id": df["id"].to_list(),
-            **{c: np.concatenate(df[c].to_list()) for c in ("chosen_logps", "rejected_logps")}}
 
 
 def main():
@@ -79,9 +67,7 @@ def main():
                 if rep:
                     times[name].append(time.perf_counter() - t)
         times = {n: measure.stats(v) for n, v in times.items()}
-        a, b = by_id(work / "updated"), by_id(work / "full")
-        assert a["id"] == b["id"], "the updated cache does not hold the full cache's rows"
-        diff = max(float(np.abs(a[c] - b[c]).max()) for c in ("chosen_logps", "rejected_logps"))
+        diff = common.max_abs_diff(work / "updated", work / "full")
     ratio = {n: measure.ratio(times[n], times["full"]) for n in ways}
     for n in ways:
         print(f"{n:>14}: wall {common.fmt_s(times[n])}  scored {last[n]['rows_scored']} of {last[n]['rows']} rows  "

@@ -10,15 +10,19 @@ exactly the work of a real cache of that size. Timed (page cache warm, median of
   check_values            read and check every cached log-prob (count, sum, finite, <= 0) and join them to the rows
   verify (all)            open_cache + rules.use_findings (stamps, rows) + check_values: train-dpo's verification minus
                           encoding the data (which depends on the tokenizer; see verify_and_join on data/)
-Model hashing: bench/bench_hash.py (schemas.stamps.model_hash vs sha256sum on a ~200 MB safetensors file), run a few
-times; its figures are best-of-N within a run, the median over runs is reported here.
+Model hashing, in a child process run a few times (`--child hash`): a ~200 MB safetensors checkpoint of 8 float32
+tensors of torch.randn and a config.json, page cache warm, hashed by schemas.stamps.model_hash (mmap + hashlib over
+every tensor, plus the header and config) and file_sha256 (a chunked read of the file), and by the `sha256sum` and
+`openssl dgst -sha256` command-line tools where present; best of `--repeat` within a run, the median over runs.
 
     .venv/bin/python bench/bench_verify.py [--quick]
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -124,18 +128,48 @@ def bench_data_verify(reps: int, work: Path) -> dict:
     return {"rows": 400, "times": times}
 
 
+def child_hash(mb: int, repeat: int) -> dict:
+    """One run of the hashing tools on a fresh checkpoint: {tool: MB/s of its best of `repeat`}."""
+    from safetensors.torch import save_file
+
+    from schemas.stamps import model_hash
+    from storage.reads import file_sha256
+
+    with common.workdir("hash") as tmp:
+        path = tmp / "model.safetensors"
+        common.torch.manual_seed(0)
+        save_file({f"model.layers.{i}.weight": common.torch.randn(mb * 10**6 // 32) for i in range(8)}, path,
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 1024}))
+        path.read_bytes()  # warm the page cache so every tool reads from memory
+        tool = lambda *cmd: lambda: subprocess.run([*cmd, str(path)], check=True, capture_output=True,
+                                                   text=True).stdout.split()[0]
+        tools = {"model_hash": lambda: model_hash(tmp), "file_sha256": lambda: file_sha256(path)}
+        if shutil.which("sha256sum"):
+            tools["sha256sum"] = tool("sha256sum")
+        if shutil.which("openssl"):  # coreutils may be built without OpenSSL's SHA-NI code: both are shown
+            tools["openssl dgst"] = tool("openssl", "dgst", "-sha256", "-r")
+        digests = {k: fn() for k, fn in tools.items() if k != "model_hash"}
+        if len(set(digests.values())) != 1:
+            raise AssertionError(f"the sha256 tools disagree: {digests}")
+        best = {k: measure.timeit(fn, reps=repeat, warmup=0)["min"] for k, fn in tools.items()}
+        return {"mb_per_s": {k: path.stat().st_size / 1e6 / t for k, t in best.items()}}
+
+
 def bench_hash(mb: int, runs: int, repeat: int) -> dict:
-    """Run bench/bench_hash.py `runs` times and take the median of its per-run best-of-`repeat` figures."""
-    outs = [common.run_child([str(common.BENCH / "bench_hash.py"), "--mb", str(mb), "--repeat", str(repeat)],
-                             timeout=600) for _ in range(runs)]
+    """child_hash in a process of its own, `runs` times; the median over the runs of each tool's best of `repeat`."""
+    outs = [common.run_child(common.child_argv(__file__, "hash", mb=mb, repeat=repeat), timeout=600)
+            for _ in range(runs)]
     mbps = {k: measure.stats([o["mb_per_s"][k] for o in outs]) for k in outs[0]["mb_per_s"]}
     return {"mb": mb, "runs": runs, "repeat": repeat, "mb_per_s": mbps,
-            "ratio_model_hash_vs_sha256sum": measure.ratio(mbps["model_hash"], mbps["sha256sum"]),
-            "bench_hash_output": outs[-1]["output"]}
+            "ratio_model_hash_vs_sha256sum": measure.ratio(mbps["model_hash"], mbps["sha256sum"])}
 
 
 def main():
-    args = common.parser(__doc__).parse_args()
+    args = common.child_parser(__doc__, ["hash"], paths=(), ints=("mb", "repeat")).parse_args()
+    if args.child:
+        print(json.dumps(child_hash(args.mb, args.repeat)))
+        return
     common.quiet()
     sizes = [5, 15] if args.quick else [25, 200]  # shards of 2,048 rows (~4.8 MB each): up to ~1 GB
     with common.workdir("verify") as work:

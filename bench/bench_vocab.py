@@ -88,13 +88,6 @@ def scored_per_step(model: Path, data: Path, size: dict) -> int:
     return sum(sorted((len(p.chosen_ids) + len(p.rejected_ids) for p in pairs), reverse=True)[: size["batch"]])
 
 
-def make_checkpoint(work: Path) -> Path:
-    path = work / "model-128k"
-    common.build_llama(SPEC, max_positions=2048).save_pretrained(path, safe_serialization=True)
-    common.word_tokenizer(SPEC["vocab"]).save_pretrained(path)
-    return path
-
-
 def main():
     ap = common.child_parser(__doc__, CONFIGS)
     ap.add_argument("--rounds", type=int, default=None)
@@ -115,7 +108,7 @@ def main():
     size["rounds"] = a.rounds or size["rounds"]
     configs = [c for c in a.configs.split(",") if c]
     with common.workdir("vocab") as work:
-        model = make_checkpoint(work)
+        model = common.make_checkpoint(work, "128k", spec=SPEC)
         rows = common.synthetic_pairs(size["pairs"], size["seq"], SPEC["vocab"], seed=3)
         data = common.write_jsonl(work / "data" / "train.jsonl", rows)
         t = time.perf_counter()

@@ -31,6 +31,7 @@ import datetime
 import json
 import platform
 import shutil
+import statistics  # noqa: F401  (the parts read common.statistics)
 import subprocess
 import sys
 import time
@@ -119,14 +120,13 @@ def word_tokenizer(vocab: int):
                                    model_max_length=4096)
 
 
-def make_checkpoint(root: Path, name: str, seed: int = 0) -> Path:
-    """Save model `name` and its word tokenizer under root/name (reused if already there)."""
+def make_checkpoint(root: Path, name: str, seed: int = 0, spec: dict | None = None, max_positions: int = 2048) -> Path:
+    """Save model `name` (MODELS[name], or `spec`) and its word tokenizer under root/model-name (reused if there)."""
     path = Path(root) / f"model-{name}"
-    if (path / "config.json").exists():
-        return path
-    model = build_llama(name, seed)
-    model.save_pretrained(path, safe_serialization=True)
-    word_tokenizer(MODELS[name]["vocab"]).save_pretrained(path)
+    if not (path / "config.json").exists():
+        spec = spec or MODELS[name]
+        build_llama(spec, seed, max_positions).save_pretrained(path, safe_serialization=True)
+        word_tokenizer(spec["vocab"]).save_pretrained(path)
     return path
 
 
@@ -185,6 +185,39 @@ def precompute(model, data, out, max_length: int | None = None, **options) -> di
 def sft_data() -> tuple[Path, Path]:
     """The embedded default: data/sft-model and data/prefs (train split)."""
     return DATA / "sft-model", DATA / "prefs"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# caches: what the parts read back from a cache precompute-ref wrote (its shards as the manifest lists them, never a
+# glob: an updated cache keeps the earlier versions' shards beside the current ones)
+
+def column_bytes(cache) -> dict:
+    """Compressed bytes of each column over the cache's shards, from their Parquet footers."""
+    import pyarrow.parquet as pq
+
+    from schemas.cache import open_cache
+
+    sizes = {}
+    for path in open_cache(cache).shard_paths:
+        meta = pq.ParquetFile(path).metadata
+        for g in range(meta.num_row_groups):
+            for c in range(meta.row_group(g).num_columns):
+                col = meta.row_group(g).column(c)
+                name = col.path_in_schema.split(".")[0]
+                sizes[name] = sizes.get(name, 0) + col.total_compressed_size
+    return sizes
+
+
+def max_abs_diff(cache, reference) -> float:
+    """The largest per-token log-prob difference between two caches of the same rows (matched by id)."""
+    from schemas.cache import read_cache
+
+    columns = ("id", "chosen_logps", "rejected_logps")
+    a, b = (read_cache(c).select(columns).collect().sort("id") for c in (cache, reference))
+    if a["id"].to_list() != b["id"].to_list():
+        raise AssertionError(f"{cache} and {reference} do not hold the same rows")
+    return max(float(np.abs(np.concatenate(a[c].to_list()) - np.concatenate(b[c].to_list())).max())
+               for c in ("chosen_logps", "rejected_logps"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="refcache-trl-"))
-os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(os.environ["HF_HOME"], "datasets"))
+import common  # the bench's environment: offline, a private HF_HOME removed at exit
 
-from conftest import build_llama, pref_rows, save_checkpoint, write_jsonl  # noqa: E402  (after sys.path)
-from support import gpt2_style, llama_style  # noqa: E402  (after sys.path)
+sys.path.insert(0, str(common.REPO / "tests"))
+from conftest import build_llama, pref_rows, save_checkpoint, write_jsonl
+from support import gpt2_style, llama_style
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
            "grad_norm")
@@ -135,16 +130,12 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default=None)
     a = parser.parse_args()
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.set_verbosity_error()
+    common.quiet()
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with common.workdir("trl-compare") as tmp:
         for tok_name in ("gpt2_style", "llama_style"):
             for fmt in ("standard", "conversational", "implicit"):
-                r = one_case(fmt, tok_name, a.rows, a.steps, Path(tmp))
+                r = one_case(fmt, tok_name, a.rows, a.steps, tmp)
                 results.append(r)
                 m = r.get("metrics_aligned", r["metrics"])
                 print(f"{tok_name:12s} {fmt:15s} ids identical {r['ids']['identical']}/{r['ids']['rows']}, "

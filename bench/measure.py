@@ -3,6 +3,7 @@ peak (process-wide, from /proc), CUDA peaks."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
 import resource
@@ -57,6 +58,17 @@ def interleaved(fns: dict, reps: int = 3, warmup: int = 1, cpu: dict | None = No
     if cpu is not None:
         cpu.update({k: stats(v) for k, v in cpus.items()})
     return {k: stats(v) for k, v in times.items()}
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """torch on `n` threads inside the block, as many as before after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def ratio(a: dict | float, b: dict | float) -> float:
@@ -120,11 +132,3 @@ def reset_peak() -> bool:
 
 def cuda_peak_mb() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
-
-
-def cuda_now_mb() -> float | None:
-    return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# child processes (one per configuration, so each has its own heap and peak)

@@ -3,7 +3,8 @@
 Per device: the machine and load lines, the targets (ratios judged from the parts' results), the key figures, where
 the time goes for a missed target, then one section per part whose results are there (SECTIONS: part, title,
 renderer; each renderer turns a part's JSON into lines, mostly through `table`). A full run's results are used, else a
-quick run's, marked as such in the section title.
+quick run's, marked as such in the section title. Last, the GPU check, then the retired parts (bench/retired.md,
+static).
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from pathlib import Path
 
 import common
 from render_cpu import (
-    render_flops, render_gather, render_memory, render_modes, render_offload, render_phases, render_precompute, render_ranks, render_scaling, render_size,
+    render_flops, render_memory, render_modes, render_offload, render_phases, render_precompute, render_size,
     render_store, render_sweep, render_train, render_update, render_verify,
 )
 from render_figures import render_analysis, render_key_figures, render_targets
-from render_profile import render_compile, render_probe, render_topk, render_topk_train, render_vocab
+from render_profile import render_compile, render_topk, render_topk_train, render_vocab
 
-ORDER = ("precompute", "train", "verify", "gather", "size", "scaling", "modes", "topk", "topk-train")  # machine and load lines: these parts
+RETIRED = common.BENCH / "retired.md"  # the last figures of the retired parts, kept as they were rendered
+ORDER = ("precompute", "train", "verify", "size", "modes", "topk", "topk-train")  # machine and load lines: these parts
 
 
 def load(results: Path, device: str) -> dict:
@@ -32,16 +34,13 @@ def load(results: Path, device: str) -> dict:
     return out
 
 
-
-
-SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on run only when asked
+SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on run only when asked; the
+    # numbers of the retired parts (4, 6, 15, 19) stay theirs: their sections are in RETIRED
     ("precompute", "1. Precompute throughput", render_precompute),
     ("precompute", "1b. Precompute phases (run_precompute, median over the timed passes)", render_phases),
     ("train", "2. Training step and peak memory", render_train),
     ("verify", "3. Verification and model hashing", render_verify),
-    ("gather", "4. Memory of the log-prob gather", render_gather),
     ("size", "5. Cache size", render_size),
-    ("scaling", "6. Scaling with the number of pairs", render_scaling),
     ("modes", "7. Precompute batching modes", render_modes),
     ("sweep", "8. The whole job: a sweep of 3 runs (bench_sweep.py)", render_sweep),
     ("memory", "9. Peak memory at the limit a cache allows (bench_memory.py)", render_memory),
@@ -50,12 +49,9 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on 
     ("vocab", "12. A 128k vocabulary at sequence 2048 (bench_vocab.py)", render_vocab),
     ("topk", "13. Top-k cache: size and precompute time (bench_topk.py)", render_topk),
     ("topk-train", "14. Training step with a top-k cache: KL metrics, TDPO (bench_topk_train.py)", render_topk_train),
-    ("ranks", "15. 2 ranks: shards dealt by tokens vs round-robin on skewed lengths, and vs 1 process "
-              "(bench_ranks.py)", render_ranks),
     ("compile", "16. torch.compile of the scoring forward and the training step (bench_compile.py)", render_compile),
     ("update", "17. precompute-ref --update adding 10% rows vs a full rerun (bench_update.py)", render_update),
     ("store", "18. A cache on an object store (local S3 server) vs local disk (bench_store.py)", render_store),
-    ("probe", "19. The batching-mode probe's cost, before and after issue 26 (bench_probe.py)", render_probe),
 ]
 
 
@@ -116,7 +112,7 @@ def render(results: Path = common.RESULTS) -> str:
                      "bf16, adds a ~350M model); the GPU results land here." if device == "cuda" else ".") + "\n")
             continue
         L += render_device(R)
-    L += render_gpu_check(Path(results))
+    L += render_gpu_check(Path(results)) + ["", RETIRED.read_text().rstrip()]
     return "\n".join(L).rstrip() + "\n"
 
 

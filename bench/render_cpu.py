@@ -1,5 +1,5 @@
-"""Sections of the page for the measuring parts: precompute, train, verify, gather, size, scaling, modes, sweep,
-memory, offload, ranks, update, store, flops (one renderer per part: its JSON to Markdown lines)."""
+"""Sections of the page for the measuring parts: precompute, train, verify, size, modes, sweep, memory, offload,
+update, store, flops (one renderer per part: its JSON to Markdown lines)."""
 
 from __future__ import annotations
 
@@ -71,30 +71,12 @@ def render_verify(V: dict) -> list[str]:
                                    f"{c['s_per_million_rows']:.2f}"] for c in V["caches"]])
     big, h = V["caches"][-1], V["hash"]
     L += ["", "Per GB, by step: " + ", ".join(f"{k} {v:.2f} s" for k, v in big["per_gb"].items()) + ".", "",
-          f"Model hashing ({h['mb']} MB safetensors, page cache warm; bench/bench_hash.py, {h['runs']} runs of best-of-"
-          f"{h['repeat']}, median (min-max) over runs):", ""]
+          f"Model hashing ({h['mb']} MB safetensors, page cache warm; bench_verify.py's hash child, {h['runs']} runs "
+          f"of best-of-{h['repeat']}, median (min-max) over runs):", ""]
     return L + table("tool | MB/s", [[tool, f"{st['median']:,.0f} ({st['min']:,.0f}-{st['max']:,.0f})"]
                                      for tool, st in h["mb_per_s"].items()])
 
 
-def render_gather(G: dict) -> list[str]:
-    by = {(r["vocab"], r["method"]): r for r in G["results"]}
-    rows = []
-    for v in sorted({r["vocab"] for r in G["results"]}):
-        h, c, n = by[(v, "hidden")], by[(v, "chunked")], by[(v, "naive")]
-        rows.append([f"{v:,}", f"{h['weights_mb']:.0f} MiB", f"{h['full_logits_mb']:,.0f} MiB",
-                     f"{h['peak_mb']['median']:.0f} MiB", f"{c['peak_mb']['median']:.0f} MiB",
-                     f"{n['peak_mb']['median']:,.0f} MiB", f"{n['peak_mb']['median'] / c['peak_mb']['median']:.1f}x",
-                     sec(c["time"]), sec(n["time"])])
-    s = G["summary"]
-    return [f"Batch {G['batch']} x 1,024 tokens (completion: the second half), hidden 64, 2 layers. Peak memory above "
-            "what was held before the call (weights, inputs), median (min-max):", ""] + table(
-        "vocab | weights | full logits tensor | hidden (model activations) | chunked completion_logps | naive "
-        "log_softmax | naive/chunked | time chunked | time naive", rows) + [
-        "", f"Going from 32k to 128k vocabulary multiplies the chunked gather's peak by "
-        f"{s['chunked_128k_vs_32k']:.2f}x and the naive one's by {s['naive_128k_vs_32k']:.2f}x: the chunked gather "
-        "is bounded by its chunk (2^25 logits, 128 MiB in float32, plus the log-sum-exp temporary), whatever the "
-        "vocabulary or sequence length."]
 
 
 def render_size(S: dict) -> list[str]:
@@ -117,13 +99,6 @@ def render_size(S: dict) -> list[str]:
         "take with it off for the float columns."]
 
 
-def render_scaling(S: dict) -> list[str]:
-    return [f"{S['size']['model']} model, sequences up to {S['size']['seq']} tokens.", ""] + table(
-        "scale | pairs | tokens | wall | tokens/s", [[p["scale"], p["pairs"], f"{p['tokens']:,}", sec(p["wall"]),
-                                                     f"{p['tokens_per_s']:,.0f}"] for p in S["points"]]) + [
-        "", f"Least-squares line: {S['fixed_s']:.2f} s fixed + {S['per_pair_s'] * 1000:.1f} ms per pair "
-        f"(R^2 {S['r2']:.4f}); wall 2x/1x {S['wall_2x_over_1x']:.2f}, 4x/1x {S['wall_4x_over_1x']:.2f} "
-        "(linear: 2.00 and 4.00, less the fixed share)."]
 
 
 def render_modes(M: dict) -> list[str]:
@@ -210,37 +185,6 @@ def render_offload(O: dict) -> list[str]:
                     f"{layout.get('offload_folder_used')}."]
 
 
-def render_ranks(K: dict) -> list[str]:
-    size = K["size"]
-    L = [f"{size['model']} model; {size['shards']} shards of {size['rows_per_shard']} pairs, even shards up to "
-         f"{size['long']} tokens, odd ones up to {size['short']} (data sorted by source); `torchrun --standalone "
-         "--nproc-per-node 2` (gloo, one thread per rank) on the 2 cores, every way run in turn in each round; the summary's "
-         f"per-rank scoring wall times ({ran(K)}: other processes share the cores, read the spreads side by side).", ""]
-    L += table("shards dealt | tokens per rank | slowest rank's scoring | spread (max - min) | spread / slowest | job "
-               "wall", [[w.replace("_", "-"), " / ".join(f"{t:,}" for t in r["rank_tokens"]), sec(r["slowest_rank_s"]),
-                         sec(r["spread_s"]), f"{r['spread_share']:.0%}", sec(r["job_wall_s"])]
-                        for w, r in K["ways"].items()])
-    L += ["", f"Slowest rank, round-robin over by tokens: {x(K['slowest_rank_ratio'])}; every way wrote the same "
-              "shards byte for byte. The job's wall time is mostly start-up (imports, model load, the probe) "
-              "at these sizes; the scoring phase is what the dealing changes."]
-    t = K.get("throughput")
-    if not t:  # a result from before the 1-process comparison
-        return L
-    names = {"two_ranks": "2 ranks (torchrun, gloo; shards dealt by tokens)", "one_process_1_thread": "1 process",
-             "one_process_all_cores": "1 process, all cores"}
-    L += ["", f"The same job as 2 ranks and as 1 process, in the same rounds ({K['machine'].get('cores')} cores: 2 "
-              "ranks of one thread use the whole machine as 1 process with a thread per core does, so ~1x is what to "
-              "expect; the ranks pay off with one device per rank):", ""]
-    L += table("run | processes x threads | tokens/s over the job's wall | tokens/s over the scoring | 2 ranks over it "
-               "(job / scoring)",
-               [[names.get(n, n), f"{r['processes']} x {r['threads']}", f"{r['job_tokens_per_s']['median']:,.0f}",
-                 f"{r['scoring_tokens_per_s']['median']:,.0f}",
-                 f"{x(t['job_ratio'][n])} / {x(t['scoring_ratio'][n])}" if n in t["job_ratio"] else ""]
-                for n, r in t["runs"].items()])
-    return L + ["", "Over the scoring: tokens over the slowest rank's scoring wall (one process: its own); over the "
-                    "job's wall: start-up, planning, model load and the probe included. With other processes on the "
-                    "cores (see the load average), one process of 2 torch threads is slowed far more than in "
-                    "proportion whenever one of its threads is descheduled; processes of one thread each are not."]
 
 
 def render_update(U: dict) -> list[str]:

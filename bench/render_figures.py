@@ -263,7 +263,7 @@ def render_analysis(R: dict) -> list[str]:
         L += ["", "**Cached vs policy-only memory.** Cached mode also holds the verified cache rows and polars' "
                  "allocator pool from the verification read; see the per-step steady peak in the table above."]
     if "verify" in R and not ok.get("hash_vs_sha256sum", True):
-        L += ["", "**Model hashing.** See bench/bench_hash.py's output below."]
+        L += ["", "**Model hashing.** model_hash against the sha256 tools on the same file: part 3's last table."]
     L += _flops_analysis(R, ok)
     profiles = R.get("train", {}).get("profiles") or {}
     for mode, table in profiles.items():

@@ -1,4 +1,4 @@
-"""Sections of the page for the profiling parts: compile (phases, segments), vocab, topk, topk-train, probe."""
+"""Sections of the page for the profiling parts: compile (phases, segments), vocab, topk, topk-train."""
 
 from __future__ import annotations
 
@@ -274,20 +274,3 @@ def render_topk_train(T: dict) -> list[str]:
                       "by self time)</summary>", "", "```", prof.rstrip(), "```", "</details>"]
     return L
 
-
-def render_probe(P: dict) -> list[str]:
-    cpu, wall = P["cpu_times"], P["times"]
-    rows = [[name, f"{cpu[k]['median']:.3f} s ({cpu[k]['min']:.3f}-{cpu[k]['max']:.3f})", sec(wall[k]),
-             f"{cpu[k]['median'] / cpu['score']['median']:.2f}x"]
-            for k, name in (("before", f"probe before: {len(P['probe_before'])} pairs {P['probe_before']}, one batch"),
-                            ("now", f"probe now: {len(P['probe_now'])} pairs {P['probe_now']}, the mode's "
-                                    "probe_budget"),
-                            ("score", f"score_pairs of the job's {P['pairs']} pairs ({P['mode']['now']})"))]
-    return [f"{P['case']}, choose_mode(auto) (the probe: reference forwards of its pairs, then the cheapest mode's "
-            "forwards of them) before and after issue 26, and the job's scoring, interleaved in one process on one "
-            "torch thread (`python bench/bench_probe.py`; what `before` was: the script's docstring). Mode chosen: "
-            f"{P['mode']}.", ""] + table("work | CPU seconds | wall | vs scoring the job", rows) + [
-            "", f"The probe now costs **{P['now_over_before_cpu']:.2f}x** its CPU time before; it is a cost per job, "
-            f"here {cpu['now']['median'] / cpu['score']['median'] * P['pairs']:.1f} pairs' worth of scoring (before "
-            f"{cpu['before']['median'] / cpu['score']['median'] * P['pairs']:.1f}). 1-minute load average at the end: "
-            f"{P.get('loadavg_end')}."]

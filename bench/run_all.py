@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/run_all.py [--quick] [--parts precompute,train,...] [--render-only] [--results DIR]
 
-Each part writes <results>/<part>-<cpu|cuda>.json (bench/results/ by default); RESULTS.md, beside the results
-folder, is rendered from whatever JSON is there (render.py), with the CPU and GPU results in sections of their own (a
-run on a GPU machine adds the GPU section and keeps the CPU one).
+A part is a script bench/bench_<part>.py (`--parts kl-control`: bench_kl_control.py); the default run is PARTS, the
+others run when named. Each part writes <results>/<part>-<cpu|cuda>.json (bench/results/ by default); RESULTS.md,
+beside the results folder, is rendered from whatever JSON is there (render.py), with the CPU and GPU results in
+sections of their own (a run on a GPU machine adds the GPU section and keeps the CPU one).
 """
 
 from __future__ import annotations
@@ -18,21 +19,9 @@ from pathlib import Path
 import common
 import render
 
-PARTS = {  # part -> script; the default run
-    "precompute": "bench_precompute.py",
-    "train": "bench_train.py",
-    "verify": "bench_verify.py",
-    "gather": "bench_gather_memory.py",
-    "size": "bench_cache_size.py",
-    "scaling": "bench_scaling.py",
-    "modes": "bench_modes.py",
-}
-SCRIPTS = {**PARTS, "sweep": "bench_sweep.py", "memory": "bench_memory.py",  # the whole-job parts: only when named
-           "offload": "bench_offload.py", "flops": "bench_flops.py", "vocab": "bench_vocab.py",
-           "topk": "bench_topk.py", "topk-train": "bench_topk_train.py", "ranks": "bench_ranks.py",
-           "compile": "bench_compile.py", "update": "bench_update.py", "store": "bench_store.py",
-           "probe": "bench_probe.py", "kl-control": "bench_kl_control.py", "truth-memory": "bench_truth_memory.py",
-           "trl-entry": "bench_trl_entry.py"}
+SCRIPTS = {p.stem.removeprefix("bench_").replace("_", "-"): p.name  # part -> script: every bench_*.py there is
+           for p in sorted(common.BENCH.glob("bench_*.py"))}
+PARTS = ("precompute", "train", "verify", "size", "modes")  # the default run; the others only when named
 
 
 def run_parts(parts: list[str], quick: bool, results: Path) -> dict:
@@ -54,12 +43,16 @@ def run_parts(parts: list[str], quick: bool, results: Path) -> dict:
 
 def main():
     ap = common.parser(__doc__)
-    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(SCRIPTS)}")
     ap.add_argument("--render-only", action="store_true")
     args = ap.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = [p for p in parts if p not in SCRIPTS]
+    if unknown:
+        ap.error(f"no part {', '.join(unknown)}; the parts: {', '.join(SCRIPTS)}")
     if not args.render_only:
         t = time.perf_counter()
-        walls = run_parts([p for p in args.parts.split(",") if p], args.quick, args.results)
+        walls = run_parts(parts, args.quick, args.results)
         run = {"command": " ".join([".venv/bin/python", "bench/run_all.py", *sys.argv[1:]]), "quick": args.quick,
                "walls": walls, "total_s": time.perf_counter() - t, "date": common.machine()["date"]}
         path = common.result_path("run", args.quick, args.results)

@@ -1,4 +1,4 @@
-"""The training-step harness of bench_train, bench_lora, bench_layout and bench_memory (no measurement of its own).
+"""The training-step harness of the parts that time train-dpo steps (no measurement of its own).
 
 Each configuration trains in a child process of its own (`--child MODE`, so none shares another's heap or peak):
 `child` imports the libraries (so the baseline RSS includes them), runs the part's runner for MODE with a step
@@ -164,10 +164,12 @@ def child(a, runners: dict, imports=(), report_errors: bool = False) -> dict:
     return r
 
 
-def child_argv(script: str, size: dict, model_dir, data, cache, work: Path, mode: str, **more) -> list[str]:
+def child_argv(script: str, size: dict, model_dir, data, cache, work: Path, mode: str, profile: bool = False,
+               **more) -> list[str]:
+    """The argv of one configuration's child; `profile`: it profiles its steps (the part's --profile flag)."""
     return common.child_argv(script, mode, model=model_dir, data=data, cache=cache, seq=size.get("seq"),
                              batch=size["batch"], warmup=size["warmup"], steps=size["steps"], out=work / "runs",
-                             **more)
+                             **more) + ["--profile"] * profile
 
 
 def step_line(r: dict) -> str:

@@ -4,7 +4,7 @@ Runs precompute-ref on the embedded data/ (a trained model: real log-prob entrop
 sequence lengths 128, 512 and 1024 (1M model, 1k vocabulary; ids follow a Zipf-like law), then reads the Parquet
 footers for the compressed size of each column. Sizes are deterministic: one run per case.
 
-    .venv/bin/python bench/bench_cache_size.py [--quick]
+    .venv/bin/python bench/bench_size.py [--quick]
 """
 
 from __future__ import annotations
@@ -21,21 +21,6 @@ CASES = [  # (name, model, seq, pairs)
 ]
 
 
-def column_bytes(cache_dir) -> dict:
-    import pyarrow.parquet as pq
-
-    sizes = {}
-    for path in sorted(cache_dir.glob("*.parquet")):
-        meta = pq.ParquetFile(path).metadata
-        for g in range(meta.num_row_groups):
-            rg = meta.row_group(g)
-            for c in range(rg.num_columns):
-                col = rg.column(c)
-                name = col.path_in_schema.split(".")[0]
-                sizes[name] = sizes.get(name, 0) + col.total_compressed_size
-    return sizes
-
-
 def without_float_dictionary(cache_dir) -> int:
     """Bytes the same shards would take with dictionary encoding left off the float columns (a what-if: random-looking
     float32 values defeat the dictionary, and its fallback costs more than plain encoding)."""
@@ -43,8 +28,10 @@ def without_float_dictionary(cache_dir) -> int:
 
     import pyarrow.parquet as pq
 
+    from schemas.cache import open_cache
+
     total = 0
-    for path in sorted(cache_dir.glob("*.parquet")):
+    for path in open_cache(cache_dir).shard_paths:
         table = pq.read_table(path)
         keep = [n for n in table.column_names if "logp" not in n]
         buf = io.BytesIO()
@@ -60,7 +47,7 @@ def bench_case(name, model, seq, pairs, work) -> dict:
         model_dir, data = common.synthetic_case(work, model, pairs, seq, seed=3, name=f"data-{seq}")
     out = work / f"cache-{seq}"
     r = common.precompute(model_dir, data, out, seq)
-    cols = column_bytes(out)
+    cols = common.column_bytes(out)
     no_dict = without_float_dictionary(out)
     completion = r["bytes"] / r["bytes_per_completion_token"]
     manifest = (out / "manifest.json").stat().st_size
