@@ -6,7 +6,6 @@ spellings work (--learning-rate, --learning_rate). --config takes a YAML or JSON
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from pathlib import Path
@@ -17,6 +16,7 @@ from runtime import kl_control
 from runtime.cli import (TRL_ALIASES, GroupedCommand, Location, command_text, dataclass_options,
                          exit_without_teardown, given_values, number_text, option_specs, quiet_libraries, run_cli,
                          spec_options)
+from runtime.config_file import read_mapping
 from runtime.placed import Placement, group_options, prefix_of
 from runtime.terminal import echo
 
@@ -220,43 +220,9 @@ def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
     return {k: v for k, v in data.items() if k not in inert}, given_as
 
 
-def yaml_12(text: str):
-    """YAML read with the core schema of YAML 1.2 (what TRL's YAML configs are written for), not PyYAML's YAML 1.1:
-    `kl_target: 1:2` stays the text "1:2" (1.1 reads it as 62, base 60), `on`/`yes`/`no` stay words, `010` is ten and
-    `1e-6` a number; every value then goes through its option's own type as on the command line (`_convert`)."""
-    import re
-
-    import yaml
-
-    class Core12Loader(yaml.SafeLoader):
-        pass
-
-    Core12Loader.yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in resolvers if tag.rsplit(":", 1)[-1] not in ("bool", "int", "float")]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    core = {"bool": (r"^(?:true|True|TRUE|false|False|FALSE)$", list("tTfF")),
-            "int": (r"^[-+]?[0-9]+$", list("-+0123456789")),
-            "float": (r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
-                      r"|\.(?:nan|NaN|NAN))$", list("-+.0123456789"))}
-    for kind, (pattern, first) in core.items():
-        Core12Loader.add_implicit_resolver(f"tag:yaml.org,2002:{kind}", re.compile(pattern), first)
-    Core12Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: int(loader.construct_scalar(node)))
-    return yaml.load(text, Loader=Core12Loader)  # a SafeLoader: plain data only, no object ever built
-
-
 def load_config_file(path) -> dict:
-    import yaml
-
     path = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-        data = json.loads(text) if path.endswith(".json") else yaml_12(text)
-    except (ValueError, yaml.YAMLError) as e:  # ValueError: JSON errors and UnicodeDecodeError
-        detail = " ".join(str(e).split())
-        raise click.UsageError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'} ({detail})") from None
-    if not isinstance(data, dict):
-        raise click.UsageError(f"{path}: expected a mapping of option names to values")
-    data, given_as = _from_trl(path, {k.replace("-", "_"): v for k, v in data.items()})
+    data, given_as = _from_trl(path, read_mapping(path))  # runtime/config_file.py: the one reader of a config file
     return {key: _convert(path, key, value, given_as.get(key)) for key, value in data.items() if value is not None}
 
 

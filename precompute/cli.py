@@ -7,8 +7,9 @@ import os
 import click
 
 from precompute.config import PrecomputeConfig, checked_inputs
-from runtime.cli import (ENCODING_OPTIONS, TRL_ALIASES, GroupedCommand, command_text, dataclass_options, encoding_from,
-                         encoding_options, exit_without_teardown, given_values, quiet_libraries, run_cli)
+from runtime.cli import (ENCODING_OPTIONS, TRL_ALIASES, GroupedCommand, Location, command_text, dataclass_options,
+                         encoding_from, encoding_options, exit_without_teardown, given_values, quiet_libraries, run_cli)
+from runtime.config_file import options_from_file
 from runtime.terminal import counted, echo
 
 
@@ -48,16 +49,24 @@ def summary_text(s: dict) -> str:
 
 
 @click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@dataclass_options(PrecomputeConfig, aliases=TRL_ALIASES)
+@click.option("--config", "config_file", type=Location("input", local=click.Path(exists=True, dir_okay=False)),
+              help="YAML or JSON file of these options (snake_case or kebab-case keys, or TRL's spellings such as "
+                   "model_name_or_path); the command line overrides it.")
+@dataclass_options(PrecomputeConfig, enforce_required=False, aliases=TRL_ALIASES)
 @encoding_options
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def main(debug, **options):
+def main(config_file, debug, **options):
     """Run the frozen reference model once over preference pairs and write per-token log-probs to a stamped,
     resumable Parquet cache for train-dpo."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     def body():
-        given = given_values(options)
+        # the file's values, then the command line's over them; both read by each option's own type
+        from_file = options_from_file(config_file, main, "precompute-ref", TRL_ALIASES) if config_file else {}
+        given = from_file | given_values(options)
+        missing = [f"--{k}" for k in ("model", "data") if not given.get(k)]
+        if missing:
+            raise click.UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
         encoding = {k: given.pop(k, None) for k in ENCODING_OPTIONS}
         cfg = PrecomputeConfig(**given, encoding=encoding_from(**encoding),
                                given=frozenset(given) | {k for k, v in encoding.items() if v is not None})
@@ -70,14 +79,17 @@ def main(debug, **options):
             return
         echo(summary_text(s))
 
-    run_cli(body, debug, writes_to=lambda: options.get("out"), next_step=lambda: resume_step(options))
+    run_cli(body, debug, writes_to=lambda: options.get("out"), next_step=lambda: resume_step(options, config_file))
 
 
-def resume_step(options: dict) -> str:
+def resume_step(options: dict, config_file=None) -> str:
     """After Ctrl-C (or a full disk): the command that resumes the job (the same one; its finished shards are kept,
-    and a resume takes the settings they were scored with)."""
+    and a resume takes the settings they were scored with), never with --overwrite."""
+    again = {k: v for k, v in given_values(options).items() if k != "overwrite"}
+    if config_file and "overwrite" in options_from_file(config_file, main, "precompute-ref", TRL_ALIASES):
+        again["overwrite"] = False  # the file's overwrite: true, overridden on the command line
     return ("the finished shards are kept; resume with the same command:\n  "
-            + command_text("precompute-ref", {k: v for k, v in given_values(options).items() if k != "overwrite"}))
+            + command_text("precompute-ref", again, ("--config", config_file) if config_file else ()))
 
 
 def process_main():

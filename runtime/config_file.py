@@ -1,0 +1,87 @@
+"""A command's options from a YAML or JSON file (--config), as TRL's scripts take theirs: one reader of the file
+for every command (train-dpo adds TRL's DPOConfig keys on top, dpo/cli.py). A config file holds plain data only: it is
+read with a safe loader and every value goes through its option's own type, as on the command line."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+
+
+def yaml_12(text: str):
+    """YAML read with the core schema of YAML 1.2 (what TRL's YAML configs are written for), not PyYAML's YAML 1.1:
+    `kl_target: 1:2` stays the text "1:2" (1.1 reads it as 62, base 60), `on`/`yes`/`no` stay words, `010` is ten and
+    `1e-6` a number; every value then goes through its option's own type as on the command line."""
+    import yaml
+
+    class Core12Loader(yaml.SafeLoader):
+        pass
+
+    Core12Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag.rsplit(":", 1)[-1] not in ("bool", "int", "float")]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    core = {"bool": (r"^(?:true|True|TRUE|false|False|FALSE)$", list("tTfF")),
+            "int": (r"^[-+]?[0-9]+$", list("-+0123456789")),
+            "float": (r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
+                      r"|\.(?:nan|NaN|NAN))$", list("-+.0123456789"))}
+    for kind, (pattern, first) in core.items():
+        Core12Loader.add_implicit_resolver(f"tag:yaml.org,2002:{kind}", re.compile(pattern), first)
+    Core12Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: int(loader.construct_scalar(node)))
+    return yaml.load(text, Loader=Core12Loader)  # a SafeLoader: plain data only, no object ever built
+
+
+def read_mapping(path) -> dict:
+    """The file's mapping of option names to values (keys with `-` read as `_`); a file that is not valid JSON (a
+    .json name) or YAML, or holds no mapping, is a usage error naming it."""
+    import yaml
+
+    path = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if path.endswith(".json") else yaml_12(text)
+    except (ValueError, yaml.YAMLError) as e:  # ValueError: JSON errors and UnicodeDecodeError
+        detail = " ".join(str(e).split())
+        raise click.UsageError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'} ({detail})") from None
+    if not isinstance(data, dict):
+        raise click.UsageError(f"{path}: expected a mapping of option names to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def options_from_file(path, command: click.Command, prog: str, aliases: dict, *, skip=("config_file", "debug")) -> dict:
+    """A command's option values from --config `path`, by the command's own options (their names, or `aliases`:
+    TRL's spellings): each value converted by its option's type, exactly as the command line converts it. An unknown
+    key, or a value its option refuses, is a usage error naming the file, the key and the reason."""
+    options = {p.name: p for p in command.params if isinstance(p, click.Option) and p.name not in skip}
+    values, unknown = {}, []
+    for key, value in read_mapping(path).items():
+        name = aliases.get(key, key)
+        option = options.get(name)
+        if option is None:
+            unknown.append(key)
+        elif value is not None:
+            values[name] = _converted(path, key, option, value)
+    if unknown:
+        raise click.UsageError(f"{path}: unknown option(s) {', '.join(sorted(unknown))} (see `{prog} "
+                               "--help`: a key is an option's name, with _ or -)")
+    return values
+
+
+def _converted(path, key: str, option: click.Option, value):
+    if option.is_flag and option.is_bool_flag:
+        if isinstance(value, bool):
+            return value
+        value = str(value).lower()
+        from .cli import FALSE_WORDS, TRUE_WORDS
+
+        if value in TRUE_WORDS | FALSE_WORDS:
+            return value in TRUE_WORDS
+        raise click.UsageError(f"{path}: {key}: {value!r} is not true or false")
+    try:
+        if option.multiple:
+            return [option.type.convert(v, option, None) for v in (value if isinstance(value, list) else [value])]
+        return option.type.convert(value, option, None)
+    except click.BadParameter as e:
+        raise click.UsageError(f"{path}: {key}: {e.message}") from None
