@@ -92,7 +92,7 @@ def test_precompute_ref_help_and_refusals_import_no_model_library(tmp_path):
     data.mkdir()
     (data / "train.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
     refusals = [  # (arguments, what stderr says)
-        (["--data", data], "Missing option '--model'"),
+        (["--data", data], "missing --model (on the command line or in --config)"),
         (["--model", "m", "--data", data, "--batching", "bogus"], "'bogus' is not one of 'auto', 'full_forward'"),
         (["--model", "m", "--data", data, "--token-budget", "0"], "--token-budget"),
         (["--model", "m", "--data", data, "--out", data / "cache"], f"--out {data / 'cache'} is inside --data {data}"),

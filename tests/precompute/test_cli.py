@@ -127,7 +127,7 @@ def test_help_is_generated_from_the_config_fields():
 
 def test_a_missing_required_option_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(main, ["--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "c")])
-    assert result.exit_code == 2 and "Missing option '--model'" in result.output, result.output
+    assert result.exit_code == 2 and "missing --model (on the command line or in --config)" in result.output, result.output
     assert not (tmp_path / "c").exists()
 
 
