@@ -18,7 +18,6 @@ dropout and the step-0 loss is ln 2; from step 1 on the policy's forward is stoc
 from __future__ import annotations
 
 import contextlib
-import warnings
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -165,9 +164,11 @@ def base_name(base: dict) -> str:
     return base.get("hub_id") or str(Path(base["path"]).resolve())
 
 
-def target_modules(given: str | None) -> str | list[str]:
+def target_modules(given: str | list | None) -> str | list[str]:
     """--lora-target-modules as peft takes it: module names as a list, and `all-linear` (alone) as peft's own special
     value, a string (in a list peft would look for a module named all-linear)."""
+    if isinstance(given, (list, tuple)):  # a --config file's list, as TRL's configs write it
+        given = ",".join(map(str, given))
     targets = [t.strip() for t in given.split(",") if t.strip()] if given else []
     if not targets or targets == [DEFAULT_TARGETS]:
         return DEFAULT_TARGETS
@@ -184,7 +185,7 @@ def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: in
     and for a hub id the snapshot's commit as `revision`)."""
     import torch
 
-    from runtime.checkpoint import require_peft
+    from runtime.checkpoint import quiet_peft, require_peft
 
     peft = require_peft("--use-peft")
     # peft records model.name_or_path (the path as given to from_pretrained, maybe relative) as the base
@@ -198,12 +199,8 @@ def wrap_policy(model, opts: LoraOptions, gradient_checkpointing: bool, seed: in
         target_modules=target_modules(opts.lora_target_modules),
     )
     try:
-        with torch.random.fork_rng(devices=range(torch.cuda.device_count())), warnings.catch_warnings():  # QLoRA: GPU
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())), quiet_peft():  # QLoRA: on the GPU
             torch.manual_seed(seed)
-            # peft asks transformers' deprecated model.is_gradient_checkpointing: one library's notice to another,
-            # nothing a user can act on; only that notice is silenced
-            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
-                                    category=FutureWarning)
             return peft.get_peft_model(model, config, revision=base.get("revision"))
     except ValueError as e:  # e.g. target modules not found in the model
         raise JobError(f"--lora-target-modules: {' '.join(str(e).split())[:300]}") from None

@@ -132,7 +132,7 @@ def recorded_config(cfg) -> dict:
     # the places as meaningful once the manifest is shared: absolute, where they are local paths that exist (a hub
     # id, a URL or a word such as resume_from_checkpoint's `true` stays as given)
     places = {f.name: rm.absolute(config[f.name]) for f in dataclasses.fields(cfg) if "location" in f.metadata
-              and isinstance(config[f.name], Path) and os.path.lexists(config[f.name])}
+              and isinstance(config[f.name], (str, Path)) and os.path.lexists(config[f.name])}
     return config | places | {name: None for name in unread_options(cfg.loss_type, config)}
 
 

@@ -15,7 +15,8 @@ from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
-from runtime.placed import Attention, Placement, attention_of, attention_refused, included, load_placed
+from runtime.placed import (Attention, Placement, attention_of, attention_refused, flex_on_cpu, included,
+                            load_placed)
 from runtime import kl_control, placement
 from runtime.kl_control import alarm_text, target_text  # (the class body has a field named kl_control)
 from runtime.terminal import echo
@@ -462,6 +463,7 @@ def _load(cfg: TrainConfig, checkpoint: Checkpoint, what: str, dtype, device=Non
     """A model of train-dpo with --attn-implementation: one the model or this installation cannot use is refused
     naming those it can (as precompute-ref refuses it)."""
     attention = attention_of(cfg)
+    flex_on_cpu(what, attention, "cpu" if getattr(cfg, "use_cpu", False) else device)
     try:
         return checkpoint.load_model(dtype, device, attention, **kwargs)
     except (ImportError, ValueError) as e:

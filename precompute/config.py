@@ -178,8 +178,14 @@ def computation_options(findings) -> list[tuple[str | None, object, object]]:
 
 
 def encoding_options(cache: dict, run: dict) -> list[tuple[str, object, object]]:
-    """The encoding options whose values differ between the cache's encoding and this run's (EncodingConfig dicts),
-    as (option, the cache's value, this run's)."""
+    """The encoding options whose values differ between the cache's encoding and this run's (EncodingConfig dicts,
+    which leave out a value at its old default: completion_end eos, no columns), as (option, the cache's value, this
+    run's)."""
+    def every(d: dict) -> dict:
+        defaults = {f.name: f.default for f in fields(EncodingConfig)}
+        return defaults | (d if isinstance(d, dict) else {})
+
+    cache, run = every(cache), every(run)
     return [(f"--{k.replace('_', '-')}", v, run.get(k)) for k, v in cache.items()
             if run.get(k) != v and k in ENCODING_OPTIONS]
 

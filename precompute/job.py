@@ -27,8 +27,8 @@ from runtime.distributed import Dist, balanced_assignment, distributed
 from runtime import locks
 from runtime.errors import JobError
 from runtime.logprobs import verified_head
-from runtime.placed import Placement, attention_of, attention_refused, load_placed
-from runtime.terminal import echo
+from runtime.placed import Placement, attention_of, attention_refused, flex_on_cpu, load_placed
+from runtime.terminal import counted, echo
 from runtime import placement
 from schemas import format as fmt
 from schemas import rules
@@ -225,7 +225,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
     if todo:
         split = (f" (tensor parallel: {dist.groups} group{'s' if dist.groups > 1 else ''} of {dist.tp_size} ranks)"
                  if dist.tp_size > 1 else "")
-        log(f"scoring {sum(s['stop'] - s['start'] for s in todo)} pairs in {len(todo)} shard{'s' * (len(todo) != 1)} "
+        log(f"scoring {counted(sum(s['stop'] - s['start'] for s in todo), 'pair')} in {len(todo)} shard{'s' * (len(todo) != 1)} "
             f"({len(resume.done)} already done) on {dist.world} x {job.device.type}{split} in "
             f"{str(job.dtype).removeprefix('torch.')}" + (
                 f"; tokens per {'group' if dist.tp_size > 1 else 'rank'}: "
@@ -438,6 +438,8 @@ def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint 
     from_pretrained options (runtime/placed.py load_placed), or distributed_config (--tp-size); device None then."""
     checkpoint = checkpoint or Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
     attn = attention_of(cfg)
+    if not placed:  # a split or tensor-parallel load places the model itself (on CUDA devices where it can)
+        flex_on_cpu(cfg.model, attn, device)
     try:
         return checkpoint.load_model(dtype, device, attn, **placed)
     except (ImportError, ValueError) as e:  # an implementation the model or this install does not have

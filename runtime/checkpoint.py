@@ -186,13 +186,25 @@ def check_adapter(adapter_dir: str) -> str:
         raise JobError(f"--adapter {adapter_dir}: {e}") from None
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """Around peft wrapping a model: peft asks transformers' deprecated model.is_gradient_checkpointing, a
+    FutureWarning from one library to another that no user of ours can act on; only that notice is silenced."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def _merge_adapter(model, adapter_dir: str):
     """`model` with the peft adapter in `adapter_dir` (checked by `Checkpoint.open`) merged into its weights (a plain
     transformers model again). precompute-ref and train-dpo both merge through here (`Checkpoint.load_model`), on the
     device and dtype they run in, so a reference "base + adapter" is the same weights in both jobs."""
     peft = require_peft(f"the adapter {adapter_dir}")
     try:
-        wrapped = peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
+        with quiet_peft():
+            wrapped = peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
     except (ValueError, KeyError, RuntimeError) as e:  # adapter made for another architecture or shape
         detail = " ".join(str(e).split())[:300]
         raise JobError(f"--adapter {adapter_dir}: cannot be applied to this model ({detail})") from None

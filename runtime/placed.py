@@ -178,6 +178,21 @@ def attention_refused(what: str, attention: str, checkpoint, error: Exception) -
                     f"supports: {', '.join(checkpoint.attention_choices())}, or leave --attn-implementation at auto")
 
 
+def flex_on_cpu(what: str, attention: str | None, device) -> None:
+    """FlexAttention on a CPU is refused before the model loads: torch compiles it, and on CPU it has no backward
+    (train-dpo stopped with NotImplementedError at its first step) and its kernels may not build (precompute-ref
+    stopped in inductor's C++ compile after its probe)."""
+    import torch
+
+    on_cpu = (torch.device(device).type == "cpu") if device is not None else not torch.cuda.is_available()
+    if attention == "flex_attention" and on_cpu:
+        from runtime.errors import JobError
+
+        raise JobError(f"{what}: --attn-implementation flex_attention needs a CUDA device (on CPU torch's "
+                       "FlexAttention has no backward and its compiled kernels may not build): use sdpa or eager "
+                       "here, or leave --attn-implementation at auto")
+
+
 def attention_of(config) -> str | None:
     """The config's attention implementation as from_pretrained takes it (None: transformers' choice)."""
     value = getattr(config, "attn_implementation", None)

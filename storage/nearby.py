@@ -24,9 +24,14 @@ def nearby(name) -> str:
         names = sorted(p.name + ("/" if p.is_dir() else "") for p in parent.iterdir() if not p.name.startswith("."))
     except OSError:
         return ""
-    # names of the same suffix, by their stems (a shared ".jsonl" alone makes no two names close)
-    stems = {Path(n).stem: n for n in (n.rstrip("/") for n in names) if Path(n).suffix == path.suffix}
-    closest = [stems[s] for s in difflib.get_close_matches(path.stem, list(stems), n=1, cutoff=0.6)]
+    # names of the same suffix, by their stems, in any case (a shared ".jsonl" alone makes no two names close);
+    # failing that, whole names, closer still (a suffix mistyped: p40.jsnl for p40.jsonl)
+    bare = [n.rstrip("/") for n in names]
+    stems = {Path(n).stem.lower(): n for n in bare if Path(n).suffix.lower() == path.suffix.lower()}
+    closest = [stems[s] for s in difflib.get_close_matches(path.stem.lower(), list(stems), n=1, cutoff=0.6)]
+    if not closest:
+        whole = {n.lower(): n for n in bare}
+        closest = [whole[s] for s in difflib.get_close_matches(path.name.lower(), list(whole), n=1, cutoff=0.85)]
     where = "the current folder" if str(parent) in ("", ".") else str(parent)
     held = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "") if names else "nothing"
     return (f"; did you mean {parent / closest[0]}?" if closest else "") + f" ({where} holds: {held})"
