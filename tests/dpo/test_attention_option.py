@@ -46,3 +46,32 @@ def test_attn_implementation_in_a_config_file(tmp_path):
     assert load_config_file(str(path)) == {"attn_implementation": "sdpa"}
     path.write_text("attn_implementation: null\nbeta: 0.2\n")
     assert load_config_file(str(path)) == {"beta": 0.2}
+
+
+def test_flex_attention_on_cpu_is_refused_before_the_model_loads(tmp_path, llama_dir, dpo_data, dpo_cache):
+    """Found by the UX pass: train-dpo --attn_implementation flex_attention on CPU stopped at its first step with
+    'unexpected NotImplementedError' (no backward on CPU), precompute-ref in inductor's C++ build; both are refused,
+    exit 2, nothing written."""
+    from precompute.cli import main as precompute
+
+    out = tmp_path / "out"
+    result = _cli(["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir", out, *TRAIN,
+                   "--attn_implementation", "flex_attention"])
+    assert result.exit_code == 2, result.output
+    assert "--attn-implementation flex_attention needs a CUDA device" in " ".join(result.output.split())
+    assert not out.exists()
+    cache = tmp_path / "cache"
+    made = CliRunner().invoke(precompute, [str(a) for a in ("--model", llama_dir, "--data", dpo_data, "--out", cache,
+                                                            "--attn-implementation", "flex_attention",
+                                                            "--no-progress")])
+    assert made.exit_code == 2 and "needs a CUDA device" in " ".join(made.output.split()), made.output
+    assert not any(cache.glob("*.parquet"))
+
+
+def test_lora_target_modules_as_a_list_in_a_config_is_read_as_its_names():
+    """Found by the UX pass: `lora_target_modules: [q_proj, v_proj]` (TRL's configs write a list) crashed with
+    'unexpected AttributeError'."""
+    from dpo.lora import target_modules
+
+    assert target_modules(["q_proj", "v_proj"]) == ["q_proj", "v_proj"] == target_modules("q_proj, v_proj")
+    assert target_modules(["all-linear"]) == "all-linear"

@@ -43,7 +43,10 @@ def test_an_option_that_differs_from_the_interrupted_runs_is_refused_naming_the_
     before = _interrupted(llama_dir, data, out)
     for given, cache, run in ((("--top-k", 8), "--top-k 4", "--top-k 8"),
                               (("--rows-per-shard", 5), "--rows-per-shard 6", "--rows-per-shard 5"),
-                              (("--max-length", 64), "--max-length 48", "--max-length 64")):
+                              (("--max-length", 64), "--max-length 48", "--max-length 64"),
+                              # an option at its old default is left out of the footer: still compared as an option
+                              (("--completion-end", "template"), "--completion-end eos",
+                               "--completion-end template")):
         refused = precompute_cli("--model", llama_dir, "--data", data, "--out", out, *given)
         assert refused.exit_code == 2, refused.output
         assert f"the cache: {cache}" in refused.output and f"this run:  {run}" in refused.output, refused.output

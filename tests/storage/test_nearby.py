@@ -1,0 +1,18 @@
+"""The closest name to a path that is not there (storage/nearby.py), as every refusal of a missing file or folder
+says it: by stem among names of the same suffix, in any case; failing that, by the whole name (a mistyped suffix)."""
+
+from __future__ import annotations
+
+from storage.nearby import not_here
+
+
+def test_the_closest_name_is_found_across_case_and_a_mistyped_suffix(tmp_path, monkeypatch):
+    for name in ("p40.jsonl", "train.jsonl", "cache", "runE"):
+        (tmp_path / name).mkdir() if "." not in name else (tmp_path / name).write_text("")
+    (tmp_path / "runb").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for typed, meant in (("Cache", "cache"), ("cahce", "cache"), ("p40.jsnl", "p40.jsonl"), ("p40.json", "p40.jsonl"),
+                         ("trian.jsonl", "train.jsonl"), ("RUNB", "runb")):
+        assert f"did you mean {meant}?" in not_here(typed), (typed, not_here(typed))
+    assert "did you mean" not in not_here("weights.safetensors")  # nothing near: only what the folder holds
+    assert "the current folder holds: cache/, p40.jsonl, runE/, runb/, train.jsonl" in not_here("weights.safetensors")
