@@ -54,7 +54,9 @@ def audit_data(manifest: dict, scan: CacheScan, data: str, tokenizer, root: Path
         listing += (f" (exactly what the update to version {info['version']} changed: this is the data of version "
                     f"{update.get('from_version')}, kept as {history.version_name(update.get('from_version') or 1)})")
     elif root is not None and (diff["changed"] or diff["added"]):  # the remedy that brings the cache to this data
-        model, split = (manifest.get("model") or {}).get("name"), (manifest.get("source") or {}).get("split")
+        recorded = manifest.get("model") or {}  # the reference by a name the command can load: hub id, else path
+        model = recorded.get("hub_id") or recorded.get("path") or recorded.get("name")
+        split = (manifest.get("source") or {}).get("split")
         listing += "; " + (remedies.rows_changed(root, data, model, split) if diff["changed"]
                            else remedies.rows_missing(root, data, model, split))
     first = next(iter(diff["changed"] or diff["removed"]), None)

@@ -94,7 +94,8 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
             reclaimed.append(path.name)
             continue
         if want is None:
-            raise _other_rows(out, path.name, previous is not None or keep is not None)
+            raise _other_rows(out, path.name, previous is not None or keep is not None,
+                              updated=history.UPDATE_SHARD.match(path.name) is not None)
         # the registry's shard rules (schemas/rules.py shard_findings): the file against the previous manifest's
         # listing (if any), the footer against the plan; damage is scored again, anything else refused
         shard = rules.shard_view(out, path.name, listed.get(path.name), rules.expected_footer(
@@ -127,12 +128,14 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
     return Resume(done, _agreed(previous, computations), rescore, reclaimed)
 
 
-def _other_rows(out: Path, name: str, finished: bool, kinds=()) -> JobError:
+def _other_rows(out: Path, name: str, finished: bool, kinds=(), *, updated: bool = False) -> JobError:
     """A shard of other rows (other data, or other --rows-per-shard) than this job plans under its name (`kinds`:
-    the footer's checksums that differ)."""
+    the footer's checksums that differ); `updated`: a shard an --update wrote, which only --update plans."""
     which = f"its {' and '.join(kinds)} differ{'s' if len(kinds) == 1 else ''}: " if kinds else ""
-    return JobError(f"{out} already holds a different cache; {UPDATE if finished else UNFINISHED}\n  {name} holds "
-                    f"other rows than this job's shard of that name ({which}other data or --rows-per-shard?)")
+    why = (f"{name} is a shard an update wrote: an updated cache is brought to data by --update (nothing is scored "
+           "when the data is what it holds)" if updated else
+           f"{name} holds other rows than this job's shard of that name ({which}other data or --rows-per-shard?)")
+    return JobError(f"{out} already holds a different cache; {UPDATE if finished else UNFINISHED}\n  {why}")
 
 
 def _agreed(previous: dict | None, computations: dict[str, dict]) -> dict | None:
