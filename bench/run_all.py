@@ -28,7 +28,8 @@ PARTS = {  # part -> script; the default run
     "modes": "bench_modes.py",
 }
 SCRIPTS = {**PARTS, "sweep": "bench_sweep.py", "memory": "bench_memory.py",  # the whole-job parts: only when named
-           "offload": "bench_offload.py", "flops": "bench_flops.py", "vocab": "bench_vocab.py",
+           "offload": "bench_offload.py", "flops": "bench_flops.py", "flops-jobs": "bench_flops_jobs.py",
+           "vocab": "bench_vocab.py",
            "topk": "bench_topk.py", "topk-train": "bench_topk_train.py", "ranks": "bench_ranks.py",
            "compile": "bench_compile.py", "update": "bench_update.py", "store": "bench_store.py",
            "probe": "bench_probe.py", "kl-control": "bench_kl_control.py", "truth-memory": "bench_truth_memory.py",
