@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import shutil
 import time
 from pathlib import Path
@@ -134,7 +135,7 @@ def job_flops(model: Path, data: Path) -> dict:
 
 
 def median(values):
-    return common.statistics.median(values)
+    return statistics.median(values)
 
 
 def summarize(runs: dict, flops: dict, cold: dict | None) -> dict:
@@ -193,6 +194,48 @@ def compile_figures(jobs: dict, cold: dict | None) -> dict | None:
     return out
 
 
+def measure_all(a) -> dict:
+    """Every child of the run, in order; what has come so far is kept in the --raw file after each one."""
+    short, long = (4, 24) if a.quick else (a.short, a.long)
+    rounds = 1 if a.quick else a.rounds
+    raw_path = a.raw or Path(common.tempfile.gettempdir()) / f"flops-jobs-raw-{os.getpid()}.json"
+    print(f"each child's result goes to {raw_path} as it comes", flush=True)
+    with common.workdir("flops-jobs") as work:
+        p = prepare(work, short, long)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")  # this run's own: empty until the cold run
+        raw = {"size": {**CASE, "short": short, "long": long, "rounds": rounds, "mm_reps": MM_REPS},
+               "flops": {job: job_flops(p["model"], p["data"][job]) for job in ("short", "long")}, "cold": None,
+               "runs": [], "profile": None, "threads": torch.get_num_threads()}
+
+        def argv(child, job, variant=None):
+            return common.child_argv(__file__, child, model=p["model"], data=p["data"][job], seq=CASE["seq"],
+                                     out=work / "out" / job, variant=variant)
+
+        def keep():
+            raw["loadavg_end"], raw["wall_s"] = round(os.getloadavg()[0], 2), time.perf_counter() - t
+            raw_path.write_text(json.dumps(raw, default=float))
+
+        t = time.perf_counter()
+        raw["cold"] = common.run_child(argv("job", "short", "compiled_warm"))  # the empty cache: compiles cold
+        keep()
+        print(f"cold compile run, short job: {raw['cold']['wall_s']:.1f} s (compiled: {raw['cold']['compiled']})",
+              flush=True)
+        names = list(VARIANTS)
+        for i in range(rounds):
+            order = names[i % len(names):] + names[: i % len(names)]
+            for job in ("short", "long"):
+                for variant in order:
+                    r = common.run_child(argv("job", job, variant))
+                    raw["runs"].append([job, variant, r])
+                    keep()
+                    print(f"round {i} {job} {variant:<13} {r['wall_s']:6.1f} s wall {r['cpu_s']:6.1f} s CPU, mm best "
+                          f"{min(r['mm']['wall']) * 1e3:.0f} ms, load {r['loadavg']}", flush=True)
+        if not a.no_profile:
+            raw["profile"] = common.run_child(argv("profile", "short"))
+        keep()
+    return raw
+
+
 def main():
     ap = common.child_parser(__doc__, ("job", "profile"))
     ap.add_argument("--variant", choices=tuple(VARIANTS))
@@ -200,6 +243,9 @@ def main():
     ap.add_argument("--short", type=int, default=24, help="pairs in the short job")
     ap.add_argument("--long", type=int, default=240, help="pairs in the long job")
     ap.add_argument("--no-profile", action="store_true", help="skip the phase tables of the short job")
+    ap.add_argument("--raw", type=Path, help="keep every child's result in this JSON file as it comes (default: "
+                                             "a file in the temporary folder, named when the run starts)")
+    ap.add_argument("--from-raw", type=Path, help="no runs: the results from a --raw file of an earlier run")
     a = ap.parse_args()
     if a.child:
         common.quiet()
@@ -207,35 +253,14 @@ def main():
         print(json.dumps(r, default=float))
         return
     common.quiet()
-    short, long = (4, 24) if a.quick else (a.short, a.long)
-    rounds = 1 if a.quick else a.rounds
-    with common.workdir("flops-jobs") as work:
-        p = prepare(work, short, long)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")  # this run's own: empty until the cold run
-        flops = {job: job_flops(p["model"], p["data"][job]) for job in ("short", "long")}
-
-        def argv(child, job, variant=None):
-            return common.child_argv(__file__, child, model=p["model"], data=p["data"][job], seq=CASE["seq"],
-                                     out=work / "out" / job, variant=variant)
-
-        t = time.perf_counter()
-        cold = common.run_child(argv("job", "short", "compiled_warm"))  # the empty cache: compiles cold
-        print(f"cold compile run, short job: {cold['wall_s']:.1f} s (compiled: {cold['compiled']})", flush=True)
-        runs, names = {}, list(VARIANTS)
-        for i in range(rounds):
-            order = names[i % len(names):] + names[: i % len(names)]
-            for job in ("short", "long"):
-                for variant in order:
-                    r = common.run_child(argv("job", job, variant))
-                    runs.setdefault((job, variant), []).append(r)
-                    print(f"round {i} {job} {variant:<13} {r['wall_s']:6.1f} s wall {r['cpu_s']:6.1f} s CPU, mm best "
-                          f"{min(r['mm']['wall']) * 1e3:.0f} ms, load {r['loadavg']}", flush=True)
-        profile = None if a.no_profile else common.run_child(argv("profile", "short"))
-        result = {"case": f"35M long prompt ({CASE['prompt']} + {CASE['completion']}/{CASE['completion']})",
-                  "size": {**CASE, "short": short, "long": long, "rounds": rounds, "mm_reps": MM_REPS},
-                  **summarize(runs, flops, cold), "cold": cold, "profile": profile,
-                  "threads": torch.get_num_threads(), "loadavg_end": round(os.getloadavg()[0], 2),
-                  "wall_s": time.perf_counter() - t}
+    raw = json.loads(a.from_raw.read_text()) if a.from_raw else measure_all(a)
+    runs = {}
+    for job, variant, r in raw["runs"]:
+        runs.setdefault((job, variant), []).append(r)
+    result = {"case": f"35M long prompt ({CASE['prompt']} + {CASE['completion']}/{CASE['completion']})",
+              "size": raw["size"], **summarize(runs, raw["flops"], raw["cold"]), "cold": raw["cold"],
+              "profile": raw["profile"], "threads": raw["threads"], "loadavg_end": raw["loadavg_end"],
+              "wall_s": raw["wall_s"]}
     for job, j in result["jobs"].items():
         print(f"{job} ({j['pairs']} pairs): " + ", ".join(f"{v} {x['share']:.2f} (CPU {x['share_cpu']:.2f})"
                                                           for v, x in j["variants"].items())

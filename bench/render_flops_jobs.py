@@ -69,8 +69,10 @@ def render_flops_jobs(J: dict) -> list[str]:
                  f"so compiling costs **{c['compile_warm_s']:.1f} s warm**"
                  + (f" and **{c['compile_cold_s']:.1f} s cold** (the cold run of the short job: {c['cold_wall_s']:.1f} s)"
                     if "compile_cold_s" in c else "")
-                 + "; break-even: " + (f"{be:,.0f} pairs warm" if be else "never warm (compiled not faster per pair)")
-                 + (f", {bc:,.0f} cold" if bc else ", never cold" if "compile_cold_s" in c else "")
+                 + "; break-even: " + (f"{be:,.0f} pairs warm ({c['break_even_warm']['eager_scoring_s'] / 60:,.0f} min "
+                                       "of eager scoring)" if be else "never warm (compiled not faster per pair)")
+                 + (f", {bc:,.0f} cold ({c['break_even_cold']['eager_scoring_s'] / 60:,.0f} min)" if bc
+                    else ", never cold" if "compile_cold_s" in c else "")
                  + " (precompute/compiled.py's auto rule uses SPEEDUP and COMPILE_SECONDS: compare).")
     P = J.get("profile")
     if P:
