@@ -257,6 +257,7 @@ def main():
     runs = {}
     for job, variant, r in raw["runs"]:
         runs.setdefault((job, variant), []).append(r)
+    raw["size"]["rounds_done"] = max(map(len, runs.values()), default=0)  # fewer than asked where a run was cut short
     result = {"case": f"35M long prompt ({CASE['prompt']} + {CASE['completion']}/{CASE['completion']})",
               "size": raw["size"], **summarize(runs, raw["flops"], raw["cold"]), "cold": raw["cold"],
               "profile": raw["profile"], "threads": raw["threads"], "loadavg_end": raw["loadavg_end"],

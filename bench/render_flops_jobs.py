@@ -40,7 +40,7 @@ def render_flops_jobs(J: dict) -> list[str]:
                          f"{sum(v['compiled'])}/{len(v['compiled'])}", " / ".join(f"{a}-{b}" for a, b in v["loadavg"])])
     L = [f"{J['case']}, precompute-ref (run_precompute, one child process per run, as a user's job: load, probe, "
          "compile where it does, scoring, writing; the interpreter's start and imports not included) on a job of "
-         f"{J['size']['short']} pairs and one of {J['size']['long']}, {J['size']['rounds']} rounds interleaving every "
+         f"{J['size']['short']} pairs and one of {J['size']['long']}, {J['size'].get('rounds_done', J['size']['rounds'])} round(s) interleaving every "
          f"job and variant, {J['threads']} torch threads (`python bench/bench_flops_jobs.py`). Useful FLOPs are part "
          "11's. The denominator is the best of the run's "
          f"{mm['measures']} matmul measures (torch.mm 2048^3, every child before and after its job): "
