@@ -17,6 +17,7 @@ from render_cpu import (
     render_flops, render_memory, render_modes, render_offload, render_phases, render_precompute, render_size,
     render_store, render_sweep, render_train, render_update, render_verify,
 )
+from render_flops_jobs import render_flops_jobs
 from render_figures import render_analysis, render_key_figures, render_targets
 from render_profile import render_compile, render_topk, render_topk_train, render_vocab
 
@@ -46,6 +47,8 @@ SECTIONS = [  # (part, title, renderer), in the order of RESULTS.md; parts 8 on 
     ("memory", "9. Peak memory at the limit a cache allows (bench_memory.py)", render_memory),
     ("offload", "10. A reference split to disk (bench_offload.py)", render_offload),
     ("flops", "11. Useful FLOP/s against the machine's matmul rate (bench_flops.py)", render_flops),
+    ("flops-jobs", "11b. Useful FLOP/s of precompute-ref on a short and a 10x longer job: --torch-compile auto, eager, "
+                   "compiled warm (bench_flops_jobs.py)", render_flops_jobs),
     ("vocab", "12. A 128k vocabulary at sequence 2048 (bench_vocab.py)", render_vocab),
     ("topk", "13. Top-k cache: size and precompute time (bench_topk.py)", render_topk),
     ("topk-train", "14. Training step with a top-k cache: KL metrics, TDPO (bench_topk_train.py)", render_topk_train),

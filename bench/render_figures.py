@@ -3,6 +3,7 @@ time goes for a missed target (render.py puts them on the page)."""
 
 from __future__ import annotations
 
+import render_flops_jobs
 from report import mb, ms, sec, x
 from render_profile import _cpu_share, _prefix_share, _self_share
 
@@ -45,6 +46,11 @@ TARGETS = [  # (key, description, goal text, test)
      lambda v: v <= 1.10),
     ("topk_step_tdpo2_cpu", "the same tdpo2 step ratio in CPU seconds on one torch thread", "<= 1.10x",
      lambda v: v <= 1.10),
+    ("flops_jobs_long_auto", "precompute-ref end to end, --torch-compile auto, a job of 240 pairs (part 11b), share "
+     "of the run's best matmul", ">= 0.80", lambda v: v >= 0.80),
+    ("flops_jobs_short_auto", "the same on a job of 24 pairs (part 11b)", ">= 0.60", lambda v: v >= 0.60),
+    ("auto_vs_eager_short_job", "the 24-pair job's wall, auto vs --no-torch-compile (part 11b, per round)",
+     "<= 1.05x", lambda v: v <= 1.05),
 ]
 
 
@@ -104,6 +110,8 @@ def measured(R: dict) -> dict:
         job = next((c for c in R["flops"]["cases"] if c["size"].get("key") == "job" and "precompute" in c), None)
         if job:
             m["flops_precompute_job"] = _share(job["precompute"]["share_of_mm"]["refcache"], where)
+    for key, (value, where) in (render_flops_jobs.figures(R["flops-jobs"]) if "flops-jobs" in R else {}).items():
+        m[key] = _share(value, where)
     compiled = next(iter(R.get("compile", {}).get("cases", [])), {}).get("train_compiled")
     if compiled:
         m["flops_train_compiled"] = _share(compiled["share_of_mm"], R["compile"]["cases"][0]["case"])

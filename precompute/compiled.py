@@ -117,11 +117,13 @@ def warm_cache() -> bool:
 
 
 def compiled_scorer(model, mode: str, probe: list[EncodedPair], pad_id: int, top_k: int, log,
-                    token_budget: int) -> tuple[object, bool]:
+                    token_budget: int, truth: list | None = None) -> tuple[object, bool]:
     """(the model to score with, whether it is the compiled one). The probe's pairs are scored compiled in the
     batches the job's own `token_budget` makes of them (for kv_cache and full_forward one padded batch, the longest
     pair among the short ones), which also compiles the graphs the job's batches reuse (shapes are symbolic); a batch
-    no graph of the probe admits (e.g. one row) then runs eager (CompiledDecoder)."""
+    no graph of the probe admits (e.g. one row) then runs eager (CompiledDecoder). `truth`: reference_values of
+    `probe` on this (eager) model when the batching-mode probe already computed it (choose_mode's `probed`), so the
+    job's longest pairs go through the whole forward once, not once more for this check."""
     try:
         compiled = compile_scoring(model)
     except Exception as e:  # e.g. a platform torch.compile does not support
@@ -131,7 +133,7 @@ def compiled_scorer(model, mode: str, probe: list[EncodedPair], pad_id: int, top
             chosen, rejected, _ = score_pairs(compiled, pairs, pad_id, token_budget, mode, top_k=top_k)
             return [x for pair in zip(chosen, rejected) for x in pair]
 
-        truth = reference_values(model, probe, top_k)  # the eager forward
+        truth = reference_values(model, probe, top_k) if truth is None else truth  # the eager forward's
         reason = disagreement(model, fast, probe, truth=truth, where=" when compiled")
     if reason is not None:
         log(f"torch.compile: not used, scoring with the uncompiled model ({reason})")

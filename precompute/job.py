@@ -39,7 +39,6 @@ from schemas.stamps import combined_mask_checksum, tokenizer_hash, tokenizer_par
 from .compiled import compile_choice, compiled_scorer, estimate_text, inductor_cache, warm_cache
 from .config import PrecomputeConfig, cache_settings, checked_inputs
 from .modes import REGISTRY, choose_mode, effective_budget, score_pairs
-from .modes.choose import probe_pairs
 from .plan import plan_shards
 from .resume import COMPUTATION, Resume, clear_cache_dir, finished_shards, own_files
 from . import update
@@ -307,8 +306,9 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     budget = effective_budget(model, requested, longest)
     _check_top_k(cfg.top_k, model.get_output_embeddings().weight.shape[0])  # the head itself decides
     notes = {}  # the truth's record, when the probe's longest sequence is scored in pieces (runtime/truth.py)
+    probed = {}  # the probe's pairs and their truth: --torch-compile is checked against the same, not recomputed
     mode = choose_mode(model, job.batching or cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair],
-                       top_k=cfg.top_k, notes=notes)
+                       top_k=cfg.top_k, notes=notes, probed=probed)
     rate = notes.pop("probe_rate", None)  # tokens a second of the chosen mode, eager, on the probe
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
                    "head": verified_head(model), "batching": REGISTRY[mode].description,
@@ -324,8 +324,8 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     if cfg.torch_compile is None:
         log(f"torch.compile {why} ({estimate_text(eager, warm)})")
     if compile_it:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
-        model, computation["compiled"] = compiled_scorer(
-            model, mode, probe_pairs(first, long_pairs=[longest_pair]), pad, cfg.top_k, log, budget)
+        model, computation["compiled"] = compiled_scorer(model, mode, probed["pairs"], pad, cfg.top_k, log, budget,
+                                                         truth=probed["truth"])
     return model, computation, mode, pad, budget, sized
 
 

@@ -45,14 +45,17 @@ def _order(model, requested: str, sample: list[EncodedPair], token_budget: int) 
 
 
 def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, pad_id: int, token_budget: int,
-                log, long_pairs: list[EncodedPair] = (), top_k: int = 0, notes: dict | None = None) -> str:
+                log, long_pairs: list[EncodedPair] = (), top_k: int = 0, notes: dict | None = None,
+                probed: dict | None = None) -> str:
     """The mode to run: `requested`, or for auto the cheapest by estimated_cost. Whatever the mode (full_forward
     and single included), it must first reproduce `reference_logps` on probe pairs (short ones of `sample`, and
     the longest of `sample` and `long_pairs`); one that does not falls back to the next (auto: the next cheapest;
     a requested mode: full_forward, then single), the reason logged once. A model whose numbers depend on batch
     shape runs single. With top_k the mode's top-k ids, log-probs and tail must also reproduce `reference_top_k`.
     Refuses (JobError) if nothing reproduces the reference. `notes` receives the truth's record when a probe
-    sequence is too long for the whole forward (runtime/truth.py)."""
+    sequence is too long for the whole forward (runtime/truth.py). `probed` receives the probe's pairs and their
+    truth (`pairs`, `truth`), so that a later check of the same pairs (--torch-compile) needs no second reference
+    pass over them."""
     attn = model.config._attn_implementation
     if requested != "auto":
         warning = lookup(requested).warning(attn)  # an unknown name is refused here (ValueError)
@@ -61,6 +64,8 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
     order, cost = _order(model, requested, sample, token_budget)
     probe = probe_pairs(sample, long_pairs=long_pairs)
     truth = reference_values(model, probe, top_k, notes=notes)
+    if probed is not None:
+        probed.update(pairs=probe, truth=truth)
     if notes and "truth" in notes:
         t = notes["truth"]
         log(f"truth: {t['kind']} for the {t['long_sequences']} probe sequence(s) past {t['whole_elements']:,} logits"

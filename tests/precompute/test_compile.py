@@ -73,6 +73,30 @@ def test_compiled_model_that_disagrees_falls_back(tmp_path, llama_dir, monkeypat
     assert shard_hashes(fell_back) == shard_hashes(eager)  # the eager model scored it: the same bytes
 
 
+def test_the_probe_truth_is_computed_once_for_mode_and_compile(tmp_path, llama_dir, monkeypatch):
+    """A --torch-compile job checks the compiled forward against the truth the batching-mode probe already computed
+    on the same pairs (the eager model's whole forward): each probe pair goes through the reference once, not once
+    more for the compile check. torch.compile is stubbed by the identity (no inductor here); that the handed-over
+    truth still judges is test_compiled_model_that_disagrees_falls_back's."""
+    import precompute.modes.choose
+    import runtime.probe
+
+    monkeypatch.setattr(precompute.compiled.torch, "compile", lambda forward, **_options: forward)
+    seen = []
+    for module in (precompute.modes.choose, precompute.compiled, runtime.probe):
+        original = module.reference_values
+
+        def counted(model, pairs, *a, _original=original, **k):
+            seen.append(len(pairs))
+            return _original(model, pairs, *a, **k)
+
+        monkeypatch.setattr(module, "reference_values", counted)
+    data = write_jsonl(tmp_path / "prefs.jsonl", pref_rows(12, seed=7))
+    result = ok("--model", llama_dir, "--data", data, "--out", tmp_path / "c", *ARGS, "--torch-compile")
+    assert manifest_of(tmp_path / "c")["computation"]["compiled"] is True, result.output
+    assert len(seen) == 1 and seen[0] >= 3, seen  # one reference pass over the probe: short pairs and the longest
+
+
 def plain_logps(model, pair: EncodedPair, completion: list[int]) -> torch.Tensor:
     """A plain transformers forward over prompt + completion, log_softmax at each completion token (the test's own
     computation, not runtime.logprobs)."""
