@@ -14,9 +14,10 @@ from pathlib import Path
 import click
 
 from runtime import kl_control
-from runtime.cli import (TRL_ALIASES, GroupedCommand, Location, command_text, dataclass_options,
-                         exit_without_teardown, given_values, number_text, option_specs, quiet_libraries, run_cli,
-                         spec_options)
+from runtime.cli import (GroupedCommand, command_text, exit_without_teardown, given_values, number_text,
+                         quiet_libraries, run_cli)
+from runtime.locations import Location
+from runtime.options import TRL_ALIASES, dataclass_options, option_specs, spec_options
 from runtime.placed import Placement, group_options, prefix_of
 from runtime.terminal import echo
 

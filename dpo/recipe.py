@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.cli import field_help, heap_settled, read_locations
+from runtime.cli import heap_settled
+from runtime.locations import read_locations
+from runtime.options import field_help
 from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError

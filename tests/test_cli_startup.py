@@ -112,7 +112,8 @@ def test_stored_trainer_options_are_the_computed_ones(tmp_path, monkeypatch):
 
     from dpo import trainer_options
     from dpo.cli import NOT_TRAINER_OPTIONS, main
-    from runtime.cli import GroupedCommand, dataclass_options
+    from runtime.cli import GroupedCommand
+    from runtime.options import dataclass_options
 
     monkeypatch.setenv("REFCACHE_HOME", str(tmp_path))
     computed = trainer_options.computed_specs(NOT_TRAINER_OPTIONS)

@@ -1,4 +1,4 @@
-"""One location type for every path-or-URL option of every command (issue 34, family 1): runtime.cli.Location, which
+"""One location type for every path-or-URL option of every command (issue 34, family 1): runtime.locations.Location, which
 reads the text with storage.places.location. The options are found by walking the click commands' parameters, not
 listed here, so a new option that names a path without declaring `location` metadata fails
 test_every_option_that_names_a_path_is_a_location."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import pytest
 
-from runtime.cli import Location
+from runtime.locations import Location
 from storage import places
 
 
@@ -58,7 +58,7 @@ def test_every_option_that_names_a_path_is_a_location(command, param):
         assert not isinstance(param.type, click.Path)
     else:
         assert not looks, (f"{command} --{param.name.replace('_', '-')} names a place: declare "
-                           "metadata={'location': 'input'|'output'} (runtime.cli.Location)")
+                           "metadata={'location': 'input'|'output'} (runtime.locations.Location)")
 
 
 def test_the_enumeration_finds_every_known_path_option():

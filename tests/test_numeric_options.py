@@ -57,7 +57,7 @@ def test_the_walk_sees_the_options_of_the_issue():
 
 @pytest.mark.parametrize("command, name", cases())
 def test_every_numeric_option_declares_a_domain(command, name):
-    """Our dataclasses' fields declare `metadata={"domain": ...}` (runtime.cli.option_specs refuses a number without
+    """Our dataclasses' fields declare `metadata={"domain": ...}` (runtime.options.option_specs refuses a number without
     one); TrainingArguments' fields are in dpo/trainer_options.py's TRAINER_DOMAINS, not taken as 'any finite'."""
     opt = option(command, name)
     assert isinstance(opt.type, DomainType), f"{command} --{name}: {opt.type!r}"

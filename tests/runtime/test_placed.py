@@ -11,7 +11,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from runtime.cli import field_help, option_specs
+from runtime.options import field_help, option_specs
 from runtime.errors import JobError
 from runtime.placed import Attention, Placement, group_options, included, prefix_of
 
