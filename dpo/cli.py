@@ -23,7 +23,7 @@ from runtime.terminal import echo
 
 from .lora import LoraOptions
 from .loss_config import unread_message, unread_options
-from .recipe import TrainConfig
+from .config import TrainConfig
 from .trainer_options import trainer_specs
 
 LORA = {f.name: f for f in dataclasses.fields(LoraOptions)}

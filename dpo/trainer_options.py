@@ -31,7 +31,7 @@ VERSIONS = ("transformers", "torch", "accelerate")
 LOCATIONS = {"accelerator_config": {"location": "input", "json_text": True},
              "logging_dir": {"location": "output"}}
 # The domains (runtime/domains.py) of TrainingArguments' numeric fields that train-dpo does not define itself (those
-# declare theirs in dpo/recipe.py), across the transformers versions that have them. A numeric field missing here
+# declare theirs in dpo/config.py), across the transformers versions that have them. A numeric field missing here
 # (one a newer transformers adds) is taken as any finite number; tests/dpo/test_numeric_domains.py asks for it here.
 TRAINER_DOMAINS = {
     "adam_beta1": "probability", "adam_beta2": "probability", "adam_epsilon": "nonnegative",

@@ -197,7 +197,7 @@ def test_config_files_read_their_paths_by_the_same_type(tmp_path):
 
 def test_configs_made_in_python_read_their_paths_the_same_way(tmp_path):
     from audit.cli import AuditOptions
-    from dpo.recipe import TrainConfig
+    from dpo.config import TrainConfig
     from precompute.config import PrecomputeConfig
 
     cfg = PrecomputeConfig(model=f"file://{tmp_path}/m", data="org/name", out="memory://bucket/c",

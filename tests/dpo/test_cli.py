@@ -400,7 +400,7 @@ def test_a_live_reference_split_is_refused_where_it_does_not_apply(tmp_path, lla
 def test_a_live_reference_split_under_torchrun_is_refused(tmp_path, llama_dir, dpo_data, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     from dpo.preflight import check_reference_split
-    from dpo.recipe import TrainConfig
+    from dpo.config import TrainConfig
     from runtime.errors import JobError
 
     cfg = TrainConfig(model=str(llama_dir), data=str(dpo_data), output_dir=str(tmp_path / "out"),

@@ -21,7 +21,7 @@ def commands() -> dict:
     from audit.cli import AuditOptions
     from audit.cli import main as audit
     from dpo.cli import main as train
-    from dpo.recipe import TrainConfig
+    from dpo.config import TrainConfig
     from precompute.cli import main as precompute
     from precompute.config import PrecomputeConfig
 
@@ -68,7 +68,7 @@ def test_train_dpo_takes_the_group_in_a_config_file_and_as_trl_ref_model_init_kw
 
 def test_a_config_made_in_code_reads_the_group_as_the_command_line_does(tmp_path):
     """The budget in its one form, the offload folder by the location type; Placement.of hands them on whole."""
-    from dpo.recipe import TrainConfig
+    from dpo.config import TrainConfig
     from precompute.config import PrecomputeConfig
 
     cfg = PrecomputeConfig(model="m", data="d", device_map="auto", max_memory="0=1GiB, cpu=2GiB",
