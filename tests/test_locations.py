@@ -180,7 +180,8 @@ def test_a_typo_in_a_cache_folder_is_answered_with_the_closest_name(llama_dir, d
 
 def test_config_files_read_their_paths_by_the_same_type(tmp_path):
     """train-dpo --config: every location key is read as on the command line (TRL's names included)."""
-    from dpo.cli import LORA, OURS, _convert
+    from dpo.config_file import _convert
+    from dpo.options import LORA, OURS
 
     keys = [k for k, f in OURS.items() if "location" in f.metadata]
     assert {"model", "output_dir", "ref_cache", "init_adapter"} <= set(keys)

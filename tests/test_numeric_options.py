@@ -64,7 +64,7 @@ def test_every_numeric_option_declares_a_domain(command, name):
     assert opt.type.domain in DOMAINS
     assert kind_of(opt.type.domain) in (int, float)
     if command == "train-dpo":
-        from dpo.cli import TRAINER
+        from dpo.options import TRAINER
         from dpo.trainer_options import TRAINER_DOMAINS
 
         if name in TRAINER:

@@ -266,7 +266,7 @@ def test_trl_dpo_config_yaml(tmp_path):
     import yaml
     from trl import DPOConfig
 
-    from dpo.cli import load_config_file
+    from dpo.config_file import load_config_file
 
     trl = DPOConfig(output_dir=str(tmp_path / "o"), beta=0.3, learning_rate=5e-7, loss_type=["ipo"], use_cpu=True,
                     bf16=False)
@@ -355,7 +355,7 @@ def test_columns_neighbours_a_bad_mapping_is_a_usage_error_and_a_missing_column_
     assert not (tmp_path / "c2" / "manifest.json").exists()
     cfg = tmp_path / "run.yaml"
     cfg.write_text("columns: {chosen: b, prompt: a}\n")
-    from dpo.cli import load_config_file
+    from dpo.config_file import load_config_file
 
     assert load_config_file(str(cfg))["columns"] == "prompt=a,chosen=b"
     cfg.write_text("columns: prompt=a,chosen=a\n")

@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import DATA
-from dpo.cli import main, yaml_12
+from dpo.cli import main
+from dpo.config_file import yaml_12
 from dpo.kl_governor import STATE_FILE, KLGovernor, check_resumed_rule
 from dpo.config import TrainConfig
 from runtime.errors import JobError

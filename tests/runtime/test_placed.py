@@ -55,7 +55,7 @@ def test_every_command_takes_every_option_of_the_group_as_declared(command):
 
 
 def test_train_dpo_takes_the_group_in_a_config_file_and_as_trl_ref_model_init_kwargs(tmp_path):
-    from dpo.cli import REF_INIT_KWARGS, load_config_file
+    from dpo.config_file import REF_INIT_KWARGS, load_config_file
 
     assert REF_INIT_KWARGS == {name: "ref_" + name for name in group_options(Placement)}
     path = tmp_path / "run.yaml"
