@@ -23,8 +23,9 @@ from dataclasses import asdict, dataclass, field
 
 import click
 
-from runtime.cli import (EXIT_FAILED, EXIT_OK, Command, Location, dataclass_options, exit_without_teardown,
-                         field_help, given_values, quiet_libraries, read_locations, run_cli)
+from runtime.cli import EXIT_FAILED, EXIT_OK, Command, exit_without_teardown, given_values, quiet_libraries, run_cli
+from runtime.locations import Location, read_locations
+from runtime.options import dataclass_options, field_help
 from runtime.errors import JobError
 from runtime.hub import hub_path_type
 from runtime.paths import check_output_file, write_output_file

@@ -69,8 +69,8 @@ def prepare(case: dict, work: Path):
 
 PHASES = {  # phase -> (module, attribute)
     "load tokenizer": ("runtime.checkpoint", "load_tokenizer"),
-    "load data": ("precompute.job", "load_rows"),
-    "encode": ("precompute.job", "usable_rows"),
+    "load data": ("precompute.prepare", "load_rows"),
+    "encode": ("precompute.prepare", "usable_rows"),
     "model hash": ("runtime.checkpoint", "model_hash"),
     "load model": ("runtime.checkpoint", "Checkpoint.load_model"),
     "mode probe": ("precompute.job", "choose_mode"),

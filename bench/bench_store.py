@@ -65,7 +65,8 @@ def main():
 
 
 def time_store(work, size: dict, fs) -> dict:
-    from dpo.recipe import TrainConfig, run_train
+    from dpo.config import TrainConfig
+    from dpo.recipe import run_train
     from schemas.cache import open_cache, read_cache
 
     model_dir, data = common.synthetic_case(work, size["model"], size["pairs"], size["seq"], seed=8)

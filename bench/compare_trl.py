@@ -44,7 +44,8 @@ def refcache_ids(model_dir, data):
 
 
 def run_refcache(model_dir, data, work, steps):
-    from dpo.recipe import TrainConfig, run_train
+    from dpo.config import TrainConfig
+    from dpo.recipe import run_train
     from precompute.job import PrecomputeConfig, run_precompute
 
     cache = work / "cache"

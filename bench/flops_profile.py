@@ -12,8 +12,8 @@ from flops_count import MM_FLOPS, mm_fn
 # where run_precompute's time goes
 
 PHASES = {  # label -> the (module, attribute) names it is called through; nested calls are their own phases
-    "load rows": [("precompute.job", "load_rows")],
-    "encode rows": [("precompute.job", "usable_rows")],
+    "load rows": [("precompute.prepare", "load_rows")],
+    "encode rows": [("precompute.prepare", "usable_rows")],
     "load model": [("runtime.checkpoint", "Checkpoint.load_model")],
     "head check": [("precompute.job", "verified_head"), ("runtime.logprobs", "verified_head")],
     "mode choice": [("precompute.job", "choose_mode")],

@@ -66,7 +66,7 @@ def step_timer(profile=None, profile_after: int = 0):
 def train_config(a, mode: str, out: str, **overrides):
     """train-dpo's TrainConfig for a child's options (`a`): cached mode reads a.cache, live mode uses the model as
     its own reference."""
-    from dpo.recipe import TrainConfig
+    from dpo.config import TrainConfig
 
     cuda = torch.cuda.is_available()
     options = dict(

@@ -23,7 +23,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.cli import field_help, read_locations
+from runtime.locations import read_locations
+from runtime.options import field_help
 from runtime.errors import JobError
 from schemas.findings import StampMismatch
 from schemas.stamps import ADAPTER_CONFIG, adapter_hash, model_hash

@@ -41,7 +41,7 @@ def _option(default, domain: str):
 @dataclass
 class LossConfig:
     """A loss and its options; each numeric option's domain (runtime/domains.py) is declared here once, and
-    train-dpo's option of the same name takes it from here (dpo/recipe.py)."""
+    train-dpo's option of the same name takes it from here (dpo/config.py)."""
 
     beta: float = _option(0.1, "coefficient")
     loss_type: str = "sigmoid"

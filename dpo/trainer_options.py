@@ -1,8 +1,8 @@
 """train-dpo's options generated from `transformers.TrainingArguments`, without importing transformers each time.
 
 Importing TrainingArguments imports torch, transformers and (where installed) peft: about 2.5 s of CPU before
-`train-dpo --help` or a mistyped option could answer. The options (runtime.cli.OptionSpec) are therefore kept as JSON
-in the user's cache folder, under a key of everything they are computed from: the installed versions of
+`train-dpo --help` or a mistyped option could answer. The options (runtime.options.OptionSpec) are therefore kept as
+JSON in the user's cache folder, under a key of everything they are computed from: the installed versions of
 transformers, torch and accelerate (TrainingArguments' defaults and types depend on them), the bytes of the
 transformers modules that define the class and its enums, the bytes of the code here that turns fields into
 options, and the fields train-dpo defines itself. Any change gives another key, so a stored table is never used for
@@ -17,8 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from runtime import cli
-from runtime.cli import OptionSpec, option_specs
+from runtime import locations, options
+from runtime.options import OptionSpec, option_specs
 from runtime.paths import refcache_home
 
 GROUP = "Training (every other transformers.TrainingArguments)"
@@ -26,12 +26,12 @@ FORMAT = 2  # 2: numeric kinds carry their domain
 # the transformers modules TrainingArguments' fields, types and defaults are written in
 SOURCES = ("training_args.py", "trainer_utils.py", "debug_utils.py")
 VERSIONS = ("transformers", "torch", "accelerate")
-# the TrainingArguments fields that name a file or folder, read as paths (runtime.cli.Location); their own help says
-# which (tests/runtime/test_locations.py finds any other field whose help names a path, and fails until it is here)
+# the TrainingArguments fields that name a file or folder, read as paths (runtime.locations.Location); their own help
+# says which (tests/runtime/test_locations.py finds any other field whose help names a path, and fails until it is here)
 LOCATIONS = {"accelerator_config": {"location": "input", "json_text": True},
              "logging_dir": {"location": "output"}}
 # The domains (runtime/domains.py) of TrainingArguments' numeric fields that train-dpo does not define itself (those
-# declare theirs in dpo/recipe.py), across the transformers versions that have them. A numeric field missing here
+# declare theirs in dpo/config.py), across the transformers versions that have them. A numeric field missing here
 # (one a newer transformers adds) is taken as any finite number; tests/dpo/test_numeric_domains.py asks for it here.
 TRAINER_DOMAINS = {
     "adam_beta1": "probability", "adam_beta2": "probability", "adam_epsilon": "nonnegative",
@@ -71,7 +71,8 @@ def table_key(skip) -> str | None:
     parts = {"format": FORMAT, "python": list(sys.version_info[:2]), "skip": sorted(skip),
              "versions": {name: _version(name) for name in VERSIONS}}
     digest.update(json.dumps(parts, sort_keys=True).encode())
-    for path in [folder / name for name in SOURCES] + [Path(cli.__file__), Path(__file__)]:
+    ours = [Path(options.__file__), Path(locations.__file__), Path(__file__)]  # the code that turns fields into options
+    for path in [folder / name for name in SOURCES] + ours:
         try:
             digest.update(path.read_bytes())
         except OSError:

@@ -7,9 +7,10 @@ import os
 import click
 
 from precompute.config import PrecomputeConfig, checked_inputs
-from runtime.cli import (ENCODING_OPTIONS, TRL_ALIASES, GroupedCommand, Location, command_text, dataclass_options,
-                         encoding_from, encoding_options, exit_without_teardown, given_values, quiet_libraries, run_cli)
+from runtime.cli import GroupedCommand, command_text, exit_without_teardown, given_values, quiet_libraries, run_cli
+from runtime.options import ENCODING_OPTIONS, TRL_ALIASES, dataclass_options, encoding_from, encoding_options
 from runtime.config_file import options_from_file
+from runtime.locations import Location
 from runtime.terminal import counted, echo
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, fields, replace
 import click
 
 from runtime.budget import DEFAULT_TOKEN_BUDGET, parse_token_budget
-from runtime.cli import ENCODING_OPTIONS, field_help, read_locations
+from runtime.locations import read_locations
+from runtime.options import ENCODING_OPTIONS, field_help
 from runtime.errors import JobError
 from runtime.hub import origin
 from runtime.paths import check_apart

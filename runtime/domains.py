@@ -1,6 +1,6 @@
 """The domain of every numeric option, declared once where the option is (a dataclass field's `metadata={"domain": D}`,
 or a table for a foreign class such as transformers.TrainingArguments) and checked by `check`, for the command line
-(`DomainType`, the click type runtime.cli.option_specs builds) and for config files alike. NaN and infinities are
+(`DomainType`, the click type runtime.options.option_specs builds) and for config files alike. NaN and infinities are
 outside every domain."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def _looks_like_repo_id(name: str) -> bool:
 
 def resolve(name: str, repo_type: str) -> str:
     """`name` itself when it is a local path; else the snapshot folder of hub repo `name` in the local HF cache."""
-    name = str(name)  # a command line's location (runtime.cli.Location): a hub id reads as a relative path
+    name = str(name)  # a command line's location (runtime.locations.Location): a hub id reads as a relative path
     if Path(name).exists() or not _looks_like_repo_id(name):
         return str(name)
     from huggingface_hub import snapshot_download

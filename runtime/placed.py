@@ -17,7 +17,7 @@ from typing import Callable
 import click
 
 from . import placement
-from .cli import field_help
+from .options import field_help
 from .errors import JobError
 from .paths import check_apart
 

@@ -187,7 +187,7 @@ def lost_version(root: Path, manifest: dict, records: list[dict]) -> str | None:
     return None
 
 
-VERSION_OPTION = "--cache-version"  # train-dpo's and audit-ref's option naming a version (dpo/recipe.py, audit/cli.py)
+VERSION_OPTION = "--cache-version"  # train-dpo's and audit-ref's option naming a version (dpo/config.py, audit/cli.py)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -111,8 +111,10 @@ def test_stored_trainer_options_are_the_computed_ones(tmp_path, monkeypatch):
     import transformers
 
     from dpo import trainer_options
-    from dpo.cli import NOT_TRAINER_OPTIONS, main
-    from runtime.cli import GroupedCommand, dataclass_options
+    from dpo.cli import main
+    from dpo.options import NOT_TRAINER_OPTIONS
+    from runtime.cli import GroupedCommand
+    from runtime.options import dataclass_options
 
     monkeypatch.setenv("REFCACHE_HOME", str(tmp_path))
     computed = trainer_options.computed_specs(NOT_TRAINER_OPTIONS)
@@ -148,7 +150,7 @@ def test_stored_trainer_options_are_the_computed_ones(tmp_path, monkeypatch):
 
 def test_the_table_key_names_the_installation_and_train_dpo_s_own_options():
     from dpo import trainer_options
-    from dpo.cli import NOT_TRAINER_OPTIONS
+    from dpo.options import NOT_TRAINER_OPTIONS
 
     key = trainer_options.table_key(NOT_TRAINER_OPTIONS)
     assert key == trainer_options.table_key(set(NOT_TRAINER_OPTIONS))  # stable
@@ -157,7 +159,7 @@ def test_the_table_key_names_the_installation_and_train_dpo_s_own_options():
 
 def test_an_unwritable_cache_folder_still_gives_the_options(tmp_path, monkeypatch):
     from dpo import trainer_options
-    from dpo.cli import NOT_TRAINER_OPTIONS
+    from dpo.options import NOT_TRAINER_OPTIONS
 
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -177,7 +179,7 @@ def test_a_table_behind_a_link_is_not_read(tmp_path, monkeypatch):
     import json
 
     from dpo import trainer_options
-    from dpo.cli import NOT_TRAINER_OPTIONS
+    from dpo.options import NOT_TRAINER_OPTIONS
 
     monkeypatch.setenv("REFCACHE_HOME", str(tmp_path / "home"))
     computed = trainer_options.computed_specs(NOT_TRAINER_OPTIONS)

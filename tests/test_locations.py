@@ -1,4 +1,4 @@
-"""One location type for every path-or-URL option of every command (issue 34, family 1): runtime.cli.Location, which
+"""One location type for every path-or-URL option of every command (issue 34, family 1): runtime.locations.Location, which
 reads the text with storage.places.location. The options are found by walking the click commands' parameters, not
 listed here, so a new option that names a path without declaring `location` metadata fails
 test_every_option_that_names_a_path_is_a_location."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import pytest
 
-from runtime.cli import Location
+from runtime.locations import Location
 from storage import places
 
 
@@ -58,7 +58,7 @@ def test_every_option_that_names_a_path_is_a_location(command, param):
         assert not isinstance(param.type, click.Path)
     else:
         assert not looks, (f"{command} --{param.name.replace('_', '-')} names a place: declare "
-                           "metadata={'location': 'input'|'output'} (runtime.cli.Location)")
+                           "metadata={'location': 'input'|'output'} (runtime.locations.Location)")
 
 
 def test_the_enumeration_finds_every_known_path_option():
@@ -180,7 +180,8 @@ def test_a_typo_in_a_cache_folder_is_answered_with_the_closest_name(llama_dir, d
 
 def test_config_files_read_their_paths_by_the_same_type(tmp_path):
     """train-dpo --config: every location key is read as on the command line (TRL's names included)."""
-    from dpo.cli import LORA, OURS, _convert
+    from dpo.config_file import _convert
+    from dpo.options import LORA, OURS
 
     keys = [k for k, f in OURS.items() if "location" in f.metadata]
     assert {"model", "output_dir", "ref_cache", "init_adapter"} <= set(keys)
@@ -197,7 +198,7 @@ def test_config_files_read_their_paths_by_the_same_type(tmp_path):
 
 def test_configs_made_in_python_read_their_paths_the_same_way(tmp_path):
     from audit.cli import AuditOptions
-    from dpo.recipe import TrainConfig
+    from dpo.config import TrainConfig
     from precompute.config import PrecomputeConfig
 
     cfg = PrecomputeConfig(model=f"file://{tmp_path}/m", data="org/name", out="memory://bucket/c",

@@ -57,14 +57,14 @@ def test_the_walk_sees_the_options_of_the_issue():
 
 @pytest.mark.parametrize("command, name", cases())
 def test_every_numeric_option_declares_a_domain(command, name):
-    """Our dataclasses' fields declare `metadata={"domain": ...}` (runtime.cli.option_specs refuses a number without
+    """Our dataclasses' fields declare `metadata={"domain": ...}` (runtime.options.option_specs refuses a number without
     one); TrainingArguments' fields are in dpo/trainer_options.py's TRAINER_DOMAINS, not taken as 'any finite'."""
     opt = option(command, name)
     assert isinstance(opt.type, DomainType), f"{command} --{name}: {opt.type!r}"
     assert opt.type.domain in DOMAINS
     assert kind_of(opt.type.domain) in (int, float)
     if command == "train-dpo":
-        from dpo.cli import TRAINER
+        from dpo.options import TRAINER
         from dpo.trainer_options import TRAINER_DOMAINS
 
         if name in TRAINER:

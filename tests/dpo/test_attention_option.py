@@ -8,7 +8,8 @@ import json
 
 from click.testing import CliRunner
 
-from dpo.cli import load_config_file, main
+from dpo.cli import main
+from dpo.config_file import load_config_file
 
 TRAIN = ["--use-cpu", "--max-steps", "1", "--per-device-train-batch-size", "4", "--logging-steps", "1", "--no-plot"]
 

@@ -266,7 +266,7 @@ def test_trl_dpo_config_yaml(tmp_path):
     import yaml
     from trl import DPOConfig
 
-    from dpo.cli import load_config_file
+    from dpo.config_file import load_config_file
 
     trl = DPOConfig(output_dir=str(tmp_path / "o"), beta=0.3, learning_rate=5e-7, loss_type=["ipo"], use_cpu=True,
                     bf16=False)
@@ -355,7 +355,7 @@ def test_columns_neighbours_a_bad_mapping_is_a_usage_error_and_a_missing_column_
     assert not (tmp_path / "c2" / "manifest.json").exists()
     cfg = tmp_path / "run.yaml"
     cfg.write_text("columns: {chosen: b, prompt: a}\n")
-    from dpo.cli import load_config_file
+    from dpo.config_file import load_config_file
 
     assert load_config_file(str(cfg))["columns"] == "prompt=a,chosen=b"
     cfg.write_text("columns: prompt=a,chosen=a\n")
@@ -400,7 +400,7 @@ def test_a_live_reference_split_is_refused_where_it_does_not_apply(tmp_path, lla
 def test_a_live_reference_split_under_torchrun_is_refused(tmp_path, llama_dir, dpo_data, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     from dpo.preflight import check_reference_split
-    from dpo.recipe import TrainConfig
+    from dpo.config import TrainConfig
     from runtime.errors import JobError
 
     cfg = TrainConfig(model=str(llama_dir), data=str(dpo_data), output_dir=str(tmp_path / "out"),

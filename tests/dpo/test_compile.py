@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DATA, records, save_checkpoint
-from dpo.recipe import TrainConfig, run_train
+from dpo.config import TrainConfig
+from dpo.recipe import run_train
 from precompute.job import PrecomputeConfig, run_precompute
 from runtime.tolerance import probe_tolerance
 from schemas.stamps import model_hash

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 
 from conftest import DATA, HELPERS, records
 from dpo.cli import main as train_dpo
-from dpo.recipe import TrainConfig, run_train
+from dpo.config import TrainConfig
+from dpo.recipe import run_train
 from dpo.kl_governor import EXIT_KL_ALARM
 
 MODEL = DATA / "sft-model"

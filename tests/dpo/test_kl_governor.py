@@ -13,7 +13,8 @@ import pytest
 
 from conftest import DATA, audit_ref, records
 from dpo.kl_governor import EXIT_KL_ALARM, KLAlarmStop, check_kl_options
-from dpo.recipe import TrainConfig, run_train
+from dpo.config import TrainConfig
+from dpo.recipe import run_train
 from runtime.errors import JobError
 from runtime.kl_control import Settings, replay
 

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import DATA, precompute_in_process, records
-from dpo.recipe import TrainConfig, run_train
+from dpo.config import TrainConfig
+from dpo.recipe import run_train
 from schemas import format as fmt
 
 MODEL = DATA / "sft-model"

@@ -16,7 +16,7 @@ from conftest import DATA
 from dpo.cli import main
 from runtime.config_file import yaml_12
 from dpo.kl_governor import STATE_FILE, KLGovernor, check_resumed_rule
-from dpo.recipe import TrainConfig
+from dpo.config import TrainConfig
 from runtime.errors import JobError
 from runtime.kl_control import READ_BY, Settings, State, unread_options
 from schemas import run_manifest as rm

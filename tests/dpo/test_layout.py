@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from conftest import DATA, WORDS, build_llama, records, save_checkpoint, write_jsonl
 from dpo import layout
 from dpo.layout import PrefixSharedCollator, choose_layout, pair_logps
-from dpo.recipe import TrainConfig, run_train
+from dpo.config import TrainConfig
+from dpo.recipe import run_train
 from dpo.trainer import PairCollator
 from precompute.job import PrecomputeConfig, run_precompute
 from schemas.encoding import EncodingConfig

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from conftest import TORCHRUN, WORDS, build_llama, run_in_session, save_checkpoint, write_jsonl
 from dpo.layout import choose_layout
-from dpo.recipe import TrainConfig, run_train
+from dpo.config import TrainConfig
+from dpo.recipe import run_train
 from precompute.job import PrecomputeConfig, run_precompute
 from runtime.probe import max_difference, reference_values
 from runtime.tolerance import probe_tolerance

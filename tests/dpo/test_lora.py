@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from conftest import DATA, assert_close, count_models, make_lora_adapter, records, step_records
 from dpo.cli import main as train_main, summary_text
 from dpo.lora import LoraOptions
-from dpo.recipe import TrainConfig, run_train
+from dpo.config import TrainConfig
+from dpo.recipe import run_train
 from schemas.stamps import adapter_hash, merged_model_hash, model_hash, reference_model_hash
 
 peft = pytest.importorskip("peft")

@@ -125,7 +125,7 @@ def test_the_run_manifest_records_an_unread_option_as_null(loss_type):
     """run-manifest.json's config: the options the loss reads with their values, the others null (a sigmoid run's
     tdpo_alpha is not a value that looks used)."""
     from dpo.provenance import recorded_config
-    from dpo.recipe import TrainConfig
+    from dpo.config import TrainConfig
 
     config = recorded_config(TrainConfig(model="m", data="d", output_dir="o", loss_type=loss_type))
     for name in OPTIONS:

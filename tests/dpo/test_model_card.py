@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 from conftest import records, step_records
 from support import hub_snapshot, pref_rows, write_jsonl
 from dpo.lora import LoraOptions
-from dpo.recipe import TrainConfig, run_train
+from dpo.config import TrainConfig
+from dpo.recipe import run_train
 from schemas import run_manifest as rm
 from schemas.stamps import adapter_hash, model_hash
 from storage.reads import file_sha256

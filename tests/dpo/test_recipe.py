@@ -18,7 +18,8 @@ from click.testing import CliRunner
 from conftest import DPO_PAIRS, REPO, assert_close, count_models, records, step_records
 from dpo.cli import main
 from dpo.losses import LossConfig
-from dpo.recipe import TrainConfig, latest_checkpoint, run_train
+from dpo.config import TrainConfig
+from dpo.recipe import latest_checkpoint, run_train
 from runtime.errors import JobError
 from schemas.stamps import model_hash, tokenizer_hash
 from storage.reads import file_sha256

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from dpo.phases import PhaseTimer
-from dpo.recipe import TrainConfig, run_train
+from dpo.config import TrainConfig
+from dpo.recipe import run_train
 from schemas.stamps import model_hash
 
 PHASES = ("startup", "imports", "checks", "verify", "load", "layout", "setup", "train", "save", "plot", "final_hash")

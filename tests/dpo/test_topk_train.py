@@ -22,7 +22,8 @@ from transformers import TrainingArguments
 from conftest import build_llama, records
 from dpo.layout import PrefixSharedCollator, pair_logps
 from dpo.losses import LossConfig, TopK, coarse_kl, dpo_loss
-from dpo.recipe import TrainConfig, run_train
+from dpo.config import TrainConfig
+from dpo.recipe import run_train
 from dpo.trainer import KL_PANELS, PANELS, DPOTrainer, PairCollator, metric_panels, plot_metrics
 from runtime.errors import JobError
 from runtime.logprobs import reference_logps, reference_top_k, token_logps

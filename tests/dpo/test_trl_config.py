@@ -14,7 +14,8 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from dpo.cli import TRL_ALIASES, load_config_file, main, resolve_config
+from dpo.cli import TRL_ALIASES, main, resolve_config
+from dpo.config_file import load_config_file
 from dpo.losses import LossConfig, dpo_loss
 
 

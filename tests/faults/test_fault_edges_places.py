@@ -1,4 +1,4 @@
-"""Issue 34, families 1 and 2, through the commands: a URL is not a path (one location type, runtime.cli.Location over
+"""Issue 34, families 1 and 2, through the commands: a URL is not a path (one location type, runtime.locations.Location over
 storage.places.location), and every file a command writes is an output (runtime.paths: check_apart,
 check_output_file; runtime.locks.exclusive takes back what a refused job made; schemas.format.no_manifest names a
 folder holding no cache as such). Each example of the issue, and its neighbours."""

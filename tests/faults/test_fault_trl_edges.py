@@ -119,7 +119,7 @@ def test_trl_recipe_with_eval_strategy_no_trains_without_evaluation(tmp_path, ll
 
 def test_unquoted_no_in_a_recipe_is_the_strategy_no(tmp_path):
     """YAML 1.1 reads `eval_strategy: no` as false; it is the strategy no, not a type error or a run that evaluates."""
-    from dpo.cli import load_config_file
+    from dpo.config_file import load_config_file
 
     path = tmp_path / "dpo.yaml"
     path.write_text("eval_strategy: no\nsave_strategy: no\nlogging_strategy: no\ndataset_test_split: test\n")

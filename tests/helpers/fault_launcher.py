@@ -56,18 +56,18 @@ def target_shard() -> str:
 
 
 def patch_precompute():
-    from precompute import job
+    from precompute import prepare
 
     AT = os.environ.get("FAULT_AT", "")
     from schemas import format as fmt
 
-    plan_shards = job.plan_shards
+    plan_shards = prepare.plan_shards
 
     def recording_plan(*args, **kwargs):
         _plan[:] = plan_shards(*args, **kwargs)
         return _plan
 
-    job.plan_shards = recording_plan
+    prepare.plan_shards = recording_plan
 
     if AT == "first_shard":
         write_shard = fmt.write_shard

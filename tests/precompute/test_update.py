@@ -274,7 +274,8 @@ def test_audit_of_a_run_on_the_earlier_version_passes_against_that_version(llama
 
 
 def test_train_dpo_on_a_subset_of_the_cache_rows(llama_dir, rows, base, tmp_path):
-    from dpo.recipe import TrainConfig, run_train
+    from dpo.config import TrainConfig
+    from dpo.recipe import run_train
     from runtime.errors import JobError
     from schemas.findings import CacheError
 

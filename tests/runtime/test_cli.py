@@ -1,6 +1,6 @@
-"""runtime/cli.py: the command frame both jobs share. Options generated from a config dataclass (both spellings,
-types, choices, repeatable lists, booleans, grouped --help with the field's words and default, only given values
-collected) and run_cli's exit codes (2 with one error paragraph for what the user can fix, 1 for the unexpected)."""
+"""runtime/cli.py and runtime/options.py: the command frame both jobs share. Options generated from a config dataclass
+(both spellings, types, choices, repeatable lists, booleans, grouped --help with the field's words and default, only
+given values collected) and run_cli's exit codes (2 with one error paragraph for what the user can fix, 1 for the unexpected)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from runtime.cli import GroupedCommand, dataclass_options, field_help, given_values, run_cli
+from runtime.cli import GroupedCommand, given_values, run_cli
+from runtime.options import dataclass_options, field_help
 from runtime.data import DataError
 from runtime.errors import JobError
 

@@ -11,7 +11,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from runtime.cli import field_help, option_specs
+from runtime.options import field_help, option_specs
 from runtime.errors import JobError
 from runtime.placed import Attention, Placement, group_options, included, prefix_of
 
@@ -21,7 +21,7 @@ def commands() -> dict:
     from audit.cli import AuditOptions
     from audit.cli import main as audit
     from dpo.cli import main as train
-    from dpo.recipe import TrainConfig
+    from dpo.config import TrainConfig
     from precompute.cli import main as precompute
     from precompute.config import PrecomputeConfig
 
@@ -55,7 +55,7 @@ def test_every_command_takes_every_option_of_the_group_as_declared(command):
 
 
 def test_train_dpo_takes_the_group_in_a_config_file_and_as_trl_ref_model_init_kwargs(tmp_path):
-    from dpo.cli import REF_INIT_KWARGS, load_config_file
+    from dpo.config_file import REF_INIT_KWARGS, load_config_file
 
     assert REF_INIT_KWARGS == {name: "ref_" + name for name in group_options(Placement)}
     path = tmp_path / "run.yaml"
@@ -68,7 +68,7 @@ def test_train_dpo_takes_the_group_in_a_config_file_and_as_trl_ref_model_init_kw
 
 def test_a_config_made_in_code_reads_the_group_as_the_command_line_does(tmp_path):
     """The budget in its one form, the offload folder by the location type; Placement.of hands them on whole."""
-    from dpo.recipe import TrainConfig
+    from dpo.config import TrainConfig
     from precompute.config import PrecomputeConfig
 
     cfg = PrecomputeConfig(model="m", data="d", device_map="auto", max_memory="0=1GiB, cpu=2GiB",

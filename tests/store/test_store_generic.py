@@ -76,7 +76,7 @@ def test_lease_and_manifest_checked_before_writing(memory, job):
 def test_a_url_where_only_a_local_path_is_taken_is_refused_never_made_a_folder(job, llama_dir, tmp_path,
                                                                                 monkeypatch):
     """Outputs other than precompute-ref's --out are local: a URL there (train-dpo --output-dir, an offload folder)
-    is refused when the command line is parsed (runtime.cli.Location), not taken for a local folder named `s3:`."""
+    is refused when the command line is parsed (runtime.locations.Location), not taken for a local folder named `s3:`."""
     from faultkit import TRAIN, train
 
     monkeypatch.chdir(tmp_path)

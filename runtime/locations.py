@@ -1,0 +1,102 @@
+"""The one click type for a path-or-URL option (`Location`, over storage.places.location) and the reading of a config
+dataclass's `location` fields by it (`read_locations`), for every command and config file alike."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import click
+
+from .terminal import escaped
+
+
+class Location(click.ParamType):
+    """A path-or-URL option (a field with `location` metadata, the audit's CACHE, train-dpo's --config): its text
+    read by the one function that reads places, storage.places.location (a local Path, file:// URLs included, or a
+    StorePath), at parse time: a URL it refuses (another host's file://, a protocol chain, another protocol) and a
+    store URL where the option takes no store are usage errors (exit 2) naming the option. `role`: "input" or
+    "output"; `store`: the option takes a cache on an object store; `local`: a click.Path checking the local path
+    (exists, file or folder); `words`: values kept as text (resume_from_checkpoint's `true`); `json_text`: a value
+    starting with `{` is JSON text, not a path (DeepSpeed and FSDP configs)."""
+
+    name = "path"
+
+    def __init__(self, role: str, *, store: bool = False, local: click.Path | None = None, words=(),
+                 json_text: bool = False):
+        if role not in ("input", "output"):
+            raise ValueError(f"location role {role!r}: input or output")
+        self.role, self.store, self.local, self.words, self.json_text = role, store, local, tuple(words), json_text
+
+    def get_metavar(self, param, ctx=None):
+        return ("PATH|URL" if self.store else "PATH") + "".join(f"|{w}" for w in self.words[:1])
+
+    def convert(self, value, param, ctx):
+        from storage import places
+
+        if isinstance(value, (places.StorePath, Path)):
+            return self._checked(value, param, ctx)
+        if isinstance(value, bool) and self.words:  # a config file's `resume_from_checkpoint: true`
+            value = str(value).lower()
+        if self.json_text and isinstance(value, dict):
+            return value
+        if not isinstance(value, (str, os.PathLike)):
+            self.fail(f"{value!r} is not a path ({type(value).__name__})", param, ctx)
+        text = os.fspath(value)
+        if text.strip().lower() in self.words or (self.json_text and text.lstrip().startswith("{")):
+            return text
+        if places.is_remote(text) and not self.store:
+            self._no_store(text, param, ctx)
+        try:
+            place = places.location(text)
+        except places.LocationError as e:
+            self.fail(str(e), param, ctx)
+        return self._checked(place, param, ctx)
+
+    def _checked(self, place, param, ctx):
+        from storage import places
+
+        if isinstance(place, places.StorePath):
+            if not self.store:
+                self._no_store(place, param, ctx)
+        elif self.local is not None:  # its own check; a hub id's type gives the local snapshot folder it names
+            try:
+                return Path(self.local.convert(str(place), param, ctx))
+            except click.BadParameter:
+                if os.path.lexists(place) or getattr(self.local, "names_misses", False):  # a hub id's type does
+                    raise
+                from storage.nearby import not_here
+
+                self.fail(f"{escaped(place)}: {escaped(not_here(place))}", param, ctx)  # what is there, the closest
+        return place
+
+    def _no_store(self, url, param, ctx):
+        self.fail(f"{url}: an object-store URL is taken where refcache writes or reads a cache (precompute-ref --out, "
+                  "train-dpo --ref-cache / --eval-ref-cache, audit-ref CACHE), not here; give a local path (and copy "
+                  "to or from the store with its own tools)", param, ctx)
+
+
+def read_locations(config) -> None:
+    """Every `location` field of a config dataclass read by the Location type, as the command line reads it (the
+    local existence checks are the command line's own): a config made in Python, a config file's values and the
+    command line's name the same places. Called by each config's __post_init__."""
+    for fld in dataclasses.fields(config):
+        value = getattr(config, fld.name)
+        if "location" not in fld.metadata or value is None:
+            continue
+        kind = location_type({k: v for k, v in fld.metadata.items() if k != "click_type"})
+        try:
+            setattr(config, fld.name, kind.convert(value, None, None))
+        except click.BadParameter as e:
+            raise click.BadParameter(e.message, param_hint=f"'--{fld.name.replace('_', '-')}'") from None
+
+
+def location_type(metadata) -> Location:
+    """The Location type of a field's `location` metadata ("input" or "output"), with its `store`, `words` and
+    `json_text` keys and its `click_type` (a click.Path) as the local check."""
+    local = metadata.get("click_type")
+    return Location(metadata["location"], store=bool(metadata.get("store")),
+                    local=local if isinstance(local, click.Path) else None, words=metadata.get("words", ()),
+                    json_text=bool(metadata.get("json_text")))
+
