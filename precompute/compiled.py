@@ -72,9 +72,19 @@ def compile_scoring(model):
 # Measured (bench/RESULTS.md part 16, 35M long-prompt case, 2-core CPU): the compiled scoring 1.03x the eager rate;
 # precompute-ref end to end 55.5 s with a cold inductor cache against 11.6 s eager (C about 44 s), 28.2 s warm (C
 # about 17 s): so on CPU compiling pays past E = C / (1 - 1/1.03), about 10 minutes of eager scoring warm, 25 cold.
-# No GPU has measured it here yet: on CUDA the same rule runs with the CPU's figures until one does (bench_compile.py).
 SPEEDUP = 1.03
 COMPILE_SECONDS = {"cold": 44.0, "warm": 17.0}
+# On CUDA (bench/results/gpu-compile-h200.json: H200, 35M Llama, bf16, sdpa, 64 long-prompt pairs, full_forward):
+# compiled scoring 1.39x the eager rate, 29.7 s of cold compiling (break-even about 106 s of eager scoring). A warm
+# compile was not measured there: the cold figure stands for both (a warm one costs less, so this errs to eager).
+CUDA_SPEEDUP = 1.39
+CUDA_COMPILE_SECONDS = {"cold": 29.7, "warm": 29.7}
+
+
+def figures(device_type: str) -> tuple[float, dict]:
+    """(compiled speed-up, compile seconds cold/warm) measured on this kind of device; other accelerators use the
+    CPU's figures (the more reluctant ones) until one is measured."""
+    return (CUDA_SPEEDUP, CUDA_COMPILE_SECONDS) if device_type == "cuda" else (SPEEDUP, COMPILE_SECONDS)
 
 
 def inductor_cache() -> Path:
@@ -84,7 +94,7 @@ def inductor_cache() -> Path:
 
 
 def compile_choice(requested: bool | None, eager_seconds: float | None, *, split: bool = False,
-                   warm: bool = False) -> tuple[bool, str]:
+                   warm: bool = False, device_type: str = "cpu") -> tuple[bool, str]:
     """(compile or not, why, in words that do not depend on the machine's speed: the manifest notes them):
     --torch-compile (True) and --no-torch-compile (False) as given; auto (None) compiles when the job's estimated
     eager scoring time, `eager_seconds`, saves more at SPEEDUP than compiling costs (cold, or `warm` with an
@@ -95,20 +105,21 @@ def compile_choice(requested: bool | None, eager_seconds: float | None, *, split
         return False, "auto: a split model scores uncompiled"
     if eager_seconds is None:
         return False, "auto: eager, no measured eager rate"
-    cache = "warm" if warm else "cold"
-    if eager_seconds * (1 - 1 / SPEEDUP) > COMPILE_SECONDS[cache]:
+    cache, (speedup, seconds) = "warm" if warm else "cold", figures(device_type)
+    if eager_seconds * (1 - 1 / speedup) > seconds[cache]:
         return True, "auto: compiled, the job's estimated eager scoring is past the break-even"
     return False, "auto: eager, the job's estimated eager scoring is under the break-even"
 
 
-def estimate_text(eager_seconds: float | None, warm: bool) -> str:
+def estimate_text(eager_seconds: float | None, warm: bool, device_type: str = "cpu") -> str:
     """The figures behind an auto choice, for the log."""
     if eager_seconds is None:
         return "no estimate"
-    cost = COMPILE_SECONDS["warm" if warm else "cold"]
-    return (f"eager scoring estimated at {eager_seconds:.0f} s; compiling would save {eager_seconds * (1 - 1 / SPEEDUP):.0f}"
-            f" s for about {cost:.0f} s of compiling with a {'warm' if warm else 'cold'} inductor cache, at {SPEEDUP:g}x "
-            "the eager rate compiled")
+    speedup, seconds = figures(device_type)
+    cost = seconds["warm" if warm else "cold"]
+    return (f"eager scoring estimated at {eager_seconds:.0f} s; compiling would save {eager_seconds * (1 - 1 / speedup):.0f}"
+            f" s for about {cost:.0f} s of compiling with a {'warm' if warm else 'cold'} inductor cache, at {speedup:g}x "
+            f"the eager rate compiled ({device_type}'s measured figures)")
 
 
 def warm_cache() -> bool:

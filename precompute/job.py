@@ -186,11 +186,12 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     # a rank dealt no shard loads nothing); compiled or not, the same numbers and the same cache
     tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs) / dist.world
     eager, warm = tokens / rate if rate else None, warm_cache()
-    compile_it, why = compile_choice(cfg.torch_compile, eager, split=layout is not None, warm=warm)
+    compile_it, why = compile_choice(cfg.torch_compile, eager, split=layout is not None, warm=warm,
+                                     device_type=job.device.type)
     if compile_it or cfg.torch_compile is not None:  # a note; a default job that stays eager records none, as before
         computation["compile_choice"] = why
     if cfg.torch_compile is None:
-        log(f"torch.compile {why} ({estimate_text(eager, warm)})")
+        log(f"torch.compile {why} ({estimate_text(eager, warm, job.device.type)})")
     if compile_it:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
         model, computation["compiled"] = compiled_scorer(model, mode, probed["pairs"], pad, cfg.top_k, log, budget,
                                                          truth=probed["truth"])

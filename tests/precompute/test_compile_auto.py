@@ -34,6 +34,18 @@ def test_auto_compiles_where_the_estimate_says_it_pays(requested, eager, split, 
     assert decided is compiles and says in why
 
 
+def test_on_cuda_auto_weighs_the_job_with_the_figures_measured_on_cuda():
+    """The H200's measured figures (1.39x, 29.7 s cold; bench/results/gpu-compile-h200.json): a job of about two
+    minutes of eager scoring compiles on CUDA and stays eager on the CPU's figures; the log names whose figures."""
+    cuda_break_even = compiled.CUDA_COMPILE_SECONDS["cold"] / (1 - 1 / compiled.CUDA_SPEEDUP)
+    assert 100 < cuda_break_even < 110  # by hand: 29.7 / (1 - 1/1.39) = 105.9 s
+    eager = cuda_break_even * 1.2
+    assert compiled.compile_choice(None, eager, device_type="cuda")[0] is True
+    assert compiled.compile_choice(None, eager, device_type="cpu")[0] is False
+    assert compiled.compile_choice(None, cuda_break_even * 0.8, device_type="cuda")[0] is False
+    assert "at 1.39x the eager rate compiled (cuda's measured figures)" in compiled.estimate_text(eager, False, "cuda")
+
+
 def test_the_break_even_is_the_measured_compile_time_over_the_saved_share():
     """E (1 - 1/SPEEDUP) = C, by hand: about 10 minutes warm and 25 cold on CPU (the help text's figures)."""
     assert 9 * 60 < BREAK_EVEN["warm"] < 11 * 60 and 24 * 60 < BREAK_EVEN["cold"] < 26 * 60
