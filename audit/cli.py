@@ -310,6 +310,8 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     views = row_views(root, picks, tokenizer, policy)
     if opts.show:
         colour = colour_wanted(sys.stdout)
+        if run_named:  # the log-ratios below are this run's (as the HTML page names it)
+            echo(f"policy: the train-dpo run {run_named}; its log-ratios are shown")
         echo(show.render_text(views, colour=colour), colour=colour)
     if opts.html:
         page = show.render_html(views, root, manifest, notes, run_named).encode("utf-8")

@@ -176,6 +176,8 @@ def test_show_with_a_run_gives_the_policys_log_ratio(dpo_cache, llama_dir, token
     run = fake_run(tmp_path / "run", policy_dir, dpo_cache)
     code, out, err = audit(dpo_cache, "--show", "r0002", "--run", run, "--model", llama_dir)
     assert code == 0, err
+    # the terminal view names the run whose log-ratios it shows, as the page does (found by the UX pass)
+    assert out.startswith(f"policy: the train-dpo run {run.resolve()}"), out[:300]
     policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
     assert_ratios(out, policy, read_cache(dpo_cache).row(2, named=True))
 
