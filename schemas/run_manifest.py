@@ -136,15 +136,21 @@ def _stamps_differ(recorded, now: dict) -> list[str]:
     return [f.kind for f in stamp_findings(recorded, now)]
 
 
+# a run's record of what it trained against, in a user's words (the option that gives each)
+REFERENCE_PARTS = {"cache": "reference cache (--ref-cache)", "eval_cache": "eval reference cache (--eval-ref-cache)",
+                   "live_model": "live reference (--ref-model)", "data_fingerprint": "training data (--data)",
+                   "eval_data_fingerprint": "eval data (--eval-data)"}
+
+
 def reference_findings(recorded: dict, now: dict) -> list[Finding]:
     """A resumed run against its checkpoint's record: the same caches (same_cache), the same live reference and the
     same data fingerprints, or a finding naming what differs."""
     out = []
-    for key in ("cache", "eval_cache", "live_model", "data_fingerprint", "eval_data_fingerprint"):
+    for key, what in REFERENCE_PARTS.items():
         a, b = recorded.get(key), now.get(key)
         same = same_cache(a, b) if key in ("cache", "eval_cache") else a == b
         if not same:
-            out.append(Finding("resume", "reference", f"the checkpoint was trained with another {key}",
+            out.append(Finding("resume", "reference", f"the checkpoint was trained with another {what}",
                                expected=_named(a), found=_named(b), sides=("trained with", "you gave"),
                                remedy="resume with the --ref-cache/--ref-model, --data and --eval-data the "
                                "checkpoint was trained on, or start a new run into a fresh --output-dir"))
@@ -154,9 +160,10 @@ def reference_findings(recorded: dict, now: dict) -> list[Finding]:
 def _named(value) -> str:
     """A recorded reference in one line: a cache by its cache_id and path, anything else as it is (none: 'none')."""
     if isinstance(value, dict):
-        name = value.get("cache_id") or f"manifest sha256 {value.get('manifest_sha256')}"
+        name = value.get("cache_id") or (f"model hash {value['model_hash']}" if value.get("model_hash") else
+                                         f"manifest sha256 {value.get('manifest_sha256')}")
         return f"{name} ({value.get('path')})"
-    return "none" if value is None else str(value)
+    return "none" if value is None else f"data fingerprint {value}" if isinstance(value, str) else str(value)
 
 
 def run_cache_findings(run: dict, cache_root, stamps: dict,

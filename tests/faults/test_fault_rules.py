@@ -261,7 +261,7 @@ def test_8_resume_against_another_cache_is_refused(trained, tmp_path):
     other = [*args[:i + 1], trained["other_cache"], *args[i + 2:]]
     refused = train(*other, "--output-dir", run, "--resume-from-checkpoint", ckpt)
     assert refused.exit_code == 2, refused.output
-    assert "trained with another cache" in refused.output
+    assert "trained with another reference cache (--ref-cache)" in refused.output
     # the two caches by their ids and paths, one line each (not two dict reprs)
     theirs = json.loads((trained["run"] / "run-manifest.json").read_text())["reference"]["cache"]["cache_id"]
     lines = refused.output.splitlines()

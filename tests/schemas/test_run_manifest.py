@@ -58,12 +58,13 @@ def test_a_resume_against_another_reference_names_what_differs(tmp_path):
     assert reference_findings(record(cache), record(moved)) == []
     other = cache_record(make_cache(tmp_path / "other", "b"), STAMPS)
     found = reference_findings(record(cache), record(other, data="d2"))
-    assert [f.message for f in found] == ["the checkpoint was trained with another cache",
-                                          "the checkpoint was trained with another data_fingerprint"]
-    assert found[1].expected == "d1" and found[1].found == "d2" and "--ref-cache" in found[0].remedy
+    assert [f.message for f in found] == ["the checkpoint was trained with another reference cache (--ref-cache)",
+                                          "the checkpoint was trained with another training data (--data)"]
+    assert found[1].expected == "data fingerprint d1" and found[1].found == "data fingerprint d2"
+    assert "--ref-cache" in found[0].remedy
     restamped = {**cache, "stamps": {**STAMPS, "model_hash": "x" * 64}}
     assert [f.message for f in reference_findings(record(cache), record(restamped))] == [
-        "the checkpoint was trained with another cache"]
+        "the checkpoint was trained with another reference cache (--ref-cache)"]
 
 
 def test_run_cache_role_or_what_differs(tmp_path):
@@ -110,7 +111,7 @@ def test_a_record_from_before_cache_id_is_compared_by_manifest_sha256(tmp_path):
     assert reference_findings(record(old), record(cache_record(cache, STAMPS))) == []
     make_cache(cache, created_at="later")  # the same content, other bytes: an old record cannot know that
     assert [f.message for f in reference_findings(record(old), record(cache_record(cache, STAMPS)))] == [
-        "the checkpoint was trained with another cache"]
+        "the checkpoint was trained with another reference cache (--ref-cache)"]
     role, found = run_cache_findings({"reference": record(old)}, cache, STAMPS)
     assert role is None and "names a cache manifest with sha256" in found[0].message
 
