@@ -29,7 +29,7 @@ def labelled(sides: tuple[str, str] | None, expected, found, indent: str = "  ")
     if sides[1].startswith(RECORDED_SIDES):
         pairs.reverse()
     width = max(len(name) for name, _ in pairs) + 1
-    return [f"{indent}{(name + ':').ljust(width)} {value}" for name, value in pairs]
+    return [f"{indent}{(name + ':').ljust(width)} {'none' if value is None else value}" for name, value in pairs]
 
 
 class CacheError(Exception):

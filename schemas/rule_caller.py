@@ -88,8 +88,10 @@ def option_findings(recorded: EncodingConfig, requested: dict, *, where: str = "
     out = []
     for key, value in requested.items():
         if value is not None and getattr(recorded, key) != value:
+            made = getattr(recorded, key)
             out.append(Finding("stamps", "encoding", f"{option(key)} {value} conflicts with {where}, made with "
-                               f"{key}={getattr(recorded, key)}", expected=value, found=getattr(recorded, key),
+                               + (f"{option(key)} {made}" if made is not None else f"no {option(key)}"),
+                               expected=value, found=made,
                                remedy=remedy, sides=(RUN_SIDE, CACHE_SIDE)))
     return out
 

@@ -271,7 +271,7 @@ def test_train_dpo_refuses_the_other_completion_end(tmp_path, caches):
                    tmp_path / "run", "--completion-end", "eos", *TRAIN)
     assert result.exit_code == EXIT_REFUSED, result.output
     assert (f"--completion-end eos conflicts with the cache {caches['conversational-trl']}, made with "
-            "completion_end=template") in result.output
+            "--completion-end template") in result.output
     assert not (tmp_path / "run").exists()
 
 
@@ -379,7 +379,7 @@ def test_another_tokenizer_or_chat_template_is_refused(tmp_path, caches, clean_t
 def test_another_max_length_is_refused(tmp_path, caches):
     message = refused(tmp_path, standard_rows(), caches["standard"], config={"max_length": 512})
     assert message.startswith(f"DPOConfig.max_length 512 conflicts with the cache {caches['standard']}, made with "
-                              "max_length=1024")
+                              "DPOConfig.max_length 1024")
 
 
 def test_a_row_edited_after_caching_is_refused(tmp_path, caches):

@@ -84,7 +84,7 @@ CASES = [
     ("chat_template", lambda v: ["--model", v["other_template"]],
      lambda v: ["tokenizer_hash mismatch", "including its chat template"]),
     ("max_length", lambda v: ["--max-length", "64"],
-     lambda v: ["--max-length 64 conflicts with the cache", "max_length=1024"]),
+     lambda v: ["--max-length 64 conflicts with the cache", "made with --max-length 1024"]),
     ("weights", lambda v: ["--model", v["other_weights"]],
      lambda v: ["model_hash mismatch", "not computed with this model", "this run:  " + model_hash(v["other_weights"])]),
     ("shard_hash", lambda v: ["--ref-cache", v["edited_shard"]],

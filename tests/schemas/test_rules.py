@@ -492,7 +492,7 @@ def test_stamp_findings_name_the_stamp_and_carry_the_callers_remedy():
 def test_option_findings_name_the_option_the_callers_way():
     (f,) = rules.option_findings(ENC, {"max_length": 32, "truncation_mode": None}, where="the cache /c",
                                  option=lambda k: "--" + k.replace("_", "-"), remedy="drop it")
-    assert f.message == "--max-length 32 conflicts with the cache /c, made with max_length=64"
+    assert f.message == "--max-length 32 conflicts with the cache /c, made with --max-length 64"
     assert (f.kind, f.expected, f.found, f.remedy) == ("encoding", 32, 64, "drop it")
 
 
