@@ -168,6 +168,11 @@ def _listed(words) -> str:
     return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else "".join(words)
 
 
+# keys of older TRL / transformers configs that transformers 5 folded into another option: how to say it now
+RENAMED = {"warmup_ratio": "transformers 5 reads a ratio from warmup_steps (a number below 1 is a share of the steps): "
+                           "give warmup_steps: {value}"}
+
+
 def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
     """Map TRL's spellings onto ours; refuse DPOConfig keys we do not support unless they hold TRL's default.
     Returns the values and {our name: the TRL name it was given as}."""
@@ -190,9 +195,10 @@ def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
     inert = [k for k in unknown if any(k in d and data[k] == d[k] for d in defaults)]
     unsupported = [k for k in unknown if k not in inert]
     if unsupported:
+        moved = "".join(f"; {k}: {RENAMED[k].format(value=data[k])}" for k in unsupported if k in RENAMED)
         raise click.UsageError(
             f"{path}: unknown option(s) {', '.join(unsupported)} (refcache does not support these DPOConfig / trl "
-            "keys, or they are misspelt; see `train-dpo --help` and README 'Coming from TRL')")
+            f"keys, or they are misspelt; see `train-dpo --help` and README 'Coming from TRL'){moved}")
     echo(f"note: {path}: ignoring {len(inert)} DPOConfig / trl keys at TRL's default: {', '.join(inert)}",
                err=True)
     return {k: v for k, v in data.items() if k not in inert}, given_as

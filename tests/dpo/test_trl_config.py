@@ -162,3 +162,12 @@ def test_ref_model_init_kwargs_neighbours(tmp_path):
                                        str(tmp_path), "--output-dir", str(tmp_path / "o")])
     assert result.exit_code == 2 and "--ref-device-map: with --ref-cache no reference model" in result.output, (
         result.output)
+
+
+def test_warmup_ratio_is_refused_naming_what_transformers_5_reads_instead(tmp_path):
+    """Found by the UX pass: an older TRL config's `warmup_ratio: 0.1` was refused as unknown or misspelt; it is, in
+    transformers 5, a warmup_steps below 1: the refusal says so, with the value to give."""
+    with pytest.raises(click.UsageError, match=r"warmup_ratio: transformers 5 reads a ratio from warmup_steps .*give "
+                                               r"warmup_steps: 0.1"):
+        load_config_file(_yaml(tmp_path, {"warmup_ratio": 0.1}))
+    assert load_config_file(_yaml(tmp_path, {"warmup_steps": 0.1}))["warmup_steps"] == 0.1
