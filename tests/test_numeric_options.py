@@ -86,8 +86,9 @@ def config_cases() -> list[tuple[str, str]]:
     return [(c, n) for c, n in cases() if any(p.name == "config_file" for p in commands()[c].params)]
 
 
-def test_train_dpo_takes_a_config_file():
-    assert {c for c, _ in config_cases()} == {"train-dpo"}
+def test_the_commands_that_take_a_config_file():
+    """train-dpo and precompute-ref (its --config since issue 36): each of their numeric options is enumerated below."""
+    assert {c for c, _ in config_cases()} == {"train-dpo", "precompute-ref"}
 
 
 @pytest.mark.parametrize("command, name", config_cases())
