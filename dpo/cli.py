@@ -81,7 +81,7 @@ def summary_text(s: dict) -> str:
                 f"{best['value']:.4f})" if best["path"] else " (--load-best-model-at-end: no evaluation chose a "
                 "checkpoint, so the last step's weights)")
     plot = f"\n  plot:       {out / 'metrics.png'}" if (out / "metrics.png").is_file() else ""
-    merged = f"\n  merged:     {s['merged_dir']}" if s.get("merged_dir") else ""
+    merged = f"\n  merged:     {Path(s['merged_dir']).absolute()}" if s.get("merged_dir") else ""
     return (
         f"trained {s['steps']} step{'s' * (s['steps'] != 1)} in {s['train_s']:.1f} s{verified}; {loss}"
         + (f"; eval reward accuracy {acc:.3f} (share of eval pairs whose implicit reward beta*log(pi/ref) "

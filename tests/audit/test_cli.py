@@ -333,3 +333,13 @@ def test_model_and_tokenizer_take_a_hub_id_as_the_other_commands_do(world, cache
     assert shown.exit_code == 0 and "the prompt ends here" in shown.output, shown.output
     missing = CliRunner().invoke(main, [str(cache), "--model", "acme/not-downloaded"])
     assert missing.exit_code == 2 and "hf download acme/not-downloaded" in missing.output, missing.output
+
+
+def test_the_reports_options_name_local_places_absolutely(dpo_cache, dpo_data, llama_dir, tmp_path, monkeypatch):
+    """Found by the UX pass: --json's `options` kept a run or data folder as the relative path typed, meaningless once
+    the report is shared (as the manifests' records already were absolute)."""
+    monkeypatch.chdir(dpo_data.parent)
+    code, report, output = audit(dpo_cache, "--data", dpo_data.name, "--model", llama_dir, "--sample", 0,
+                                 json_path=tmp_path / "audit.json")
+    assert report is not None, output
+    assert report["options"]["data"] == str(dpo_data.absolute()) and report["options"]["run"] is None
