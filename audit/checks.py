@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from runtime.terminal import counted
+
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 # what marks audit-ref's own output files, so that a later run may replace them and nothing else (runtime/paths.py)
 REPORT_KIND = "refcache-audit-ref-report"  # the JSON report's `kind`
@@ -54,7 +56,7 @@ def short(h) -> str:
 def from_findings(name: str, findings: list, checked: int, unit: str, what: str, unchecked_shards: int = 0) -> Check:
     """One check from the findings of its rule over `checked` shards or rows: FAIL naming the first, PASS, or SKIP
     when nothing could be checked."""
-    units = lambda n: f"{n:,} {unit}{'s' if n != 1 else ''}"
+    units = lambda n: counted(n, unit)
     if findings:
         first = findings[0]
         failed = sum(f.count for f in findings)

@@ -120,6 +120,7 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
     trained on)."""
     # imported here, not at the top: `audit-ref --help` and a refused command line need no polars nor pyarrow
     from schemas import format as fmt
+    from schemas.run_manifest import absolute_if_local
 
     from .cache import audit_cache
     from .replay import audit_model
@@ -174,8 +175,8 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
         "made": {k: manifest.get(k) for k in ("created_at", "software", "model", "tokenizer", "computation", "source")}
         | {"encoding": manifest["encoding"], "stamps": manifest["stamps"]},
         "version": version,  # the version of the cache audited (schemas/history.py version_report)
-        "options": {"model": _place(model), "data": _place(data), "run": _place(run), "sample": sample, "seed": seed,
-                    "tolerance": tolerance},
+        "options": {"model": absolute_if_local(model), "data": absolute_if_local(data), "run": absolute_if_local(run),
+                    "sample": sample, "seed": seed, "tolerance": tolerance},
         "timing": {k: round(v, 3) for k, v in timing.items()},
     }
 
@@ -318,16 +319,6 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         page = show.render_html(views, root, manifest, notes, run_named).encode("utf-8")
         output_file(opts.html, "--html", inputs(cache, opts, manifest), page)
         echo(f"wrote {opts.html}: {len(views)} row(s) token by token")
-
-
-def _place(value):
-    """A place the report names, as meaningful once the report is shared: absolute where it is a local path that
-    exists (a hub id, a URL or nothing as given)."""
-    import os
-
-    from schemas.run_manifest import absolute
-
-    return absolute(value) if value is not None and os.path.lexists(str(value)) else value
 
 
 def process_main():

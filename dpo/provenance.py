@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 from pathlib import Path
 
 from runtime.terminal import echo
@@ -131,8 +130,7 @@ def recorded_config(cfg) -> dict:
     config = dataclasses.asdict(cfg)
     # the places as meaningful once the manifest is shared: absolute, where they are local paths that exist (a hub
     # id, a URL or a word such as resume_from_checkpoint's `true` stays as given)
-    places = {f.name: rm.absolute(config[f.name]) for f in dataclasses.fields(cfg) if "location" in f.metadata
-              and isinstance(config[f.name], (str, Path)) and os.path.lexists(config[f.name])}
+    places = {f.name: rm.absolute_if_local(config[f.name]) for f in dataclasses.fields(cfg) if "location" in f.metadata}
     return config | places | {name: None for name in unread_options(cfg.loss_type, config)}
 
 

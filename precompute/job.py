@@ -92,7 +92,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
     if todo:
         split = (f" (tensor parallel: {dist.groups} group{'s' if dist.groups > 1 else ''} of {dist.tp_size} ranks)"
                  if dist.tp_size > 1 else "")
-        log(f"scoring {counted(sum(s['stop'] - s['start'] for s in todo), 'pair')} in {len(todo)} shard{'s' * (len(todo) != 1)} "
+        log(f"scoring {counted(sum(s['stop'] - s['start'] for s in todo), 'pair')} in {counted(len(todo), 'shard')} "
             f"({len(resume.done)} already done) on {dist.world} x {job.device.type}{split} in "
             f"{str(job.dtype).removeprefix('torch.')}" + (
                 f"; tokens per {'group' if dist.tp_size > 1 else 'rank'}: "

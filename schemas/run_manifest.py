@@ -34,6 +34,14 @@ def absolute(where) -> str:
     return os.path.abspath(text.removeprefix("file://"))  # ".." taken away by the text, no symlink followed
 
 
+def absolute_if_local(value):
+    """A place as a shared record names it: absolute where it is a local path that exists; a hub id, a URL, a word
+    (resume_from_checkpoint's `true`) or nothing as given."""
+    if value is not None and isinstance(value, (str, os.PathLike)) and os.path.lexists(value):
+        return absolute(value)
+    return value
+
+
 def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -> dict:
     """How a run names a cache: its path, its `cache_id` and stamps (what is compared), the sha256 of its
     manifest.json as it was (recorded only; the identity of runs recorded before cache_id) and the reference model
