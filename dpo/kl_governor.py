@@ -11,6 +11,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from schemas.findings import labelled
 from runtime.terminal import echo
 from runtime.errors import JobError
 from runtime.kl_control import Rule, Settings, State, measured, parse_alarm, parse_target
@@ -271,8 +272,9 @@ def check_resumed_rule(folder: Path, settings: Settings | None) -> dict | None:
     ours, recorded = settings.to_json(), theirs.to_json()
     differ = sorted({OPTION_OF[k] for k in ours if k not in ignore and ours[k] != recorded.get(k)})
     if differ:
-        raise JobError(f"--resume-from-checkpoint {folder}: the β rule differs in {', '.join(differ)}\n"
-                       f"  the checkpoint: {describe(theirs)}\n  this run:       {describe(settings)}\n  {remedy}")
+        sides = "\n".join(labelled(("the checkpoint", "this run"), describe(theirs), describe(settings)))
+        raise JobError(f"--resume-from-checkpoint {folder}: the β rule differs in {', '.join(differ)}\n{sides}\n"
+                       f"  {remedy}")
     return saved
 
 
