@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -93,32 +94,62 @@ def inductor_cache() -> Path:
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or refcache_home() / "inductor")
 
 
+# The load (issue 39): the probe's eager rate is wall-clock, so on a machine shared with other jobs it reads slow
+# and the job's eager estimate grows with the load, while the compile seconds above were measured on an idle machine:
+# on 2 cores at load 6-14 auto compiled a 240-pair job because the probe read 4x slow, and the cold compile then took
+# about 260 s, not 44. So both sides are taken at the machine's present load: the compile seconds are scaled by
+# cpu_slowdown(), how many times longer than unloaded one thread's CPU work takes now (compiling is one thread's
+# work: tracing, code generation, the C++ or Triton compiler). A job slowed k times with its compile slowed k times
+# gets the decision of the idle machine. Not CPU seconds instead of wall seconds: measured here, torch's OpenMP
+# threads spin while oversubscribed, so a forward's CPU seconds grew 1.5-4.5x under load too, and on CUDA they
+# measure the host, not the device.
+SLOWDOWN_SLICES, SLICE_STEPS = 200, 40_000  # about 0.65 ms a slice on this project's 2-core CPU, 0.13 s in all idle
+
+
+def cpu_slowdown(slices: int = SLOWDOWN_SLICES, steps: int = SLICE_STEPS) -> float:
+    """How many times longer one thread's CPU work takes now than unloaded (1.0 on an idle machine): `slices` equal
+    pieces of pure-Python work, their total wall time over `slices` times the fastest piece's. A piece that ran
+    without being preempted takes the unloaded time; on a loaded machine the others wait their turn for a core, so
+    the total grows with the share of a core this process gets, with no figure measured elsewhere to compare to."""
+    times = []
+    for _ in range(slices):
+        start, x = time.perf_counter(), 0
+        for i in range(steps):  # deliberately the interpreter's own work: no library call that may use threads
+            x += i
+        times.append(time.perf_counter() - start)
+    return max(1.0, sum(times) / (len(times) * max(min(times), 1e-9)))
+
+
 def compile_choice(requested: bool | None, eager_seconds: float | None, *, split: bool = False,
-                   warm: bool = False, device_type: str = "cpu") -> tuple[bool, str]:
-    """(compile or not, why, in words that do not depend on the machine's speed: the manifest notes them):
+                   warm: bool = False, device_type: str = "cpu", slowdown: float = 1.0) -> tuple[bool, str]:
+    """(compile or not, why, in words that do not depend on the machine's speed or load: the manifest notes them):
     --torch-compile (True) and --no-torch-compile (False) as given; auto (None) compiles when the job's estimated
-    eager scoring time, `eager_seconds`, saves more at SPEEDUP than compiling costs (cold, or `warm` with an
-    inductor cache already there); a split model (--device-map, --tp-size) scores eager."""
+    eager scoring time, `eager_seconds` (wall-clock, at the machine's present load), saves more at SPEEDUP than
+    compiling costs at that load: the measured compile seconds (cold, or `warm` with an inductor cache already there)
+    times `slowdown` (cpu_slowdown()); a split model (--device-map, --tp-size) scores eager."""
     if requested is not None:
         return requested, "--torch-compile" if requested else "--no-torch-compile"
     if split:
         return False, "auto: a split model scores uncompiled"
     if eager_seconds is None:
         return False, "auto: eager, no measured eager rate"
-    cache, (speedup, seconds) = "warm" if warm else "cold", figures(device_type)
-    if eager_seconds * (1 - 1 / speedup) > seconds[cache]:
+    speedup, seconds = figures(device_type)
+    if eager_seconds * (1 - 1 / speedup) > seconds["warm" if warm else "cold"] * slowdown:
         return True, "auto: compiled, the job's estimated eager scoring is past the break-even"
     return False, "auto: eager, the job's estimated eager scoring is under the break-even"
 
 
-def estimate_text(eager_seconds: float | None, warm: bool, device_type: str = "cpu") -> str:
+def estimate_text(eager_seconds: float | None, warm: bool, device_type: str = "cpu", slowdown: float = 1.0) -> str:
     """The figures behind an auto choice, for the log."""
     if eager_seconds is None:
         return "no estimate"
     speedup, seconds = figures(device_type)
-    cost = seconds["warm" if warm else "cold"]
+    cache = "warm" if warm else "cold"
+    cost = seconds[cache] * slowdown
+    load = (f"{seconds[cache]:.0f} s measured unloaded x {slowdown:.1f}, this machine's present CPU slowdown"
+            if slowdown > 1 else "unloaded: no CPU slowdown measured now")
     return (f"eager scoring estimated at {eager_seconds:.0f} s; compiling would save {eager_seconds * (1 - 1 / speedup):.0f}"
-            f" s for about {cost:.0f} s of compiling with a {'warm' if warm else 'cold'} inductor cache, at {speedup:g}x "
+            f" s for about {cost:.0f} s of compiling with a {cache} inductor cache ({load}), at {speedup:g}x "
             f"the eager rate compiled ({device_type}'s measured figures)")
 
 

@@ -33,7 +33,7 @@ from storage import writes
 from schemas.card import write_card
 from schemas.stamps import tokenizer_parts
 
-from .compiled import compile_choice, compiled_scorer, estimate_text, inductor_cache, warm_cache
+from .compiled import compile_choice, compiled_scorer, cpu_slowdown, estimate_text, inductor_cache, warm_cache
 from .config import PrecomputeConfig
 from .modes import REGISTRY, choose_mode, effective_budget, score_pairs
 from .prepare import Job, _check_top_k, _plan, _resume
@@ -186,12 +186,13 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     # a rank dealt no shard loads nothing); compiled or not, the same numbers and the same cache
     tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs) / dist.world
     eager, warm = tokens / rate if rate else None, warm_cache()
+    slowdown = cpu_slowdown() if cfg.torch_compile is None and layout is None and eager else 1.0  # the load now
     compile_it, why = compile_choice(cfg.torch_compile, eager, split=layout is not None, warm=warm,
-                                     device_type=job.device.type)
+                                     device_type=job.device.type, slowdown=slowdown)
     if compile_it or cfg.torch_compile is not None:  # a note; a default job that stays eager records none, as before
         computation["compile_choice"] = why
     if cfg.torch_compile is None:
-        log(f"torch.compile {why} ({estimate_text(eager, warm, job.device.type)})")
+        log(f"torch.compile {why} ({estimate_text(eager, warm, job.device.type, slowdown)})")
     if compile_it:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
         model, computation["compiled"] = compiled_scorer(model, mode, probed["pairs"], pad, cfg.top_k, log, budget,
                                                          truth=probed["truth"])

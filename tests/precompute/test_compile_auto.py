@@ -1,8 +1,9 @@
 """precompute-ref --torch-compile auto (neither flag, the default; issue 39 item 1): compile where the job's estimated
 eager scoring saves more than compiling costs, by precompute/compiled.py's measured figures; the cost model's inputs
 are faked here, never timed: a tiny job stays eager, a long one compiles, a warm inductor cache lowers the bar, the
-flags force either way, a split model stays eager; the choice is logged, noted in the manifest where it compiled or
-a flag decided, and inductor's caches go under refcache's home."""
+flags force either way, a split model stays eager, a loaded machine (probe and compile slowed alike) decides as an
+idle one; the choice is logged, noted in the manifest where it compiled or a flag decided, and inductor's caches go
+under refcache's home."""
 
 from __future__ import annotations
 
@@ -51,6 +52,40 @@ def test_the_break_even_is_the_measured_compile_time_over_the_saved_share():
     assert 9 * 60 < BREAK_EVEN["warm"] < 11 * 60 and 24 * 60 < BREAK_EVEN["cold"] < 26 * 60
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("warm", [False, True])
+@pytest.mark.parametrize("share", [0.001, 0.5, 0.9, 1.1, 2.0, 50.0])  # of the break-even: a tiny job to a long one
+def test_a_loaded_machine_decides_as_an_idle_one(share, warm, device_type):
+    """The same job on a machine 4x loaded: the probe's wall-clock estimate reads 4x long and cpu_slowdown measures
+    4x, so the compile seconds are scaled alike and the choice is the idle machine's. Without the scaling (the rule
+    before issue 39's fix) the loaded estimate alone compiles a job at half the break-even."""
+    speedup, seconds = compiled.figures(device_type)
+    eager = share * seconds["warm" if warm else "cold"] / (1 - 1 / speedup)
+    idle = compiled.compile_choice(None, eager, warm=warm, device_type=device_type)
+    loaded = compiled.compile_choice(None, 4 * eager, warm=warm, device_type=device_type, slowdown=4.0)
+    assert loaded == idle and idle[0] is (share > 1)
+    if share == 0.5:
+        assert compiled.compile_choice(None, 4 * eager, warm=warm, device_type=device_type)[0] is True
+
+
+@pytest.mark.parametrize("slices, expected", [
+    ([1.0, 1.0, 1.0, 1.0], 1.0),  # never preempted: an idle machine
+    ([1.0, 1.0, 1.0, 13.0], 4.0),  # one slice waited 12 units for a core: 16 units of wall for 4 of work
+    ([2.0, 3.0, 2.0, 5.0], 1.5),  # the fastest slice is the unloaded measure
+])
+def test_cpu_slowdown_is_the_slices_total_over_the_fastest(monkeypatch, slices, expected):
+    """cpu_slowdown's arithmetic on a faked clock (each slice's start and end), not a timing."""
+    ticks = iter([t for d in slices for t in (0.0, d)])
+    monkeypatch.setattr(compiled.time, "perf_counter", lambda: next(ticks))
+    assert compiled.cpu_slowdown(slices=len(slices), steps=1) == pytest.approx(expected)
+
+
+def test_the_estimate_names_the_slowdown_it_scaled_the_compile_by():
+    text = compiled.estimate_text(600.0, False, "cpu", slowdown=4.0)
+    assert f"about {COLD * 4:.0f} s of compiling with a cold inductor cache ({COLD:.0f} s measured unloaded x 4.0" in text
+    assert "(unloaded: no CPU slowdown measured now)" in compiled.estimate_text(600.0, True, "cpu")
+
+
 def test_a_small_job_stays_eager_and_a_long_one_compiles(tmp_path, monkeypatch):
     """run_precompute on 12 rows of data/: auto keeps it eager (logged, noted); with the probe's rate faked 10^6
     times lower the same job is estimated long and compiles (compiled_scorer stubbed: what it proves is
@@ -66,10 +101,12 @@ def test_a_small_job_stays_eager_and_a_long_one_compiles(tmp_path, monkeypatch):
                        log=lines.append)
         return manifest_of(out)["computation"]
 
+    monkeypatch.setattr(job, "cpu_slowdown", lambda: 4.0)  # a loaded machine: the compile costs are scaled 4x
     small = run(tmp_path / "small")
     assert "compile_choice" not in small and "compiled" not in small  # a default job's manifest as before
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "home" / "inductor")
-    assert any(line.startswith("torch.compile auto: eager") and "eager scoring estimated at" in line for line in lines)
+    assert any(line.startswith("torch.compile auto: eager") and "eager scoring estimated at" in line
+               and "measured unloaded x 4.0, this machine's present CPU slowdown" in line for line in lines), lines
 
     calls = []
     monkeypatch.setattr(job, "compiled_scorer", lambda model, *a, **k: calls.append(a[0]) or (model, True))
