@@ -284,9 +284,11 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     manifest, version = audited_version(root, opts.run, opts.cache_version)
     if opts.html:  # checked once the manifest names the model folder the tokenizer may come from, before any work
         output_file(opts.html, "--html", inputs(cache, opts, manifest))
-    tokenizer = verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
-    # rows are shown from the shards that pass shard_files only
+    # rows are shown from the shards that pass shard_files only; an unknown row is refused before the tokenizer loads
     scan = audit_cache(root, manifest, current=version["file"] == fmt.MANIFEST)
+    picks = (pick_rows(scan.index, opts.show, cache, root, manifest) if opts.show else
+             sample_rows(scan.index, sample, opts.seed))
+    tokenizer = verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
     failed = [c.name for c in scan.checks if c.status == FAIL]
     notes = [f"this cache fails {', '.join(failed)}: run audit-ref {cache} for the details"] if failed else []
     if version["current"] > 1:  # an updated cache: which version these rows are of
@@ -296,8 +298,6 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         notes.append(f"--data {opts.data}: {check.status}: {check.detail}")
     for note in notes:
         echo(f"note: {note}", err=True)
-    picks = (pick_rows(scan.index, opts.show, cache) if opts.show else
-             sample_rows(scan.index, sample, opts.seed))
     policy, run_named = None, None
     if opts.run:
         try:

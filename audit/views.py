@@ -13,6 +13,7 @@ import polars as pl
 
 from runtime.errors import JobError
 from schemas import format as fmt
+from schemas import history
 from schemas.findings import labelled
 from schemas.rules import stamp_findings
 from schemas.stamps import tokenizer_hash
@@ -125,9 +126,10 @@ def verified_tokenizer(manifest: dict, source: str | None, trust_remote_code: bo
     return tokenizer
 
 
-def pick_rows(index: pl.DataFrame, wanted: list[str], cache) -> pl.DataFrame:
+def pick_rows(index: pl.DataFrame, wanted: list[str], cache, root=None, manifest: dict | None = None) -> pl.DataFrame:
     """The index rows named by `wanted`: each a row id, else a row index (a value that is not an id may list several,
-    comma-separated); an unknown one is a JobError naming it."""
+    comma-separated); an unknown one is a JobError naming it, the closest ids and (with the cache's `root` and the
+    `manifest` shown) the version of the cache that removed it."""
     numbered = index.with_row_index("index")
     by_id = dict(zip(numbered["id"].to_list(), numbered["index"].to_list()))
     picks = []
@@ -137,10 +139,28 @@ def pick_rows(index: pl.DataFrame, wanted: list[str], cache) -> pl.DataFrame:
         elif w.isdigit() and int(w) < index.height:
             picks.append(int(w))
         else:
-            some = ", ".join(map(repr, index["id"].head(3).to_list())) + (", …" if index.height > 3 else "")
-            how = FIND_IDS.format(some=some, last=index.height - 1) if index.height else "it has no readable rows"
-            raise JobError(f"{cache}: no row {w!r} (neither an id nor an index of its {index.height:,} rows); {how}")
+            raise JobError(f"{cache}: no row {w!r} (neither an id nor an index of its {index.height:,} rows)"
+                           + _why_not(w, by_id, index, root, manifest))
     return numbered[picks]
+
+
+def _why_not(wanted: str, by_id: dict, index: pl.DataFrame, root, manifest: dict | None) -> str:
+    """After "no row X": the version of the cache that removed it and the --cache-version that holds it, else the
+    closest ids (storage.nearby.closest), else how to find one."""
+    from storage.nearby import closest
+
+    if root is not None and manifest is not None:
+        removing, holding = history.removed_by(root, manifest, [wanted])
+        if removing:
+            which = f"version{'s' if len(removing) > 1 else ''} {', '.join(map(str, removing))}"
+            return (f"; {which} of the cache removed it (precompute-ref --update, the data no longer had it): "
+                    + (f"pass --cache-version {holding} to see it" if holding is not None else
+                       "no version kept holds it"))
+    near = closest(wanted, by_id)
+    if near:
+        return f"; did you mean {' or '.join(map(repr, near))}?"
+    some = ", ".join(map(repr, index["id"].head(3).to_list())) + (", …" if index.height > 3 else "")
+    return "; " + (FIND_IDS.format(some=some, last=index.height - 1) if index.height else "it has no readable rows")
 
 
 def sample_rows(index: pl.DataFrame, count: int | None, seed: int) -> pl.DataFrame:
