@@ -215,7 +215,8 @@ def main(cache, debug, **options):
         if opts.json:  # the report is an output like any other, refused now (not after the audit) where it may not be
             output_file(opts.json, "--json", inputs(cache, opts))
         if opts.show or opts.html:
-            quiet_libraries()
+            if opts.data or opts.run:  # (a view of the cache alone imports neither datasets nor torch)
+                quiet_libraries()
             view(cache, opts, None if opts.all else given.get("sample", HTML_SAMPLE))
             sys.exit(EXIT_OK)
         if opts.model or opts.data:
