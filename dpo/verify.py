@@ -160,8 +160,9 @@ def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: st
     elif error.kind == "mask_checksum":
         holding = _holding_as_edited(cache, cache_arg, encoded)
         if holding:  # in words: which rows an update replaced, and the version that holds them as this data has them
-            return type(error)(error.kind, _replaced_in_words(*holding, resuming), remedy=remedies.rows_replaced(
-                *holding[:2]), shard=error.shard, row=error.row)
+            said = _replaced_in_words(*holding, resuming, cache_arg)
+            return type(error)(error.kind, said, remedy=remedies.rows_replaced(*holding[:2]), shard=error.shard,
+                               row=error.row)
         remedy = remedies.rows_changed(cache_arg, data, model, split)
     else:
         return error
@@ -169,7 +170,7 @@ def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: st
                        shard=error.shard, row=error.row, sides=error.sides)
 
 
-def _replaced_in_words(replacing: list[int], holding: int, rows: list[str], resuming: str | None) -> str:
+def _replaced_in_words(replacing: list[int], holding: int, rows: list[str], resuming: str | None, cache_arg) -> str:
     """The refusal of rows an update replaced: "row 'x' was replaced in version 2 of the cache (...); this checkpoint
     (...) trained on version 1, which holds it as this data has it" (no checksums: they say nothing more)."""
     named = ", ".join(map(repr, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
@@ -178,21 +179,23 @@ def _replaced_in_words(replacing: list[int], holding: int, rows: list[str], resu
     said = (f"row{'' if one else 's'} {named} {'was' if one else 'were'} replaced in {versions} of the cache "
             "(precompute-ref --update --replace-changed)")
     held = f"holds {'it' if one else 'them'} as this data has {'it' if one else 'them'}"
-    if _trained_on(resuming) == holding:
+    if _trained_on(resuming, cache_arg) == holding:
         return f"{said}; this checkpoint ({resuming}) trained on version {holding}, which {held}"
     return f"{said}; version {holding} of the cache {held}"
 
 
-def _trained_on(checkpoint: str | None) -> int | None:
-    """The version of the cache a checkpoint's record says it trained on (None: not a resume, or not recorded)."""
+def _trained_on(checkpoint: str | None, cache_arg) -> int | None:
+    """The version of this cache a checkpoint's record says it trained on (None: not a resume, not recorded, or the
+    checkpoint's --ref-cache is another cache: this may be the --eval-ref-cache)."""
     if not checkpoint:
         return None
     try:
         cache = rm.read_checkpoint_record(checkpoint).get("cache")
     except rm.RunManifestError:
         return None
-    version = cache.get("version") if isinstance(cache, dict) else None
-    return version if isinstance(version, int) else None
+    if not isinstance(cache, dict) or cache.get("path") != rm.absolute(cache_arg):
+        return None
+    return cache.get("version") if isinstance(cache.get("version"), int) else None
 
 
 def _holding_as_edited(cache: Cache, cache_arg, encoded) -> tuple[list[int], int, list[str]] | None:
