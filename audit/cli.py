@@ -215,7 +215,8 @@ def main(cache, debug, **options):
         if opts.json:  # the report is an output like any other, refused now (not after the audit) where it may not be
             output_file(opts.json, "--json", inputs(cache, opts))
         if opts.show or opts.html:
-            quiet_libraries()
+            if opts.data or opts.run:  # (a view of the cache alone imports neither datasets nor torch)
+                quiet_libraries()
             view(cache, opts, None if opts.all else given.get("sample", HTML_SAMPLE))
             sys.exit(EXIT_OK)
         if opts.model or opts.data:
@@ -284,9 +285,11 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     manifest, version = audited_version(root, opts.run, opts.cache_version)
     if opts.html:  # checked once the manifest names the model folder the tokenizer may come from, before any work
         output_file(opts.html, "--html", inputs(cache, opts, manifest))
-    tokenizer = verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
-    # rows are shown from the shards that pass shard_files only
+    # rows are shown from the shards that pass shard_files only; an unknown row is refused before the tokenizer loads
     scan = audit_cache(root, manifest, current=version["file"] == fmt.MANIFEST)
+    picks = (pick_rows(scan.index, opts.show, cache, root, manifest) if opts.show else
+             sample_rows(scan.index, sample, opts.seed))
+    tokenizer = verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
     failed = [c.name for c in scan.checks if c.status == FAIL]
     notes = [f"this cache fails {', '.join(failed)}: run audit-ref {cache} for the details"] if failed else []
     if version["current"] > 1:  # an updated cache: which version these rows are of
@@ -296,8 +299,6 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         notes.append(f"--data {opts.data}: {check.status}: {check.detail}")
     for note in notes:
         echo(f"note: {note}", err=True)
-    picks = (pick_rows(scan.index, opts.show, cache) if opts.show else
-             sample_rows(scan.index, sample, opts.seed))
     policy, run_named = None, None
     if opts.run:
         try:

@@ -26,6 +26,7 @@ from .views import TOP_ALTERNATIVES, Part, RowView, TopK
 BANDS = ((np.log(0.5), "likely"), (np.log(0.1), "plausible"), (np.log(0.01), "unlikely"), (-np.inf, "surprising"))
 # a value that is no log-prob at all (NaN, +inf: a damaged cache, which audit-ref fails) is shown as such, marked
 INVALID = "invalid"
+HTML_ALTERNATIVES = 5  # the reference's most probable tokens in a top-k cache's table per completion (--html)
 TERMINAL_COLOURS = {"likely": "green", "plausible": "yellow", "unlikely": "magenta", "surprising": "red",
                     INVALID: "cyan"}
 
@@ -144,6 +145,7 @@ code, .tok { font-family: ui-monospace, monospace; }
 .unlikely { background: #f7c08a; } .surprising { background: #f19a9a; }
 .tok small.up { color: #05620f; } .tok small.down { color: #a10d0d; }
 td.why { font-family: ui-monospace, monospace; white-space: pre; }
+details.top-k { margin: -0.4em 0 0.8em; } details.top-k summary { cursor: pointer; color: #335; }
 """
 
 
@@ -181,7 +183,34 @@ def _row_html(v: RowView) -> str:
             total += f", log-ratio {_signed(part.ratio.sum())}"
         out.append(f'<div class="part {part.name}"><span class="label">{part.name} ({len(part.ids)} tokens, {total})'
                    "</span>" + "".join(_token_html(part, j) for j in range(len(part.ids))) + "</div>")
+        if part.top is not None:
+            out.append(_top_k_table(part))
     return "\n".join(out)
+
+
+def _top_k_table(part: Part) -> str:
+    """A top-k cache's distribution at each completion token, visible (no hovering): the token, its reference
+    log-prob (and the policy's log-ratio and KL with a run), the top-k mass and the reference's most probable tokens
+    with their probabilities; one expandable table per completion."""
+    top, e = part.top, _text
+    shown = min(top.ids.shape[1], HTML_ALTERNATIVES)
+    head = ["pos", "token", "ref log-prob", *(["log-ratio"] if part.ratio is not None else []),
+            *(["KL(policy || reference)"] if top.kl is not None else []), f"top-{top.ids.shape[1]} mass",
+            *(f"reference's #{i + 1}" for i in range(shown))]
+    rows = []
+    for j in range(len(part.ids)):
+        cells = [f'<td class="num">{j}</td>', f"<td><code>{html.escape(quoted(part.texts[j]))}</code></td>",
+                 f'<td class="num {band(part.ref[j])}">{part.ref[j]:.4f}</td>']
+        if part.ratio is not None:
+            cells.append(f'<td class="num">{_signed(part.ratio[j])}</td>')
+        if top.kl is not None:
+            cells.append(f'<td class="num">{_shown_kl(top.kl[j]):.4f}</td>')
+        cells.append(f'<td class="num">{top.mass[j]:.4f}</td>')
+        cells += [f"<td><code>{html.escape(quoted(text))}</code> {p:.3f}</td>" for text, p in top.alternatives(j, shown)]
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return (f'<details class="top-k {part.name}"><summary>{part.name}: the reference\'s top {shown} at each token, '
+            f"with probabilities{' and the KL' if top.kl is not None else ''}</summary><table><tr>"
+            + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>\n" + "\n".join(rows) + "</table></details>")
 
 
 def _summary_html(views: list[RowView]) -> str:
@@ -253,7 +282,7 @@ def render_html(views: list[RowView], cache, manifest: dict, notes: list[str] = 
            else "")
         + (", and its KL(policy || reference) over the reference's top-k tokens and the rest" if top_k and run
            else "") + "."
-        + (" Hover a token for the top-k mass and the reference's most probable tokens with their probabilities."
-           if top_k else "") + "</p>",
+        + (" Under each completion, open its table for the reference's most probable tokens at each position with "
+           "their probabilities and the top-k mass (also in each token's hover text)." if top_k else "") + "</p>",
         f"<h2>Where the margin comes from ({len(views)} rows)</h2>", _summary_html(views),
         *(_row_html(v) for v in views), "</body></html>", ""])

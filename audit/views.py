@@ -13,6 +13,7 @@ import polars as pl
 
 from runtime.errors import JobError
 from schemas import format as fmt
+from schemas import history
 from schemas.findings import labelled
 from schemas.rules import stamp_findings
 from schemas.stamps import tokenizer_hash
@@ -98,8 +99,6 @@ class RowView:
 def verified_tokenizer(manifest: dict, source: str | None, trust_remote_code: bool = False):
     """The tokenizer of `source` (a folder), else of the model folder the cache recorded, once its hash is the
     cache's tokenizer_hash stamp; a JobError saying what to pass otherwise."""
-    from runtime.checkpoint import load_tokenizer
-
     if source is None:
         model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
         recorded = model.get("path")
@@ -114,6 +113,11 @@ def verified_tokenizer(manifest: dict, source: str | None, trust_remote_code: bo
             raise JobError(f"the token text needs the tokenizer the cache was made with; its recorded model folder "
                            f"{recorded!r} is not here: pass --model (or --tokenizer) with that checkpoint")
         source = recorded
+    light = None if trust_remote_code else _backend_only(source)
+    if light is not None and not stamp_findings(manifest["stamps"], {"tokenizer_hash": tokenizer_hash(light)}):
+        return light
+    from runtime.checkpoint import load_tokenizer  # (torch: only where the light path does not do)
+
     tokenizer = load_tokenizer(source, trust_remote_code)
     differ = stamp_findings(manifest["stamps"], {"tokenizer_hash": tokenizer_hash(tokenizer)})
     if differ:
@@ -125,9 +129,31 @@ def verified_tokenizer(manifest: dict, source: str | None, trust_remote_code: bo
     return tokenizer
 
 
-def pick_rows(index: pl.DataFrame, wanted: list[str], cache) -> pl.DataFrame:
+def _backend_only(source: str):
+    """The folder's tokenizer.json in transformers' generic tokenizers-backed class, or None (custom code, no
+    tokenizer.json, another transformers). AutoTokenizer imports torch (transformers 5), and a view of the cache alone
+    needs none: this is taken only where its tokenizer hash (the backend, special tokens and chat template) is the
+    cache's stamp, so the token text is the backend's the cache was made with; otherwise the full loader decides."""
+    import json
+
+    folder = Path(source)
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except (OSError, ValueError, ImportError):
+        return None
+    if not isinstance(config, dict) or "auto_map" in config or not (folder / "tokenizer.json").is_file():
+        return None
+    try:
+        return TokenizersBackend.from_pretrained(str(folder))
+    except Exception:  # anything it cannot load is the full loader's to load or refuse, with its message
+        return None
+
+
+def pick_rows(index: pl.DataFrame, wanted: list[str], cache, root=None, manifest: dict | None = None) -> pl.DataFrame:
     """The index rows named by `wanted`: each a row id, else a row index (a value that is not an id may list several,
-    comma-separated); an unknown one is a JobError naming it."""
+    comma-separated); an unknown one is a JobError naming it, the closest ids and (with the cache's `root` and the
+    `manifest` shown) the version of the cache that removed it."""
     numbered = index.with_row_index("index")
     by_id = dict(zip(numbered["id"].to_list(), numbered["index"].to_list()))
     picks = []
@@ -137,10 +163,28 @@ def pick_rows(index: pl.DataFrame, wanted: list[str], cache) -> pl.DataFrame:
         elif w.isdigit() and int(w) < index.height:
             picks.append(int(w))
         else:
-            some = ", ".join(map(repr, index["id"].head(3).to_list())) + (", …" if index.height > 3 else "")
-            how = FIND_IDS.format(some=some, last=index.height - 1) if index.height else "it has no readable rows"
-            raise JobError(f"{cache}: no row {w!r} (neither an id nor an index of its {index.height:,} rows); {how}")
+            raise JobError(f"{cache}: no row {w!r} (neither an id nor an index of its {index.height:,} rows)"
+                           + _why_not(w, by_id, index, root, manifest))
     return numbered[picks]
+
+
+def _why_not(wanted: str, by_id: dict, index: pl.DataFrame, root, manifest: dict | None) -> str:
+    """After "no row X": the version of the cache that removed it and the --cache-version that holds it, else the
+    closest ids (storage.nearby.closest), else how to find one."""
+    from storage.nearby import closest
+
+    if root is not None and manifest is not None:
+        removing, holding = history.removed_by(root, manifest, [wanted])
+        if removing:
+            which = f"version{'s' if len(removing) > 1 else ''} {', '.join(map(str, removing))}"
+            return (f"; {which} of the cache removed it (precompute-ref --update, the data no longer had it): "
+                    + (f"pass --cache-version {holding} to see it" if holding is not None else
+                       "no version kept holds it"))
+    near = closest(wanted, by_id)
+    if near:
+        return f"; did you mean {' or '.join(map(repr, near))}?"
+    some = ", ".join(map(repr, index["id"].head(3).to_list())) + (", …" if index.height > 3 else "")
+    return "; " + (FIND_IDS.format(some=some, last=index.height - 1) if index.height else "it has no readable rows")
 
 
 def sample_rows(index: pl.DataFrame, count: int | None, seed: int) -> pl.DataFrame:
@@ -159,8 +203,6 @@ def _texts(tokenizer, ids: list[int]) -> list[str]:
 def row_views(root: Path, picks: pl.DataFrame, tokenizer, policy=None) -> list[RowView]:
     """The picked rows (from an audit_cache index, with its `index` column) read from their shards, in the order
     picked; with `policy` (a model) each completion token's log-ratio."""
-    from runtime.logprobs import reference_logps
-
     from .cache import shard_rows
 
     views = {}
@@ -176,6 +218,8 @@ def row_views(root: Path, picks: pl.DataFrame, tokenizer, policy=None) -> list[R
                 if policy is not None and top is not None:  # one forward: the log-ratios and the KL
                     ratio, top.kl = _policy_against(policy, r["prompt_input_ids"], ids, r[f"{side}_logps"], top)
                 elif policy is not None:
+                    from runtime.logprobs import reference_logps  # (torch: only with a policy to score)
+
                     policy_logps = reference_logps(policy, r["prompt_input_ids"], ids).cpu().double().numpy()
                     ratio = policy_logps - np.asarray(r[f"{side}_logps"], np.float64)
                 parts[side] = Part(side, ids, _texts(tokenizer, ids), np.asarray(r[f"{side}_logps"], np.float64), ratio,

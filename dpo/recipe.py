@@ -194,6 +194,7 @@ def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None
             tokenizer=tokenizer, model_dir=cfg.model, data=data, split=split, cache_dir=cache, cache_version=version,
             expected_model_hash=reference, encoding_request=cfg.encoding_request(),
             on_bad_row=cfg.on_bad_row, verify_files=not cfg.fast_verify and dist.rank == 0,  # files hashed once
+            resuming=cfg.resume_from_checkpoint,
             log=log if dist.rank == 0 else (lambda _m: None),
         ), every_rank=True, what="the cache")
     request = {k: v for k, v in cfg.encoding_request().items() if v is not None}

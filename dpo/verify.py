@@ -20,6 +20,7 @@ from runtime.errors import JobError
 from runtime.terminal import echo
 from runtime import remedies
 from schemas import history
+from schemas import run_manifest as rm
 from schemas.encoding import EncodingConfig
 from schemas.cache import Cache, open_cache
 from schemas.findings import CacheError
@@ -146,28 +147,61 @@ def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded) ->
 
 
 def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: str, missing: list[str],
-              encoded) -> CacheError:
+              encoded, resuming: str | None = None) -> CacheError:
     """Rows missing or changed, answered in the one remedy vocabulary (runtime/remedies.py): rows an update of the
     cache removed name the version that removed them and the --cache-version that holds them; other rows the cache
     lacks, `precompute-ref --update`; rows edited under an id the cache holds, `--update --replace-changed`, unless
-    an earlier version holds them as they are here (an update replaced them since: that version's --cache-version)."""
+    an earlier version holds them as they are here (an update replaced them since: said in words, and that version's
+    --cache-version; `resuming`: the checkpoint resumed, whose record names the version it trained on)."""
     if error.kind == "rows_missing":
         removing, holding = history.removed_by(cache.root, cache.manifest, missing)
         remedy = (remedies.rows_removed(removing, holding) if removing else
                   remedies.rows_missing(cache_arg, data, model, split))
     elif error.kind == "mask_checksum":
         holding = _holding_as_edited(cache, cache_arg, encoded)
-        remedy = (remedies.rows_replaced(*holding) if holding else
-                  remedies.rows_changed(cache_arg, data, model, split))
+        if holding:  # in words: which rows an update replaced, and the version that holds them as this data has them
+            said = _replaced_in_words(*holding, resuming, cache_arg)
+            return type(error)(error.kind, said, remedy=remedies.rows_replaced(*holding[:2]), shard=error.shard,
+                               row=error.row)
+        remedy = remedies.rows_changed(cache_arg, data, model, split)
     else:
         return error
     return type(error)(error.kind, error.message, remedy=remedy, expected=error.expected, found=error.found,
                        shard=error.shard, row=error.row, sides=error.sides)
 
 
-def _holding_as_edited(cache: Cache, cache_arg, encoded) -> tuple[list[int], int] | None:
-    """(the versions that replaced them, an earlier version) when the rows this data has otherwise than the cache were
-    replaced by an update of the cache, and that earlier version holds every one of them as this data has them."""
+def _replaced_in_words(replacing: list[int], holding: int, rows: list[str], resuming: str | None, cache_arg) -> str:
+    """The refusal of rows an update replaced: "row 'x' was replaced in version 2 of the cache (...); this checkpoint
+    (...) trained on version 1, which holds it as this data has it" (no checksums: they say nothing more)."""
+    named = ", ".join(map(repr, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+    one = len(rows) == 1
+    versions = f"version{'s' if len(replacing) > 1 else ''} {', '.join(map(str, replacing))}"
+    said = (f"row{'' if one else 's'} {named} {'was' if one else 'were'} replaced in {versions} of the cache "
+            "(precompute-ref --update --replace-changed)")
+    held = f"holds {'it' if one else 'them'} as this data has {'it' if one else 'them'}"
+    if _trained_on(resuming, cache_arg) == holding:
+        return f"{said}; this checkpoint ({resuming}) trained on version {holding}, which {held}"
+    return f"{said}; version {holding} of the cache {held}"
+
+
+def _trained_on(checkpoint: str | None, cache_arg) -> int | None:
+    """The version of this cache a checkpoint's record says it trained on (None: not a resume, not recorded, or the
+    checkpoint's --ref-cache is another cache: this may be the --eval-ref-cache)."""
+    if not checkpoint:
+        return None
+    try:
+        cache = rm.read_checkpoint_record(checkpoint).get("cache")
+    except rm.RunManifestError:
+        return None
+    if not isinstance(cache, dict) or cache.get("path") != rm.absolute(cache_arg):
+        return None
+    return cache.get("version") if isinstance(cache.get("version"), int) else None
+
+
+def _holding_as_edited(cache: Cache, cache_arg, encoded) -> tuple[list[int], int, list[str]] | None:
+    """(the versions that replaced them, an earlier version, the rows) when the rows this data has otherwise than the
+    cache were replaced by an update of the cache, and that earlier version holds every one of them as this data has
+    them."""
     cached = dict(zip(cache.index.column("id").to_pylist(), cache.index.column("mask_checksum").to_pylist()))
     mine = {i: p.mask_checksum for i, p in zip(encoded.ids, encoded.pairs)}
     changed = [i for i, check in mine.items() if cached.get(i) not in (None, check)]
@@ -179,7 +213,7 @@ def _holding_as_edited(cache: Cache, cache_arg, encoded) -> tuple[list[int], int
     except CacheError:
         return None
     held = dict(zip(older.index.column("id").to_pylist(), older.index.column("mask_checksum").to_pylist()))
-    return (replacing, holding) if all(held.get(i) == mine[i] for i in changed) else None
+    return (replacing, holding, changed) if all(held.get(i) == mine[i] for i in changed) else None
 
 
 def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> DataError:
@@ -194,8 +228,10 @@ def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> Da
 
 def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
                     expected_model_hash=None, cache_version: int | None = None,
-                    encoding_request=None, on_bad_row="error", verify_files=True, log=echo) -> Verified:
-    """`cache_version`: a version of an updated cache (train-dpo --cache-version N), default its current one."""
+                    encoding_request=None, on_bad_row="error", verify_files=True, resuming: str | None = None,
+                    log=echo) -> Verified:
+    """`cache_version`: a version of an updated cache (train-dpo --cache-version N), default its current one.
+    `resuming`: the checkpoint a resume continues (a refusal names the version it trained on)."""
     t0 = time.perf_counter()
     cache = open_cache(cache_dir, verify_files=verify_files, keep=scanned_columns,  # one fetch per shard on a store
                        version=cache_version)
@@ -221,7 +257,8 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
             missing = [i for i in found["encoded"].ids if i not in held] if finding.kind == "rows_missing" else []
             explained = _explained(error, cache, split, found["encoded"])
             error = explained if explained is not error else _remedied(error, cache, cache_dir, data, ref_model or
-                                                                       model_dir, split, missing, found["encoded"])
+                                                                       model_dir, split, missing, found["encoded"],
+                                                                       resuming)
         raise error from None
     source, encoded = found["source"], found["encoded"]
     if cache.encoding.add_bos is True:
@@ -232,7 +269,7 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
     for name, column in zip(cached.column_names, cached.columns):
         table = table.append_column(name, column)
     report = {
-        "cache": str(cache.root),
+        "cache": rm.absolute_if_local(str(cache.root)),  # as the run manifest names every other place
         "rows": len(encoded.ids),
         "skipped": encoded.skipped_by_reason,
         "file_hashes": "sha256 checked" if verify_files else "skipped (--fast-verify)",

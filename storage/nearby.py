@@ -40,3 +40,17 @@ def nearby(name) -> str:
 def not_here(name) -> str:
     """Why a local path that does not exist is not there, for its refusal: "does not exist" and what is near it."""
     return "does not exist" + nearby(name)
+
+
+def closest(word: str, names, n: int = 3, cutoff: float = 0.6) -> list[str]:
+    """The names closest to a mistyped `word` (difflib's ratio, at least `cutoff`), closest first: the matcher of
+    a "did you mean" for names that are not files (audit-ref --show's row ids)."""
+    import difflib
+
+    matcher = difflib.SequenceMatcher(b=word)
+    scored = []
+    for name in names:
+        matcher.set_seq1(name)
+        if matcher.real_quick_ratio() >= cutoff and matcher.quick_ratio() >= cutoff and matcher.ratio() >= cutoff:
+            scored.append((-matcher.ratio(), name))
+    return [name for _, name in sorted(scored)[:n]]  # equally close: in order (train-00005 before train-00015)

@@ -191,3 +191,17 @@ def test_a_table_behind_a_link_is_not_read(tmp_path, monkeypatch):
     specs = trainer_options.trainer_specs(NOT_TRAINER_OPTIONS)
     assert [s.to_json() for s in specs] == [s.to_json() for s in computed] and len(specs) > 1
     assert path.is_symlink() and json.loads(forged.read_text())["options"] == [computed[0].to_json()]  # untouched
+
+
+def test_audit_ref_show_of_the_cache_alone_imports_no_torch(tmp_path, dpo_cache):
+    """Issue 36 item 5: `audit-ref CACHE --show ROW` (no --run, no --data) reads the cache and the tokenizer the cache
+    was made with (its hash checked against the stamp): neither torch nor datasets nor peft is imported. (transformers
+    is: the tokenizer's class.) A mistyped row is refused the same way."""
+    home = tmp_path / "home"
+    shown, modules = run_cli("audit.cli", [str(dpo_cache), "--show", "r0003"], home, tmp_path)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "row 3 id 'r0003'" in shown.stdout and "margin: reference chosen - rejected" in shown.stdout
+    assert heavy(modules, ("torch", "datasets", "peft")) == []
+    typo, modules = run_cli("audit.cli", [str(dpo_cache), "--show", "r003"], home, tmp_path)
+    assert typo.returncode == 2 and "did you mean 'r0003'" in typo.stderr, typo.stderr[-2000:]
+    assert heavy(modules, HEAVY) == []  # refused before the tokenizer loads

@@ -284,3 +284,16 @@ def test_a_top_k_cache_is_held_to_the_top_k_rules_before_training(tmp_path):
     rewrite_top_k_shard(cache, manifest["shards"][0]["file"], out_of_range)
     with pytest.raises(CacheError, match=r"top-k columns of row .* are inconsistent.*top_k_ids"):
         verify()
+
+
+def test_the_run_manifest_names_the_verified_cache_by_its_absolute_path(tmp_path, monkeypatch, llama_dir, dpo_data,
+                                                                        dpo_cache):
+    """Issue 36 item 3: --ref-cache given relative (as typed in the cache's parent folder), the run manifest's
+    reference.verification.cache is the cache's absolute path, like every other place the manifest names."""
+    shutil.copytree(dpo_cache, tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["--model", str(llama_dir), "--data", str(dpo_data), "--ref-cache", "cache",
+                                       "--output-dir", "run", *TRAIN], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    reference = json.loads((tmp_path / "run" / "run-manifest.json").read_text())["reference"]
+    assert reference["verification"]["cache"] == str(tmp_path / "cache") == reference["cache"]["path"]

@@ -297,6 +297,13 @@ def test_a_resume_with_the_checkpoints_own_data_after_an_update_replaced_its_row
     assert refused.exit_code == 2, refused.output
     assert "version 2 of the cache replaced them" in refused.output, refused.output
     assert "pass --cache-version 1" in refused.output and "--replace-changed`" not in refused.output
+    # issue 36: the first line says it in words (which row, which version replaced it, which one the checkpoint
+    # trained on), with no checksums
+    first = refused.output.strip().splitlines()[0]
+    assert first == (f"error: row {rows[5]['id']!r} was replaced in version 2 of the cache (precompute-ref --update "
+                     f"--replace-changed); this checkpoint ({out / 'checkpoint-1'}) trained on version 1, which holds "
+                     "it as this data has it"), refused.output
+    assert not any(line.strip().startswith(("the cache:", "this run:")) for line in refused.output.splitlines())
     resumed = train(*args, "--cache-version", "1", "--output-dir", out, "--max-steps", "2",
                     "--resume-from-checkpoint", out / "checkpoint-1")
     assert resumed.exit_code == 0, resumed.output

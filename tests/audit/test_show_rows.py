@@ -1,0 +1,50 @@
+"""audit-ref --show of a row that is not there (issue 36 item 2): the closest ids are suggested, and a row an update
+of the cache removed is named with the version that removed it and the --cache-version that still shows it."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import precompute_ok, pref_rows, write_jsonl
+
+
+def audit(cache, *args):
+    """audit-ref in process, as typed: (exit code, stdout, stderr)."""
+    from audit.cli import main
+
+    result = CliRunner().invoke(main, [str(cache), *map(str, args)], catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def updated(tmp_path_factory, llama_dir):
+    """(a cache of 12 rows updated to data without row 4, the 12 rows): version 2 removed rows[4]."""
+    base = tmp_path_factory.mktemp("show-rows")
+    rows = [r | {"id": f"pair-{i:05d}"} for i, r in enumerate(pref_rows(12, seed=7))]
+    cache = base / "cache"
+    precompute_ok("--model", llama_dir, "--data", write_jsonl(base / "v1.jsonl", rows), "--out", cache,
+                  "--rows-per-shard", 6)
+    precompute_ok("--model", llama_dir, "--data", write_jsonl(base / "v2.jsonl", rows[:4] + rows[5:]), "--out", cache,
+                  "--update")
+    return cache, rows
+
+
+def test_a_mistyped_row_id_is_refused_with_the_closest_ids(updated):
+    cache, _ = updated
+    code, out, err = audit(cache, "--show", "pair-0005")
+    assert code == 2 and out == ""
+    assert "no row 'pair-0005'" in err and "did you mean 'pair-00005' or 'pair-00000' or 'pair-00001'?" in err, err
+    code, _, err = audit(cache, "--show", "zzz")  # nothing close: how to find an id, as before
+    assert code == 2 and "did you mean" not in err and "'pair-00000', 'pair-00001', 'pair-00002', …" in err, err
+
+
+def test_a_row_a_later_version_removed_names_that_version_and_the_one_that_shows_it(updated):
+    cache, rows = updated
+    code, out, err = audit(cache, "--show", "pair-00004")
+    assert code == 2 and out == ""
+    assert ("no row 'pair-00004' (neither an id nor an index of its 11 rows); version 2 of the cache removed it "
+            "(precompute-ref --update, the data no longer had it): pass --cache-version 1 to see it") in err, err
+    code, out, err = audit(cache, "--show", "pair-00004", "--cache-version", "1")  # the remedy, as given
+    assert code == 0, err
+    assert "id 'pair-00004'" in out and "margin: reference chosen - rejected" in out
