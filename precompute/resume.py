@@ -162,7 +162,8 @@ def own_files(out: Path) -> list[Path]:
     its shard-NNNNN.parquet and shard-vNNNNN-MMMMM.parquet files (a damaged one is scored again), its skipped.jsonl (JSON Lines of
     skipped rows, agreeing with the manifest's counts when there is one) and its README.md (a dataset card with
     refcache metadata, of the manifest's stamps when there is one) are its own. Other .parquet files are its
-    own only with a refcache footer; temporary files of atomic writes always are."""
+    own only with a refcache footer; a temporary file of an atomic write is its own when it is one of these files'
+    (a shard's, a manifest's; skipped.jsonl's and README.md's where a cache is there), never another program's."""
     entries = {}
     for p in sorted(out.iterdir()):
         try:
@@ -199,8 +200,11 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
         return "a folder"
     if p not in plain:
         return "not a regular file"
-    if TEMP.match(p.name):
-        return None
+    if TEMP.match(p.name):  # atomic_write's `.{name}.tmp-{pid}`: ours only where `name` is one this cache writes
+        target = p.name[1:p.name.rindex(".tmp-")]
+        if SHARD.match(target) or target == fmt.MANIFEST or history.VERSION_FILE.match(target):
+            return None
+        return None if cache and target in (fmt.SKIPPED, fmt.CARD) else "not a temporary file of this cache"
     if p.name == fmt.MANIFEST:
         return None if cache else "not a refcache manifest"
     if history.VERSION_FILE.match(p.name):  # an earlier version of the manifest (precompute-ref --update)

@@ -157,7 +157,10 @@ def test_2_a_cache_whose_skipped_jsonl_is_not_its_own_is_refused(world, tmp_path
     assert everything(out) == before
 
 
-OTHERS = ["notes_file", "folder", "hidden_file", "foreign_parquet", "foreign_readme", "card_of_another_cache"]
+# A name of atomic_write's temporary form (`.{name}.tmp-{pid}`) is the cache's own only where `name` is a file the
+# cache writes: another program's temporary file (or a config named so) is kept and refused, in a cache or not.
+OTHERS = ["notes_file", "folder", "hidden_file", "foreign_parquet", "foreign_readme", "card_of_another_cache",
+          "foreign_temp", "foreign_temp_yaml"]
 
 
 @pytest.mark.parametrize("into, other", [("empty_folder", o) for o in [*OTHERS, "foreign_manifest"]]
@@ -166,7 +169,8 @@ def test_2_out_holding_files_that_are_not_a_caches_is_refused(world, tmp_path, o
     out = copy_tree(world["clean"], tmp_path / "out") if into == "cache" else tmp_path / "out"
     out.mkdir(exist_ok=True)
     name = {"notes_file": "notes.txt", "folder": "keep", "hidden_file": ".env", "foreign_parquet": "table.parquet",
-            "foreign_manifest": fmt.MANIFEST, "foreign_readme": fmt.CARD, "card_of_another_cache": fmt.CARD}[other]
+            "foreign_manifest": fmt.MANIFEST, "foreign_readme": fmt.CARD, "card_of_another_cache": fmt.CARD,
+            "foreign_temp": ".notes.tmp-42", "foreign_temp_yaml": ".my-precompute.yaml.tmp-1"}[other]
     if other == "folder":
         (out / name).mkdir()
         (out / name / "mine.txt").write_text("mine")
