@@ -17,12 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from huggingface_hub import DatasetCard
 
 from conftest import pref_rows, write_jsonl
 from faultkit import (TRAIN, assert_one_paragraph, audit, check_of, copy_tree, env, file_hashes, invoke, precompute,
-                      train)
+                      set_metadata, train)
 from schemas import format as fmt
 from schemas.cache import open_cache
 
@@ -331,3 +332,21 @@ def test_5_a_second_train_dpo_into_a_held_output_dir_is_refused(llama_dir, dpo_d
         after = train(*args)
         assert after.exit_code == 0, after.output
         assert {"metrics.jsonl", "run-manifest.json", "model.safetensors", fmt.LOCK} <= set(names(out))
+
+
+@pytest.mark.parametrize("key", ["computation", "encoding"])
+def test_2_a_footer_read_as_values_by_resume_and_audit_alike(world, tmp_path, key):
+    """A shard footer's JSON values written with other spacing and key order hold the same settings: a resume of the
+    interrupted run keeps the shard, and audit-ref then passes the cache (it compared the bytes, and failed the
+    shard with 'expected {}, found {}')."""
+    out = copy_tree(world["clean"], tmp_path / "cache")
+    (out / fmt.MANIFEST).unlink()
+    meta = pq.read_schema(out / "shard-00000.parquet").metadata
+    value = json.loads(meta[(fmt.META_PREFIX + key).encode()])
+    respaced = json.dumps(dict(reversed(list(value.items()))), indent=2)
+    set_metadata(out, "shard-00000.parquet", key, respaced)
+    again = precompute(*world["args"], "--data", world["data"], "--out", out)
+    assert again.exit_code == 0, again.output
+    assert pq.read_schema(out / "shard-00000.parquet").metadata[(fmt.META_PREFIX + key).encode()] == respaced.encode()
+    code, _, output = audit(out)
+    assert code == 0, output
