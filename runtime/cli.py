@@ -4,6 +4,7 @@ back (command_text). The options themselves: runtime/options.py; path-or-URL opt
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -28,7 +29,7 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
     from .data import DataError
     from .disk import NoSpaceError, is_no_space, no_space_error
     from .errors import JobError
-    from .terminal import echo, printable
+    from .terminal import clipped, echo, printable
 
     def carry_on() -> str:
         if next_step is None:
@@ -53,11 +54,11 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
         if debug:
             traceback.print_exc()
         if isinstance(e, click.UsageError):  # click prints it: its text through the same rule
-            e.message = printable(e.message)
+            e.message = printable(clipped(e.message))
             raise
         # messages are built in many places from data (ids, row text, paths, keys): the whole text is made
         # printable here (runtime/terminal.py), keeping only the newlines the message lays out
-        echo(f"error: {e}" + (f"\n  then: {carry_on()}" if isinstance(e, NoSpaceError) else ""), err=True)
+        echo(clipped(f"error: {e}" + (f"\n  then: {carry_on()}" if isinstance(e, NoSpaceError) else "")), err=True)
         sys.exit(getattr(e, "exit_code", EXIT_REFUSED))  # NonFiniteError: EXIT_NON_FINITE; KLAlarmStop: EXIT_KL_ALARM
     except KeyboardInterrupt:
         echo(f"interrupted; {carry_on()}", err=True)
@@ -68,11 +69,22 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
         echo(printable(f"error: a package this run needs is not installed: {e}\n  remedy: install it in this "
                        "environment (pip install ...), or leave out the option that asks for it"), err=True)
         sys.exit(EXIT_REFUSED)
+    except OSError as e:
+        if debug:
+            traceback.print_exc()
+        if e.errno == errno.ENAMETOOLONG:  # a path given (an option, a config value) that no file system takes
+            echo(clipped(f"error: a path is too long for the file system: {e.filename}\n  remedy: give a shorter path "
+                         "(at most 255 characters a name)"), err=True)
+            sys.exit(EXIT_REFUSED)
+        if not debug:
+            echo(clipped(f"error: unexpected {type(e).__name__}: {e} (re-run with --debug for the traceback)"),
+                 err=True)
+        sys.exit(EXIT_FAILED)
     except Exception as e:
         if debug:
             traceback.print_exc()
         else:
-            echo(f"error: unexpected {type(e).__name__}: {e} (re-run with --debug for the traceback)", err=True)
+            echo(clipped(f"error: unexpected {type(e).__name__}: {e} (re-run with --debug for the traceback)"), err=True)
         sys.exit(EXIT_FAILED)
 
 

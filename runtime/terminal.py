@@ -58,6 +58,22 @@ def printable(message) -> str:
     return "\n".join(escaped(line) for line in message.split("\n"))
 
 
+# An error line longer than this is cut in its middle: a value echoed in a refusal can be as long as what a user
+# (or a file) gave, a 20 MB path, a config value whose aliases expand to gigabytes.
+LONGEST_ERROR_LINE = 2000
+
+
+def clipped(message) -> str:
+    """An error paragraph with each line of over LONGEST_ERROR_LINE characters cut in its middle, saying how much."""
+    message = message if isinstance(message, str) else str(message)
+    def clip(line: str) -> str:
+        if len(line) <= LONGEST_ERROR_LINE:
+            return line
+        keep = LONGEST_ERROR_LINE // 2
+        return f"{line[:keep]} … ({len(line) - keep - keep // 2:,} characters left out) … {line[-(keep // 2):]}"
+    return "\n".join(clip(line) for line in message.split("\n"))
+
+
 def colour_wanted(stream=None) -> bool:
     """Colour only on a terminal, and not where the user turned it off (NO_COLOR set and not empty; TERM=dumb); a
     click context's explicit `color` decides instead."""

@@ -107,6 +107,40 @@ def test_unexpected_errors_exit_1_and_point_to_debug():
     assert invoke(fail(ZeroDivisionError("x")), debug=True).exit_code == 1
 
 
+def test_a_path_no_file_system_takes_is_refused_exit_2_not_unexpected():
+    import errno
+    import os
+
+    long = "x" * 300
+    result = invoke(fail(OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), long)))
+    assert result.exit_code == 2 and "a path is too long for the file system" in result.output
+    assert "unexpected" not in result.output
+
+
+@pytest.mark.parametrize("command, args", [
+    ("precompute-ref", ["--model", "m" * 300, "--data", "d.jsonl", "--out", "o"]),
+    ("precompute-ref", ["--model", "data/sft-model", "--data", "d" * 300 + ".jsonl", "--out", "o"]),
+    ("train-dpo", ["--model", "data/sft-model", "--data", "d" * 300 + ".jsonl", "--ref-cache", "c", "--output-dir",
+                   "o"]),
+    ("audit-ref", ["c" * 300])])
+def test_a_name_over_255_characters_as_typed_is_refused_exit_2(command, args, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").symlink_to(Path(__file__).resolve().parents[2] / "data")
+    result = CliRunner().invoke(_commands()[command], args)
+    assert result.exit_code == 2, result.output
+    assert "unexpected" not in result.output and "Traceback" not in result.output
+
+
+def test_an_error_line_as_long_as_a_value_given_is_cut_in_its_middle():
+    result = invoke(fail(JobError("--model " + "a" * 20_000 + "z: does not exist\n  remedy: give a model")))
+    first, remedy = result.output.splitlines()
+    assert result.exit_code == 2 and len(first) < 2100 and "characters left out" in first
+    assert first.startswith("error: --model aaa") and first.endswith("z: does not exist")
+    assert remedy == "  remedy: give a model"
+
+
 def test_a_body_that_succeeds_exits_0():
     assert invoke(lambda: None).exit_code == 0
 
