@@ -273,6 +273,10 @@ ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, exit c
     "truncation_mode_unknown": (["--truncation-mode", "middle"], ["Invalid value for '--truncation-mode'"]),
     "dtype_unknown": (["--dtype", "int8"], ["Invalid value for '--dtype'"]),
     "unknown_option": (["--bogus"], ["No such option '--bogus'"]),
+    # checked where the options are read, before any model is loaded (issue 36)
+    "attn_implementation_unknown": (["--attn-implementation", "bogus"],
+                                    ["Invalid value for '--attn-implementation'",
+                                     "'bogus' is not an attention implementation; use one of auto, eager, sdpa"]),
 }
 JOB_ARG_CASES = {  # refusals of ours (exit 2, "error: ...")
     # --model and --data may be hub ids, so a missing path is judged by the job, not by click
@@ -283,8 +287,6 @@ JOB_ARG_CASES = {  # refusals of ours (exit 2, "error: ...")
                                                            "directory there (Not a directory)"]),
     "device_unknown": (["--device", "tpu9"], ["error: --device tpu9: Invalid device string: 'tpu9'"]),
     "device_cuda_without_cuda": (["--device", "cuda"], ["error: --device cuda: CUDA is not available on this machine"]),
-    "attn_implementation_unknown": (["--attn-implementation", "bogus"],
-                                    ["the model cannot be loaded with --attn-implementation bogus"]),
     "other_cache_in_out": ({"--out": "{cache}"}, ["already holds a different cache; to bring it to this data",
                                                    "pass --update; else use --overwrite to replace it"]),
 }
