@@ -14,6 +14,7 @@ from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
+from runtime.locations import check_present
 from runtime.placed import Placement, attention_of, attention_refused, flex_on_cpu, load_placed
 from runtime import placement
 from runtime.terminal import echo
@@ -57,6 +58,7 @@ def run_train(cfg: TrainConfig, log=echo) -> dict:
     from .kl_governor import check_kl_options  # (transformers: not for --help and the options' refusals)
 
     check_kl_options(cfg)
+    check_present(cfg)  # --model, --data, --ref-cache, ...: there, named as given (runtime/locations.py)
     policy = _open_policy(cfg, log)
     args = check_training_options(cfg)
     timer.mark("checks")
