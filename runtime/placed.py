@@ -114,7 +114,7 @@ def parse_attention(text: str) -> str:
     if "/" in text:
         return text
     here = attention_here()
-    listed = ", ".join(here)
+    listed = ", ".join(a + (" (on CUDA)" if a == "flex_attention" else "") for a in here)  # flex_on_cpu: not on CPU
     if text in FLASH_PACKAGES and text not in here:
         module, pip = FLASH_PACKAGES[text]
         raise ValueError(f"{text} is supported, but its package is not installed here ({module}: pip install {pip}, "

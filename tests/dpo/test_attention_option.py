@@ -66,7 +66,7 @@ def test_flash_attention_without_its_package_is_refused_saying_so(tmp_path, llam
         assert refused.exit_code == 2, refused.output
         text = " ".join(refused.output.split())
         assert ("flash_attention_2 is supported, but its package is not installed here (flash_attn: pip install "
-                "flash-attn, on a CUDA machine); use one of auto, eager, sdpa, flex_attention") in text, text
+                "flash-attn, on a CUDA machine); use one of auto, eager, sdpa, flex_attention (on CUDA)") in text, text
         assert text.count("flash_attention") == 1, text  # listed nowhere else
     assert not out.exists() and not (tmp_path / "cache").exists()
     monkeypatch.setattr(placed, "_installed", lambda module: module == "flash_attn")
