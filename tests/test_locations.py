@@ -203,14 +203,15 @@ def test_a_place_the_job_reads_that_is_not_there_is_refused_naming_the_option(co
     option whose place the job checks names itself, as typed (with the closest names), or in a --config file the
     file and its key; exit 2, nothing written."""
     flag = "--" + name.replace("_", "-")
-    real = tmp_path / "place-40"
+    real, tie = tmp_path / "place-40", tmp_path / "place-48"
     real.mkdir()
-    typo = tmp_path / "place-4O"
+    tie.mkdir()
+    typo = tmp_path / "place-4O"  # as near place-40 as place-48: both are named (storage.nearby)
     args = _good_args(command, llama_dir, dpo_data, dpo_cache, tmp_path) | {flag: typo}
     result = _run(command, args)
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
-    assert f"error: {flag} {typo}: does not exist; did you mean {real}?" in said, said
+    assert f"error: {flag} {typo}: does not exist; did you mean {real} or {tie}?" in said, said
     config = tmp_path / "run.yaml"
     config.write_text(f"{name}: {typo}\n")
     result = _run(command, {k: v for k, v in args.items() if k != flag} | {"--config": config})
