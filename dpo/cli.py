@@ -14,7 +14,7 @@ import click
 from runtime import kl_control
 from runtime.cli import (GroupedCommand, command_text, exit_without_teardown, given_values, number_text,
                          quiet_libraries, run_cli)
-from runtime.locations import Location
+from runtime.locations import Location, record_sources
 from runtime.options import TRL_ALIASES, dataclass_options, spec_options
 from runtime.terminal import echo
 
@@ -36,6 +36,7 @@ def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
     trainer = {k: values.pop(k) for k in list(values) if k in TRAINER}
     lora = {k: values.pop(k) for k in list(values) if k in LORA}
     cfg = TrainConfig(**values, training_args=trainer, lora=LoraOptions(**lora), config_file=config_file)
+    record_sources(cfg, config_file, set(from_file) - set(command_line))  # a place not there names the file's key
     try:
         cfg.loss_config()  # the loss's own rules beyond each option's domain (label_smoothing < 0.5)
     except ValueError as e:

@@ -47,32 +47,35 @@ class TrainConfig:
 
     model: str = field(metadata=field_help(
         "Policy checkpoint to start from (in standard DPO also the reference the cache was computed with): a folder "
-        "or a hub id in the local Hugging Face cache.", "Model", required=True, location="input"))
+        "or a hub id in the local Hugging Face cache.", "Model", required=True, location="input",
+        present="checkpoint"))
     data: str = field(metadata=field_help(
         "Training preference data (file, folder, save_to_disk folder or hub data set id), encoded exactly as the "
-        "cache was.", "Data", required=True, location="input"))
+        "cache was.", "Data", required=True, location="input", present="data"))
     output_dir: str = field(metadata=field_help(
         "Where checkpoints, metrics.jsonl, metrics.png and run-manifest.json go.", "Output", required=True,
         location="output"))
     ref_cache: str | None = _f(None, "Cache written by precompute-ref for --data (a folder or an object-store URL); "
-                                     "verified before use.", "Reference cache", location="input", store=True)
+                                     "verified before use.", "Reference cache", location="input", store=True,
+                               present="cache")
     cache_version: int | None = field(default=None, metadata=field_help(
         "Train on this version of an updated --ref-cache (precompute-ref --update keeps each earlier version's "
         "manifest as manifest-NNNNN.json); also of the eval rows when they come from --ref-cache.", "Reference cache",
         min=1, show_default="the current version", domain="count"))
     ref_model: str | None = _f(None, "Reference checkpoint: with --ref-cache it is only hashed (never loaded); "
-                                     "without, live-reference mode.", "Reference cache", location="input")
+                                     "without, live-reference mode.", "Reference cache", location="input",
+                               present="checkpoint")
     ref_model_hash: str | None = _f(None, "Model hash the cache must carry, when the reference differs from --model "
                                           "and is not at hand.", "Reference cache")
     split: str = _f("train", "Split of --data to train on (datasets' split names: train, test/eval, validation).",
                     "Data")
     eval_data: str | None = _f(None, "Evaluation preference data (needs its own cache: --eval-ref-cache).", "Data",
-                               location="input")
+                               location="input", present="data")
     eval_split: str = _f("test", "Split of --eval-data (eval.jsonl and test.jsonl are split test, as in datasets).",
                          "Data")
     eval_ref_cache: str | None = _f(None, "Cache of the eval rows: precompute-ref --data EVAL_DATA --split "
                                           "EVAL_SPLIT --out DIR.", "Reference cache", location="input",
-                                    store=True)
+                                    store=True, present="cache")
     # encoding: taken from the cache; a value given here must agree with it
     max_length: int | None = _f(None, "Must agree with the cache's value.", "Data", show_default="the cache's",
                                  domain="count", min=2)

@@ -11,7 +11,7 @@ import click
 from runtime.options import TRL_ALIASES
 from runtime.placed import Placement, group_options, prefix_of
 from runtime.terminal import echo
-from runtime.config_file import read_mapping
+from runtime.config_file import converted, read_mapping
 
 from .config import TrainConfig
 from .options import OURS, SPECS, TRAINER
@@ -37,16 +37,9 @@ def _convert(path: str, key: str, value, given_as: str | None = None):
         return None
     if value is False and (key.endswith("_strategy") or isinstance(kind, click.Choice) and "no" in kind.choices):
         value = "no"  # YAML 1.1 reads an unquoted `eval_strategy: no` as false
-    try:
-        if multiple:
-            values = value if isinstance(value, list) else [value]
-            return [click.types.convert_type(kind).convert(v, None, None) for v in values]
-        if isinstance(value, (dict, list)) and kind is str:
-            return value  # a dict/list-valued TrainingArguments option (fsdp_config, lr_scheduler_kwargs, ...)
-        return click.types.convert_type(kind).convert(value, None, None)
-    except click.BadParameter as e:
-        named = f"{given_as} (TRL's name of {key})" if given_as and given_as != key else key
-        raise click.UsageError(f"{path}: {named}: {e.message}") from None
+    if isinstance(value, (dict, list)) and kind is str and not multiple:
+        return value  # a dict/list-valued TrainingArguments option (fsdp_config, lr_scheduler_kwargs, ...)
+    return converted(path, key, kind, value, multiple=multiple, given_as=given_as)
 
 
 def _trl_defaults() -> list[dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.cli import shell_word
 from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.terminal import echo
@@ -30,7 +31,8 @@ def check_reference_options(cfg, log=echo) -> None:
     if cfg.eval_data and cfg.ref_cache is not None and cfg.eval_ref_cache is None and not same_rows:
         raise JobError(
             f"evaluation on {rows} needs the reference log-probs of its rows: run `precompute-ref --model "
-            f"{cfg.ref_model or cfg.model} --data {cfg.eval_data} --split {cfg.eval_split} --out EVAL_CACHE` "
+            f"{shell_word(cfg.ref_model or cfg.model)} --data {shell_word(cfg.eval_data)} --split "
+            f"{shell_word(cfg.eval_split)} --out EVAL_CACHE` "
             "(same encoding options as the training cache) and pass --eval-ref-cache EVAL_CACHE"
             + ("" if cfg.evaluation_strategy() == "no" else ", or pass --eval-strategy no to train without evaluation"))
     check_trackers(cfg.trackers())

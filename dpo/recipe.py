@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.cli import heap_settled
+from runtime.cli import heap_settled, shell_word
 from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
+from runtime.locations import check_present
 from runtime.placed import Placement, attention_of, attention_refused, flex_on_cpu, load_placed
 from runtime import placement
 from runtime.terminal import echo
@@ -57,6 +58,7 @@ def run_train(cfg: TrainConfig, log=echo) -> dict:
     from .kl_governor import check_kl_options  # (transformers: not for --help and the options' refusals)
 
     check_kl_options(cfg)
+    check_present(cfg)  # --model, --data, --ref-cache, ...: there, named as given (runtime/locations.py)
     policy = _open_policy(cfg, log)
     args = check_training_options(cfg)
     timer.mark("checks")
@@ -155,7 +157,8 @@ def check_top_k(cfg: TrainConfig, run: Run) -> None:
                 "a live reference is scored on the dataset's tokens only")
         raise JobError(
             f"{option} needs the reference's top-k distribution at every completion token, and {held}: run "
-            f"`precompute-ref --model {cfg.ref_model or cfg.model} --data {data} --split {split} --out NEW_CACHE "
+            f"`precompute-ref --model {shell_word(cfg.ref_model or cfg.model)} --data {shell_word(data)} --split "
+            f"{shell_word(split)} --out NEW_CACHE "
             f"--top-k 32` (the same encoding options; any K > 0) and pass {flag} NEW_CACHE")
 
 

@@ -7,10 +7,12 @@ import os
 import click
 
 from precompute.config import PrecomputeConfig, checked_inputs
-from runtime.cli import GroupedCommand, command_text, exit_without_teardown, given_values, quiet_libraries, run_cli
-from runtime.options import ENCODING_OPTIONS, TRL_ALIASES, dataclass_options, encoding_from, encoding_options
+from runtime.cli import (GroupedCommand, command_text, exit_without_teardown, given_values, quiet_libraries, run_cli,
+                         shell_word)
+from runtime.options import (ENCODING_OPTIONS, TRL_ALIASES, TRL_NEGATIONS, dataclass_options, encoding_from,
+                             encoding_options)
 from runtime.config_file import options_from_file
-from runtime.locations import Location
+from runtime.locations import Location, record_sources
 from runtime.terminal import counted, echo
 
 
@@ -40,7 +42,7 @@ def summary_text(s: dict) -> str:
                    "without removed rows\n" if u else "")
     return (
         f"wrote {counted(s['rows'], 'pair')} ({s['rows_scored']} scored now) in {counted(s['shards'], 'shard')} to "
-        f"{s['out']}\n{version}"
+        f"{shell_word(s['out'])}\n{version}"
         f"  skipped rows: {s['skipped']} ({skipped}); identical chosen/rejected: {s['identical_pairs']}\n{work}\n"
         f"  cache size: {s['bytes'] / 2**20:.2f} MiB"
         + (f" ({per_token:.1f} bytes per completion token)" if per_token is not None else "")
@@ -53,7 +55,7 @@ def summary_text(s: dict) -> str:
 @click.option("--config", "config_file", type=Location("input", local=click.Path(exists=True, dir_okay=False)),
               help="YAML or JSON file of these options (snake_case or kebab-case keys, or TRL's spellings such as "
                    "model_name_or_path); the command line overrides it.")
-@dataclass_options(PrecomputeConfig, enforce_required=False, aliases=TRL_ALIASES)
+@dataclass_options(PrecomputeConfig, enforce_required=False, aliases=TRL_ALIASES, negations=TRL_NEGATIONS)
 @encoding_options
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def main(config_file, debug, **options):
@@ -71,6 +73,7 @@ def main(config_file, debug, **options):
         encoding = {k: given.pop(k, None) for k in ENCODING_OPTIONS}
         cfg = PrecomputeConfig(**given, encoding=encoding_from(**encoding),
                                given=frozenset(given) | {k for k, v in encoding.items() if v is not None})
+        record_sources(cfg, config_file, set(from_file) - set(given_values(options)))
         checked_inputs(cfg)  # a command line refused by its options alone imports no model library
         from .job import run_precompute
 

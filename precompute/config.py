@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 import click
 
 from runtime.budget import DEFAULT_TOKEN_BUDGET, parse_token_budget
-from runtime.locations import read_locations
+from runtime.locations import check_present, read_locations
 from runtime.options import ENCODING_OPTIONS, field_help
 from runtime.errors import JobError
 from runtime.hub import origin
@@ -34,10 +34,10 @@ class PrecomputeConfig:
 
     model: str = field(metadata=field_help(
         "Reference checkpoint: a folder (safetensors weights, config.json, tokenizer) or a hub id in the local "
-        "Hugging Face cache.", "Model", required=True, location="input"))
+        "Hugging Face cache.", "Model", required=True, location="input", present="checkpoint"))
     data: str = field(metadata=field_help(
         "Preference data: a .jsonl/.json/.parquet/.csv file, a folder of them, a save_to_disk folder, or a hub "
-        "data set id in the local Hugging Face cache.", "Data", required=True, location="input"))
+        "data set id in the local Hugging Face cache.", "Data", required=True, location="input", present="data"))
     out: str = field(default="ref-cache", metadata=field_help(
         "Cache directory to write: a local folder, or a prefix on an object store (s3://bucket/prefix, gs://, "
         "az://).", "Output", click_type=click.Path(file_okay=False), location="output", store=True))
@@ -217,7 +217,12 @@ def checked_inputs(cfg: PrecomputeConfig) -> tuple[object, dict, dict]:
         cfg.token_budget = parse_token_budget(cfg.token_budget)
     except ValueError as e:
         raise JobError(f"--token-budget: {e}") from None
-    origins = {"model": origin(cfg.model, "model"), "data": origin(cfg.data, "dataset")}
+    try:
+        origins = {"model": origin(cfg.model, "model"), "data": origin(cfg.data, "dataset")}
+    except JobError:
+        check_present(cfg)  # a local path mistyped that reads as a hub id: refused naming the option
+        raise
     inputs = {"--model": origins["model"]["path"], "--data": origins["data"]["path"], "--adapter": cfg.adapter}
     check_apart(out, "--out", inputs, on_store=True)
+    check_present(cfg)  # --model and --data: there, named as given (the option, or --config's file and key)
     return out, origins, inputs

@@ -63,8 +63,10 @@ class Checkpoint:
             from .hub import not_here
 
             raise JobError(f"{model_dir}: {not_here(path)}")
-        if not (path / "config.json").is_file():
-            raise JobError(f"{model_dir}: not a Hugging Face checkpoint folder (no config.json)")
+        from .locations import checkpoint_problem
+
+        if checkpoint_problem(path):
+            raise JobError(f"{model_dir}: {checkpoint_problem(path)}")
         try:
             config, problem = json.loads((path / "config.json").read_text(encoding="utf-8")), None
         except ValueError as e:  # also UnicodeDecodeError

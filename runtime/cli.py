@@ -250,8 +250,6 @@ class GroupedCommand(Command):
 def command_text(prog: str, values: dict, leading: tuple = ()) -> str:
     """The command line that gives these option values (click's names; None: not given), as a shell would take it:
     a boolean as --x / --no-x, a repeated option once per value, a whole number given to a float option as 50."""
-    import shlex
-
     words = [prog, *map(str, leading)]
     for name, value in values.items():
         flag = "--" + name.replace("_", "-")
@@ -261,7 +259,15 @@ def command_text(prog: str, values: dict, leading: tuple = ()) -> str:
             words.append(flag if value else f"--no-{flag[2:]}")
         else:
             words += [w for v in (value if isinstance(value, list) else [value]) for w in (flag, number_text(v))]
-    return " ".join(shlex.quote(w) for w in words)
+    return " ".join(shell_word(w) for w in words)
+
+
+def shell_word(value) -> str:
+    """A path or value as a shell takes it back, quoted where it must be (a space, a quote, a `$`): the one way every
+    printed command, remedy and summary writes a path the user may copy."""
+    import shlex
+
+    return shlex.quote(str(value))
 
 
 def number_text(value) -> str:

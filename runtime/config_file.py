@@ -51,18 +51,24 @@ def read_mapping(path) -> dict:
 
 
 def options_from_file(path, command: click.Command, prog: str, aliases: dict, *, skip=("config_file", "debug")) -> dict:
-    """A command's option values from --config `path`, by the command's own options (their names, or `aliases`:
-    TRL's spellings): each value converted by its option's type, exactly as the command line converts it. An unknown
-    key, or a value its option refuses, is a usage error naming the file, the key and the reason."""
-    options = {p.name: p for p in command.params if isinstance(p, click.Option) and p.name not in skip}
+    """A command's option values from --config `path`, by the command's own options (any name the command line takes
+    for them, TRL's spellings included, or `aliases`): each value converted by its option's type, exactly as the
+    command line converts it; a key that names a flag's off switch (`disable_tqdm: true` for --no-progress) reads
+    as that switch does. An unknown key, or a value its option refuses, is a usage error naming the file, the key
+    and the reason."""
+    spellings = {}  # key -> (option, whether the key turns a flag on)
+    for p in command.params:
+        if isinstance(p, click.Option) and p.name not in skip:
+            for names, on in ((p.secondary_opts, False), (p.opts, True), ([p.name], True)):
+                spellings.update({n.lstrip("-").replace("-", "_"): (p, on) for n in names})
     values, unknown = {}, []
     for key, value in read_mapping(path).items():
-        name = aliases.get(key, key)
-        option = options.get(name)
+        option, on = spellings.get(aliases.get(key, key), (None, True))
         if option is None:
             unknown.append(key)
         elif value is not None:
-            values[name] = _converted(path, key, option, value)
+            converted = _converted(path, key, option, value)
+            values[option.name] = converted if on else not converted
     if unknown:
         raise click.UsageError(f"{path}: unknown option(s) {', '.join(sorted(unknown))} (see `{prog} "
                                "--help`: a key is an option's name, with _ or -)")
@@ -79,9 +85,19 @@ def _converted(path, key: str, option: click.Option, value):
         if value in TRUE_WORDS | FALSE_WORDS:
             return value in TRUE_WORDS
         raise click.UsageError(f"{path}: {key}: {value!r} is not true or false")
+    return converted(path, key, option.type, value, multiple=option.multiple, param=option)
+
+
+def converted(path, key: str, kind, value, *, multiple: bool = False, param=None, given_as: str | None = None):
+    """A config file's value through its option's own type (a click type, or one of bool, int, float, str), as the
+    command line converts it, for every command's --config: a refusal (a bad choice, a number out of its domain, a
+    path that is not there) is a usage error naming the file and the key (`given_as`: the key as the file spells it,
+    TRL's name of ours), then the type's own reason."""
+    kind = click.types.convert_type(kind)
     try:
-        if option.multiple:
-            return [option.type.convert(v, option, None) for v in (value if isinstance(value, list) else [value])]
-        return option.type.convert(value, option, None)
+        if multiple:
+            return [kind.convert(v, param, None) for v in (value if isinstance(value, list) else [value])]
+        return kind.convert(value, param, None)
     except click.BadParameter as e:
-        raise click.UsageError(f"{path}: {key}: {e.message}") from None
+        named = f"{given_as} (TRL's name of {key})" if given_as and given_as != key else key
+        raise click.UsageError(f"{path}: {named}: {e.message}") from None

@@ -100,3 +100,58 @@ def location_type(metadata) -> Location:
                     local=local if isinstance(local, click.Path) else None, words=metadata.get("words", ()),
                     json_text=bool(metadata.get("json_text")))
 
+
+
+# What an input place must hold (a field's `present` metadata), checked by check_present before the job reads it
+PRESENT = ("checkpoint", "data", "cache")
+NOT_A_CHECKPOINT = "not a Hugging Face checkpoint folder (no config.json)"
+
+
+def checkpoint_problem(path) -> str | None:
+    """Why a local path that exists is not a checkpoint folder (runtime.checkpoint.Checkpoint.open says it too)."""
+    return None if (Path(path) / "config.json").is_file() else NOT_A_CHECKPOINT
+
+
+def record_sources(config, config_file, keys) -> None:
+    """Note which of `config`'s values came from --config `config_file` (`keys`: those its command line did not
+    override), so that check_present names the file and the key of a place that is not there."""
+    vars(config)["_sources"] = {key: f"{config_file}: {key}: " for key in keys} if config_file else {}
+
+
+def check_present(config, names=None) -> None:
+    """Every local input place of `config` that must be there (a field's `present` metadata: a "checkpoint" folder,
+    "data", a "cache"; `names`: only these fields) refused, before the job reads it, where it is not there, is not a
+    checkpoint folder, or holds no cache: the refusal names the option the user typed (--ref-cache c33: does not
+    exist; did you mean c3?), or for a value from --config the file and its key (record_sources). A hub id
+    (org/name, resolved from the local Hugging Face cache by runtime.hub) and an object-store URL are their
+    readers' to judge."""
+    from storage.nearby import not_here
+
+    from .errors import JobError
+
+    sources = vars(config).get("_sources") or {}
+    for fld in dataclasses.fields(config):
+        value, kind = getattr(config, fld.name), fld.metadata.get("present")
+        if kind is None or value is None or (names is not None and fld.name not in names) or not isinstance(
+                value, (str, Path)):
+            continue
+        where = sources.get(fld.name) or f"--{fld.name.replace('_', '-')} "
+        path = Path(value)
+        if not os.path.lexists(path):
+            if kind != "cache" and _hub_id(path):
+                continue
+            raise JobError(f"{where}{path}: {not_here(path)}")  # (printed by the terminal rule)
+        if kind == "checkpoint" and checkpoint_problem(path):
+            raise JobError(f"{where}{path}: {checkpoint_problem(path)}")
+        if kind == "cache" and not (path / "manifest.json").is_file():
+            from schemas.format import CacheError, no_manifest
+
+            e = no_manifest(path)
+            raise CacheError(e.kind, f"{where}{e.message}", remedy=e.remedy)
+
+
+def _hub_id(path: Path) -> bool:
+    """A name that may be a hub id (org/name) rather than a mistyped local path (runtime.hub.resolve's rule)."""
+    parts = str(path).split("/")
+    local = path.parent.is_dir() and path.parent != Path(".")
+    return len(parts) == 2 and all(parts) and not str(path).startswith((".", "~")) and not local

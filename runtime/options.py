@@ -20,6 +20,10 @@ from .locations import Location, location_type
 # (--model_name_or_path is --model); a command takes those whose field it has.
 TRL_ALIASES = {"model_name_or_path": "model", "dataset_name": "data", "dataset_train_split": "split",
                "dataset_test_split": "eval_split", "dtype": "model_dtype"}
+# TRL's (TrainingArguments') names for the opposite of one of our flags: `--disable-tqdm` is precompute-ref's
+# --no-progress (train-dpo takes TrainingArguments' own disable_tqdm); `--disable-tqdm false` and a config file's
+# `disable_tqdm: true` read as the command line reads them
+TRL_NEGATIONS = {"disable_tqdm": "progress"}
 
 
 def encoding_options(f):
@@ -170,12 +174,13 @@ def field_domain(fld: dataclasses.Field, kind, domains=None) -> str | None:
     return "integer" if kind is int else "finite"
 
 
-def option_specs(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None,
+def option_specs(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None, negations=None,
                  locations=None, domains=None) -> list[OptionSpec]:
     """One OptionSpec per init field of dataclass `cls`, in field order, in both spellings (--learning-rate and
     --learning_rate), default None so that only given values are collected (the dataclass keeps its defaults).
     enforce_required=False: required fields are checked by the caller, e.g. after merging a config file.
-    `aliases`: {other name: field name}, more names of a field's option (both spellings of each). `locations`:
+    `aliases`: {other name: field name}, more names of a field's option (both spellings of each); `negations`: {other
+    name: boolean field name}, names that turn the flag off (--disable-tqdm for --no-progress). `locations`:
     {field name: `location` metadata} for the path fields of a dataclass that is not ours (TrainingArguments). A
     numeric field's type checks its domain (field_domain; `domains`: {field name: domain} for a class whose fields
     we do not write)."""
@@ -208,6 +213,9 @@ def option_specs(cls, *, group: str | None = None, skip=(), enforce_required=Tru
         if kind is bool:
             decls = [f"{kebab}/--no-{kebab[2:]}"] + ([f"{snake}/--no_{snake[2:]}"] if snake != kebab else [])
             decls += [f"{d}/--no-{d[2:]}" for d in others]
+            for off in [a for a, name in (negations or {}).items() if name == fld.name]:
+                decls += list(dict.fromkeys((f"--no-{off.replace('_', '-')}/--{off.replace('_', '-')}",
+                                             f"--no_{off}/--{off}")))
         else:
             decls = [kebab] + ([snake] if snake != kebab else []) + others
         specs.append(OptionSpec(fld.name, tuple(decls), kind, multiple, text, where, required))
@@ -231,9 +239,9 @@ def spec_options(specs: list[OptionSpec]):
     return decorate
 
 
-def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None, locations=None,
-                      domains=None):
+def dataclass_options(cls, *, group: str | None = None, skip=(), enforce_required=True, aliases=None, negations=None,
+                      locations=None, domains=None):
     """A decorator adding one click option per init field of dataclass `cls` (option_specs)."""
     return spec_options(option_specs(cls, group=group, skip=skip, enforce_required=enforce_required, aliases=aliases,
-                                     locations=locations, domains=domains))
+                                     negations=negations, locations=locations, domains=domains))
 

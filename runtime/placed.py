@@ -82,12 +82,57 @@ class Placement:
                                       prefix=self.prefix.replace("_", "-"))
 
 
+# transformers' attention implementations (from_pretrained's attn_implementation) that need a package beyond torch:
+# (the module transformers imports, its pip name); transformers also runs them from the `kernels` package's builds
+FLASH_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
+                  "flash_attention_3": ("flash_attn_interface", "flash-attn-3"),
+                  "flash_attention_4": ("flash_attn", "flash-attn-4")}
+ATTENTION = ("auto", "eager", "sdpa", *FLASH_PACKAGES, "flex_attention")
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def attention_here() -> list[str]:
+    """The attention implementations this installation can load (a flash one only where its package, or transformers'
+    `kernels` fall-back, is installed); flex_attention needs a CUDA device besides (flex_on_cpu)."""
+    kernels = _installed("kernels")
+    return [a for a in ATTENTION if a not in FLASH_PACKAGES or kernels or _installed(FLASH_PACKAGES[a][0])]
+
+
+def parse_attention(text: str) -> str:
+    """--attn-implementation, checked where the options are read (before any model or cache is): one of transformers'
+    names that this installation can load, or a hub kernel (`org/name`, loaded by transformers' `kernels`). A
+    ValueError says what is wrong and lists only the values that work here."""
+    text = str(text).strip()
+    if "/" in text:
+        return text
+    here = attention_here()
+    listed = ", ".join(a + (" (on CUDA)" if a == "flex_attention" else "") for a in here)  # flex_on_cpu: not on CPU
+    if text in FLASH_PACKAGES and text not in here:
+        module, pip = FLASH_PACKAGES[text]
+        raise ValueError(f"{text} is supported, but its package is not installed here ({module}: pip install {pip}, "
+                         f"on a CUDA machine); use one of {listed} (auto: what transformers picks for the model)")
+    if text not in here:
+        raise ValueError(f"{text!r} is not an attention implementation; use one of {listed} (auto: what "
+                         "transformers picks for the model)")
+    return text
+
+
 @dataclass(frozen=True)
 class Attention:
     """The attention kernel a command loads its model(s) with (TRL's ModelConfig.attn_implementation)."""
 
     attn_implementation: str = field(default="auto", metadata=field_help(
-        "Attention kernel: auto (what transformers picks for the model), sdpa, eager, flash_attention_2."))
+        "Attention kernel: auto (what transformers picks for the model), sdpa, eager, flash_attention_2 (with the "
+        "flash-attn package), flex_attention (CUDA), or a hub kernel (org/name).", parse=parse_attention,
+        metavar="NAME"))
 
 
 def group_options(group) -> list[str]:
@@ -173,9 +218,13 @@ def load_placed(load: Callable, what: str, placed: Placement, held: contextlib.E
 def attention_refused(what: str, attention: str, checkpoint, error: Exception) -> JobError:
     """The refusal of an attention implementation the model or this installation cannot use, naming those the
     model's class declares (`checkpoint`: a runtime.checkpoint.Checkpoint)."""
+    import torch
+
     detail = " ".join(str(error).split())[:300]
+    usable = set(attention_here()) - (set() if torch.cuda.is_available() else {"flex_attention"})
+    choices = [a for a in checkpoint.attention_choices() if a in usable]  # what the model declares and works here
     return JobError(f"{what}: the model cannot be loaded with --attn-implementation {attention} ({detail}); it "
-                    f"supports: {', '.join(checkpoint.attention_choices())}, or leave --attn-implementation at auto")
+                    f"supports: {', '.join(choices)}, or leave --attn-implementation at auto")
 
 
 def flex_on_cpu(what: str, attention: str | None, device) -> None:

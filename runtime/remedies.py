@@ -21,8 +21,11 @@ NEW_CACHE = ("an update scores new rows exactly as the cache's were scored: make
 
 def update_command(cache, data, model, *, replace_changed: bool = False, split: str | None = None) -> str:
     """The precompute-ref --update command that brings `cache` to `data` (the cache's settings are its own)."""
-    extra = f" --split {split}" if split and split != "train" else ""
-    return (f"precompute-ref --model {model} --data {data}{extra} --out {cache} --update"
+    from .cli import shell_word
+
+    extra = f" --split {shell_word(split)}" if split and split != "train" else ""
+    return (f"precompute-ref --model {shell_word(model)} --data {shell_word(data)}{extra} --out {shell_word(cache)} "
+            "--update"
             + (" --replace-changed" if replace_changed else ""))
 
 

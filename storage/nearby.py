@@ -10,8 +10,6 @@ from pathlib import Path
 def nearby(name) -> str:
     """After "does not exist": "; did you mean d1/train.jsonl? (d1 holds: ...)" for a typo such as d1/trian.jsonl, or
     " (nor does d1; the nearest folder that does is .)" ; "" when nothing near can be listed."""
-    import difflib
-
     path = Path(str(name))
     parent = path.parent
     while not parent.is_dir() and parent != parent.parent:
@@ -28,13 +26,25 @@ def nearby(name) -> str:
     # failing that, whole names, closer still (a suffix mistyped: p40.jsnl for p40.jsonl)
     bare = [n.rstrip("/") for n in names]
     stems = {Path(n).stem.lower(): n for n in bare if Path(n).suffix.lower() == path.suffix.lower()}
-    closest = [stems[s] for s in difflib.get_close_matches(path.stem.lower(), list(stems), n=1, cutoff=0.6)]
+    closest = [stems[s] for s in _closest(path.stem.lower(), stems, cutoff=0.6)]
     if not closest:
         whole = {n.lower(): n for n in bare}
-        closest = [whole[s] for s in difflib.get_close_matches(path.name.lower(), list(whole), n=1, cutoff=0.85)]
+        closest = [whole[s] for s in _closest(path.name.lower(), whole, cutoff=0.85)]
     where = "the current folder" if str(parent) in ("", ".") else str(parent)
     held = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "") if names else "nothing"
-    return (f"; did you mean {parent / closest[0]}?" if closest else "") + f" ({where} holds: {held})"
+    meant = " or ".join(str(parent / c) for c in closest)
+    return (f"; did you mean {meant}?" if closest else "") + f" ({where} holds: {held})"
+
+
+def _closest(typed: str, candidates, cutoff: float) -> list[str]:
+    """The candidates closest to `typed` (difflib's ratio, at least `cutoff`): every one that ties for closest
+    (p4O.jsonl is as near p40.jsonl as p48.jsonl: both are named, not one picked by their order), in name order, at
+    most three (the folder's listing names the rest)."""
+    import difflib
+
+    scores = {c: difflib.SequenceMatcher(None, c, typed).ratio() for c in candidates}  # as get_close_matches
+    best = max(scores.values(), default=0.0)
+    return sorted(c for c, score in scores.items() if score >= cutoff and score == best)[:3]
 
 
 def not_here(name) -> str:

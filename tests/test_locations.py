@@ -5,13 +5,14 @@ test_every_option_that_names_a_path_is_a_location."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import click
 import pytest
 
-from runtime.locations import Location
+from runtime.locations import PRESENT, Location
 from storage import places
 
 
@@ -164,18 +165,74 @@ def test_the_options_whose_place_must_exist(tmp_path):
                                                                       ("train-dpo", "config_file")}
 
 
-def test_a_typo_in_a_cache_folder_is_answered_with_the_closest_name(llama_dir, dpo_data, dpo_cache, tmp_path):
-    """train-dpo --ref-cache (a cache may be on a store, so it is read, not checked, at parse time): the refusal of
-    a folder that is not there names the closest one."""
+def present_fields() -> list[tuple[str, str, str]]:
+    """(command, field, what it must hold) of every option whose place the job checks before reading it (a field's
+    `present` metadata: a hub id or a store URL may stand there, so click cannot check it at parse time)."""
+    from dpo.config import TrainConfig
+    from precompute.config import PrecomputeConfig
+
+    return [(command, f.name, f.metadata["present"]) for command, config in (("precompute-ref", PrecomputeConfig),
+                                                                           ("train-dpo", TrainConfig))
+            for f in dataclasses.fields(config) if f.metadata.get("present")]
+
+
+def test_the_options_the_job_checks_are_there():
+    assert {(c, n) for c, n, _ in present_fields()} >= {("precompute-ref", "model"), ("precompute-ref", "data"), *(
+        ("train-dpo", n) for n in ("model", "data", "ref_cache", "ref_model", "eval_data", "eval_ref_cache"))}
+    assert {kind for _, _, kind in present_fields()} == set(PRESENT)
+
+
+def _good_args(command, llama_dir, dpo_data, dpo_cache, tmp_path) -> dict:
+    if command == "precompute-ref":
+        return {"--model": llama_dir, "--data": dpo_data, "--out": tmp_path / "cache", "--no-progress": None}
+    return {"--model": llama_dir, "--data": dpo_data, "--ref-cache": dpo_cache, "--output-dir": tmp_path / "run",
+            "--use-cpu": None, "--max-steps": 1, "--eval-data": dpo_data, "--eval-ref-cache": dpo_cache}
+
+
+def _run(command, args: dict):
     from click.testing import CliRunner
 
-    from dpo.cli import main
+    words = [str(w) for k, v in args.items() for w in ([k] if v is None else [k, v])]
+    return CliRunner().invoke(commands()[command], words)
 
-    typo = dpo_cache.with_name(dpo_cache.name + "s")
-    result = CliRunner().invoke(main, ["--model", str(llama_dir), "--data", str(dpo_data), "--ref-cache", str(typo),
-                                       "--output-dir", str(tmp_path / "run"), "--use-cpu", "--max-steps", "1"])
+
+@pytest.mark.parametrize("command, name, kind", present_fields(), ids=lambda v: v if isinstance(v, str) else "")
+def test_a_place_the_job_reads_that_is_not_there_is_refused_naming_the_option(command, name, kind, llama_dir,
+                                                                              dpo_data, dpo_cache, tmp_path):
+    """Found by the UX pass: `--ref-cache c33` was refused as "c33 holds no cache ...", naming no option. Every
+    option whose place the job checks names itself, as typed (with the closest names), or in a --config file the
+    file and its key; exit 2, nothing written."""
+    flag = "--" + name.replace("_", "-")
+    real, tie = tmp_path / "place-40", tmp_path / "place-48"
+    real.mkdir()
+    tie.mkdir()
+    typo = tmp_path / "place-4O"  # as near place-40 as place-48: both are named (storage.nearby)
+    args = _good_args(command, llama_dir, dpo_data, dpo_cache, tmp_path) | {flag: typo}
+    result = _run(command, args)
     assert result.exit_code == 2, result.output
-    assert "holds no cache (no such folder)" in result.output and f"did you mean {dpo_cache}?" in result.output
+    said = " ".join(result.output.split())
+    assert f"error: {flag} {typo}: does not exist; did you mean {real} or {tie}?" in said, said
+    config = tmp_path / "run.yaml"
+    config.write_text(f"{name}: {typo}\n")
+    result = _run(command, {k: v for k, v in args.items() if k != flag} | {"--config": config})
+    assert result.exit_code == 2, result.output
+    assert f"error: {config}: {name}: {typo}: does not exist" in " ".join(result.output.split()), result.output
+    if kind != "data":  # a folder that is there but is not what the option takes
+        result = _run(command, args | {flag: real})
+        assert result.exit_code == 2, result.output
+        said = " ".join(result.output.split())
+        assert {"checkpoint": f"error: {flag} {real}: not a Hugging Face checkpoint folder (no config.json)",
+                "cache": f"error: {flag} {real} holds no cache (it is empty)"}[kind] in said, said
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command, param", [(c, p) for c, p in locations() if _must_exist(p)], ids=ident)
+def test_a_place_click_checks_is_refused_naming_the_option(command, param, tmp_path):
+    """The options whose place click checks as it parses: their refusal names the option too."""
+    with pytest.raises(click.BadParameter) as e:
+        param.type.convert(str(tmp_path / "nowhere"), param, None)
+    shown = param.opts[0] if isinstance(param, click.Option) else param.name.upper()
+    assert shown in e.value.format_message() or shown.lower() in e.value.format_message().lower()
 
 
 def test_config_files_read_their_paths_by_the_same_type(tmp_path):

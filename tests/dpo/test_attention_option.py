@@ -29,15 +29,49 @@ def test_train_dpo_trains_with_the_attention_asked_for(tmp_path, llama_dir, dpo_
     assert json.loads((out / "run-manifest.json").read_text())["config"]["attn_implementation"] == "eager"
 
 
-def test_an_attention_the_model_cannot_use_is_refused_naming_those_it_can(tmp_path, llama_dir, dpo_data, dpo_cache):
+def test_an_attention_that_is_not_one_is_refused_where_the_options_are_read(tmp_path, llama_dir, dpo_data, dpo_cache):
+    """Found by the UX pass: a bad value was refused only after the cache was verified; now as the options are read
+    (exit 2, nothing verified or loaded), naming the option, or the config file and its key."""
     out = tmp_path / "out"
-    result = _cli(["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir", out, *TRAIN,
-                   "--attn-implementation", "bogus"])
+    args = ["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir", out, *TRAIN]
+    result = _cli([*args, "--attn-implementation", "bogus"])
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())
-    assert f"error: --model {llama_dir}: the model cannot be loaded with --attn-implementation bogus" in text, text
-    assert "it supports: eager, sdpa" in text and "or leave --attn-implementation at auto" in text, text
-    assert not out.exists()
+    assert "Invalid value for '--attn-implementation'" in text, text
+    assert "'bogus' is not an attention implementation; use one of auto, eager, sdpa" in text, text
+    assert "verified" not in text and not out.exists()
+    config = tmp_path / "run.yaml"
+    config.write_text("attn_implementation: bogus\n")
+    result = _cli(["--config", config, *args])
+    assert result.exit_code == 2, result.output
+    assert f"{config}: attn_implementation: 'bogus' is not an attention implementation" in " ".join(
+        result.output.split()), result.output
+
+
+def test_flash_attention_without_its_package_is_refused_saying_so(tmp_path, llama_dir, dpo_data, dpo_cache,
+                                                                 monkeypatch):
+    """Found by the UX pass: flash_attention_2 without flash_attn was refused listing flash_attention_2 among the
+    supported values; the refusal says it is supported, what to install, and lists only what works here."""
+    from precompute.cli import main as precompute
+    from runtime import placed
+
+    monkeypatch.setattr(placed, "_installed", lambda module: False)  # whatever this machine has
+    out = tmp_path / "out"
+    result = _cli(["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir", out, *TRAIN,
+                   "--attn-implementation", "flash_attention_2"])
+    made = CliRunner().invoke(precompute, [str(a) for a in ("--model", llama_dir, "--data", dpo_data, "--out",
+                                                            tmp_path / "cache", "--attn_implementation",
+                                                            "flash_attention_2")])
+    for refused in (result, made):
+        assert refused.exit_code == 2, refused.output
+        text = " ".join(refused.output.split())
+        assert ("flash_attention_2 is supported, but its package is not installed here (flash_attn: pip install "
+                "flash-attn, on a CUDA machine); use one of auto, eager, sdpa, flex_attention (on CUDA)") in text, text
+        assert text.count("flash_attention") == 1, text  # listed nowhere else
+    assert not out.exists() and not (tmp_path / "cache").exists()
+    monkeypatch.setattr(placed, "_installed", lambda module: module == "flash_attn")
+    assert placed.parse_attention("flash_attention_2") == "flash_attention_2"
+    assert "flash_attention_2" in placed.attention_here() and "flash_attention_3" not in placed.attention_here()
 
 
 def test_attn_implementation_in_a_config_file(tmp_path):

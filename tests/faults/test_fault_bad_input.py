@@ -273,18 +273,21 @@ ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, exit c
     "truncation_mode_unknown": (["--truncation-mode", "middle"], ["Invalid value for '--truncation-mode'"]),
     "dtype_unknown": (["--dtype", "int8"], ["Invalid value for '--dtype'"]),
     "unknown_option": (["--bogus"], ["No such option '--bogus'"]),
+    # checked where the options are read, before any model is loaded (issue 36)
+    "attn_implementation_unknown": (["--attn-implementation", "bogus"],
+                                    ["Invalid value for '--attn-implementation'",
+                                     "'bogus' is not an attention implementation; use one of auto, eager, sdpa"]),
 }
 JOB_ARG_CASES = {  # refusals of ours (exit 2, "error: ...")
     # --model and --data may be hub ids, so a missing path is judged by the job, not by click
-    "model_path_missing": ({"--model": "{tmp}/nowhere"}, ["error: {tmp}/nowhere: does not exist ({tmp} holds: "]),
-    "data_path_missing": ({"--data": "{tmp}/nowhere.jsonl"}, ["error: {tmp}/nowhere.jsonl: does not exist ({tmp} "
+    "model_path_missing": ({"--model": "{tmp}/nowhere"}, ["error: --model {tmp}/nowhere: does not exist ({tmp} "
+                                                          "holds: "]),
+    "data_path_missing": ({"--data": "{tmp}/nowhere.jsonl"}, ["error: --data {tmp}/nowhere.jsonl: does not exist ({tmp} "
                                                               "holds: "]),
     "out_under_a_file": ({"--out": "{tmp}/a-file/cache"}, ["error: --out {tmp}/a-file/cache: cannot write the cache "
                                                            "directory there (Not a directory)"]),
     "device_unknown": (["--device", "tpu9"], ["error: --device tpu9: Invalid device string: 'tpu9'"]),
     "device_cuda_without_cuda": (["--device", "cuda"], ["error: --device cuda: CUDA is not available on this machine"]),
-    "attn_implementation_unknown": (["--attn-implementation", "bogus"],
-                                    ["the model cannot be loaded with --attn-implementation bogus"]),
     "other_cache_in_out": ({"--out": "{cache}"}, ["already holds a different cache; to bring it to this data",
                                                    "pass --update; else use --overwrite to replace it"]),
 }
@@ -373,20 +376,21 @@ def test_train_bad_model_folder(models, dpo_data, dpo_cache, tmp_path, variant):
 TRAIN_ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, usage error?, message parts)
     "model_missing": ({"--model": None}, True, ["missing --model"]),
     "output_dir_missing": ({"--output-dir": None}, True, ["missing --output-dir"]),
-    "model_path_missing": ({"--model": "{tmp}/nowhere"}, False, ["error: {tmp}/nowhere: does not exist ({tmp} holds: "]),
-    "data_path_missing": ({"--data": "{tmp}/nowhere.jsonl"}, False, ["error: {tmp}/nowhere.jsonl: does not exist ({tmp} "
-                                                                     "holds: "]),
+    "model_path_missing": ({"--model": "{tmp}/nowhere"}, False, ["error: --model {tmp}/nowhere: does not exist ({tmp} "
+                                                                 "holds: "]),
+    "data_path_missing": ({"--data": "{tmp}/nowhere.jsonl"}, False, ["error: --data {tmp}/nowhere.jsonl: does not exist "
+                                                                     "({tmp} holds: "]),
     "data_unsupported_suffix": ({"--data": "{tmp}/prefs.txt"}, False, ["error: {tmp}/prefs.txt: unsupported file "
                                                                        "type '.txt'"]),
     "data_empty_file": ({"--data": "{tmp}/empty.jsonl"}, False, ["error: {tmp}/empty.jsonl: no rows"]),
-    "ref_cache_missing": ({"--ref-cache": "{tmp}/no-cache"}, False, ["error: {tmp}/no-cache holds no cache (no such "
-                                                                     "folder)", "remedy:   pass the --out of a "
-                                                                     "finished precompute-ref run"]),
-    "ref_cache_is_a_file": ({"--ref-cache": "{tmp}/a-file"}, False, ["error: {tmp}/a-file holds no cache (a file, "
-                                                                     "not a folder)"]),
+    "ref_cache_missing": ({"--ref-cache": "{tmp}/no-cache"}, False, ["error: --ref-cache {tmp}/no-cache: does not "
+                                                                     "exist ({tmp} holds: "]),
+    "ref_cache_is_a_file": ({"--ref-cache": "{tmp}/a-file"}, False, ["error: --ref-cache {tmp}/a-file holds no cache "
+                                                                     "(a file, not a folder)", "remedy:   pass the --out "
+                                                                     "of a finished precompute-ref run"]),
     # an empty folder holds no cache: nothing there says a precompute-ref ever wrote it (issue 34, family 2)
     "ref_cache_without_manifest": ({"--ref-cache": "{tmp}/no-manifest"}, False,
-                                   ["error: {tmp}/no-manifest holds no cache (it is empty)"]),
+                                   ["error: --ref-cache {tmp}/no-manifest holds no cache (it is empty)"]),
     "no_reference_at_all": ({"--ref-cache": None}, False, ["error: give --ref-cache DIR (cached reference) or "
                                                            "--ref-model PATH (live reference)"]),
     "ref_model_hash_without_cache": ({"--ref-cache": None, "--ref-model": "{llama}", "--ref-model-hash": "0" * 64}, False,

@@ -57,3 +57,55 @@ def test_ctrl_c_with_a_config_prints_a_command_that_keeps_the_file_and_never_ove
     words = shlex.split(resume_step(options, ctx.params["config_file"]).splitlines()[-1])
     assert words[:3] == ["precompute-ref", "--config", str(config)]
     assert "--no-overwrite" in words and "--overwrite" not in words and words[words.index("--top-k") + 1] == "3"
+
+
+def test_disable_tqdm_is_no_progress_as_trl_spells_it(llama_dir, tmp_path):
+    """Found by the UX pass: `precompute-ref --disable-tqdm` (TRL's, and train-dpo's, spelling) was 'No such
+    option'; it is --no-progress, on the command line (with TRL's true/false word) and in a --config alike."""
+    from click.testing import CliRunner
+
+    from precompute.cli import main
+
+    data = write_jsonl(tmp_path / "d.jsonl", pref_rows(4))
+
+    def progress(*args) -> bool | None:
+        return main.make_context("precompute-ref", ["--model", str(llama_dir), "--data", str(data),
+                                                    *map(str, args)]).params["progress"]
+
+    assert progress("--disable-tqdm") is False and progress("--disable_tqdm", "true") is False
+    assert progress("--disable-tqdm", "false") is True and progress("--no-progress") is False
+    assert progress() is None  # not given: the option's default
+    config = _yaml(tmp_path / "pc.yaml", f"model: {llama_dir}\ndata: {data}\ndisable_tqdm: true\n")
+    quiet = CliRunner().invoke(main, ["--config", str(config), "--out", str(tmp_path / "c")])
+    assert quiet.exit_code == 0, quiet.output
+    assert "pair/s" not in quiet.output and "s/pair" not in quiet.output and "4/4" not in quiet.output, quiet.output
+    shown = CliRunner().invoke(main, ["--config", str(config), "--out", str(tmp_path / "c2"), "--disable-tqdm",
+                                      "false"])
+    assert shown.exit_code == 0 and "4/4" in shown.output, shown.output
+
+
+def test_the_summary_quotes_a_path_as_a_shell_takes_it(llama_dir, tmp_path):
+    """Found by the UX pass: the closing summary printed `to /x/my caches/c1`, which a copied command splits in
+    two; it is quoted as the printed commands are (runtime.cli.shell_word, shlex)."""
+    data = write_jsonl(tmp_path / "d.jsonl", pref_rows(4))
+    out = tmp_path / "my caches" / "c1"
+    made = precompute_cli("--model", llama_dir, "--data", data, "--out", out, "--no-progress")
+    assert made.exit_code == 0, made.output
+    line = next(x for x in made.output.splitlines() if x.startswith("wrote "))
+    assert shlex.split(line.split(" to ", 1)[1]) == [str(out)], line
+    assert f"to '{out}'" in line
+
+
+def test_a_path_in_a_config_that_is_not_there_names_the_file_and_the_key(llama_dir, tmp_path):
+    """Found by the UX pass: `model: nope` in a --config was refused as 'nope: does not exist', naming neither the
+    file nor the key; --adapter's click check and --model's job check say both alike."""
+    data = write_jsonl(tmp_path / "d.jsonl", pref_rows(4))
+    for key, text in (("model", f"model: {tmp_path}/nope\ndata: {data}\n"),
+                      ("data", f"model: {llama_dir}\ndata: {tmp_path}/nope.jsonl\n"),
+                      ("adapter", f"model: {llama_dir}\ndata: {data}\nadapter: {tmp_path}/nope\n")):
+        config = _yaml(tmp_path / f"{key}.yaml", text)
+        result = precompute_cli("--config", config, "--out", tmp_path / "out")
+        assert result.exit_code == 2, result.output
+        assert f"{config}: {key}: {tmp_path}/nope" in " ".join(result.output.split()), result.output
+        assert "does not exist" in result.output
+    assert not (tmp_path / "out").exists()

@@ -16,3 +16,13 @@ def test_the_closest_name_is_found_across_case_and_a_mistyped_suffix(tmp_path, m
         assert f"did you mean {meant}?" in not_here(typed), (typed, not_here(typed))
     assert "did you mean" not in not_here("weights.safetensors")  # nothing near: only what the folder holds
     assert "the current folder holds: cache/, p40.jsonl, runE/, runb/, train.jsonl" in not_here("weights.safetensors")
+
+
+def test_names_that_tie_for_closest_are_all_given(tmp_path):
+    """Found by the UX pass: p4O.jsonl is as near p40.jsonl as p48.jsonl; both are named, not one picked by the
+    names' order (and never nothing)."""
+    for name in ("p40.jsonl", "p48.jsonl", "train.jsonl"):
+        (tmp_path / name).write_text("")
+    said = not_here(tmp_path / "p4O.jsonl")
+    assert f"; did you mean {tmp_path / 'p40.jsonl'} or {tmp_path / 'p48.jsonl'}?" in said, said
+    assert f"did you mean {tmp_path / 'p40.jsonl'}?" in not_here(tmp_path / "p40.jsnl")  # one closest: one name
