@@ -72,7 +72,8 @@ def main(config_file, debug, **options):
             raise click.UsageError(f"missing {', '.join(missing)} (on the command line or in --config)")
         encoding = {k: given.pop(k, None) for k in ENCODING_OPTIONS}
         cfg = PrecomputeConfig(**given, encoding=encoding_from(**encoding),
-                               given=frozenset(given) | {k for k, v in encoding.items() if v is not None})
+                               given=frozenset(given) | {k for k, v in encoding.items() if v is not None},
+                               config_file=config_file)
         record_sources(cfg, config_file, set(from_file) - set(given_values(options)))
         checked_inputs(cfg)  # a command line refused by its options alone imports no model library
         from .job import run_precompute

@@ -108,6 +108,7 @@ class PrecomputeConfig:
     # the options given on the command line (precompute/cli.py); None (a config built in code): those at their default
     # are taken as not given. --update takes the cache's settings for those not given (cache_settings)
     given: frozenset | None = field(default=None, metadata={"cli": False})
+    config_file: str | None = field(default=None, metadata={"cli": False, "location": "input"})  # --config: an input
 
     def __post_init__(self):
         read_locations(self)
@@ -222,7 +223,8 @@ def checked_inputs(cfg: PrecomputeConfig) -> tuple[object, dict, dict]:
     except JobError:
         check_present(cfg)  # a local path mistyped that reads as a hub id: refused naming the option
         raise
-    inputs = {"--model": origins["model"]["path"], "--data": origins["data"]["path"], "--adapter": cfg.adapter}
+    inputs = {"--model": origins["model"]["path"], "--data": origins["data"]["path"], "--adapter": cfg.adapter,
+              "--config": cfg.config_file}
     check_apart(out, "--out", inputs, on_store=True)
     check_present(cfg)  # --model and --data: there, named as given (the option, or --config's file and key)
     return out, origins, inputs

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import storage.locks
 from schemas.format import LOCK
-from storage.locks import LockHeld, is_lock
+from storage.locks import LockHeld, NotALock, is_lock
 
 from .errors import JobError
 
@@ -31,4 +31,7 @@ def exclusive(folder, command: str, option: str):
             taken_over = " (a lease whose process ended on this host, or that expired, is taken over)" if e.remote else ""
             raise JobError(f"{e.folder} is being written by another {command} process ({e.holder}); wait for it to "
                            f"finish or choose another {option}{taken_over}") from None
+        except NotALock as e:
+            raise JobError(f"{option} {folder}: {e}, so it is not this job's to take: it was left as it is; move it "
+                           f"elsewhere, or choose another {option}") from None
         yield

@@ -26,6 +26,15 @@ class LockHeld(Exception):
         super().__init__(f"{folder} is held by {holder}")
 
 
+class NotALock(Exception):
+    """The folder's lock file holds something other than a writer's pid: another program's file of that name, never
+    truncated."""
+
+    def __init__(self, lock):
+        self.lock = lock
+        super().__init__(f"{lock} is not a lock file (it holds other text)")
+
+
 def is_lock(path: Path, name: str) -> bool:
     """Whether `path` is a folder's lock file `name`: the name, and a plain file (a symlink of that name is not
     one)."""
@@ -60,12 +69,15 @@ def exclusive(folder, name: str):
     except BaseException:
         _take_back(folder, name, made, None)
         raise
-    with os.fdopen(fd, "r+", encoding="utf-8") as f:
+    with os.fdopen(fd, "r+", encoding="utf-8", errors="replace") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = f.read(32).strip() or "?"
             raise LockHeld(folder, f"pid {holder}", remote=False) from None
+        held = f.read(32)
+        if held.strip() and not (held.strip().isdigit() and len(held) < 32):  # a writer's pid, or nothing, only
+            raise NotALock(lock)
         f.seek(0)
         f.truncate()
         f.write(str(os.getpid()))

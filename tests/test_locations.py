@@ -290,3 +290,45 @@ def test_named_says_a_store_by_its_url_and_a_folder_resolved(tmp_path, monkeypat
 def test_location_refuses_urls_naming_nothing(text, named):
     with pytest.raises(places.LocationError, match=re.escape(named)):
         places.location(text)
+
+
+def _input_fields(config) -> set[str]:
+    """Every field of a config dataclass (and of the dataclasses it holds) read as an input place."""
+    names = set()
+    for f in dataclasses.fields(config):
+        if f.metadata.get("location") == "input":
+            names.add(f.name)
+        elif dataclasses.is_dataclass(f.type) or (isinstance(f.default_factory, type)
+                                                   and dataclasses.is_dataclass(f.default_factory)):
+            names |= _input_fields(f.default_factory if f.default_factory is not dataclasses.MISSING else f.type)
+    return names
+
+
+def _option(name: str) -> str:
+    return "--config" if name == "config_file" else "--" + name.replace("_", "-")
+
+
+def test_every_input_place_of_both_jobs_is_kept_apart_from_their_outputs(tmp_path):
+    """Found by the hostile pass: precompute-ref's --config was not among the inputs its --out is kept apart from
+    (a config named .refcache.lock inside --out was overwritten by the lock). Enumerated, so a new input option
+    cannot skip it. train-dpo's --resume-from-checkpoint is its --output-dir's own checkpoint, by design."""
+    from dpo.config import TrainConfig
+    from dpo.outdir import inputs
+    from precompute.config import PrecomputeConfig, checked_inputs
+
+    root = Path(__file__).resolve().parents[1] / "data"
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "run.yaml").write_text("{}")
+    pre = {"model": root / "sft-model", "data": root / "prefs" / "train.jsonl", "adapter": tmp_path / "adapter",
+           "config_file": tmp_path / "run.yaml"}
+    assert set(pre) == _input_fields(PrecomputeConfig)
+    _, _, kept_apart = checked_inputs(PrecomputeConfig(**pre, out=tmp_path / "cache"))
+    assert {_option(n) for n in pre} <= {k for k, v in kept_apart.items() if v is not None}
+
+    train_inputs = _input_fields(TrainConfig) - {"resume_from_checkpoint", "init_adapter"}
+    values = {n: tmp_path / n for n in train_inputs}
+    for path in values.values():  # the DeepSpeed and FSDP configs are places only where a file is there
+        path.write_text("{}")
+    kept_apart = inputs(TrainConfig(**values, output_dir=tmp_path / "run"))
+    assert {_option(n) for n in train_inputs} <= set(kept_apart), train_inputs - {k[2:] for k in kept_apart}
+    assert "init_adapter" in _input_fields(TrainConfig) and "--init-adapter" in kept_apart

@@ -5,6 +5,7 @@ only a plain lock file counts as the lock."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,35 @@ def test_a_store_url_given_as_text_is_leased_not_made_a_folder(tmp_path, monkeyp
     with exclusive("memory://locks/cache", "precompute-ref", "--out"):
         assert fs.exists("/locks/cache/" + fmt.LOCK)
     assert not fs.exists("/locks/cache/" + fmt.LOCK) and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("content", [b"model: m\ndata: d\nout: o\n", b"\xff\xfe binary", b"123 and more", b"9" * 40])
+def test_a_file_of_the_locks_name_that_is_not_a_lock_is_refused_and_kept(tmp_path, content):
+    """Found by the hostile pass: a config named .refcache.lock inside --out was truncated to the writer's pid. Only
+    an empty file or a pid is a lock to take."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / fmt.LOCK).write_bytes(content)
+    with pytest.raises(JobError, match=r"--out .*\.refcache\.lock is not a lock file .*left as it is"):
+        with exclusive(out, "precompute-ref", "--out"):
+            pass
+    assert (out / fmt.LOCK).read_bytes() == content
+    (out / fmt.LOCK).write_text("4242\n")  # a dead writer's lock: taken over
+    with exclusive(out, "precompute-ref", "--out"):
+        assert (out / fmt.LOCK).read_text() == str(os.getpid())
+
+
+def test_a_config_inside_out_under_the_locks_name_is_an_input_kept_apart(tmp_path):
+    from click.testing import CliRunner
+
+    from precompute.cli import main
+
+    root = Path(__file__).resolve().parents[2] / "data"
+    out = tmp_path / "o14"
+    out.mkdir()
+    config = out / fmt.LOCK
+    text = f"model: {root / 'sft-model'}\ndata: {root / 'prefs' / 'train.jsonl'}\nout: {out}\n"
+    config.write_text(text)
+    result = CliRunner().invoke(main, ["--config", str(config)])
+    assert result.exit_code == 2 and "--config" in result.output, result.output
+    assert config.read_text() == text
