@@ -193,6 +193,9 @@ def bool_words(params, args: list[str]) -> list[str]:
                 opposite[on] = p.secondary_opts[0] if p.secondary_opts else None
             for off in p.secondary_opts:
                 opposite[off] = p.opts[0]
+    # the value of an option that takes one is that option's, whatever it reads like (`--out --overwrite false`:
+    # --out's value is refused by its type, never turned into --no-overwrite)
+    takes_value = {o for p in params if isinstance(p, click.Option) and not p.is_flag for o in p.opts}
     # where the command takes no positional argument, any word after a boolean option is meant as its value
     positional = any(isinstance(p, click.Argument) for p in params)
     out, i = [], 0
@@ -200,6 +203,10 @@ def bool_words(params, args: list[str]) -> list[str]:
         word = args[i]
         if word == "--":
             return out + args[i:]
+        if word in takes_value:
+            out += args[i:i + 2]
+            i += 2
+            continue
         flag, eq, value = word.partition("=")
         following = args[i + 1] if i + 1 < len(args) else None
         if flag in opposite and (eq or (following is not None and (following.lower() in TRUE_WORDS | FALSE_WORDS or

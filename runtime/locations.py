@@ -46,6 +46,9 @@ class Location(click.ParamType):
         text = os.fspath(value)
         if not text.isprintable():  # a newline or escape in a path would print as a forged line of any message
             self.fail(f"{escaped(text)}: a path holding a control character is not taken; rename it", param, ctx)
+        if text.startswith("-") and param is not None:  # `--out --overwrite`: the next option taken as the value
+            self.fail(f"{escaped(text)} reads as an option, not a path: give the option its value (a path that does "
+                      f"start with '-': ./{escaped(text)})", param, ctx)
         if text.strip().lower() in self.words or (self.json_text and text.lstrip().startswith("{")):
             return text
         if places.is_remote(text) and not self.store:

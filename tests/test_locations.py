@@ -98,7 +98,7 @@ def test_every_location_reads_file_urls_as_the_local_path(command, param, form, 
     ("simplecache::s3://bucket/x", "simplecache::s3"), ("filecache::memory://bucket/x", "filecache::memory"),
     ("file://otherhost/tmp/x", "'otherhost'"), ("http://example.com/x", "http://"), ("zip://a.zip", "zip://"),
     ("s3:/bucket/x", "no '//'"), ("", "empty"), ("d1/tr\n  remedy: run this\nain.jsonl", "a control character"),
-    ("c\x1b]0;title\x07", "a control character")])
+    ("c\x1b]0;title\x07", "a control character"), ("--overwrite", "reads as an option")])
 def test_every_location_refuses_what_it_cannot_take_naming_it(command, param, text, named):
     with pytest.raises(click.BadParameter) as e:
         param.type.convert(text, param, None)

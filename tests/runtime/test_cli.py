@@ -224,3 +224,18 @@ def test_every_boolean_option_followed_by_a_word_that_is_not_true_or_false_is_a_
         seen += 1
     assert seen > 50
 
+
+
+@pytest.mark.parametrize("command, args, value", [
+    ("precompute-ref", ["--model", "data/sft-model", "--data", "d.jsonl", "--out", "--overwrite", "false"], "--out"),
+    ("precompute-ref", ["--model", "data/sft-model", "--data", "--debug", "true", "--out", "o"], "--data"),
+    ("train-dpo", ["--model", "m", "--data", "d", "--ref-cache", "c", "--output-dir", "--bf16", "false"], "--output-dir")])
+def test_an_option_given_no_value_before_a_boolean_word_is_refused_not_rewritten(command, args, value, tmp_path,
+                                                                                monkeypatch):
+    """Found by the hostile pass: `--out --overwrite false` wrote the cache into a folder named './--no-overwrite'
+    (the true/false word folded into the flag, which then became --out's value); `--data --debug true` dropped the
+    word."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(_commands()[command], args)
+    assert result.exit_code == 2 and "reads as an option, not a path" in result.output, result.output
+    assert value in result.output and list(tmp_path.iterdir()) == []
