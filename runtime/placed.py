@@ -245,4 +245,7 @@ def flex_on_cpu(what: str, attention: str | None, device) -> None:
 def attention_of(config) -> str | None:
     """The config's attention implementation as from_pretrained takes it (None: transformers' choice)."""
     value = getattr(config, "attn_implementation", None)
+    if isinstance(value, str) and "/" in value and not getattr(config, "trust_remote_code", False):
+        raise JobError(f"--attn-implementation {value}: a hub kernel is code downloaded from the hub and run (by "
+                       "transformers' kernels package); pass --trust-remote-code to allow it, or use sdpa or eager")
     return None if value in (None, "auto") else value

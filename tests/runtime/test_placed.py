@@ -132,3 +132,20 @@ def test_audit_ref_views_refuse_every_option_of_the_group(tmp_path):
         value = {"device_map": "auto", "max_memory": "1GiB", "offload_folder": str(tmp_path / "off")}[name]
         result = CliRunner().invoke(main, [str(tmp_path), "--show", "0", flag, value])
         assert result.exit_code == 2 and f"({flag})" in result.output, result.output
+
+
+@pytest.mark.parametrize("command", ["precompute-ref", "train-dpo"])
+def test_a_hub_kernel_runs_only_with_trust_remote_code(command, tmp_path):
+    """Found by the hostile pass: `--attn-implementation kernels-community/flash-attn` passed to from_pretrained,
+    which (with the kernels package and a network) downloads and runs the kernel's code without --trust-remote-code."""
+    from dpo.config import TrainConfig
+    from precompute.config import PrecomputeConfig
+    from runtime.placed import attention_of
+
+    make = {"precompute-ref": lambda **kw: PrecomputeConfig(model="m", data="d", out=str(tmp_path / "o"), **kw),
+            "train-dpo": lambda **kw: TrainConfig(model="m", data="d", output_dir=str(tmp_path / "r"), **kw)}[command]
+    with pytest.raises(JobError, match="a hub kernel is code downloaded from the hub and run.*--trust-remote-code"):
+        attention_of(make(attn_implementation="kernels-community/flash-attn"))
+    allowed = make(attn_implementation="kernels-community/flash-attn", trust_remote_code=True)
+    assert attention_of(allowed) == "kernels-community/flash-attn"
+    assert attention_of(make(attn_implementation="sdpa")) == "sdpa" and attention_of(make()) is None
