@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from runtime import kl_control
-from runtime.cli import (GroupedCommand, command_text, exit_without_teardown, given_values, number_text,
+from runtime.cli import (GroupedCommand, command_text, exit_without_teardown, given_values, number_text, shell_word,
                          quiet_libraries, run_cli)
 from runtime.locations import Location, record_sources
 from runtime.options import TRL_ALIASES, dataclass_options, spec_options
@@ -81,15 +81,16 @@ def summary_text(s: dict) -> str:
         kept = (f" (--load-best-model-at-end: the weights of {Path(best['path']).name}, best {best['metric']} "
                 f"{best['value']:.4f})" if best["path"] else " (--load-best-model-at-end: no evaluation chose a "
                 "checkpoint, so the last step's weights)")
-    plot = f"\n  plot:       {out / 'metrics.png'}" if (out / "metrics.png").is_file() else ""
-    merged = f"\n  merged:     {Path(s['merged_dir']).absolute()}" if s.get("merged_dir") else ""
+    w = shell_word  # every path as a shell takes it back (a space in a folder's name)
+    plot = f"\n  plot:       {w(out / 'metrics.png')}" if (out / "metrics.png").is_file() else ""
+    merged = f"\n  merged:     {w(Path(s['merged_dir']).absolute())}" if s.get("merged_dir") else ""
     return (
         f"trained {s['steps']} step{'s' * (s['steps'] != 1)} in {s['train_s']:.1f} s{verified}; {loss}"
         + (f"; eval reward accuracy {acc:.3f} (share of eval pairs whose implicit reward beta*log(pi/ref) "
            "ranks chosen above rejected)" if acc is not None else "")
-        + f"\n  checkpoint: {out}{kept}{merged}\n  metrics:    {out / 'metrics.jsonl'}{plot}"
-        f"\n  manifest:   {out / 'run-manifest.json'}"
-        + (f"\n  card:       {out / 'README.md'}" if (out / "README.md").is_file() else "")
+        + f"\n  checkpoint: {w(out)}{kept}{merged}\n  metrics:    {w(out / 'metrics.jsonl')}{plot}"
+        f"\n  manifest:   {w(out / 'run-manifest.json')}"
+        + (f"\n  card:       {w(out / 'README.md')}" if (out / "README.md").is_file() else "")
         + _precision_text(s.get("precision"))
     )
 

@@ -432,3 +432,21 @@ def test_the_resume_command_after_ctrl_c_writes_whole_numbers_as_integers(tmp_pa
     words = shlex.split(next_step(cfg, None, given).splitlines()[-1])
     assert words[words.index("--save-steps") + 1] == "50" and words[words.index("--logging-steps") + 1] == "10"
     assert float(words[words.index("--learning-rate") + 1]) == 5e-7 and words[words.index("--beta") + 1] == "0.5"
+
+
+def test_the_summary_writes_each_path_as_a_shell_takes_it_back(tmp_path):
+    """A folder name with a space (UX pass): every path line of train-dpo's summary is quoted the way precompute-ref's
+    summary and every printed command are (runtime.cli.shell_word)."""
+    import shlex
+
+    from dpo.cli import summary_text
+
+    out = tmp_path / "my runs" / "r1"
+    out.mkdir(parents=True)
+    (out / "metrics.png").write_bytes(b"\x89PNG")
+    text = summary_text({"eval": {}, "output_dir": str(out), "steps": 1, "train_s": 1.0, "verify_s": 0.1,
+                         "train_loss": 0.5, "merged_dir": str(out / "merged")})
+    for label, path in (("checkpoint", out), ("metrics", out / "metrics.jsonl"), ("plot", out / "metrics.png"),
+                        ("manifest", out / "run-manifest.json"), ("merged", out / "merged")):
+        line = next(x for x in text.splitlines() if x.strip().startswith(label + ":"))
+        assert shlex.split(line.split(":", 1)[1])[0] == str(path), line
