@@ -293,6 +293,16 @@ def precompute_in_process(model, data, out, rows_per_shard=10, **options) -> Pat
 # audit-ref in process, and a forger's edits of a cache
 
 
+def audit_streams(cache, *args, color=False):
+    """audit-ref in process, as typed: (exit code, stdout, stderr)."""
+    from click.testing import CliRunner
+
+    from audit.cli import main
+
+    result = CliRunner().invoke(main, [str(cache), *map(str, args)], color=color, catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
 def audit_ref(cache, *args, json_path=None):
     """Run audit-ref in process; returns (exit code, JSON report or None, console output). The report must be strict
     JSON (no NaN or Infinity)."""

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from support import audit_streams as audit
 from conftest import build_llama, edit_manifest, fake_run, precompute_in_process, read_cache, save_checkpoint
 from conftest import make_lora_adapter, write_jsonl
 from audit.show import quoted, visible
@@ -25,16 +26,6 @@ CHROMIUM = shutil.which("chromium")
 HOSTILE = [{"id": "<b>row-0</b>", "prompt": "<script>document.title='owned'</script> what & why?",
             "chosen": "sure <i>yes</i> & \"quoted\"", "rejected": "hmm </span><img src=x onerror=alert(1)>"},
            {"id": "row-1", "prompt": "why is the sky blue?", "chosen": "sure the sun", "rejected": "hmm red"}]
-
-
-def audit(cache, *args, color=False):
-    """audit-ref in process: (exit code, stdout, stderr)."""
-    from click.testing import CliRunner
-
-    from audit.cli import main
-
-    result = CliRunner().invoke(main, [str(cache), *map(str, args)], color=color, catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
 
 
 def texts(tokenizer, ids) -> list[str]:

@@ -4,17 +4,9 @@ of the cache removed is named with the version that removed it and the --cache-v
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
 
+from support import audit_streams as audit
 from conftest import precompute_ok, pref_rows, write_jsonl
-
-
-def audit(cache, *args):
-    """audit-ref in process, as typed: (exit code, stdout, stderr)."""
-    from audit.cli import main
-
-    result = CliRunner().invoke(main, [str(cache), *map(str, args)], catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
 
 
 @pytest.fixture(scope="module")

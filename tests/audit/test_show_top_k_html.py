@@ -8,8 +8,8 @@ from html.parser import HTMLParser
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
+from support import audit_streams as audit
 from conftest import build_llama, fake_run, manifest_of, precompute_in_process, save_checkpoint, write_jsonl
 from audit.show import HTML_ALTERNATIVES, quoted
 from schemas import format as fmt
@@ -18,13 +18,6 @@ K = 4
 ROWS = [{"id": "<b>r0</b>", "prompt": "<script>x</script> why & how?", "chosen": "sure <i>yes</i> & \"so\"",
          "rejected": "hmm </td><img src=x>"},
         {"id": "r1", "prompt": "why is the sky blue?", "chosen": "sure the sun", "rejected": "hmm red"}]
-
-
-def audit(cache, *args):
-    from audit.cli import main
-
-    result = CliRunner().invoke(main, [str(cache), *map(str, args)], catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
 
 
 @pytest.fixture(scope="module")
