@@ -14,7 +14,6 @@ from .terminal import escaped
 
 # far beyond any real config (TRL's recipes are a few KiB): a larger file, or a device, is refused before it is read
 MAX_BYTES = 1 << 20
-TAKEN = "plain mappings, lists and scalars"
 
 
 def _loader(path: str):
@@ -38,9 +37,9 @@ def _loader(path: str):
                      for k, v in node.value]
             return one_each(path, pairs)
 
-    core_tags = ("null", "str")  # of SafeLoader's implicit types, those YAML 1.2's core schema has as they are
+    # of SafeLoader's implicit types only null is YAML 1.2 core's as it is (no merge, timestamp or value)
     Core12Loader.yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in resolvers if tag.rsplit(":", 1)[-1] in core_tags]
+        first: [(tag, rx) for tag, rx in resolvers if tag == "tag:yaml.org,2002:null"]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     core = {"bool": (r"^(?:true|True|TRUE|false|False|FALSE)$", list("tTfF")),
             "int": (r"^[-+]?[0-9]+$", list("-+0123456789")),
