@@ -64,13 +64,11 @@ def _trl_defaults() -> list[dict]:
 
 
 def _aliased(path: str, data: dict) -> tuple[dict, dict]:
-    """The keys under our names, and {our name: the TRL name it was given as}."""
+    """The keys under our names, and {our name: the TRL name it was given as} (read_mapping has kept one key of
+    each option: TRL's name and ours both given is refused there, unless both give the same value)."""
     out, given_as = {}, {}
     for key, value in data.items():
         name = TRL_ALIASES.get(key, key)
-        if name in out and out[name] != value:
-            raise click.UsageError(f"{path}: {key} is TRL's name of {name}, and both are given, with different "
-                                   f"values ({given_as.get(name, name)}: {out[name]!r}, {key}: {value!r}); keep one")
         out[name] = value
         if key != name:
             given_as[name] = key
@@ -199,5 +197,6 @@ def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
 
 def load_config_file(path) -> dict:
     path = str(path)
-    data, given_as = _from_trl(path, read_mapping(path))  # runtime/config_file.py: the one reader of a config file
+    # runtime/config_file.py: the one reader of a config file, which refuses an option given twice under TRL's name
+    data, given_as = _from_trl(path, read_mapping(path, lambda key: TRL_ALIASES.get(key, key)))
     return {key: _convert(path, key, value, given_as.get(key)) for key, value in data.items() if value is not None}
