@@ -44,8 +44,8 @@ def hostile_rows() -> list[dict]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, llama_dir):
     base = tmp_path_factory.mktemp("terminal")
-    data = write_jsonl(base / f"{NAME}.jsonl", hostile_rows())
-    cache = base / f"cache-{NAME}"
+    data = write_jsonl(base / "hostile.jsonl", hostile_rows())
+    cache = base / "cache"
     r = precompute("--model", llama_dir, "--data", data, "--out", cache)
     assert r.exit_code == 0, r.output
     return {"base": base, "data": data, "cache": cache, "llama": llama_dir, "precompute_output": r.output}
@@ -63,16 +63,36 @@ def audit_out(*args, color=False):
 
 
 def test_precompute_log_and_summary(world):
-    assert_clean(world["precompute_output"])  # "wrote ... to <out>": the folder's name
+    assert raw_controls(world["precompute_output"]) == []
+
+
+@pytest.mark.parametrize("command", ["precompute-ref", "train-dpo", "audit-ref"])
+def test_a_path_holding_control_characters_is_refused_and_shown_escaped(world, tmp_path, command):
+    """A path is data too: one holding a control character (a newline would start a forged line of any message
+    naming it) is refused by the location type, every path option of every command (tests/test_locations.py),
+    and the refusal shows it escaped."""
+    hostile = tmp_path / f"out-{NAME}"
+    if command == "precompute-ref":
+        r = precompute("--model", world["llama"], "--data", world["data"], "--out", hostile)
+        code, out = r.exit_code, r.output
+    elif command == "train-dpo":
+        r = train("--model", world["llama"], "--data", world["data"], "--ref-cache", world["cache"], "--output-dir",
+                  hostile, *TRAIN)
+        code, out = r.exit_code, r.output
+    else:
+        code, out = audit_out(hostile)
+    assert code == 2 and "a path holding a control character is not taken" in out, out
+    assert_clean(out)
+    assert not hostile.exists()
 
 
 def test_precompute_bad_row_listing(world, tmp_path):
     rows = hostile_rows() + [{"id": "bad" + EVIL, "prompt": "p" + EVIL, "chosen": "", "rejected": "x"}]
-    data = write_jsonl(tmp_path / f"{NAME}.jsonl", rows)
-    r = precompute("--model", world["llama"], "--data", data, "--out", tmp_path / f"out-{NAME}", "--on-bad-row",
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    r = precompute("--model", world["llama"], "--data", data, "--out", tmp_path / "out", "--on-bad-row",
                    "skip")
     assert r.exit_code == 0 and "skipped 1 bad rows" in r.output, r.output
-    assert_clean(r.output)
+    assert raw_controls(r.output) == []
 
 
 def test_precompute_bad_row_refusal(world, tmp_path):
@@ -110,11 +130,11 @@ def test_train_refusal_for_a_changed_row(world, tmp_path):
 def test_train_refusal_for_a_bad_row(world, tmp_path):
     rows = hostile_rows()
     rows[3] = {"id": "bad" + EVIL, "prompt": "p", "chosen": "", "rejected": "x"}
-    data = write_jsonl(tmp_path / f"{NAME}.jsonl", rows)
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
     r = train("--model", world["llama"], "--data", data, "--ref-cache", world["cache"], "--output-dir",
               tmp_path / "out", *TRAIN)
     assert r.exit_code == 2 and "empty" in r.output, r.output
-    assert_clean(r.output)  # the data file's name
+    assert raw_controls(r.output) == []
 
 
 def test_train_usage_error_from_a_config_key(world, tmp_path):
@@ -127,12 +147,12 @@ def test_train_usage_error_from_a_config_key(world, tmp_path):
 
 
 def test_train_log_and_summary(world, tmp_path):
-    out = tmp_path / f"run-{NAME}"
+    out = tmp_path / "run"
     # (the Trainer's progress bar redraws its line with carriage returns: its own text, off here)
     r = train("--model", world["llama"], "--data", world["data"], "--ref-cache", world["cache"], "--output-dir", out,
               *TRAIN, "--disable-tqdm")
     assert r.exit_code == 0, r.output
-    assert_clean(r.output)  # "verified <cache>", "checkpoint: <out>"
+    assert raw_controls(r.output) == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -163,28 +183,28 @@ def test_audit_show_unknown_row(world):
 
 
 def test_audit_html_line_and_page(world, tmp_path):
-    page = tmp_path / f"{NAME}.html"
+    page = tmp_path / "rows.html"
     code, out = audit_out(world["cache"], "--html", page, "--all", "--model", world["llama"])
     assert code == 0 and "wrote" in out, out
-    assert_clean(out)
+    assert raw_controls(out) == []
     html = page.read_text(encoding="utf-8")
     assert raw_controls(html) == [] and SHOWN in html  # shown on the page as the console shows it
     assert "&lt;i&gt;&amp;" in html and "&amp;lt;" not in html  # HTML-escaped once, not twice
 
 
-def test_a_copied_cache_under_a_hostile_name_is_refused_cleanly(world, tmp_path):
-    """run_cli's refusal of an unreadable cache names its folder."""
-    cache = shutil.copytree(world["cache"], tmp_path / f"c-{NAME}")
-    (cache / "manifest.json").write_text("{not json")
+def test_a_copied_cache_with_a_hostile_manifest_is_refused_cleanly(world, tmp_path):
+    """run_cli's refusal of an unreadable cache shows what it read, escaped."""
+    cache = shutil.copytree(world["cache"], tmp_path / "c")
+    (cache / "manifest.json").write_text("{not json" + EVIL)
     code, out = audit_out(cache)
     assert code == 2 and "not valid JSON" in out, out
-    assert_clean(out)
+    assert raw_controls(out) == []
 
 
 @pytest.mark.parametrize("command", ["precompute-ref", "train-dpo", "audit-ref"])
 def test_command_line_errors_of_every_command(command, tmp_path):
-    """click's own errors while the options are parsed (a path that does not exist, here a file named by data) print
-    by the same rule: every command's class (runtime.cli.Command)."""
+    """click's own errors while the options are parsed (here a path holding control characters) print by the same
+    rule: every command's class (runtime.cli.Command)."""
     from audit.cli import main as audit_main
     from dpo.cli import main as train_main
     from precompute.cli import main as precompute_main
@@ -197,5 +217,5 @@ def test_command_line_errors_of_every_command(command, tmp_path):
     args = {"precompute-ref": ["--model", "m", "--data", "d", "--adapter", missing],
             "train-dpo": ["--config", missing], "audit-ref": [missing]}[command]
     result = CliRunner().invoke(main, args)
-    assert result.exit_code == 2 and "does not exist" in result.output, result.output
+    assert result.exit_code == 2 and "a path holding a control character" in result.output, result.output
     assert_clean(result.output)
