@@ -34,8 +34,7 @@ self time and by input shape; for training the step split by the Trainer's callb
 forward + backward + gradient clipping, optimizer step, scheduler and zeroing the gradients).
 
     .venv/bin/python bench/bench_flops.py [--quick] [--threads 1]
-        [--budgets 1536,3072] [--head-pieces 33554432]   further score_pairs contenders, side by side
-        [--attention 1]   torch's attention kernel on the case's shapes, with and without a mask
+        [--head-pieces 33554432]   further contenders: the CPU head in pieces of this many logits
         [--cases long] [--configs precompute] [--no-profile]   a part of the runs only
 """
 
@@ -51,7 +50,7 @@ import measure
 from common import np, torch
 from flops_count import (MM, MM_FLOPS, encoded_pairs, forward_flops, long_prompt_rows, matmul_check, mm_fn,  # noqa: F401
                          model_shape, pair_lengths)
-from flops_profile import attention_calls, body_matmul_rate, phase_profile, profile_tables
+from flops_profile import body_matmul_rate, phase_profile, profile_tables
 
 CONFIGS = ("precompute", "train", "train_padded")
 
@@ -100,11 +99,6 @@ def child_precompute(a) -> dict:
     r = {"matmul_check": matmul_check(model, pairs[0]), "mode": last["mode"], "pairs": len(pairs), "shape": shape,
          "flops": flops, "times": times, "cpu_times": cpu, "threads": torch.get_num_threads(),
          "padded_hf_padding_fraction": 1 - tokens / slots, "refcache_padding_fraction": last.get("padding_fraction")}
-    if a.attention:
-        calls = {"mm": fns["mm"], **attention_calls(model, pairs)}
-        cpu_calls = {}
-        r["attention_calls"] = {"wall": measure.interleaved(calls, reps=a.reps + 2, warmup=1, cpu=cpu_calls),
-                                "cpu": cpu_calls}
     if a.profile:
         r["body_matmuls"] = body_matmul_rate(model)
         r["phases"] = phase_profile(refcache)
@@ -114,10 +108,9 @@ def child_precompute(a) -> dict:
 
 
 def variants(a, model, pairs, pad_id: int, per_shard: int, mode: str, refcache) -> dict:
-    """Further contenders (--budgets, --head-pieces): `score@B`, score_pairs at token budget B; `score/head piece E`
-    and `refcache/head piece E`, score_pairs and run_precompute with the CPU head's pieces at E logits
-    (runtime.logprobs.CPU_CHUNK_ELEMENTS, at least CPU_CHUNK_ROWS positions; 2**25 is the memory chunk itself, the
-    head before it ran in pieces)."""
+    """Further contenders (--head-pieces): `score/head piece E` and `refcache/head piece E`, score_pairs and
+    run_precompute with the CPU head's pieces at E logits (runtime.logprobs.CPU_CHUNK_ELEMENTS; 2**25 is the memory
+    chunk itself, the head before it ran in pieces)."""
     from precompute.job import PrecomputeConfig, score_pairs
     from runtime import logprobs
 
@@ -131,20 +124,13 @@ def variants(a, model, pairs, pad_id: int, per_shard: int, mode: str, refcache) 
                 logprobs.CPU_CHUNK_ELEMENTS = saved
         return run
 
-    def scored(budget: int):
-        def run():
-            for s in range(0, len(pairs), per_shard):
-                score_pairs(model, pairs[s : s + per_shard], pad_id, budget, mode)
-        return run
+    def scored():
+        for s in range(0, len(pairs), per_shard):
+            score_pairs(model, pairs[s : s + per_shard], pad_id, PrecomputeConfig.token_budget, mode)
 
-    budget = PrecomputeConfig.token_budget
-    return {**{f"score@{b}": scored(b) for b in numbers(a.budgets)},
-            **{f"score/head piece {e}": pieces(e, scored(budget)) for e in numbers(a.head_pieces)},
-            **{f"refcache/head piece {e}": pieces(e, refcache) for e in numbers(a.head_pieces)}}
-
-
-def numbers(text: str | None) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()] if text else []
+    pieces_at = [int(x) for x in a.head_pieces.split(",") if x.strip()] if a.head_pieces else []
+    return {**{f"score/head piece {e}": pieces(e, scored) for e in pieces_at},
+            **{f"refcache/head piece {e}": pieces(e, refcache) for e in pieces_at}}
 
 
 def child_train(a, layout: str, **overrides) -> dict:
@@ -310,11 +296,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every child (default: torch's own)")
-    ap.add_argument("--budgets", help="also time score_pairs at these token budgets (comma-separated), side by side")
     ap.add_argument("--head-pieces", help="also time score_pairs with the CPU head's pieces at these numbers of logits "
                                           "(comma-separated; 33554432 = the memory chunk, no pieces)")
-    ap.add_argument("--attention", type=int, default=0, help="also time torch's attention kernel on the case's "
-                                                                   "shapes, with and without an explicit mask")
     ap.add_argument("--no-profile", action="store_true", help="skip the phase tables and torch.profiler runs")
     ap.add_argument("--cases", default="long,data,job", help="which cases: long (35M long prompt), data (data/), "
                                                               "job (the long prompt's pairs in a job of 64, full mode)")
@@ -346,8 +329,7 @@ def main():
                                          batch=case["batch"], warmup=case["warmup"], steps=case["steps"],
                                          out=work / "runs", reps=case["reps"], profile=int(case["model"] != "data" and not a.no_profile
                                                                     and not case.get("no_profile")),
-                                         threads=a.threads or None, budgets=a.budgets, head_pieces=a.head_pieces,
-                                         attention=a.attention or None)
+                                         threads=a.threads or None, head_pieces=a.head_pieces)
 
             runs = common.rounds(1 if a.quick else 2, configs, argv, show=show)
             r = summarize(case, runs)

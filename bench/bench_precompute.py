@@ -1,15 +1,11 @@
 """Part 1: precompute-ref throughput against the bare forward pass (the limit) and TRL's reference precompute.
 
-For each case (a model and a data set) four things are timed, round-robin, in this one process:
-  refcache    run_precompute end to end, default options (batching auto): load tokenizer and data, encode, hash,
-              load the model, probe the batching mode, forward, gather, write the Parquet shards and the manifest
-              (a fresh output directory each time)
-  score-only  precompute.job.score_pairs on the already loaded model, in the batching mode run_precompute picked:
-              forward + gather, no I/O (and, where that mode is not full_forward, score_pairs in full_forward too)
-  bare        model(input_ids, attention_mask).logits over exactly the same padded batches (length_batches with
-              the same token budget), under no_grad: no gather, no I/O. The limit.
-  trl         trl.DPOTrainer(precompute_ref_log_probs=True) construction, including loading the model from disk
-              (it tokenizes the data and computes the reference sums in __init__), when trl is importable
+For each case (a model and a data set), round-robin in this one process:
+  refcache    run_precompute end to end, default options, into a fresh output directory each time
+  score-only  precompute.job.score_pairs on the loaded model in the mode run_precompute picked (and in
+              full_forward where that differs): forward + gather, no I/O
+  bare        model(input_ids, attention_mask).logits over the same padded batches, no_grad: the limit
+  trl         trl.DPOTrainer(precompute_ref_log_probs=True) construction with the model load, when trl is importable
 Tokens/s count real (unpadded) prompt+completion tokens, the same numerator for all four.
 
     .venv/bin/python bench/bench_precompute.py [--quick]

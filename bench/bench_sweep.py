@@ -1,17 +1,13 @@
 """The whole job a user runs: a sweep of 3 betas, each run a separate process started as a user starts it.
 
-  refcache  `python -m precompute.cli` once, then `python -m dpo.cli --ref-cache` once per beta on that one cache
+  refcache  `python -m precompute.cli` once, then `python -m dpo.cli --ref-cache` once per beta on that cache
   trl       `python bench/sweep_trl.py` once per beta: trl.DPOTrainer with precompute_ref_log_probs=True and no
-            ref_model, TRL's faster mode (its reference log-probs are computed in every run, from the initial policy)
+            ref_model, TRL's faster mode (its reference log-probs computed in every run)
 
-Measured per process: wall time from start to exit (the parent's clock around the subprocess) and CPU time
-(getrusage of the child). The train loop is the wall of trainer.train() as the run records it itself (refcache:
-run-manifest.json result.train_s; TRL: the script's own clock, with TRL's train_runtime beside it); the fixed cost
-is the process wall minus the loop, split by the phases each run records (dpo/phases.py for refcache). The runs are
-interleaved (precompute, ours beta0, TRL beta0, ours beta1, ...) so that load from other processes falls on both.
-Before them, untimed, `python -m dpo.cli --help` once: what an installation computes once and keeps (train-dpo's
-option table, the .pyc files) is made, as it is for a user's sweep; the 1-minute load average is logged around each
-process.
+Per process: wall time and CPU time (getrusage of the child); the train loop as the run records it (refcache:
+run-manifest.json result.train_s; TRL: the script's own clock); the fixed cost (wall minus loop) split by the phases
+each run records. Runs are interleaved (precompute, ours beta0, TRL beta0, ...), after one untimed `dpo.cli --help`
+(what an installation computes once, as for a user's sweep).
 
     .venv/bin/python bench/bench_sweep.py [--quick]
 """

@@ -1,11 +1,7 @@
-"""The harness of the bench/ suite (no measurement of its own): environment, device, model and data builders, timing
-(`timeit`, `interleaved`: round-robin so that load from other processes falls on every contender alike), memory
-readings, child processes (`run_child`: one configuration per process, its result the JSON of its last stdout line;
-`child_parser`/`child_argv`, the options it is started with; `rounds`, configurations round-robin over processes;
-`run_process`, a command as a user runs it), and results (`parser`'s --quick and --results, `save`, `workdir`).
-
-Everything is built locally at fixed seeds: Llama-style models from a config, a synthetic word-level tokenizer
-(one token per word, so sequence lengths are exact) and synthetic preference pairs. Nothing comes from a hub.
+"""The harness of the bench/ suite (no measurement of its own): environment, device, model and data builders, child
+processes (`run_child`, `child_parser`/`child_argv`, `rounds`: configurations round-robin over processes,
+`run_process`: a command as a user runs it) and results (`parser`, `save`, `workdir`). Everything is built locally
+at fixed seeds (Llama-style models, a word-level tokenizer so lengths are exact, synthetic pairs); nothing from a hub.
 """
 
 from __future__ import annotations
