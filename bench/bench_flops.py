@@ -1,41 +1,22 @@
 """Part 11: useful FLOP/s, as a share of the machine's own dense matmul rate measured in the same process.
 
-Useful FLOPs are those of the work itself, counted from the encoded pairs (each prompt once, each completion once,
-no padding), never from what a layout runs:
-  forward   2 * N_body per token (N_body: every weight matrix except the input and output embeddings)
-            + 2 * hidden * vocab per scored position (the head's matmul, only where its output is used: one position
-              per completion token; `head_every_token` in the JSON counts it at every token instead)
-            + attention, 4 * heads * head_dim per (query, key) pair per layer (QK^T and the weighted sum), causal
-              within each sequence: prompt token i sees i keys, completion token j sees prompt + j keys
-  train     3 x forward (the backward is twice the forward), the optimizer step not counted.
-The matmul rate is torch.mm of two 2048 x 2048 matrices in the model's dtype (2 * 2048^3 FLOPs), timed in the same
-child process, interleaved with the measured work (round-robin between the contenders; in training, once after every
-step, outside the step's time).
+Useful FLOPs are counted from the encoded pairs (flops_count.forward_flops: each prompt once, each completion once,
+no padding), never from what a layout runs: 2 x N_body per token, 2 x hidden x vocab per scored position (the head
+where its output is used; `head_every_token` counts it at every token), and causal attention, 4 x heads x head_dim
+per (query, key) pair per layer; a training step is 3 x its forward (the optimizer not counted). The matmul rate is
+torch.mm of two 2048 x 2048 matrices in the model's dtype, timed in the same child, interleaved with the work (in
+training once after every step, outside its time); every contender is also timed in its process's CPU seconds.
 
-Configurations, each in a child process of its own, round-robin over rounds (common.rounds), on two cases: the 35M
-long-prompt case (prompt 512, completions 128/128, the shape of bench_modes' long-prompt case) and data/:
+Children (CONFIGS), round-robin over rounds, on the 35M long-prompt case (prompt 512, completions 128/128), data/ and
+(full mode) the long prompt's pairs in a job of 64:
   precompute    run_precompute end to end (`refcache`), score_pairs alone in the mode it picked (`score`), and a
-                plain padded Hugging Face forward of the same pairs (`padded_hf`: length-sorted padded batches of
-                both sequences of every pair, the same token budget, `.logits` at every position), interleaved with mm
-  train         train-dpo's step (cached reference, batch_layout prefix_shared), step time as in train_steps
-  train_padded  the same with batch_layout padded (every prompt twice, padding)
+                plain padded HF forward of the same pairs (`padded_hf`), interleaved with mm
+  train, train_padded  train-dpo's step (cached reference), batch_layout prefix_shared and padded
+Where the time goes (`profile`, on the 35M case): run_precompute split by phase (flops_profile.phase_profile), the
+body's matmuls at their own shapes, torch.profiler's top ops, and the step split at the Trainer's callbacks.
 
-Every contender is also timed in CPU seconds of its process (time.process_time, all its threads), beside the wall
-time: on a shared machine other processes inflate wall time far more than CPU time, so the share in CPU seconds
-(work and matmul each in their own CPU seconds) is the steadier figure. `--threads 1` runs every child on one torch
-thread (the matmul too), the setting where CPU seconds are least disturbed by the other processes.
-
-Where the time goes (`profile`, on the 35M case): one more run_precompute after the timed ones, its wall and CPU
-seconds split by phase (each phase's own time, nested phases taken out: load, encode, model load, the head check,
-the batching-mode probe's reference forwards and its mode forwards, the scoring's model forwards, the head
-(projection + log-softmax), score_pairs' own Python, the shard table, the Parquet write and its hash, the manifest),
-the model hash beside it (a background thread that overlaps the phases), torch.profiler's top ops of score_pairs by
-self time and by input shape; for training the step split by the Trainer's callbacks (batch fetch and collation,
-forward + backward + gradient clipping, optimizer step, scheduler and zeroing the gradients).
-
-    .venv/bin/python bench/bench_flops.py [--quick] [--threads 1]
+    .venv/bin/python bench/bench_flops.py [--quick] [--threads 1] [--cases long] [--configs precompute] [--no-profile]
         [--head-pieces 33554432]   further contenders: the CPU head in pieces of this many logits
-        [--cases long] [--configs precompute] [--no-profile]   a part of the runs only
 """
 
 from __future__ import annotations
