@@ -1,13 +1,11 @@
-"""audit-ref's replay (`--model --all`) against precompute-ref on the same data: data/prefs (train, 400 pairs) with
-data/sft-model, in this one process, round-robin (a, b, c, a, b, c, ...):
-  precompute  run_precompute end to end, default options (batching auto), into a fresh output directory
-  batched     run_audit(--model --all) end to end on the cache it wrote: every cache check, the hashes, loading the
-              model, the probe of the padded layout against reference_logps and the replay in padded batches
-  sequence    the same audit with the padded layout refused (as for a model whose numbers depend on the batch's
-              shape), so every row is replayed one sequence at a time with reference_logps: the replay before
-              issue 25, item 13
-Rows/s are pairs per wall second of each call; the replay's own figure (`rows_per_s` in its check: scoring after
-the model is loaded, the probe included) is reported beside. Target: batched >= 0.5 x precompute.
+"""audit-ref's replay (`--model --all`) against precompute-ref on data/ (400 pairs, data/sft-model), round-robin in
+this one process:
+  precompute  run_precompute end to end, default options, into a fresh output directory
+  batched     run_audit(--model --all) on the cache it wrote: every check, the hashes, the model load, the padded
+              layout's probe against reference_logps and the replay in padded batches
+  sequence    the same with the padded layout refused, every row replayed one sequence at a time (as before
+              issue 25, item 13)
+Rows/s: pairs per wall second of each call, beside the replay's own `rows_per_s`. Target: batched >= 0.5 x precompute.
 
     .venv/bin/python bench/bench_audit.py [--quick]
 """

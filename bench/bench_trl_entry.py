@@ -1,11 +1,7 @@
-"""TRL's own DPOTrainer, side by side in one run, over the 3-beta sweep of bench_sweep.py: each beta a process of its
-own running bench/sweep_trl.py (TRL's DPO example shape), as
-
-  trl+cache  `from dpo.trl import DPOTrainer` with `ref_cache=` one cache that precompute-ref made once (timed)
-  trl        TRL's `precompute_ref_log_probs=True` (its reference log-probs computed from the policy in every run)
-
-Measured per process: wall time, CPU seconds and peak RSS (common.run_process); the runs are interleaved per beta so
-load from other processes falls on both.
+"""TRL's own DPOTrainer over bench_sweep.py's 3-beta sweep, each beta a process running bench/sweep_trl.py, as
+`trl+cache` (`from dpo.trl import DPOTrainer` with `ref_cache=` one cache precompute-ref made once, timed) and `trl`
+(`precompute_ref_log_probs=True`: its reference log-probs in every run). Per process: wall, CPU seconds and peak RSS
+(common.run_process), interleaved per beta.
 
     .venv/bin/python bench/bench_trl_entry.py [--quick]
 """
