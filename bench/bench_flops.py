@@ -36,7 +36,6 @@ from flops_profile import body_matmul_rate, phase_profile, profile_tables
 CONFIGS = ("precompute", "train", "train_padded")
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the children
 
 def child_precompute(a) -> dict:
@@ -184,7 +183,6 @@ def child_train(a, layout: str, **overrides) -> dict:
             "maxrss_mb": timer.maxrss_mb}
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the parent
 
 def cases(quick: bool) -> list[dict]:

@@ -60,7 +60,6 @@ def prepare(case: dict, work: Path):
     return model_dir, data, "train", EncodingConfig(max_length=case["seq"])
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # where run_precompute spends its time: wrap the functions it calls (a few microseconds of overhead per call)
 
 PHASES = {  # phase -> (module, attribute)
@@ -114,7 +113,6 @@ def phase_timer(totals: dict):
             setattr(mod, attr, fn)
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the four ways of scoring
 
 def bare_batches(model_dir, data, split, encoding, token_budget, rows_per_shard, dev):
@@ -268,7 +266,6 @@ def bench_case(case: dict, work: Path, dev) -> dict:
     return r
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # peak memory of one precompute run, in a process of its own
 
 def child_peak(model_dir: str, data: str, split: str, max_length: int, out: str) -> dict:

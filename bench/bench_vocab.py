@@ -137,13 +137,9 @@ def main():
         res["precompute_over_weights_mb"] = R["precompute"]["maxrss_mb"] - weights_mb
     path = common.save("vocab", res, a)
     for mode, r in R.items():
-        t = sec(r["wall"]) if "wall" in r else common.fmt_s(r["step"], "ms", 1000) + " per step"
+        t = common.fmt_s(r["wall"]) if "wall" in r else common.fmt_s(r["step"], "ms", 1000) + " per step"
         print(f"{mode:<16} peak RSS {r['maxrss_mb']:,.0f} MiB  {t}")
     print(f"wrote {path}")
-
-
-def sec(st: dict) -> str:
-    return common.fmt_s(st, "s")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ sys.path.insert(0, str(REPO))
 
 LOADAVG_START = round(os.getloadavg()[0], 2)  # 1-minute load average when the part started
 
-# ---------------------------------------------------------------------------------------------------------------
 # device
 
 def device() -> torch.device:
@@ -73,7 +72,6 @@ def quiet() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # models: Llama-style, built from a config at a fixed seed. Parameter counts include the (untied) embeddings.
 
 MODELS = {
@@ -126,7 +124,6 @@ def make_checkpoint(root: Path, name: str, seed: int = 0, spec: dict | None = No
     return path
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # data: synthetic standard-format preference pairs with exact token lengths
 
 def synthetic_pairs(n: int, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -183,7 +180,6 @@ def sft_data() -> tuple[Path, Path]:
     return DATA / "sft-model", DATA / "prefs"
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # caches: what the parts read back from a cache precompute-ref wrote (its shards as the manifest lists them, never a
 # glob: an updated cache keeps the earlier versions' shards beside the current ones)
 
@@ -216,7 +212,6 @@ def max_abs_diff(cache, reference) -> float:
                for c in ("chosen_logps", "rejected_logps"))
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # timing
 
 def run_child(args: list[str], env: dict | None = None, timeout: float = 1800) -> dict:
@@ -277,7 +272,6 @@ def has_trl() -> bool:
         return False
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # machine line and results
 
 def cpu_model() -> str:

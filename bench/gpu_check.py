@@ -87,7 +87,6 @@ def not_run(r: dict) -> bool:
     return "error" in r or "skipped" in r
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the model and data
 
 
@@ -108,7 +107,6 @@ def build_case(work: Path, size: dict, dev: torch.device, dtype: torch.dtype) ->
     return path, common.write_jsonl(work / "data" / "train.jsonl", rows), shape
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # child processes: one precompute-ref per attention implementation, one train-dpo per configuration
 
 
@@ -183,7 +181,6 @@ def run_child(mode: str, **options) -> dict:
     return r
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the cache against the fp32 forward
 
 
@@ -235,7 +232,6 @@ def cache_lengths(root: Path):
     return [s.to_numpy() for s in lens.collect().get_columns()]
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the check
 
 

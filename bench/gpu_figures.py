@@ -104,7 +104,6 @@ def pairs_flops(prompt_lens, chosen_lens, rejected_lens, shape: dict) -> float:
                  + 4 * shape["layers"] * shape["attn_width"] * keys.sum())
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the tables
 
 

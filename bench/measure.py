@@ -67,7 +67,6 @@ def ratio(a: dict | float, b: dict | float) -> float:
     return a / b if b else float("nan")
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # memory. CPU: resident set size from /proc (VmHWM is the peak; writing 5 to /proc/self/clear_refs resets it).
 # CUDA: the caching allocator's own peak.
 
