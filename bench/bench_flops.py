@@ -227,31 +227,23 @@ def summarize(case: dict, runs: dict) -> dict:
         cpu_share = {k: common.statistics.median(flops["total"] / r["cpu_times"][k]["median"]
                                                  / (MM_FLOPS / r["cpu_times"]["mm"]["median"]) for r in rs)
                      for k in rate}
-        out["precompute"] = {"matmul_check": rs[0].get("matmul_check"), "mode": rs[0]["mode"], "pairs": rs[0]["pairs"], "shape": rs[0]["shape"], "flops": flops,
-                             "threads": rs[0]["threads"], "share_of_mm_cpu": cpu_share,
+        first = ("matmul_check", "mode", "pairs", "shape", "threads", "phases", "profile_shapes", "body_matmuls",
+                 "padded_hf_padding_fraction", "refcache_padding_fraction", "profile", "attention_calls")
+        out["precompute"] = {**{k: rs[0].get(k) for k in first}, "flops": flops, "share_of_mm_cpu": cpu_share,
                              "cpu_times": {k: measure.stats([v for r in rs for v in r["cpu_times"][k]["values"]])
                                            for k in pooled},
-                             "phases": rs[0].get("phases"), "profile_shapes": rs[0].get("profile_shapes"),
-                             "body_matmuls": rs[0].get("body_matmuls"),
                              "times": {k: measure.stats(v) for k, v in pooled.items()}, "mm_flops_per_s": mm_rate,
                              "useful_flops_per_s": rate, "share_of_mm": share,
                              "share_of_mm_head_every_token": {k: v * flops["head_every_token"] / flops["total"]
-                                                              for k, v in share.items()},
-                             "padded_hf_padding_fraction": rs[0]["padded_hf_padding_fraction"],
-                             "refcache_padding_fraction": rs[0]["refcache_padding_fraction"],
-                             "profile": rs[0].get("profile"), "attention_calls": rs[0].get("attention_calls")}
+                                                              for k, v in share.items()}}
     for layout in ("train", "train_padded"):
         if runs.get(layout):
             rs = runs[layout]
-            step_s = [v for r in rs for v in r["step_s"]]
-            flops = [v for r in rs for v in r["step_flops"]]
-            every = [v for r in rs for v in r["step_flops_head_every_token"]]
-            mm_s = [v for r in rs for v in r["mm_s"]]
+            step_s, flops, every, mm_s, step_cpu, mm_cpu, segments = (
+                [v for r in rs for v in r[k]] for k in ("step_s", "step_flops", "step_flops_head_every_token", "mm_s",
+                                                         "step_cpu_s", "mm_cpu_s", "segments"))
             mm_rate = MM_FLOPS / common.statistics.median(mm_s)
             rates = [f / s for f, s in zip(flops, step_s)]
-            step_cpu = [v for r in rs for v in r["step_cpu_s"]]
-            mm_cpu = [v for r in rs for v in r["mm_cpu_s"]]
-            segments = [seg for r in rs for seg in r["segments"]]
             names = list(segments[0]) if segments else []
             out[layout] = {"layout": rs[0]["layout"], "shape": rs[0]["shape"], "step": measure.stats(step_s),
                            "mm": measure.stats(mm_s), "mm_flops_per_s": mm_rate, "step_flops": measure.stats(flops),

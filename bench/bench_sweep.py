@@ -74,11 +74,11 @@ def run_ours(size: dict, model: Path, data: Path, cache: Path, out: Path, beta: 
     return r | {"fixed": fixed_cost("refcache", r)}
 
 
-def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log, cache: Path | None = None) -> dict:
-    """sweep_trl.py, TRL's run as a user writes it (with `cache`: through dpo.trl, bench_trl_entry's side)."""
+def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log) -> dict:
+    """sweep_trl.py, TRL's run as a user writes it."""
     phases = out.with_suffix(".json")
     cmd = [sys.executable, str(common.BENCH / "sweep_trl.py"), str(model), str(data), str(out), str(beta),
-           str(size["steps"]), str(size["batch"]), str(size["seq"]), str(phases)] + ([str(cache)] if cache else [])
+           str(size["steps"]), str(size["batch"]), str(size["seq"]), str(phases)]
     r = timed(cmd, out, log)
     rec = json.loads(phases.read_text())
     r.update(loop_s=rec["phases"]["train"]["wall_s"], setup_s=rec["phases"]["setup"]["wall_s"], phases=rec["phases"],
