@@ -79,8 +79,7 @@ def child_job(a) -> dict:
 
 
 def child_profile(a) -> dict:
-    """The job with auto, twice in this process, each under the phase timer: a fresh process's first job, then the
-    same job again."""
+    """The job with auto, twice in this process under the phase timer: a fresh process's job, then again."""
     startup = startup_seconds()
     from flops_profile import phase_profile
     from precompute.job import PrecomputeConfig, run_precompute
@@ -153,8 +152,7 @@ def summarize(runs: dict, flops: dict, cold: dict | None) -> dict:
 
 
 def compile_figures(jobs: dict, cold: dict | None) -> dict | None:
-    """Per-pair and fixed seconds, eager and compiled warm, from the two jobs' medians; the speed-up, compiling's
-    cost and the break-even job they give."""
+    """Per-pair and fixed seconds (eager, compiled warm) from the jobs' medians; speed-up, cost, break-even."""
     if not all(j in jobs and {"eager", "compiled_warm"} <= set(jobs[j]["variants"]) for j in ("short", "long")):
         return None
     n_short, n_long = jobs["short"]["pairs"], jobs["long"]["pairs"]

@@ -80,8 +80,7 @@ PHASES = {  # phase -> (module, attribute)
 
 @contextlib.contextmanager
 def phase_timer(totals: dict):
-    """Add each phase's seconds to totals; a call made inside another phase (score_pairs inside the mode probe,
-    shard_entry inside write_shard) counts for the outer one only."""
+    """Add each phase's seconds to totals; a phase called inside another counts for the outer one only."""
     import importlib
 
     saved, active = [], []
@@ -227,25 +226,14 @@ def bench_case(case: dict, work: Path, dev) -> dict:
     named = sum(v for k, v in phase_median.items() if k != "total")
     phase_median["other"] = max(0.0, phase_median["total"] - named)
     r = {
-        "case": case["name"],
-        "model": case["model"] if case["model"] != "data" else "data/sft-model",
-        "params": common.n_params(model),
-        "seq_len": case.get("seq"),
-        "longest": longest,
-        "pairs": len(encoded.pairs),
-        "tokens": tokens,
-        "completion_tokens": sum(len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs),
-        "padding_fraction": 1 - tokens / slots,
-        "batches": len(batches),
-        "token_budget": budget,
-        "times": times,
-        "tokens_per_s": {k: tokens / v["median"] for k, v in times.items()},
-        "phases_s": phase_median,
-        "cache_bytes": last.get("bytes"),
-        "bytes_per_completion_token": last.get("bytes_per_completion_token"),
+        "case": case["name"], "model": case["model"] if case["model"] != "data" else "data/sft-model",
+        "params": common.n_params(model), "seq_len": case.get("seq"), "longest": longest, "pairs": len(encoded.pairs),
+        "tokens": tokens, "completion_tokens": sum(len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs),
+        "padding_fraction": 1 - tokens / slots, "batches": len(batches), "token_budget": budget, "times": times,
+        "tokens_per_s": {k: tokens / v["median"] for k, v in times.items()}, "phases_s": phase_median,
+        "cache_bytes": last.get("bytes"), "bytes_per_completion_token": last.get("bytes_per_completion_token"),
         "ratio_refcache_vs_bare": measure.ratio(times["bare"], times["refcache"]),
-        "ratio_score_vs_bare": measure.ratio(times["bare"], times["score_only"]),
-        "mode": last["mode"],
+        "ratio_score_vs_bare": measure.ratio(times["bare"], times["score_only"]), "mode": last["mode"],
         "refcache_padding_fraction": last.get("padding_fraction"),  # of the rows run_precompute actually ran
         "ratio_refcache_compute_vs_bare": measure.ratio(times["bare"], phase_median["forward+gather"]),
         "headline": bool(case.get("headline")),

@@ -34,8 +34,7 @@ GROUPS = {  # fixed-cost phases as reported, from the phases each run records
 
 
 def timed(cmd: list[str], out: Path, log) -> dict:
-    """Run a command to completion (its output to out.log); its wall, CPU seconds and peak RSS (common.run_process),
-    and the 1-minute load average before and after it (on a shared machine: how far to trust its wall)."""
+    """Run a command (output to out.log): common.run_process's figures and the load average around it."""
     before = os.getloadavg()[0]
     r = common.run_process(cmd, out.parent / f"{out.name}.log")
     r["loadavg"] = [round(before, 2), round(os.getloadavg()[0], 2)]
@@ -52,8 +51,7 @@ def precompute_job_s(log_file: Path) -> float | None:
 
 
 def fixed_cost(side: str, run: dict) -> dict:
-    """Process wall minus loop, split by the recorded phases; `other` is what no phase covers (interpreter exit,
-    the CLI's output)."""
+    """Process wall minus loop, split by the recorded phases; `other`: what no phase covers (exit, output)."""
     phases = run["phases"]
     split = {name: sum(phases[p]["wall_s"] or 0 for p in keys if p in phases)
              for name, keys in GROUPS[side].items()}

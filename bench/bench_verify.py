@@ -60,10 +60,7 @@ def build_cache(root: Path, shards: int, seed: int = 0) -> dict:
     manifest = {
         "format_version": fmt.FORMAT_VERSION,
         "stamps": {**stamps, "mask_checksum": combined_mask_checksum(checks * shards, encoding.to_json())},
-        "encoding": encoding.to_dict(),
-        "rows": n * shards,
-        "computation": computation,
-        "shards": entries,
+        "encoding": encoding.to_dict(), "rows": n * shards, "computation": computation, "shards": entries,
     }
     fmt.write_manifest(root, manifest)
     return expected

@@ -66,8 +66,7 @@ RUNNERS = {
 
 
 def scored_per_step(model: Path, data: Path, size: dict) -> int:
-    """The most completion tokens (scored positions) any `batch` pairs of the data hold: the logits a training
-    forward through the model's own head keeps at once."""
+    """The most completion tokens any `batch` pairs hold: the logits a forward through the own head keeps."""
     from runtime.checkpoint import load_tokenizer
     from runtime.data import encode_rows, load_rows
     from schemas.encoding import EncodingConfig

@@ -159,8 +159,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def synthetic_case(work: Path, model: str, pairs: int, seq: int, seed: int, name: str = "data"):
-    """(checkpoint, data file): `model` saved under work, `pairs` synthetic pairs of up to `seq` tokens in
-    work/name/train.jsonl."""
+    """(checkpoint, data file): `model` under work, `pairs` pairs of up to `seq` tokens in work/name/."""
     rows = synthetic_pairs(pairs, seq, MODELS[model]["vocab"], seed)
     return make_checkpoint(work, model), write_jsonl(Path(work) / name / "train.jsonl", rows)
 
@@ -294,18 +293,12 @@ def machine() -> dict:
         trl_version = None
     dev = device()
     return {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "device": dev.type,
+        "cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "device": dev.type,
         "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
         "loadavg_1min": round(os.getloadavg()[0], 2),  # other processes on the machine, at the end of the part
-        "dtype": dtype_name(dev),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl_version,
+        "dtype": dtype_name(dev), "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "trl": trl_version,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -318,8 +311,7 @@ def machine_line(m: dict) -> str:
 
 
 def result_path(part: str, quick: bool = False, results: Path = RESULTS) -> Path:
-    """<results>/<part>-<device>.json; a --quick run's goes to <part>-<device>-quick.json, so that a smoke test
-    never overwrites the committed full-run results."""
+    """<results>/<part>-<device>[-quick].json: a --quick run never overwrites the committed full run's."""
     return Path(results) / f"{part}-{device().type}{'-quick' if quick else ''}.json"
 
 
@@ -358,8 +350,7 @@ def parser(doc: str):
 
 
 def child_parser(doc: str, children, paths=("model", "data", "cache", "out"), ints=("seq", "batch", "warmup", "steps")):
-    """`parser` plus what the per-configuration child processes are started with: --child NAME, path options and
-    integer size options (the parent passes them; a run by hand leaves them out)."""
+    """`parser` plus what the parent starts a child with: --child NAME, path and integer size options."""
     ap = parser(doc)
     ap.add_argument("--child", choices=children)
     for name in paths:

@@ -91,8 +91,7 @@ def not_run(r: dict) -> bool:
 
 
 def build_case(work: Path, size: dict, dev: torch.device, dtype: torch.dtype) -> tuple[Path, Path, dict]:
-    """The checkpoint (built on `dev` at a fixed seed, saved in `dtype`, with its word tokenizer), the data file and
-    the model's shape."""
+    """The checkpoint (built on `dev` at a fixed seed, saved in `dtype`), the data file, the model's shape."""
     spec = common.MODELS[size["model"]]
     path = work / f"model-{size['model']}"
     with torch.device(dev):  # random init on the GPU: seconds, not a minute of CPU for 1.1B parameters

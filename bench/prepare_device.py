@@ -108,8 +108,7 @@ def check_closure(found: dict, python_version: str, assumed: list | None = None)
 
 
 def travelling_bytes() -> int:
-    """The bytes of the working tree the device tool sends besides carried paths: tracked and untracked files git
-    does not ignore."""
+    """Bytes the device tool sends besides carried paths: tracked and untracked files git does not ignore."""
     out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                          capture_output=True, check=True).stdout
     files = {REPO / os.fsdecode(p) for p in out.split(b"\0") if p}

@@ -21,8 +21,7 @@ from common import torch
 
 
 def step_timer(profile=None, profile_after: int = 0):
-    """A TrainerCallback timing each step and reading the peak RSS within it; with `profile` (a torch.profiler),
-    profiles the steps after the first `profile_after`."""
+    """A TrainerCallback timing each step and its peak RSS; with `profile`, profiles steps after `profile_after`."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -61,8 +60,7 @@ def step_timer(profile=None, profile_after: int = 0):
 
 
 def train_config(a, mode: str, out: str, **overrides):
-    """train-dpo's TrainConfig for a child's options (`a`): cached mode reads a.cache, live mode uses the model as
-    its own reference."""
+    """train-dpo's TrainConfig for a child's options: cached reads a.cache, live uses the model as reference."""
     from dpo.config import TrainConfig
 
     cuda = torch.cuda.is_available()
