@@ -1,10 +1,8 @@
 """bench/RESULTS.md from the JSON results under bench/results/ (no measurement of its own; run_all.py calls it).
 
-Per device: the machine and load lines, the targets (ratios judged from the parts' results), the key figures, where
-the time goes for a missed target, then one section per part whose results are there (SECTIONS: part, title,
-renderer; each renderer turns a part's JSON into lines, mostly through `table`). A full run's results are used, else a
-quick run's, marked as such in the section title. Last, the GPU check, then the retired parts (bench/retired.md,
-static).
+Per device: machine and load lines, targets, key figures, where the time goes for a missed target, then a section per
+part with results (SECTIONS: part, title, renderer; a full run's results, else a quick run's, so marked). Last, the GPU
+check, then the retired parts (bench/retired.md, static).
 """
 
 from __future__ import annotations
