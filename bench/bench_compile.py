@@ -1,23 +1,14 @@
 """Part 16: torch.compile of the scoring forward (precompute-ref --torch-compile) and of the training step
-(train-dpo --torch-compile, TrainingArguments' option), against the same work uncompiled, side by side.
+(train-dpo --torch-compile), against the same work uncompiled, side by side.
 
-Useful FLOP/s and the matmul rate are bench_flops.py's (part 11: each prompt once, each completion once, no padding;
-torch.mm 2048^3 in the same process), so the shares compare with its table. Compile time is reported apart:
-  precompute  one child: run_precompute end to end without and with --torch-compile (wall, compile and probe
-              included: what a user waits), then score_pairs in the mode precompute picked, eager and compiled
-              (precompute.compiled.compile_scoring: the decoder, as precompute compiles it; its first call, the
-              compile, timed apart), interleaved with mm
-  end_to_end  the precompute-ref CLI as a user runs it, on a job of `e2e_pairs` pairs (32 in full mode: a job
-              where a user would try --torch-compile), one process per run: eager, --torch-compile with a cold
-              inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR: inductor's FX graph and AOTAutograd caches empty), the
-              same again with that cache warm, eager again; wall and CPU seconds (wait4: the process and the
-              compile workers it waited for), and the useful share of each run against torch.mm timed in this
-              child before each run (end to end: compile, probe, load and writing included)
-  train       train-dpo's step (cached reference, batch_layout prefix_shared), eager
-  train_compiled  the same with torch_compile=True; warm-up steps (where the graphs compile: a static one, then a
-              dynamic one at the first new shape) are reported apart from the timed steps
-  train_padded, train_padded_compiled  the same two with batch_layout padded
-The training runs use train-dpo's default optimizer (adamw_torch_fused).
+Useful FLOP/s and the matmul rate are part 11's (bench_flops.py), so the shares compare with its table. Children:
+  precompute  run_precompute end to end without and with --torch-compile, then score_pairs eager and compiled
+              (precompute.compiled.compile_scoring; its first call, the compile, timed apart), interleaved with mm
+  end_to_end  the precompute-ref CLI on a job of `e2e_pairs` pairs, one process per run: eager, compiled with a cold
+              inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR), compiled warm, eager again; wall and CPU seconds
+              (wait4) and the useful share against torch.mm timed before each run
+  train, train_compiled, train_padded, train_padded_compiled  train-dpo's step (cached reference, prefix_shared or
+              padded), eager and compiled; the warm-up steps (where the graphs compile) reported apart
 
     nice .venv/bin/python bench/bench_compile.py [--quick] [--configs end_to_end,train,...]
 """

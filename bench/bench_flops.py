@@ -1,42 +1,22 @@
 """Part 11: useful FLOP/s, as a share of the machine's own dense matmul rate measured in the same process.
 
-Useful FLOPs are those of the work itself, counted from the encoded pairs (each prompt once, each completion once,
-no padding), never from what a layout runs:
-  forward   2 * N_body per token (N_body: every weight matrix except the input and output embeddings)
-            + 2 * hidden * vocab per scored position (the head's matmul, only where its output is used: one position
-              per completion token; `head_every_token` in the JSON counts it at every token instead)
-            + attention, 4 * heads * head_dim per (query, key) pair per layer (QK^T and the weighted sum), causal
-              within each sequence: prompt token i sees i keys, completion token j sees prompt + j keys
-  train     3 x forward (the backward is twice the forward), the optimizer step not counted.
-The matmul rate is torch.mm of two 2048 x 2048 matrices in the model's dtype (2 * 2048^3 FLOPs), timed in the same
-child process, interleaved with the measured work (round-robin between the contenders; in training, once after every
-step, outside the step's time).
+Useful FLOPs are counted from the encoded pairs (flops_count.forward_flops: each prompt once, each completion once,
+no padding), never from what a layout runs: 2 x N_body per token, 2 x hidden x vocab per scored position (the head
+where its output is used; `head_every_token` counts it at every token), and causal attention, 4 x heads x head_dim
+per (query, key) pair per layer; a training step is 3 x its forward (the optimizer not counted). The matmul rate is
+torch.mm of two 2048 x 2048 matrices in the model's dtype, timed in the same child, interleaved with the work (in
+training once after every step, outside its time); every contender is also timed in its process's CPU seconds.
 
-Configurations, each in a child process of its own, round-robin over rounds (common.rounds), on two cases: the 35M
-long-prompt case (prompt 512, completions 128/128, the shape of bench_modes' long-prompt case) and data/:
+Children (CONFIGS), round-robin over rounds, on the 35M long-prompt case (prompt 512, completions 128/128), data/ and
+(full mode) the long prompt's pairs in a job of 64:
   precompute    run_precompute end to end (`refcache`), score_pairs alone in the mode it picked (`score`), and a
-                plain padded Hugging Face forward of the same pairs (`padded_hf`: length-sorted padded batches of
-                both sequences of every pair, the same token budget, `.logits` at every position), interleaved with mm
-  train         train-dpo's step (cached reference, batch_layout prefix_shared), step time as in train_steps
-  train_padded  the same with batch_layout padded (every prompt twice, padding)
+                plain padded HF forward of the same pairs (`padded_hf`), interleaved with mm
+  train, train_padded  train-dpo's step (cached reference), batch_layout prefix_shared and padded
+Where the time goes (`profile`, on the 35M case): run_precompute split by phase (flops_profile.phase_profile), the
+body's matmuls at their own shapes, torch.profiler's top ops, and the step split at the Trainer's callbacks.
 
-Every contender is also timed in CPU seconds of its process (time.process_time, all its threads), beside the wall
-time: on a shared machine other processes inflate wall time far more than CPU time, so the share in CPU seconds
-(work and matmul each in their own CPU seconds) is the steadier figure. `--threads 1` runs every child on one torch
-thread (the matmul too), the setting where CPU seconds are least disturbed by the other processes.
-
-Where the time goes (`profile`, on the 35M case): one more run_precompute after the timed ones, its wall and CPU
-seconds split by phase (each phase's own time, nested phases taken out: load, encode, model load, the head check,
-the batching-mode probe's reference forwards and its mode forwards, the scoring's model forwards, the head
-(projection + log-softmax), score_pairs' own Python, the shard table, the Parquet write and its hash, the manifest),
-the model hash beside it (a background thread that overlaps the phases), torch.profiler's top ops of score_pairs by
-self time and by input shape; for training the step split by the Trainer's callbacks (batch fetch and collation,
-forward + backward + gradient clipping, optimizer step, scheduler and zeroing the gradients).
-
-    .venv/bin/python bench/bench_flops.py [--quick] [--threads 1]
-        [--budgets 1536,3072] [--head-pieces 33554432]   further score_pairs contenders, side by side
-        [--attention 1]   torch's attention kernel on the case's shapes, with and without a mask
-        [--cases long] [--configs precompute] [--no-profile]   a part of the runs only
+    .venv/bin/python bench/bench_flops.py [--quick] [--threads 1] [--cases long] [--configs precompute] [--no-profile]
+        [--head-pieces 33554432]   further contenders: the CPU head in pieces of this many logits
 """
 
 from __future__ import annotations
@@ -51,12 +31,11 @@ import measure
 from common import np, torch
 from flops_count import (MM, MM_FLOPS, encoded_pairs, forward_flops, long_prompt_rows, matmul_check, mm_fn,  # noqa: F401
                          model_shape, pair_lengths)
-from flops_profile import attention_calls, body_matmul_rate, phase_profile, profile_tables
+from flops_profile import body_matmul_rate, phase_profile, profile_tables
 
 CONFIGS = ("precompute", "train", "train_padded")
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the children
 
 def child_precompute(a) -> dict:
@@ -100,11 +79,6 @@ def child_precompute(a) -> dict:
     r = {"matmul_check": matmul_check(model, pairs[0]), "mode": last["mode"], "pairs": len(pairs), "shape": shape,
          "flops": flops, "times": times, "cpu_times": cpu, "threads": torch.get_num_threads(),
          "padded_hf_padding_fraction": 1 - tokens / slots, "refcache_padding_fraction": last.get("padding_fraction")}
-    if a.attention:
-        calls = {"mm": fns["mm"], **attention_calls(model, pairs)}
-        cpu_calls = {}
-        r["attention_calls"] = {"wall": measure.interleaved(calls, reps=a.reps + 2, warmup=1, cpu=cpu_calls),
-                                "cpu": cpu_calls}
     if a.profile:
         r["body_matmuls"] = body_matmul_rate(model)
         r["phases"] = phase_profile(refcache)
@@ -114,10 +88,9 @@ def child_precompute(a) -> dict:
 
 
 def variants(a, model, pairs, pad_id: int, per_shard: int, mode: str, refcache) -> dict:
-    """Further contenders (--budgets, --head-pieces): `score@B`, score_pairs at token budget B; `score/head piece E`
-    and `refcache/head piece E`, score_pairs and run_precompute with the CPU head's pieces at E logits
-    (runtime.logprobs.CPU_CHUNK_ELEMENTS, at least CPU_CHUNK_ROWS positions; 2**25 is the memory chunk itself, the
-    head before it ran in pieces)."""
+    """Further contenders (--head-pieces): `score/head piece E` and `refcache/head piece E`, score_pairs and
+    run_precompute with the CPU head's pieces at E logits (runtime.logprobs.CPU_CHUNK_ELEMENTS; 2**25 is the memory
+    chunk itself, the head before it ran in pieces)."""
     from precompute.job import PrecomputeConfig, score_pairs
     from runtime import logprobs
 
@@ -131,20 +104,13 @@ def variants(a, model, pairs, pad_id: int, per_shard: int, mode: str, refcache) 
                 logprobs.CPU_CHUNK_ELEMENTS = saved
         return run
 
-    def scored(budget: int):
-        def run():
-            for s in range(0, len(pairs), per_shard):
-                score_pairs(model, pairs[s : s + per_shard], pad_id, budget, mode)
-        return run
+    def scored():
+        for s in range(0, len(pairs), per_shard):
+            score_pairs(model, pairs[s : s + per_shard], pad_id, PrecomputeConfig.token_budget, mode)
 
-    budget = PrecomputeConfig.token_budget
-    return {**{f"score@{b}": scored(b) for b in numbers(a.budgets)},
-            **{f"score/head piece {e}": pieces(e, scored(budget)) for e in numbers(a.head_pieces)},
-            **{f"refcache/head piece {e}": pieces(e, refcache) for e in numbers(a.head_pieces)}}
-
-
-def numbers(text: str | None) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()] if text else []
+    pieces_at = [int(x) for x in a.head_pieces.split(",") if x.strip()] if a.head_pieces else []
+    return {**{f"score/head piece {e}": pieces(e, scored) for e in pieces_at},
+            **{f"refcache/head piece {e}": pieces(e, refcache) for e in pieces_at}}
 
 
 def child_train(a, layout: str, **overrides) -> dict:
@@ -217,7 +183,6 @@ def child_train(a, layout: str, **overrides) -> dict:
             "maxrss_mb": timer.maxrss_mb}
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the parent
 
 def cases(quick: bool) -> list[dict]:
@@ -262,31 +227,23 @@ def summarize(case: dict, runs: dict) -> dict:
         cpu_share = {k: common.statistics.median(flops["total"] / r["cpu_times"][k]["median"]
                                                  / (MM_FLOPS / r["cpu_times"]["mm"]["median"]) for r in rs)
                      for k in rate}
-        out["precompute"] = {"matmul_check": rs[0].get("matmul_check"), "mode": rs[0]["mode"], "pairs": rs[0]["pairs"], "shape": rs[0]["shape"], "flops": flops,
-                             "threads": rs[0]["threads"], "share_of_mm_cpu": cpu_share,
+        first = ("matmul_check", "mode", "pairs", "shape", "threads", "phases", "profile_shapes", "body_matmuls",
+                 "padded_hf_padding_fraction", "refcache_padding_fraction", "profile", "attention_calls")
+        out["precompute"] = {**{k: rs[0].get(k) for k in first}, "flops": flops, "share_of_mm_cpu": cpu_share,
                              "cpu_times": {k: measure.stats([v for r in rs for v in r["cpu_times"][k]["values"]])
                                            for k in pooled},
-                             "phases": rs[0].get("phases"), "profile_shapes": rs[0].get("profile_shapes"),
-                             "body_matmuls": rs[0].get("body_matmuls"),
                              "times": {k: measure.stats(v) for k, v in pooled.items()}, "mm_flops_per_s": mm_rate,
                              "useful_flops_per_s": rate, "share_of_mm": share,
                              "share_of_mm_head_every_token": {k: v * flops["head_every_token"] / flops["total"]
-                                                              for k, v in share.items()},
-                             "padded_hf_padding_fraction": rs[0]["padded_hf_padding_fraction"],
-                             "refcache_padding_fraction": rs[0]["refcache_padding_fraction"],
-                             "profile": rs[0].get("profile"), "attention_calls": rs[0].get("attention_calls")}
+                                                              for k, v in share.items()}}
     for layout in ("train", "train_padded"):
         if runs.get(layout):
             rs = runs[layout]
-            step_s = [v for r in rs for v in r["step_s"]]
-            flops = [v for r in rs for v in r["step_flops"]]
-            every = [v for r in rs for v in r["step_flops_head_every_token"]]
-            mm_s = [v for r in rs for v in r["mm_s"]]
+            step_s, flops, every, mm_s, step_cpu, mm_cpu, segments = (
+                [v for r in rs for v in r[k]] for k in ("step_s", "step_flops", "step_flops_head_every_token", "mm_s",
+                                                         "step_cpu_s", "mm_cpu_s", "segments"))
             mm_rate = MM_FLOPS / common.statistics.median(mm_s)
             rates = [f / s for f, s in zip(flops, step_s)]
-            step_cpu = [v for r in rs for v in r["step_cpu_s"]]
-            mm_cpu = [v for r in rs for v in r["mm_cpu_s"]]
-            segments = [seg for r in rs for seg in r["segments"]]
             names = list(segments[0]) if segments else []
             out[layout] = {"layout": rs[0]["layout"], "shape": rs[0]["shape"], "step": measure.stats(step_s),
                            "mm": measure.stats(mm_s), "mm_flops_per_s": mm_rate, "step_flops": measure.stats(flops),
@@ -310,11 +267,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every child (default: torch's own)")
-    ap.add_argument("--budgets", help="also time score_pairs at these token budgets (comma-separated), side by side")
     ap.add_argument("--head-pieces", help="also time score_pairs with the CPU head's pieces at these numbers of logits "
                                           "(comma-separated; 33554432 = the memory chunk, no pieces)")
-    ap.add_argument("--attention", type=int, default=0, help="also time torch's attention kernel on the case's "
-                                                                   "shapes, with and without an explicit mask")
     ap.add_argument("--no-profile", action="store_true", help="skip the phase tables and torch.profiler runs")
     ap.add_argument("--cases", default="long,data,job", help="which cases: long (35M long prompt), data (data/), "
                                                               "job (the long prompt's pairs in a job of 64, full mode)")
@@ -346,8 +300,7 @@ def main():
                                          batch=case["batch"], warmup=case["warmup"], steps=case["steps"],
                                          out=work / "runs", reps=case["reps"], profile=int(case["model"] != "data" and not a.no_profile
                                                                     and not case.get("no_profile")),
-                                         threads=a.threads or None, budgets=a.budgets, head_pieces=a.head_pieces,
-                                         attention=a.attention or None)
+                                         threads=a.threads or None, head_pieces=a.head_pieces)
 
             runs = common.rounds(1 if a.quick else 2, configs, argv, show=show)
             r = summarize(case, runs)

@@ -1,32 +1,16 @@
-"""Part 11b: precompute-ref's useful FLOP/s share on a short job and on one 10x longer, with `--torch-compile` auto
-(the default, neither flag), eager (`--no-torch-compile`) and compiled with a warm inductor cache (`--torch-compile`),
-side by side in one run (issue 39).
+"""Part 11b: precompute-ref's useful FLOP/s share on a short job (24 pairs) and one 10x longer (240; the short job is
+its first rows), with `--torch-compile` auto (the default), eager and compiled with a warm inductor cache, side by
+side (issue 39), on part 11's 35M long-prompt case with part 11's useful FLOPs.
 
-Jobs: part 11's 35M long-prompt case (prompt 512, completions 128/128, max length 1024), `short` pairs (24) and
-`long` pairs (240; the short job is its first rows). Useful FLOPs are part 11's (flops_count.forward_flops: each prompt
-once, each completion once, no padding), the same numerator for every variant of a job.
+Each run is a child process, as a user's job is: it times the matmul (torch.mm 2048^3, MM_REPS times), runs
+run_precompute once (wall and CPU seconds; the interpreter's start and imports apart, `startup_s`), then the matmul
+again, and records the 1-minute load average around its job. Rounds interleave every job and variant (the order
+turning each round). The share's denominator is the best matmul of the whole run; `share_own`, the child's own best.
 
-Each run is a child process of its own, as a user's job is: it imports, times the matmul (torch.mm of two 2048 x 2048
-matrices, `MM_REPS` times), runs run_precompute once (wall and CPU seconds of its process: load, probe, compile,
-scoring, writing; not the interpreter's start and imports, reported apart as `startup_s`), then times the matmul again.
-Rounds interleave every job and variant (the order of the variants turns by one each round), so load from other
-processes falls on all alike; each child records the 1-minute load average before and after its job: these 2 cores
-are shared with other processes, and the load line says how much.
-
-The share's denominator is the best of every matmul measured in the run (each child's, before and after its job: the
-fastest is the machine's rate with the least interference); `share_own` divides by the child's own best instead. In
-CPU seconds both sides are their own process's CPU time (inductor's compile workers, other processes, are not in it).
-
-Compile time and break-even, measured: before the rounds, one `--torch-compile` run of the short job with an empty
-inductor cache (`cold`), which also warms the cache every compiled run after it reads. From the medians, per pair
-(the long job's time minus the short one's, over the pairs between them) and fixed (the rest), eager and compiled:
-the compiled scoring's speed-up is the ratio of the per-pair times, compiling's cost the difference of the fixed times
-(warm; cold adds the cold run's extra), and the break-even job the pairs where the per-pair saving pays for it (none
-where compiled is not faster per pair).
-
-Where the short job's fixed time goes (`profile`, unless --no-profile): one more child that runs the short job twice
-with auto under flops_profile.phase_profile: the first run is a fresh process's (what a user's job pays), the second the
-same job again in that process (one-time costs, e.g. lazy imports and first calls, gone).
+Compile figures: first one `--torch-compile` run of the short job with an empty inductor cache (`cold`); from the
+medians, per-pair and fixed seconds (the two jobs' difference), eager and compiled: the speed-up, compiling's cost
+(warm, and cold) and the break-even job. `profile` (unless --no-profile): one child runs the short job twice with auto
+under flops_profile.phase_profile, a fresh process's job and the same job again.
 
     .venv/bin/python bench/bench_flops_jobs.py [--quick] [--rounds 2] [--short 24] [--long 240] [--no-profile]
 """
@@ -95,8 +79,7 @@ def child_job(a) -> dict:
 
 
 def child_profile(a) -> dict:
-    """The job with auto, twice in this process, each under the phase timer: a fresh process's first job, then the
-    same job again."""
+    """The job with auto, twice in this process under the phase timer: a fresh process's job, then again."""
     startup = startup_seconds()
     from flops_profile import phase_profile
     from precompute.job import PrecomputeConfig, run_precompute
@@ -169,8 +152,7 @@ def summarize(runs: dict, flops: dict, cold: dict | None) -> dict:
 
 
 def compile_figures(jobs: dict, cold: dict | None) -> dict | None:
-    """Per-pair and fixed seconds, eager and compiled warm, from the two jobs' medians; the speed-up, compiling's
-    cost and the break-even job they give."""
+    """Per-pair and fixed seconds (eager, compiled warm) from the jobs' medians; speed-up, cost, break-even."""
     if not all(j in jobs and {"eager", "compiled_warm"} <= set(jobs[j]["variants"]) for j in ("short", "long")):
         return None
     n_short, n_long = jobs["short"]["pairs"], jobs["long"]["pairs"]

@@ -1,16 +1,12 @@
 """train-dpo's step under KL governance (issue 35) against a fixed β, on the same top-k cache (K = 32):
 
   sigmoid   --loss-type sigmoid, fixed --beta: the plain step (the KL metrics of the top-k cache are logged too)
-  governed  the same plus --kl-target LO:HI (a band controller below the run's KL, so β moves at every step,
-            --kl-adapt-every 1) and --kl-alarm LEVEL:warn (checked at every logged step, above the KL: it never fires)
+  governed  the same plus --kl-target LO:HI (a band below the run's KL, so β moves at every step) and
+            --kl-alarm LEVEL:warn (checked at every logged step, never fires)
 
-Both log every step (--logging-steps 1: the governor decides and checks its alarm on logged steps). Each
-configuration runs in a process of its own, round-robin over the rounds; step time as bench/train_steps.py measures
-it (median after the warm-up), and the ratio governed / sigmoid; target <= 1.02x. Beside it the same ratio of the
-process's CPU seconds per step (all its threads), and the governor's own share: the CPU seconds of its thread in the
-governor's hooks (dpo/kl_governor.py KLGovernor: setting β, observing each batch's KL, deciding, checking the alarm,
-writing its records) per step, over the plain step's CPU seconds: a figure a loaded machine barely moves, unlike
-the step-time ratio between two processes.
+Both log every step. One process per configuration, round-robin over the rounds; step time as train_steps measures
+it, and the ratio governed / sigmoid (target <= 1.02x); beside it the ratio in the process's CPU seconds per step,
+and the governor's own share: its hooks' CPU seconds (KLGovernor) per step over the plain step's CPU seconds.
 
     .venv/bin/python bench/bench_kl_control.py [--quick] [--rounds N]
 """

@@ -1,18 +1,11 @@
-"""Peak memory at the limit a cache allows: the whole train-dpo process (cached reference) against TRL DPOTrainer
-with a live reference and against our own policy-only run, on a ~115M-parameter Llama-style model (453 MB of fp32
-weights), batch 2 pairs, sequence 512, a few steps.
+"""Peak memory at the limit a cache allows: the train-dpo process (cached reference) against TRL with a live reference
+and our own policy-only run, on a ~115M-parameter model (453 MB of fp32 weights), batch 2, sequence 512.
 
-A cache saves at most the reference's weights, so the floor is TRL live's peak RSS minus the reference's weight
-bytes. Each configuration runs in a process of its own:
-  cached   `python -m dpo.cli --ref-cache` as a user runs it (--batch-layout auto); peak RSS of that process from
-           the kernel (wait4's ru_maxrss), and its memory at the end of each phase from the run manifest
-           (dpo/phases.py)
-  cached_padded  the same with --batch-layout padded: the layout policy-only and TRL use, so the like-for-like
-           comparison
-  policy   bench_train.py's policy-only child (same Trainer and forward, a constant zero reference)
-  trl      bench_train.py's TRL child: trl.DPOTrainer with a live reference model
-Targets: cached within 0.03 of the floor (as fractions of TRL's peak), cached <= 1.02x policy-only (both judged
-on cached_padded, the same layout; cached with the auto layout is shown beside).
+A cache saves at most the reference's weights: the floor is TRL live's peak RSS minus those bytes. One process per
+configuration: `cached` (`python -m dpo.cli --ref-cache` as a user runs it; wait4's ru_maxrss and the run
+manifest's memory per phase), `cached_padded` (the same, --batch-layout padded: the like-for-like layout),
+`policy` and `trl` (bench_train.py's children). Targets, on cached_padded: within 0.03 of the floor (as fractions of
+TRL's peak) and <= 1.02x policy-only.
 
     .venv/bin/python bench/bench_memory.py [--quick] [--reuse]
 

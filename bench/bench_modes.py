@@ -1,12 +1,7 @@
-"""Part 7: precompute batching modes side by side: full_forward (the plain padded forward, refcache's previous
-behaviour), shared_prompt (each prompt once, one pair per row, tree mask), packed (each prompt once, pairs packed
-into rows, tree mask), kv_cache (each prompt once, completions continue from its key/value cache) and, with flash
-attention on CUDA, varlen (no padding); on a long-prompt case (prompt 512, completions 128) and the standard case
-(synthetic_pairs lengths).
-
-Each mode scores the same encoded pairs with precompute.modes.score_pairs on the same loaded model, round-robin in
-this one process; the per-token difference of every mode against full_forward is reported alongside, with the
-work estimated_cost predicts (the basis of the auto choice) and the mode auto picks.
+"""Part 7: precompute batching modes side by side (precompute.modes.score_pairs on the same pairs and loaded model,
+round-robin): full_forward, shared_prompt, packed, kv_cache and, with flash attention on CUDA, varlen; on a
+long-prompt case (prompt 512, completions 128) and the standard case. Reported beside each: its per-token
+difference against full_forward, the speed-up estimated_cost predicts (the basis of auto) and the mode auto picks.
 
     .venv/bin/python bench/bench_modes.py [--quick]
 """

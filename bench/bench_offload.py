@@ -1,11 +1,7 @@
 """Part 10: precompute-ref with the reference split by --device-map auto (accelerate's dispatch) against the whole
-model in memory: what disk offload costs.
-
-run_precompute end to end on the same synthetic pairs, three ways, round-robin (median of reps after a warm-up):
-  in-memory   the default: the whole model loaded on the device
-  fits        --device-map auto with a --max-memory that holds the whole model (no split: the cost of asking)
-  offload     --device-map auto with --max-memory half the weights: the rest is read from disk at every forward
-The caches are compared value by value (max abs difference per token against in-memory).
+model in memory: what disk offload costs. run_precompute end to end, round-robin: `in-memory` (the default), `fits`
+(--device-map auto with room for the whole model: the cost of asking) and `offload` (--max-memory half the weights:
+the rest read from disk at every forward); the caches compared value by value against in-memory.
 
     .venv/bin/python bench/bench_offload.py [--quick]
 """

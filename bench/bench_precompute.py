@@ -1,15 +1,11 @@
 """Part 1: precompute-ref throughput against the bare forward pass (the limit) and TRL's reference precompute.
 
-For each case (a model and a data set) four things are timed, round-robin, in this one process:
-  refcache    run_precompute end to end, default options (batching auto): load tokenizer and data, encode, hash,
-              load the model, probe the batching mode, forward, gather, write the Parquet shards and the manifest
-              (a fresh output directory each time)
-  score-only  precompute.job.score_pairs on the already loaded model, in the batching mode run_precompute picked:
-              forward + gather, no I/O (and, where that mode is not full_forward, score_pairs in full_forward too)
-  bare        model(input_ids, attention_mask).logits over exactly the same padded batches (length_batches with
-              the same token budget), under no_grad: no gather, no I/O. The limit.
-  trl         trl.DPOTrainer(precompute_ref_log_probs=True) construction, including loading the model from disk
-              (it tokenizes the data and computes the reference sums in __init__), when trl is importable
+For each case (a model and a data set), round-robin in this one process:
+  refcache    run_precompute end to end, default options, into a fresh output directory each time
+  score-only  precompute.job.score_pairs on the loaded model in the mode run_precompute picked (and in
+              full_forward where that differs): forward + gather, no I/O
+  bare        model(input_ids, attention_mask).logits over the same padded batches, no_grad: the limit
+  trl         trl.DPOTrainer(precompute_ref_log_probs=True) construction with the model load, when trl is importable
 Tokens/s count real (unpadded) prompt+completion tokens, the same numerator for all four.
 
     .venv/bin/python bench/bench_precompute.py [--quick]
@@ -64,7 +60,6 @@ def prepare(case: dict, work: Path):
     return model_dir, data, "train", EncodingConfig(max_length=case["seq"])
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # where run_precompute spends its time: wrap the functions it calls (a few microseconds of overhead per call)
 
 PHASES = {  # phase -> (module, attribute)
@@ -85,8 +80,7 @@ PHASES = {  # phase -> (module, attribute)
 
 @contextlib.contextmanager
 def phase_timer(totals: dict):
-    """Add each phase's seconds to totals; a call made inside another phase (score_pairs inside the mode probe,
-    shard_entry inside write_shard) counts for the outer one only."""
+    """Add each phase's seconds to totals; a phase called inside another counts for the outer one only."""
     import importlib
 
     saved, active = [], []
@@ -118,7 +112,6 @@ def phase_timer(totals: dict):
             setattr(mod, attr, fn)
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the four ways of scoring
 
 def bare_batches(model_dir, data, split, encoding, token_budget, rows_per_shard, dev):
@@ -233,25 +226,14 @@ def bench_case(case: dict, work: Path, dev) -> dict:
     named = sum(v for k, v in phase_median.items() if k != "total")
     phase_median["other"] = max(0.0, phase_median["total"] - named)
     r = {
-        "case": case["name"],
-        "model": case["model"] if case["model"] != "data" else "data/sft-model",
-        "params": common.n_params(model),
-        "seq_len": case.get("seq"),
-        "longest": longest,
-        "pairs": len(encoded.pairs),
-        "tokens": tokens,
-        "completion_tokens": sum(len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs),
-        "padding_fraction": 1 - tokens / slots,
-        "batches": len(batches),
-        "token_budget": budget,
-        "times": times,
-        "tokens_per_s": {k: tokens / v["median"] for k, v in times.items()},
-        "phases_s": phase_median,
-        "cache_bytes": last.get("bytes"),
-        "bytes_per_completion_token": last.get("bytes_per_completion_token"),
+        "case": case["name"], "model": case["model"] if case["model"] != "data" else "data/sft-model",
+        "params": common.n_params(model), "seq_len": case.get("seq"), "longest": longest, "pairs": len(encoded.pairs),
+        "tokens": tokens, "completion_tokens": sum(len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs),
+        "padding_fraction": 1 - tokens / slots, "batches": len(batches), "token_budget": budget, "times": times,
+        "tokens_per_s": {k: tokens / v["median"] for k, v in times.items()}, "phases_s": phase_median,
+        "cache_bytes": last.get("bytes"), "bytes_per_completion_token": last.get("bytes_per_completion_token"),
         "ratio_refcache_vs_bare": measure.ratio(times["bare"], times["refcache"]),
-        "ratio_score_vs_bare": measure.ratio(times["bare"], times["score_only"]),
-        "mode": last["mode"],
+        "ratio_score_vs_bare": measure.ratio(times["bare"], times["score_only"]), "mode": last["mode"],
         "refcache_padding_fraction": last.get("padding_fraction"),  # of the rows run_precompute actually ran
         "ratio_refcache_compute_vs_bare": measure.ratio(times["bare"], phase_median["forward+gather"]),
         "headline": bool(case.get("headline")),
@@ -272,7 +254,6 @@ def bench_case(case: dict, work: Path, dev) -> dict:
     return r
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # peak memory of one precompute run, in a process of its own
 
 def child_peak(model_dir: str, data: str, split: str, max_length: int, out: str) -> dict:

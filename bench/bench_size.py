@@ -55,8 +55,7 @@ def bench_case(name, model, seq, pairs, work) -> dict:
     return {
         "case": name, "pairs": r["rows"], "tokens": r["tokens"], "completion_tokens": round(completion),
         "bytes": r["bytes"], "manifest_bytes": manifest,
-        "bytes_per_completion_token": r["bytes_per_completion_token"],
-        "bytes_per_pair": r["bytes"] / r["rows"],
+        "bytes_per_completion_token": r["bytes_per_completion_token"], "bytes_per_pair": r["bytes"] / r["rows"],
         "columns": cols,
         "logps_bytes_per_completion_token": (cols.get("chosen_logps", 0) + cols.get("rejected_logps", 0)) / completion,
         "bytes_without_float_dictionary": no_dict,

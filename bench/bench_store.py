@@ -1,14 +1,11 @@
 """Named-only part: a cache on an object store (s3://, a moto S3 server on 127.0.0.1 started here) against the same
-cache on local disk, side by side in one run, round-robin (median of reps after a warm-up):
-
-  precompute   run_precompute --out DIR vs --out s3://bucket/prefix (each shard uploaded from a local temporary
-               file, the manifest by a conditional PUT, the lease object created, refreshed and released)
-  verify       open_cache (manifest, every shard's size and sha256, footers, index columns): local vs streamed
-  train        run_train --ref-cache DIR vs --ref-cache s3://... (verification, the columns it trains on, a few steps)
-
-The server runs in this process (moto's ThreadedMotoServer): its request handling shares the machine's cores with the
-job, so the ratio is an upper bound of what a store's own servers cost; it measures what the storage layer adds
-(HTTP, hashing while streaming, one object per request), not a network. Both caches are compared value by value.
+cache on local disk, round-robin (median of reps after a warm-up):
+  precompute   run_precompute --out DIR vs --out s3://bucket/prefix
+  verify       open_cache (manifest, every shard's size and sha256, footers, index columns)
+  train        run_train --ref-cache DIR vs s3://... (verification, the columns it trains on, a few steps)
+The server runs in this process (ThreadedMotoServer), sharing the cores with the job: the ratio is an upper bound of
+what the storage layer adds (HTTP, hashing while streaming, one object per request), not a network. Both caches are
+compared value by value.
 
     .venv/bin/python bench/bench_store.py [--quick]
 """

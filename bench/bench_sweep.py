@@ -1,17 +1,13 @@
 """The whole job a user runs: a sweep of 3 betas, each run a separate process started as a user starts it.
 
-  refcache  `python -m precompute.cli` once, then `python -m dpo.cli --ref-cache` once per beta on that one cache
+  refcache  `python -m precompute.cli` once, then `python -m dpo.cli --ref-cache` once per beta on that cache
   trl       `python bench/sweep_trl.py` once per beta: trl.DPOTrainer with precompute_ref_log_probs=True and no
-            ref_model, TRL's faster mode (its reference log-probs are computed in every run, from the initial policy)
+            ref_model, TRL's faster mode (its reference log-probs computed in every run)
 
-Measured per process: wall time from start to exit (the parent's clock around the subprocess) and CPU time
-(getrusage of the child). The train loop is the wall of trainer.train() as the run records it itself (refcache:
-run-manifest.json result.train_s; TRL: the script's own clock, with TRL's train_runtime beside it); the fixed cost
-is the process wall minus the loop, split by the phases each run records (dpo/phases.py for refcache). The runs are
-interleaved (precompute, ours beta0, TRL beta0, ours beta1, ...) so that load from other processes falls on both.
-Before them, untimed, `python -m dpo.cli --help` once: what an installation computes once and keeps (train-dpo's
-option table, the .pyc files) is made, as it is for a user's sweep; the 1-minute load average is logged around each
-process.
+Per process: wall time and CPU time (getrusage of the child); the train loop as the run records it (refcache:
+run-manifest.json result.train_s; TRL: the script's own clock); the fixed cost (wall minus loop) split by the phases
+each run records. Runs are interleaved (precompute, ours beta0, TRL beta0, ...), after one untimed `dpo.cli --help`
+(what an installation computes once, as for a user's sweep).
 
     .venv/bin/python bench/bench_sweep.py [--quick]
 """
@@ -38,8 +34,7 @@ GROUPS = {  # fixed-cost phases as reported, from the phases each run records
 
 
 def timed(cmd: list[str], out: Path, log) -> dict:
-    """Run a command to completion (its output to out.log); its wall, CPU seconds and peak RSS (common.run_process),
-    and the 1-minute load average before and after it (on a shared machine: how far to trust its wall)."""
+    """Run a command (output to out.log): common.run_process's figures and the load average around it."""
     before = os.getloadavg()[0]
     r = common.run_process(cmd, out.parent / f"{out.name}.log")
     r["loadavg"] = [round(before, 2), round(os.getloadavg()[0], 2)]
@@ -56,8 +51,7 @@ def precompute_job_s(log_file: Path) -> float | None:
 
 
 def fixed_cost(side: str, run: dict) -> dict:
-    """Process wall minus loop, split by the recorded phases; `other` is what no phase covers (interpreter exit,
-    the CLI's output)."""
+    """Process wall minus loop, split by the recorded phases; `other`: what no phase covers (exit, output)."""
     phases = run["phases"]
     split = {name: sum(phases[p]["wall_s"] or 0 for p in keys if p in phases)
              for name, keys in GROUPS[side].items()}
@@ -78,11 +72,11 @@ def run_ours(size: dict, model: Path, data: Path, cache: Path, out: Path, beta: 
     return r | {"fixed": fixed_cost("refcache", r)}
 
 
-def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log, cache: Path | None = None) -> dict:
-    """sweep_trl.py, TRL's run as a user writes it (with `cache`: through dpo.trl, bench_trl_entry's side)."""
+def run_trl(size: dict, model: Path, data: Path, out: Path, beta: float, log) -> dict:
+    """sweep_trl.py, TRL's run as a user writes it."""
     phases = out.with_suffix(".json")
     cmd = [sys.executable, str(common.BENCH / "sweep_trl.py"), str(model), str(data), str(out), str(beta),
-           str(size["steps"]), str(size["batch"]), str(size["seq"]), str(phases)] + ([str(cache)] if cache else [])
+           str(size["steps"]), str(size["batch"]), str(size["seq"]), str(phases)]
     r = timed(cmd, out, log)
     rec = json.loads(phases.read_text())
     r.update(loop_s=rec["phases"]["train"]["wall_s"], setup_s=rec["phases"]["setup"]["wall_s"], phases=rec["phases"],

@@ -1,11 +1,9 @@
 """precompute-ref --top-k: cache bytes per completion token at K = 0, 8, 32, 128, and precompute time at K = 32 vs 0.
 
-Sizes: precompute-ref on the embedded data/ (a trained model, vocabulary 1024: real next-token distributions) and on
-synthetic pairs under an untrained 1M model with a 32k vocabulary (near-uniform top-k ids: the pessimistic case
-for the ids' dictionary encoding). Sizes are deterministic: one run per case. Time: the whole precompute-ref run on
-data/ (load, probe, score, write) and the scoring plus shard writing alone on the loaded model, K = 0 and K = 32
-round-robin (measure.interleaved), so load from other processes falls on both alike; and the whole run's CPU seconds
-on one torch thread, which load from other processes barely moves.
+Sizes (deterministic, one run per case) on data/ (a trained model: real next-token distributions) and on synthetic
+pairs under an untrained 1M model with a 32k vocabulary (near-uniform ids: the pessimistic case for their dictionary
+encoding). Time on data/, K = 0 and 32 round-robin: the whole run, the scoring plus shard writing alone, and the whole
+run's CPU seconds on one torch thread.
 
     .venv/bin/python bench/bench_topk.py [--quick]
 """

@@ -1,17 +1,13 @@
 """train-dpo's step with the reference's top-k distribution (issue 24): step time and peak memory of
 
   sigmoid  plain cache (no top-k columns), --loss-type sigmoid: today's step
-  kl       top-k cache (K = 32), --loss-type sigmoid: the same loss plus the KL lower-bound metrics (the policy's
-           log-probs of the reference's K ids and its tail, from the same forward)
+  kl       top-k cache (K = 32), --loss-type sigmoid: the same loss plus the KL lower-bound metrics
   tdpo2    top-k cache (K = 32), --loss-type tdpo2: the token-level loss on the sequential KL
 
-on the same model, data, batch and precision; target: kl and tdpo2 within 1.10x of sigmoid. Each configuration runs
-in a process of its own, round-robin over the rounds; step time (median after the warm-up) and peak RSS as
-bench/train_steps.py measures them. Then each configuration is profiled (torch.profiler, 2 steps after the warm-up,
-a separate run: the profiler slows steps), and one process times the parts of a step on one torch thread in CPU
-seconds (collate, forward and loss, backward; the configurations interleaved step by step; no optimizer): figures
-that other processes on a shared machine barely move, unlike wall-clock step times. Both land in the results and
-bench/RESULTS.md.
+on the same model, data, batch and precision; target: kl and tdpo2 within 1.10x of sigmoid. One process per
+configuration, round-robin, as train_steps measures them; then each is profiled (torch.profiler, 2 steps, a separate
+run), and one process times the parts of a step (collate, forward and loss, backward) on one torch thread in CPU
+seconds, the configurations interleaved step by step: figures a shared machine barely moves.
 
     .venv/bin/python bench/bench_topk_train.py [--quick] [--no-profile] [--rounds N]
 """

@@ -1,14 +1,10 @@
 """Part 2: train-dpo step time and peak memory: cached reference vs live reference vs policy-only vs TRL.
 
-Each configuration runs in a process of its own (so none shares another's heap), on the same model, data, batch and
-precision, for `warmup + steps` optimizer steps:
-  policy   the limit: the same Trainer, collator and completion_logps forward/backward, with a loss that needs no
-           reference values (the DPO loss against a constant zero reference)
+One process per configuration (train_steps' child harness), the same model, data, batch and precision:
+  policy   the limit: the same Trainer, collator and forward/backward, the DPO loss against a constant zero reference
   cached   train-dpo --ref-cache (dpo.recipe.run_train): verifies the cache, never loads the reference
-  live     train-dpo --ref-model (run_train): a second copy of the model, one extra no-grad forward per step
-  trl      trl.DPOTrainer with a live reference model (CPU: use_cpu, no bf16, no gradient checkpointing)
-Step time (median over the steps after the warm-up, pooled over the rounds) and memory (peak RSS to the last step,
-steady per-step peak): bench/train_steps.py's child harness.
+  live     train-dpo --ref-model: a second copy of the model, one extra no-grad forward per step
+  trl      trl.DPOTrainer with a live reference model
 
     .venv/bin/python bench/bench_train.py [--quick]
 """

@@ -1,14 +1,9 @@
-"""precompute-ref's peak memory set by the truth (issue 39 item 2): the probe runs the truth on the job's longest
-pair, so with the whole forward that pair's logits over the vocabulary (and their log_softmax) set the peak; the
-chunked truth (runtime/truth.py) holds one piece of them. Side by side in one run, each in a process of its own:
-
-  baseline  a process that loads the model and runs a 16-token forward (what any job pays)
-  whole     precompute-ref on one pair with the truth forced to the whole forward (WHOLE_ELEMENTS set past it)
-  chunked   precompute-ref as shipped
-
-on a Llama-style model with a small body (hidden 64, 2 layers: the head over the vocabulary is the memory) at a 128k
-vocabulary x 2k tokens and at a 32k vocabulary x one 16k-token pair. Reported: each peak RSS (wait4's ru_maxrss) and
-its excess over the baseline. Targets: chunked excess <= 0.5 GiB at 128k x 2k, <= 1 GiB at 32k x 16k.
+"""precompute-ref's peak memory set by the truth (issue 39 item 2): the probe runs the truth on the job's longest pair;
+whole, that pair's logits over the vocabulary (and their log_softmax) set the peak, chunked (runtime/truth.py) one
+piece of them. Each in a process of its own: `baseline` (load the model, a 16-token forward), `whole`
+(precompute-ref on one pair with WHOLE_ELEMENTS set past it) and `chunked` (as shipped), on a small-body model
+(hidden 64, 2 layers) at 128k vocabulary x 2k tokens and 32k x one 16k-token pair. Reported: each peak RSS (wait4)
+and its excess over the baseline. Targets: chunked excess <= 0.5 GiB at 128k x 2k, <= 1 GiB at 32k x 16k.
 
     .venv/bin/python bench/bench_truth_memory.py [--quick]
 """

@@ -1,10 +1,7 @@
 """Part "update" (named only): precompute-ref --update adding 10% rows to a cache, against a full precompute-ref of the
-grown data (what a new round cost before --update), and a fresh precompute of the new rows alone (the update's floor:
-the same forwards without a cache to verify and keep).
-
-run_precompute end to end, in process, the three ways round-robin after a warm-up; before each update the cache of the
-first 90.9% of the rows (made once, untimed) is copied back into place, untimed. The updated cache is compared value
-by value with the full one (rows matched by id). Target: update <= 0.2x the full precompute's wall time.
+grown data and a fresh precompute of the new rows alone (the update's floor), run_precompute end to end, round-robin
+after a warm-up (the first 90.9% rows' cache copied back before each update, untimed). The updated cache is compared
+value by value with the full one. Target: update <= 0.2x the full precompute's wall time.
 
     .venv/bin/python bench/bench_update.py [--quick]
 """

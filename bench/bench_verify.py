@@ -1,19 +1,12 @@
 """Part 3: cache verification time per GB and per million rows, and model-hash throughput against sha256sum.
 
-A large synthetic cache is written with schemas.format.shard_table / write_shard (no model): rows of 64-192 prompt
-and completion tokens with Zipf-like ids over a 32k vocabulary and negative float32 log-probs, 2,048 rows per shard.
-One shard's worth of rows is built and every shard reuses it under new row ids, which is quick and gives the verifier
-exactly the work of a real cache of that size. Timed (page cache warm, median of reps after a warm-up):
-  open_cache              manifest, names, sizes, sha256 of every shard, shard metadata stamps, row checksums
-  open_cache(fast)        the same without the sha256 (--fast-verify)
-  check_rows              every training row's id and mask checksum looked up in the cache (train-dpo's row check)
-  check_values            read and check every cached log-prob (count, sum, finite, <= 0) and join them to the rows
-  verify (all)            open_cache + rules.use_findings (stamps, rows) + check_values: train-dpo's verification minus
-                          encoding the data (which depends on the tokenizer; see verify_and_join on data/)
-Model hashing, in a child process run a few times (`--child hash`): a ~200 MB safetensors checkpoint of 8 float32
-tensors of torch.randn and a config.json, page cache warm, hashed by schemas.stamps.model_hash (mmap + hashlib over
-every tensor, plus the header and config) and file_sha256 (a chunked read of the file), and by the `sha256sum` and
-`openssl dgst -sha256` command-line tools where present; best of `--repeat` within a run, the median over runs.
+A large synthetic cache is written with schemas.format (no model): one shard's worth of rows (64-192 tokens, Zipf-like
+ids over 32k, negative float32 log-probs), reused by every shard under new row ids, which gives the verifier the work
+of a real cache of that size. Timed, page cache warm: open_cache (with and without the sha256), check_rows (train-dpo's
+row check), check_values (every cached log-prob read and checked) and verify (all): train-dpo's verification minus
+encoding the data (see verify_and_join on data/). Model hashing in a child (`--child hash`), a few runs: a ~200 MB
+safetensors checkpoint hashed by schemas.stamps.model_hash and file_sha256 and by `sha256sum` and `openssl dgst`
+where present; best of `--repeat` within a run, the median over runs.
 
     .venv/bin/python bench/bench_verify.py [--quick]
 """
@@ -67,10 +60,7 @@ def build_cache(root: Path, shards: int, seed: int = 0) -> dict:
     manifest = {
         "format_version": fmt.FORMAT_VERSION,
         "stamps": {**stamps, "mask_checksum": combined_mask_checksum(checks * shards, encoding.to_json())},
-        "encoding": encoding.to_dict(),
-        "rows": n * shards,
-        "computation": computation,
-        "shards": entries,
+        "encoding": encoding.to_dict(), "rows": n * shards, "computation": computation, "shards": entries,
     }
     fmt.write_manifest(root, manifest)
     return expected

@@ -1,23 +1,12 @@
 """Part 12: a 128k vocabulary (Llama 3's 128,256) at sequence 2048: peak memory and time of precompute-ref and of a
 train-dpo step, against TRL's DPOTrainer with `precompute_ref_log_probs=True` and with a live reference.
 
-The model is Llama-style with a small body (hidden 64, 2 layers) so that it runs on 2 CPU cores: its weights are
-almost all embeddings (2 x 128,256 x 64), and the head's matmul and log-softmax over 128k logits per scored
-position are most of the work, as they are for a large vocabulary on any model. Synthetic pairs of 1,024 to 2,048
-tokens per sequence (bench/common.py synthetic_pairs).
-
-Each configuration runs in a process of its own (peak RSS of that process: VmHWM since it started), one round each
-(`--rounds` for more):
-  precompute            run_precompute on the pairs (default options): peak RSS, wall time
-  precompute_keep       the same with the head forced to `logits_to_keep` (the model's own head for the scored
-                        positions, the path of models whose logits the chunked projection does not reproduce)
-  ours                  train-dpo's step on that cache (dpo.recipe.run_train, batch layout auto)
-  ours_keep             the same with the head forced to `logits_to_keep`: the training forward holds
-                        (scored positions of the batch) x vocabulary logits and their gradient
-  trl_precompute        trl.DPOTrainer(precompute_ref_log_probs=True, no ref_model): its reference pass in __init__
-                        and the steps, one process (TRL's faster mode)
-  trl_live              trl.DPOTrainer with a live reference model
-Targets: ours peak <= 0.5x trl_precompute's; precompute peak <= weights + 1 GiB.
+The model has a small body (hidden 64, 2 layers) so that it runs on 2 CPU cores: its weights are almost all
+embeddings and the head over 128k logits is most of the work, as for a large vocabulary on any model. Synthetic
+pairs of 1,024 to 2,048 tokens. Each configuration (CONFIGS) runs in a process of its own (peak RSS: VmHWM), one
+round each (`--rounds` for more); `_keep` forces the head to `logits_to_keep` (the model's own head for the scored
+positions); trl_precompute is TRL's faster mode (its reference pass in __init__). Targets: ours peak <= 0.5x
+trl_precompute's; precompute peak <= weights + 1 GiB.
 
     nice .venv/bin/python bench/bench_vocab.py [--quick] [--configs a,b] [--reuse]
 
@@ -77,8 +66,7 @@ RUNNERS = {
 
 
 def scored_per_step(model: Path, data: Path, size: dict) -> int:
-    """The most completion tokens (scored positions) any `batch` pairs of the data hold: the logits a training
-    forward through the model's own head keeps at once."""
+    """The most completion tokens any `batch` pairs hold: the logits a forward through the own head keeps."""
     from runtime.checkpoint import load_tokenizer
     from runtime.data import encode_rows, load_rows
     from schemas.encoding import EncodingConfig
@@ -148,13 +136,9 @@ def main():
         res["precompute_over_weights_mb"] = R["precompute"]["maxrss_mb"] - weights_mb
     path = common.save("vocab", res, a)
     for mode, r in R.items():
-        t = sec(r["wall"]) if "wall" in r else common.fmt_s(r["step"], "ms", 1000) + " per step"
+        t = common.fmt_s(r["wall"]) if "wall" in r else common.fmt_s(r["step"], "ms", 1000) + " per step"
         print(f"{mode:<16} peak RSS {r['maxrss_mb']:,.0f} MiB  {t}")
     print(f"wrote {path}")
-
-
-def sec(st: dict) -> str:
-    return common.fmt_s(st, "s")
 
 
 if __name__ == "__main__":

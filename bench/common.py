@@ -1,11 +1,7 @@
-"""The harness of the bench/ suite (no measurement of its own): environment, device, model and data builders, timing
-(`timeit`, `interleaved`: round-robin so that load from other processes falls on every contender alike), memory
-readings, child processes (`run_child`: one configuration per process, its result the JSON of its last stdout line;
-`child_parser`/`child_argv`, the options it is started with; `rounds`, configurations round-robin over processes;
-`run_process`, a command as a user runs it), and results (`parser`'s --quick and --results, `save`, `workdir`).
-
-Everything is built locally at fixed seeds: Llama-style models from a config, a synthetic word-level tokenizer
-(one token per word, so sequence lengths are exact) and synthetic preference pairs. Nothing comes from a hub.
+"""The harness of the bench/ suite (no measurement of its own): environment, device, model and data builders, child
+processes (`run_child`, `child_parser`/`child_argv`, `rounds`: configurations round-robin over processes,
+`run_process`: a command as a user runs it) and results (`parser`, `save`, `workdir`). Everything is built locally
+at fixed seeds (Llama-style models, a word-level tokenizer so lengths are exact, synthetic pairs); nothing from a hub.
 """
 
 from __future__ import annotations
@@ -48,7 +44,6 @@ sys.path.insert(0, str(REPO))
 
 LOADAVG_START = round(os.getloadavg()[0], 2)  # 1-minute load average when the part started
 
-# ---------------------------------------------------------------------------------------------------------------
 # device
 
 def device() -> torch.device:
@@ -77,7 +72,6 @@ def quiet() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # models: Llama-style, built from a config at a fixed seed. Parameter counts include the (untied) embeddings.
 
 MODELS = {
@@ -130,7 +124,6 @@ def make_checkpoint(root: Path, name: str, seed: int = 0, spec: dict | None = No
     return path
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # data: synthetic standard-format preference pairs with exact token lengths
 
 def synthetic_pairs(n: int, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -166,8 +159,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def synthetic_case(work: Path, model: str, pairs: int, seq: int, seed: int, name: str = "data"):
-    """(checkpoint, data file): `model` saved under work, `pairs` synthetic pairs of up to `seq` tokens in
-    work/name/train.jsonl."""
+    """(checkpoint, data file): `model` under work, `pairs` pairs of up to `seq` tokens in work/name/."""
     rows = synthetic_pairs(pairs, seq, MODELS[model]["vocab"], seed)
     return make_checkpoint(work, model), write_jsonl(Path(work) / name / "train.jsonl", rows)
 
@@ -187,7 +179,6 @@ def sft_data() -> tuple[Path, Path]:
     return DATA / "sft-model", DATA / "prefs"
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # caches: what the parts read back from a cache precompute-ref wrote (its shards as the manifest lists them, never a
 # glob: an updated cache keeps the earlier versions' shards beside the current ones)
 
@@ -220,7 +211,6 @@ def max_abs_diff(cache, reference) -> float:
                for c in ("chosen_logps", "rejected_logps"))
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # timing
 
 def run_child(args: list[str], env: dict | None = None, timeout: float = 1800) -> dict:
@@ -281,7 +271,6 @@ def has_trl() -> bool:
         return False
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # machine line and results
 
 def cpu_model() -> str:
@@ -304,18 +293,12 @@ def machine() -> dict:
         trl_version = None
     dev = device()
     return {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "device": dev.type,
+        "cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "device": dev.type,
         "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
         "loadavg_1min": round(os.getloadavg()[0], 2),  # other processes on the machine, at the end of the part
-        "dtype": dtype_name(dev),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl_version,
+        "dtype": dtype_name(dev), "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "trl": trl_version,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -328,8 +311,7 @@ def machine_line(m: dict) -> str:
 
 
 def result_path(part: str, quick: bool = False, results: Path = RESULTS) -> Path:
-    """<results>/<part>-<device>.json; a --quick run's goes to <part>-<device>-quick.json, so that a smoke test
-    never overwrites the committed full-run results."""
+    """<results>/<part>-<device>[-quick].json: a --quick run never overwrites the committed full run's."""
     return Path(results) / f"{part}-{device().type}{'-quick' if quick else ''}.json"
 
 
@@ -368,8 +350,7 @@ def parser(doc: str):
 
 
 def child_parser(doc: str, children, paths=("model", "data", "cache", "out"), ints=("seq", "batch", "warmup", "steps")):
-    """`parser` plus what the per-configuration child processes are started with: --child NAME, path options and
-    integer size options (the parent passes them; a run by hand leaves them out)."""
+    """`parser` plus what the parent starts a child with: --child NAME, path and integer size options."""
     ap = parser(doc)
     ap.add_argument("--child", choices=children)
     for name in paths:

@@ -1,12 +1,9 @@
 """refcache against TRL's DPOTrainer on the same rows (needs the `bench` extra: trl).
 
-For the three preference formats (standard, conversational, implicit prompt) and two tokenizers (GPT-2 style: no
-BOS; Llama style: BOS from the tokenizer and the chat template), on a tiny Llama built here:
-  - token ids per row: refcache's encoding against the ids TRL's DPOTrainer tokenized, identical or identical once
-    TRL's post-EOS template tokens (its completion scores template text after the final EOS) are set aside;
-  - first-step loss, and 10 steps of the metrics both log (loss, rewards/*, logps/*, grad_norm), refcache trained on
-    a precomputed cache, TRL with its live reference. Where TRL's ids carry post-EOS tokens, TRL is also run with
-    them removed from its tokenized data ("aligned"), so the training numbers compare like with like.
+For the three preference formats and two tokenizers (GPT-2 style: no BOS; Llama style: BOS and chat template), on a
+tiny Llama built here: token ids per row, refcache's against TRL's, identical or identical once TRL's post-EOS
+template tokens are set aside; the first-step loss and 10 steps of the metrics both log, refcache trained on a cache,
+TRL with its live reference (and, where TRL's ids carry post-EOS tokens, also without them: "aligned").
 
     python bench/compare_trl.py [--rows 16] [--steps 10] [--json bench/results/trl-compare-cpu.json]
 """

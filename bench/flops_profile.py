@@ -1,5 +1,5 @@
 """Part 11's tables of where the time goes (bench_flops.py): run_precompute's phases, the body's matmuls at their
-own shapes, torch.profiler's top ops, and torch's attention kernel on a case's shapes."""
+own shapes, and torch.profiler's top ops."""
 
 from __future__ import annotations
 
@@ -137,44 +137,3 @@ def profile_tables(fn) -> dict:
     return {"ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48),
             "shapes": prof.key_averages(group_by_input_shape=True).table(
                 sort_by="self_cpu_time_total", row_limit=24, max_name_column_width=36, max_shapes_column_width=72)}
-
-
-def attention_calls(model, pairs, rows: int = 2) -> dict:
-    """torch's attention kernel (scaled_dot_product_attention) on the case's own shapes, with and without an explicit
-    mask, one call each (one layer): the kv_cache prompt pass (every prompt of the job in one batch, grouped-query
-    heads as transformers passes them without a mask), its completion pass (keys and values repeated to every head
-    as transformers does under a mask), and a training step's prefix_shared rows (forward + backward, `rows` rows of
-    one pair each). `is_causal` and `no mask` are lower bounds where they give other numbers than the mask needs."""
-    F = torch.nn.functional.scaled_dot_product_attention
-    cfg = model.config
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    n, P = len(pairs), max(len(p.prompt_ids) for p in pairs)
-    C = max(max(len(p.chosen_ids), len(p.rejected_ids)) for p in pairs)
-    r = lambda *shape, grad=False: torch.randn(*shape, requires_grad=grad)
-    q, k, v = r(n, heads, P, d), r(n, kv, P, d), r(n, kv, P, d)
-    tril = torch.ones(P, P, dtype=torch.bool).tril().expand(n, 1, P, P)
-    q2, k2, v2 = r(2 * n, heads, C - 1, d), r(2 * n, heads, P + C - 1, d), r(2 * n, heads, P + C - 1, d)
-    keys = torch.arange(P + C - 1)[None, :] <= P + torch.arange(C - 1)[:, None]
-    keys = keys.expand(2 * n, 1, C - 1, P + C - 1)
-    W = P + 2 * C
-    q3, k3, v3 = r(rows, heads, W, d, grad=True), r(rows, heads, W, d, grad=True), r(rows, heads, W, d, grad=True)
-    branch = torch.tensor([0] * P + [1] * C + [2] * C)
-    pos = torch.cat([torch.arange(P + C), torch.arange(P, P + C)])
-    tree = ((pos[None, :] <= pos[:, None]) & ((branch[None, :] == 0) | (branch[None, :] == branch[:, None])))
-    tree = tree.expand(rows, 1, W, W)
-    tree_float = torch.zeros(tree.shape).masked_fill_(~tree, torch.finfo(torch.float32).min)
-
-    def train(**kw):
-        return lambda: F(q3, k3, v3, **kw).sum().backward()
-
-    return {f"prompt pass [{n}, {heads}, {P}, {d}], is_causal (what runs)": lambda: F(q, k, v, is_causal=True,
-                                                                                  enable_gqa=True),
-            "prompt pass, explicit causal mask": lambda: F(q, k, v, attn_mask=tril, enable_gqa=True),
-            f"completion pass [{2 * n}, {heads}, {C - 1}, {d}] x {P + C - 1} keys, mask (what runs)":
-                lambda: F(q2, k2, v2, attn_mask=keys),
-            "completion pass, no mask (lower bound)": lambda: F(q2, k2, v2),
-            f"train prefix_shared [{rows}, {heads}, {W}, {d}] fwd+bwd, float tree mask (what runs)":
-                train(attn_mask=tree_float),
-            "train, boolean tree mask": train(attn_mask=tree),
-            "train, is_causal (lower bound)": train(is_causal=True)}

@@ -4,52 +4,29 @@
     bench/gpu_check.sh --cpu-smoke --results DIR  # the same code paths on CPU, tiny sizes, float32
     python bench/gpu_check.py [...]               # the same without the limit or the carried wheels
 
-On a bare device (README "GPU check": the command, its carry list, the wheels of bench/prepare_device.py) it is
-one command; scripts/rehearse-device.sh runs that command here, with --cpu-smoke, in a venv of the device image's
-packages plus only those wheels, from a fresh clone.
+On a bare device it is one command (README "GPU check": its carry list, the wheels of bench/prepare_device.py);
+scripts/rehearse-device.sh runs it here with --cpu-smoke from a fresh clone. It prints two Markdown tables and saves
+them as JSON to <results>/gpu_check-<device>[-quick].json after each stage ("complete": false until the end), so a
+run stopped at its limit still leaves what it measured:
 
-It prints two Markdown tables and writes them as JSON to <results>/gpu_check-<device>[-quick].json, after each stage
-(with "complete": false until the end), so that a run stopped at its limit still leaves what it measured:
+1. precompute-ref, the real command (precompute.cli.main, one child per attention implementation: sdpa, and
+   flash_attention_2 where flash_attn is installed) in bf16 on a Llama-style model built here at a fixed seed: the
+   batching mode, tokens/s of the scoring (time in precompute.job._score_shards) and end to end, the share of the
+   device's peak dense bf16 FLOP/s, peak memory, and |cache - fp32| (runtime.logprobs.reference_logps in float32,
+   TF32 off, on the first pairs) beside the bf16 tolerance (runtime.tolerance.probe_tolerance).
+2. train-dpo (dpo.recipe.run_train, bf16 mixed precision, one child per configuration): step time and peak memory,
+   cached vs live reference (padded) and prefix_shared vs padded (cached).
 
-1. precompute-ref, the real command (precompute.cli.main, one child process per attention implementation: sdpa and,
-   where flash_attn is installed, flash_attention_2) in bf16 over synthetic preference pairs, on a Llama-style model
-   built here at a fixed seed (random init, saved in bf16 with a word-level tokenizer; no hub). Per implementation:
-   the batching mode it chose, tokens/s of the scoring (plain-sequence tokens, the command's own count, over the
-   time spent scoring and writing the shards) and end to end (the command's summary: reading, hashing, loading,
-   probing too), the share of the GPU's peak dense bf16 FLOP/s that the scoring reaches, its peak memory, and
-   its cache against a float32 forward of the same weights: `runtime.logprobs.reference_logps` (the definition)
-   in float32 with TF32 off, one sequence at a time, on the first pairs of the cache (read with
-   schemas.cache.read_cache), max and mean |cache - fp32| over their completion tokens, beside the product's bf16
-   tolerance (runtime.tolerance.probe_tolerance).
-2. train-dpo (dpo.recipe.run_train, the command's entry point, bf16 mixed precision, one child process per
-   configuration): step time (median after a warm-up) and peak memory (torch.cuda.max_memory_allocated over the
-   steps; on CPU the process's peak RSS) with the cache vs a live reference (padded layout, like TRL), and the
-   prefix_shared vs padded batch layout (both with the cache).
+FLOPs: gpu_figures.pairs_flops (each prompt once). The peak: the datasheet figure for the device's name
+(gpu_figures.PEAK_BF16_TFLOPS, with where each was checked), else the measured torch.mm rate, shown on every device.
 
-FLOPs are those of the pairs' own work, each prompt once (no mode needs less): 2 x N per token (N: the parameters
-other than the input embedding, whose lookup is no matmul) plus 4 x layers x hidden per token and key attended,
-causal. The peak is the datasheet's dense bf16 figure for the device's name (gpu_figures.PEAK_BF16_TFLOPS, each
-with where it was checked); for a device not in the table, the rate of a large torch.mm measured here, and the
-table says so. The mm rate is measured and shown on every device, as what this device's matmul actually reaches.
+Sizing: GPU_CHECK_LIMIT (set by gpu_check.sh) is the limit; a child that would start with under MIN_CHILD_S left is
+skipped and says so. Estimated at the 43 TFLOP/s floor of the H200's measured 35M-model scoring
+(bench/results/gpu-compile-h200.json): precompute-ref over 1.2M tokens (2.4 PFLOP) ~100 s with its start, the fp32
+truth ~40 s, train-dpo's 3 children ~150 s, building the model ~35 s: ~330 s of the 480.
 
-Sizing (8 minutes on an H200; GPU_CHECK_LIMIT, set by gpu_check.sh, is the limit: a child that would start with
-under MIN_CHILD_S left is skipped and says so). The H200 figures at hand are a floor for the rates: the 35M model's
-eager scoring in bf16 (bench/results/gpu-compile-h200.json) ran 49,152 tokens in 0.0666 s, 2 x 29.4M linear
-parameters x 49,152 = 2.9 TFLOP, i.e. 43 TFLOP/s (4% of 989: a model that small is launch-bound; a 1.1B model's
-matmuls are ~40x larger), and KINDS.md's 8192^3 bf16 torch.mm ran at 788 TFLOP/s. The 1.1B model has 1.03B linear
-parameters, 2.07 GFLOP per token. precompute-ref: 1024 pairs of prompt and completions each 256-511 tokens, ~1,150
-tokens per pair scored once = 1.2M tokens, 2.4 PFLOP (+4% attention): 58 s at the 43 TFLOP/s floor, 3 s at the mm
-rate; with its start (imports ~15 s, write, hash and load 2.2 GB ~15 s, probe ~10 s) at most ~100 s. The fp32
-truth: 96 sequences of ~770 tokens, 0.15 PFLOP at a fp32 rate of >= 10 TFLOP/s (67 datasheet, no TF32): <= 15 s, with
-its load ~25 s. train-dpo, 3 children of 8 steps (2 warm-up) of 8 pairs = 16 sequences of ~770 tokens: 6 x 1.03B x
-12.3k = 76 TFLOP a step (+25 with a live reference): <= 2.4 s a step at the floor, ~20 s a child, with its start
-(imports, load, AdamW state of 1.1B = 17.6 GB) ~50 s: ~150 s. With the parent's imports, the mm rate and building
-and saving the model (~35 s): ~330 s at the floor, inside 480 s; the carried wheels' install comes before, outside
-the limit, and the device tool's 10-minute command holds both.
-
-With --cpu-smoke the GPU is hidden (CUDA_VISIBLE_DEVICES=""), so everything runs on the CPU at tiny sizes in float32
-(bf16 on CPU says nothing about a GPU): tests/bench/test_gpu_check.py runs it, so the check is known to work before
-a GPU is at hand. --quick is the same tiny sizes on whatever device is present.
+--cpu-smoke hides the GPU (CUDA_VISIBLE_DEVICES="") and runs tiny sizes in float32 (tests/bench/test_gpu_check.py
+runs it); --quick is the same tiny sizes on whatever device is present.
 """
 
 from __future__ import annotations
@@ -110,13 +87,11 @@ def not_run(r: dict) -> bool:
     return "error" in r or "skipped" in r
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the model and data
 
 
 def build_case(work: Path, size: dict, dev: torch.device, dtype: torch.dtype) -> tuple[Path, Path, dict]:
-    """The checkpoint (built on `dev` at a fixed seed, saved in `dtype`, with its word tokenizer), the data file and
-    the model's shape."""
+    """The checkpoint (built on `dev` at a fixed seed, saved in `dtype`), the data file, the model's shape."""
     spec = common.MODELS[size["model"]]
     path = work / f"model-{size['model']}"
     with torch.device(dev):  # random init on the GPU: seconds, not a minute of CPU for 1.1B parameters
@@ -131,7 +106,6 @@ def build_case(work: Path, size: dict, dev: torch.device, dtype: torch.dtype) ->
     return path, common.write_jsonl(work / "data" / "train.jsonl", rows), shape
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # child processes: one precompute-ref per attention implementation, one train-dpo per configuration
 
 
@@ -206,7 +180,6 @@ def run_child(mode: str, **options) -> dict:
     return r
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the cache against the fp32 forward
 
 
@@ -258,7 +231,6 @@ def cache_lengths(root: Path):
     return [s.to_numpy() for s in lens.collect().get_columns()]
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the check
 
 

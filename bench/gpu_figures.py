@@ -104,7 +104,6 @@ def pairs_flops(prompt_lens, chosen_lens, rejected_lens, shape: dict) -> float:
                  + 4 * shape["layers"] * shape["attn_width"] * keys.sum())
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the tables
 
 
@@ -117,8 +116,7 @@ def _not_run(c: dict) -> str | None:
 
 
 def tables(r: dict) -> list[str]:
-    """The check's result as Markdown lines: a header, the precompute table and the training table (a stage the
-    result does not hold yet, as in a partial result, is left out)."""
+    """The check's result as Markdown lines: header, precompute table, training table (those it holds)."""
     from report import table
 
     p, size = r["peak"], r["size"]

@@ -23,18 +23,7 @@ def stats(values: list[float]) -> dict:
 
 def timeit(fn, reps: int = 3, warmup: int = 1) -> dict:
     """Median/min/max seconds of `fn()` over `reps` runs after `warmup` unrecorded runs."""
-    for _ in range(warmup):
-        fn()
-        sync()
-    times = []
-    for _ in range(reps):
-        gc.collect()
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return stats(times)
+    return interleaved({"fn": fn}, reps, warmup)["fn"]
 
 
 def interleaved(fns: dict, reps: int = 3, warmup: int = 1, cpu: dict | None = None) -> dict:
@@ -78,7 +67,6 @@ def ratio(a: dict | float, b: dict | float) -> float:
     return a / b if b else float("nan")
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # memory. CPU: resident set size from /proc (VmHWM is the peak; writing 5 to /proc/self/clear_refs resets it).
 # CUDA: the caching allocator's own peak.
 

@@ -3,14 +3,12 @@
     python3 bench/prepare_device.py [--dest .whl] [--python-version 3.12]   # here: download, check, sizes
     python3 bench/prepare_device.py --check [--dest .whl]                   # there, once they are installed
 
-The device (README "GPU check") holds the packages of bench/device-image.txt and reaches nothing outside; refcache's
-jobs need those of bench/device-wheels.txt beyond them. Here: pip downloads exactly those (no dependencies) as
-x86-64 manylinux wheels for CPython 3.12, then checks one version of each, that every requirement of every wheel is
-met by another carried wheel or named in the image's list (at a version it allows, where the list has one), and
-that the wheels, and the working tree that travels with them, fit the device tool's 64 MiB. Exit 2 on a failure,
-naming it. --check, where the wheels are installed (bench/gpu_check.sh does it first): each carried distribution is
-the one imported (not the image's), and its requirements are met by what is installed; it prints the versions the
-check runs with (gpu_check.py records them too).
+The device holds bench/device-image.txt's packages and reaches nothing outside; refcache's jobs need
+bench/device-wheels.txt's beyond them. Here: pip downloads exactly those (no dependencies) as x86-64 manylinux
+wheels, and checks that every requirement of every wheel is met by another carried wheel or the image's list, and
+that the wheels and the working tree fit the device tool's 64 MiB. --check, there (bench/gpu_check.sh runs it):
+each carried distribution is the one imported, its requirements are met, and the versions are printed. Exit 2 on a
+failure, naming it.
 """
 
 from __future__ import annotations
@@ -110,8 +108,7 @@ def check_closure(found: dict, python_version: str, assumed: list | None = None)
 
 
 def travelling_bytes() -> int:
-    """The bytes of the working tree the device tool sends besides carried paths: tracked and untracked files git
-    does not ignore."""
+    """Bytes the device tool sends besides carried paths: tracked and untracked files git does not ignore."""
     out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                          capture_output=True, check=True).stdout
     files = {REPO / os.fsdecode(p) for p in out.split(b"\0") if p}

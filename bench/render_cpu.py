@@ -77,8 +77,6 @@ def render_verify(V: dict) -> list[str]:
                                      for tool, st in h["mb_per_s"].items()])
 
 
-
-
 def render_size(S: dict) -> list[str]:
     def row(c):
         cols, tokens = c["columns"], c["completion_tokens"]
@@ -97,8 +95,6 @@ def render_size(S: dict) -> list[str]:
         "hardly compress, a trained model's (data/) do. Parquet's dictionary encoding, on by default, fails on "
         "such floats and its fallback costs more than plain encoding: the last column is what the same shards "
         "take with it off for the float columns."]
-
-
 
 
 def render_modes(M: dict) -> list[str]:
@@ -183,8 +179,6 @@ def render_offload(O: dict) -> list[str]:
     layout = O.get("layout") or {}
     return L + ["", f"Offload layout: {layout.get('modules')}; offload folder written to: "
                     f"{layout.get('offload_folder_used')}."]
-
-
 
 
 def render_update(U: dict) -> list[str]:

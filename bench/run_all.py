@@ -2,10 +2,9 @@
 
     .venv/bin/python bench/run_all.py [--quick] [--parts precompute,train,...] [--render-only] [--results DIR]
 
-A part is a script bench/bench_<part>.py (`--parts kl-control`: bench_kl_control.py); the default run is PARTS, the
-others run when named. Each part writes <results>/<part>-<cpu|cuda>.json (bench/results/ by default); RESULTS.md,
-beside the results folder, is rendered from whatever JSON is there (render.py), with the CPU and GPU results in
-sections of their own (a run on a GPU machine adds the GPU section and keeps the CPU one).
+A part is a script bench/bench_<part>.py (`--parts kl-control`: bench_kl_control.py); the default run is PARTS. Each
+writes <results>/<part>-<cpu|cuda>.json; RESULTS.md, beside the results folder, is rendered from whatever JSON is
+there (render.py), with the CPU and GPU results in sections of their own.
 """
 
 from __future__ import annotations

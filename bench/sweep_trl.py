@@ -2,10 +2,7 @@
 `precompute_ref_log_probs=True` with no ref_model (the reference log-probs are computed from the initial policy in
 `__init__`, so no second model is kept for training), CPU float32. Run in a process of its own:
 
-    python bench/sweep_trl.py MODEL DATA.jsonl OUT_DIR BETA MAX_STEPS BATCH MAX_LENGTH PHASES.json [REF_CACHE]
-
-With REF_CACHE the same script with the one change dpo.trl asks for: `from dpo.trl import DPOTrainer` and
-`ref_cache=REF_CACHE` (bench_trl_entry.py).
+    python bench/sweep_trl.py MODEL DATA.jsonl OUT_DIR BETA MAX_STEPS BATCH MAX_LENGTH PHASES.json
 
 It writes the wall and CPU seconds of its phases to PHASES.json (start-up = interpreter and imports)."""
 
@@ -22,7 +19,7 @@ def _process_age_s():
         return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
-def main(model_path, data, out, beta, max_steps, batch, max_length, phases_path, ref_cache=None):
+def main(model_path, data, out, beta, max_steps, batch, max_length, phases_path):
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -45,10 +42,7 @@ def main(model_path, data, out, beta, max_steps, batch, max_length, phases_path,
         max_length=int(max_length), precompute_ref_log_probs=True, seed=42, use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False, report_to="none",
     )
-    if ref_cache:
-        from dpo.trl import DPOTrainer
-    trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                         **({"ref_cache": ref_cache} if ref_cache else {}))
+    trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     mark("setup")  # data set loading, tokenization and TRL's reference precompute (in __init__)
     result = trainer.train()
     mark("train")

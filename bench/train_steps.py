@@ -1,15 +1,12 @@
 """The training-step harness of the parts that time train-dpo steps (no measurement of its own).
 
-Each configuration trains in a child process of its own (`--child MODE`, so none shares another's heap or peak):
-`child` imports the libraries (so the baseline RSS includes them), runs the part's runner for MODE with a step
-timer in the Trainer, and returns the step times after the warm-up and the memory readings. Step time: the interval
-between consecutive on_step_end callbacks (everything in the loop: collation, forward, backward, optimizer). Memory:
-the process's peak RSS up to the end of the last step (on CUDA also torch.cuda.max_memory_allocated), and the
-steady-state peak RSS within each step (VmHWM reset at every step end). The parent prepares one model, data set and
-cache (`prepare`), runs the configurations round-robin (`common.rounds`) and pools each one's rounds (`summarize`).
-
-Runners: `run_ours` is train-dpo's real entry point (dpo.recipe.run_train); `run_trl` is trl.DPOTrainer on the same
-rows, sizes, precision and hyperparameters (CPU: use_cpu, no bf16, no gradient checkpointing).
+Each configuration trains in a child process of its own (`--child MODE`): `child` runs the part's runner with a step
+timer in the Trainer and returns the step times after the warm-up (the interval between on_step_end callbacks:
+collation, forward, backward, optimizer) and the memory: peak RSS to the end of the last step (on CUDA also
+torch.cuda.max_memory_allocated) and the steady per-step peak (VmHWM reset at every step end). The parent prepares
+one model, data set and cache (`prepare`), runs the configurations round-robin and pools their rounds (`summarize`).
+`run_ours` is train-dpo's entry point (dpo.recipe.run_train); `run_trl` is trl.DPOTrainer on the same rows, sizes,
+precision and hyperparameters.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ from common import torch
 
 
 def step_timer(profile=None, profile_after: int = 0):
-    """A TrainerCallback timing each step and reading the peak RSS within it; with `profile` (a torch.profiler),
-    profiles the steps after the first `profile_after`."""
+    """A TrainerCallback timing each step and its peak RSS; with `profile`, profiles steps after `profile_after`."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -64,8 +60,7 @@ def step_timer(profile=None, profile_after: int = 0):
 
 
 def train_config(a, mode: str, out: str, **overrides):
-    """train-dpo's TrainConfig for a child's options (`a`): cached mode reads a.cache, live mode uses the model as
-    its own reference."""
+    """train-dpo's TrainConfig for a child's options: cached reads a.cache, live uses the model as reference."""
     from dpo.config import TrainConfig
 
     cuda = torch.cuda.is_available()
