@@ -191,7 +191,7 @@ def _recorded_values(out, where: str, computation: dict) -> dict:
             raise _damaged(out, f"{e.message.rstrip('.')} (precompute-ref never records one)") from None
         if type(taken) is not type(value):
             raise _damaged(out, f"{where}: computation {key!r} is {value!r}, not a setting precompute-ref makes (it "
-                                f"records {_JSON_KIND[type(taken)]} there, never {_JSON_KIND.get(type(value), 'that')})")
+                                f"records {_JSON_KIND.get(type(taken), type(taken).__name__)} there, never {_JSON_KIND.get(type(value), 'that')})")
         if taken != value:
             raise _damaged(out, f"{where}: computation {key!r} is {value!r}, not a setting precompute-ref makes (it "
                                 "records the option's own spelling)")
