@@ -151,14 +151,27 @@ def recorded_settings(out) -> tuple[str, str, dict, EncodingConfig] | None:
                 return None
     except Exception:  # missing, unreadable, not ours: the resume and the update name it
         return None
-    if not isinstance(computation, dict):
-        raise _damaged(out, f"{where}: computation is {computation!r}, not a mapping of settings")
+    check_recorded(out, where, computation, encoding)
     try:
         return whose, where, computation, EncodingConfig.from_dict(encoding)
-    except RecordedEncodingError as e:
-        raise _damaged(out, f"{where}: {e}") from None
     except Exception:  # not a record of this version (no add_bos, unknown keys): the resume and the update name it
         return None
+
+
+def check_recorded(out, where: str, computation, encoding=None) -> None:
+    """Refuse (JobError) a record of how rows were scored (`where`: a manifest, or a shard's footer) that holds a
+    value precompute-ref never writes: a computation setting its option's type and domain refuse (_recorded_values),
+    or an encoding value outside EncodingConfig's (RecordedEncodingError). Everything else is left to the rules."""
+    if not isinstance(computation, dict):
+        raise _damaged(out, f"{where}: computation is {computation!r}, not a mapping of settings")
+    _recorded_values(out, where, computation)
+    if isinstance(encoding, dict):
+        try:
+            EncodingConfig.from_dict(encoding)
+        except RecordedEncodingError as e:
+            raise _damaged(out, f"{where}: {e}") from None
+        except (TypeError, ValueError):  # unknown keys, no add_bos: not this version's record; the rules name it
+            pass
 
 
 def _damaged(out, what: str) -> JobError:
@@ -210,7 +223,7 @@ def cache_settings(cfg: PrecomputeConfig) -> tuple[str, dict]:
     if recorded is None:
         return "", {}
     whose, where, computation, encoding = recorded
-    recorded_values = _recorded_values(out, where, computation)
+    recorded_values = _recorded_values(out, where, computation)  # checked already: the values as the options take
     if cfg.update and whose != "the cache's":
         return "", {}
     defaults = {f.name: f.default for f in fields(PrecomputeConfig)}

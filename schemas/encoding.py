@@ -161,12 +161,12 @@ class EncodingConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown encoding config fields: {sorted(unknown)}")
+        for fld in dataclasses.fields(cls):  # first: a damaged value is named as such, whatever else is missing
+            if fld.name in d and (expected := _unwritten(fld, d[fld.name])) is not None:
+                raise RecordedEncodingError(fld.name, d[fld.name], expected)
         if "add_bos" not in d:  # its default changed: a missing value cannot be told apart, so never assume one
             raise ValueError("no add_bos recorded, so the BOS rule the ids were made with is unknown; re-run "
                              "precompute-ref with this version of refcache")
-        for fld in dataclasses.fields(cls):
-            if fld.name in d and (expected := _unwritten(fld, d[fld.name])) is not None:
-                raise RecordedEncodingError(fld.name, d[fld.name], expected)
         return cls(**d)
 
 

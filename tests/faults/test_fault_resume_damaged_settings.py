@@ -31,9 +31,9 @@ def made(tmp_path_factory, llama_dir):
     return base / "cache", data
 
 
-def _tampered(made, tmp_path, where: str, section: str, key: str, value):
+def _tampered(made, tmp_path, where: str, section: str, key: str, value, shard: str = FIRST_SHARD):
     """A copy of the cache with `section`[`key`] set to `value`: in manifest.json as a text editor would, or (the
-    manifest deleted: an interrupted first run) in the first shard's footer, rewritten with pyarrow."""
+    manifest deleted: an interrupted first run) in `shard`'s footer, rewritten with pyarrow."""
     out = shutil.copytree(made[0], tmp_path / "tm")
     if where == "manifest":
         manifest = json.loads((out / fmt.MANIFEST).read_text())
@@ -42,8 +42,8 @@ def _tampered(made, tmp_path, where: str, section: str, key: str, value):
     else:
         (out / fmt.MANIFEST).unlink()
         (out / fmt.CARD).unlink(missing_ok=True)
-        recorded = json.loads(fmt.read_shard_metadata(out / FIRST_SHARD)[section])
-        set_metadata(out, FIRST_SHARD, section, json.dumps({**recorded, key: value}))
+        recorded = json.loads(fmt.read_shard_metadata(out / shard)[section])
+        set_metadata(out, shard, section, json.dumps({**recorded, key: value}))
     return out
 
 
@@ -83,6 +83,22 @@ def test_a_tampered_recorded_setting_is_a_damaged_cache_refused_naming_the_file_
     # no remedy made of the bad value (top_k -1 once read "this run gives --top-k -1"), no default named instead
     assert "this run gives" not in refused.output and "--update" not in refused.output
     assert "unexpected" not in refused.output
+    assert dir_state(out) == before
+
+
+@pytest.mark.parametrize("section,key,value", [("computation", "rows_per_shard", 0), ("computation", "top_k", -1),
+                                               ("computation", "dtype", "float64"), ("encoding", "max_length", -3)])
+def test_a_later_shards_tampered_footer_is_damage_not_a_setting_to_pass(made, llama_dir, tmp_path, section, key,
+                                                                        value):
+    """The settings come from the first footer; a kept shard's own footer is checked alike as the resume reads it
+    (it once read "made with --rows-per-shard 0 ... remedy: pass --rows-per-shard 0")."""
+    out = _tampered(made, tmp_path, "footer", section, key, value, shard="shard-00001.parquet")
+    before = dir_state(out)
+    refused = precompute_cli("--model", llama_dir, "--data", made[1], "--out", out)
+    assert refused.exit_code == 2, refused.output
+    assert_one_paragraph(refused.output)
+    assert f"{out / 'shard-00001.parquet'}'s footer: {section} '{key}'" in refused.output, refused.output
+    assert "the cache is damaged" in refused.output and "pass --" not in refused.output, refused.output
     assert dir_state(out) == before
 
 
