@@ -7,6 +7,7 @@ bad command line, before precompute/job.py (torch, transformers, datasets) is im
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields, replace
 
 import click
@@ -209,6 +210,10 @@ def _recorded_values(out, where: str, computation: dict) -> dict:
             raise _damaged(out, f"{where}: computation {key!r} is {value!r}, not a setting precompute-ref makes (it "
                                 "records the option's own spelling)")
         values[name] = value
+    device_type = computation.get("device_type")  # not an option's value (cuda:1 records cuda), named as --device
+    if device_type is not None and not (isinstance(device_type, str) and re.fullmatch(r"[a-z]{1,16}", device_type)):
+        raise _damaged(out, f"{where}: computation 'device_type' is {device_type!r}, not a setting precompute-ref "
+                            "makes (a torch device type: cpu, cuda, ...)")
     return values
 
 

@@ -13,7 +13,7 @@ import pytest
 from faultkit import assert_one_paragraph, set_metadata
 from support import dir_state, pref_rows, precompute_cli, write_jsonl
 
-from precompute.config import RECORDED_SETTINGS, PrecomputeConfig, cache_settings
+from precompute.config import OPTION_OF, PrecomputeConfig, cache_settings
 from runtime.errors import JobError
 from schemas import format as fmt
 from schemas.encoding import EncodingConfig
@@ -58,6 +58,7 @@ CASES = [  # (section, key, value, what the message says of it)
     ("computation", "dtype", "float64", "is not one of 'auto', 'float32'"),
     ("computation", "token_budget", 0, "not a positive number of tokens"),
     ("computation", "requested_batching", "fast", "is not one of 'auto'"),
+    ("computation", "device_type", "0; rm -rf ~", "a torch device type"),  # once "remedy: pass --device 0; rm -rf ~"
     ("encoding", "max_length", -3, "a whole number >= 2"),
     ("encoding", "max_length", 1024.0, "a whole number >= 2"),
     ("encoding", "max_length", 8.5, "a whole number >= 2"),
@@ -118,9 +119,10 @@ def test_an_untampered_copy_still_resumes_with_its_settings(made, llama_dir, tmp
     assert "resume: the interrupted run's settings: --rows-per-shard 4" in resumed.output
 
 
-@pytest.mark.parametrize("key", list(RECORDED_SETTINGS))
+@pytest.mark.parametrize("key", list(OPTION_OF))
 def test_every_recorded_setting_goes_through_its_option_type(llama_dir, tmp_path, key):
-    """Enumerated: a setting added to RECORDED_SETTINGS cannot skip the check (a list is no option's value)."""
+    """Enumerated: every recorded key a refusal names as an option (OPTION_OF: RECORDED_SETTINGS and the device)
+    is checked, so a new one cannot skip it (a list is no option's value)."""
     out = tmp_path / "cache"
     out.mkdir()
     encoding = EncodingConfig().to_dict()
