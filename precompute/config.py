@@ -18,7 +18,7 @@ from runtime.options import ENCODING_OPTIONS, field_help, option_specs
 from runtime.errors import JobError
 from runtime.hub import origin
 from runtime.paths import check_apart
-from runtime.placed import Attention, Placement, included
+from runtime.placed import ATTENTION, Attention, Placement, included
 from runtime.terminal import clipped, escaped
 from storage import places
 from schemas.encoding import EncodingConfig, RecordedEncodingError
@@ -202,6 +202,11 @@ def _recorded_values(out, where: str, computation: dict) -> dict:
         try:
             taken = converted(where, f"computation {key!r}", kinds[name], value)
         except click.UsageError as e:  # "WHERE: computation 'KEY': the type's reason"
+            if name == "attn_implementation" and value in ATTENTION:  # a real kernel, not installed here: no damage
+                why = e.message.split("; use one of")[0].split(": ", 2)[-1]
+                raise JobError(clipped(escaped(f"{where}: the cache was scored with --attn-implementation {value}, "
+                                               f"which cannot load here ({why}); resume it where it loads, or "
+                                               "--overwrite to start over"))) from None
             raise _damaged(out, f"{e.message.rstrip('.')} (precompute-ref never records one)") from None
         if type(taken) is not type(value):
             raise _damaged(out, f"{where}: computation {key!r} is {value!r}, not a setting precompute-ref makes (it "

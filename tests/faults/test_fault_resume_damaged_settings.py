@@ -130,3 +130,22 @@ def test_every_recorded_setting_goes_through_its_option_type(llama_dir, tmp_path
     data = write_jsonl(tmp_path / "d.jsonl", pref_rows(2))
     with pytest.raises(JobError, match=f"manifest.json: computation '{key}'.*the cache is damaged"):
         cache_settings(PrecomputeConfig(model=str(llama_dir), data=str(data), out=str(out)))
+
+
+def test_a_recorded_attention_not_installed_here_is_no_damage(llama_dir, tmp_path):
+    """flash_attention_2 is a setting precompute-ref makes (on a CUDA machine with flash-attn): where its package is
+    missing the resume is refused naming the attention, never calling the cache damaged."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    out = tmp_path / "cache"
+    out.mkdir()
+    computation = {"requested_attn_implementation": "flash_attention_2"}
+    (out / fmt.MANIFEST).write_text(json.dumps({"computation": computation, "encoding": EncodingConfig().to_dict()}))
+    data = write_jsonl(tmp_path / "d.jsonl", pref_rows(2))
+    with pytest.raises(JobError, match="scored with --attn-implementation flash_attention_2, which cannot load here "
+                                       r"\(flash_attention_2 is supported, but its package is not installed") as e:
+        cache_settings(PrecomputeConfig(model=str(llama_dir), data=str(data), out=str(out)))
+    assert "damaged" not in str(e.value) and "use one of" not in str(e.value)
+
