@@ -7,19 +7,21 @@ bad command line, before precompute/job.py (torch, transformers, datasets) is im
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields, replace
 
 import click
 
 from runtime.budget import DEFAULT_TOKEN_BUDGET, parse_token_budget
 from runtime.locations import check_present, read_locations
-from runtime.options import ENCODING_OPTIONS, field_help
+from runtime.options import ENCODING_OPTIONS, field_help, option_specs
 from runtime.errors import JobError
 from runtime.hub import origin
 from runtime.paths import check_apart
-from runtime.placed import Attention, Placement, included
+from runtime.placed import ATTENTION, Attention, Placement, included
+from runtime.terminal import clipped, escaped
 from storage import places
-from schemas.encoding import EncodingConfig
+from schemas.encoding import EncodingConfig, RecordedEncodingError
 
 from .modes import REGISTRY, batching_help
 
@@ -127,39 +129,118 @@ def _given(cfg: PrecomputeConfig, holder, name: str, default) -> bool:
     return name in cfg.given if cfg.given is not None else getattr(holder, name) != default
 
 
-def recorded_settings(out) -> tuple[str, dict, EncodingConfig] | None:
-    """How the rows already in --out were scored: (whose, computation, encoding) from a finished cache's manifest, or,
-    where an interrupted first run left shards and no manifest, from its first readable shard's footer; None when
-    --out holds neither (or nothing readable: the job's own checks name it)."""
+def recorded_settings(out) -> tuple[str, str, dict, EncodingConfig] | None:
+    """How the rows already in --out were scored: (whose, the file that says it, computation, encoding) from a
+    finished cache's manifest, or, where an interrupted first run left shards and no manifest, from its first readable
+    shard's footer; None when --out holds neither (or nothing readable: the job's own checks name it). A record
+    holding a value refcache never writes (an encoding outside its domain, a computation that is not a mapping) is a
+    damaged cache, refused (JobError)."""
     from schemas import format as fmt  # pyarrow: not on the --help path
 
     try:
         if (out / fmt.MANIFEST).exists():
             manifest = json.loads((out / fmt.MANIFEST).read_bytes())
-            return "the cache's", manifest.get("computation") or {}, EncodingConfig.from_dict(manifest["encoding"])
-        for path in sorted(out.glob("shard-*.parquet")):
-            meta = fmt.read_shard_metadata(path)
-            if "computation" in meta and "encoding" in meta:
-                return ("the interrupted run's", json.loads(meta["computation"]),
-                        EncodingConfig.from_dict(json.loads(meta["encoding"])))
+            where, whose = str(out / fmt.MANIFEST), "the cache's"
+            computation, encoding = manifest.get("computation") or {}, manifest["encoding"]
+        else:
+            for path in sorted(out.glob("shard-*.parquet")):
+                meta = fmt.read_shard_metadata(path)
+                if "computation" in meta and "encoding" in meta:
+                    where, whose = f"{out / path.name}'s footer", "the interrupted run's"
+                    computation, encoding = json.loads(meta["computation"]), json.loads(meta["encoding"])
+                    break
+            else:
+                return None
     except Exception:  # missing, unreadable, not ours: the resume and the update name it
         return None
-    return None
+    check_recorded(out, where, computation, encoding)
+    try:
+        return whose, where, computation, EncodingConfig.from_dict(encoding)
+    except Exception:  # not a record of this version (no add_bos, unknown keys): the resume and the update name it
+        return None
+
+
+def check_recorded(out, where: str, computation, encoding=None) -> None:
+    """Refuse (JobError) a record of how rows were scored (`where`: a manifest, or a shard's footer) that holds a
+    value precompute-ref never writes: a computation setting its option's type and domain refuse (_recorded_values),
+    or an encoding value outside EncodingConfig's (RecordedEncodingError). Everything else is left to the rules."""
+    if not isinstance(computation, dict):
+        raise _damaged(out, f"{where}: computation is {computation!r}, not a mapping of settings")
+    _recorded_values(out, where, computation)
+    if isinstance(encoding, dict):
+        try:
+            EncodingConfig.from_dict(encoding)
+        except RecordedEncodingError as e:
+            raise _damaged(out, f"{where}: {e}") from None
+        except (TypeError, ValueError):  # unknown keys, no add_bos: not this version's record; the rules name it
+            pass
+
+
+def _damaged(out, what: str) -> JobError:
+    """`what` (the file, the key, the value and why) precompute-ref never writes: the cache is damaged (exit 2), the
+    value escaped for the terminal and clipped."""
+    from runtime.cli import shell_word
+
+    return JobError(clipped(escaped(f"{what}: the cache is damaged; audit-ref {shell_word(out)} tells what else; "
+                                    "--overwrite to start over")))
+
+
+_JSON_KIND = {int: "an integer", float: "a float", str: "a string", bool: "a boolean", list: "a list", dict: "a mapping"}
+
+
+def _recorded_values(out, where: str, computation: dict) -> dict:
+    """{option field: value} of RECORDED_SETTINGS that `computation` records, each through its option's own type and
+    declared domain exactly as the command line converts it (runtime.config_file.converted); a value it refuses, or
+    one it would have to change (4.0 for 4, "4" for 4: precompute-ref writes neither), is a damaged cache."""
+    from runtime.config_file import converted
+
+    kinds = {spec.name: spec.kind for spec in option_specs(PrecomputeConfig)}
+    values = {}
+    for key, name in RECORDED_SETTINGS.items():
+        value = computation.get(key)
+        if value is None:
+            continue
+        try:
+            taken = converted(where, f"computation {key!r}", kinds[name], value)
+        except click.UsageError as e:  # "WHERE: computation 'KEY': the type's reason"
+            if name == "attn_implementation" and value in ATTENTION:  # a real kernel, not installed here: no damage
+                why = e.message.split("; use one of")[0].split(": ", 2)[-1]
+                raise JobError(clipped(escaped(f"{where}: the cache was scored with --attn-implementation {value}, "
+                                               f"which cannot load here ({why}); resume it where it loads, or "
+                                               "--overwrite to start over"))) from None
+            raise _damaged(out, f"{e.message.rstrip('.')} (precompute-ref never records one)") from None
+        if type(taken) is not type(value):
+            raise _damaged(out, f"{where}: computation {key!r} is {value!r}, not a setting precompute-ref makes (it "
+                                f"records {_JSON_KIND.get(type(taken), type(taken).__name__)} there, never {_JSON_KIND.get(type(value), 'that')})")
+        if taken != value:
+            raise _damaged(out, f"{where}: computation {key!r} is {value!r}, not a setting precompute-ref makes (it "
+                                "records the option's own spelling)")
+        values[name] = value
+    device_type = computation.get("device_type")  # not an option's value (cuda:1 records cuda), named as --device
+    if device_type is not None and not (isinstance(device_type, str) and re.fullmatch(r"[a-z]{1,16}", device_type)):
+        raise _damaged(out, f"{where}: computation 'device_type' is {device_type!r}, not a setting precompute-ref "
+                            "makes (a torch device type: cpu, cuda, ...)")
+    return values
 
 
 def cache_settings(cfg: PrecomputeConfig) -> tuple[str, dict]:
     """A run into an --out that already holds scored rows (--update, or a resume of a finished or interrupted run):
     every setting of RECORDED_SETTINGS and every encoding option not given is set on `cfg` from what --out records
     (recorded_settings), so the new rows are scored exactly as those were; returns (whose, {option: value} of those
-    taken). Nothing with --overwrite, or when --out records nothing readable (the update refuses that itself)."""
-    recorded = None if cfg.overwrite else recorded_settings(places.location(cfg.out))
-    if recorded is None or (cfg.update and recorded[0] != "the cache's"):
+    taken). Nothing with --overwrite, or when --out records nothing readable (the update refuses that itself). Every
+    value recorded goes through its option's type and domain first (_recorded_values): a damaged one is refused."""
+    out = places.location(cfg.out)
+    recorded = None if cfg.overwrite else recorded_settings(out)
+    if recorded is None:
         return "", {}
-    whose, computation, encoding = recorded
+    whose, where, computation, encoding = recorded
+    recorded_values = _recorded_values(out, where, computation)  # checked already: the values as the options take
+    if cfg.update and whose != "the cache's":
+        return "", {}
     defaults = {f.name: f.default for f in fields(PrecomputeConfig)}
     taken = {}
-    for key, name in RECORDED_SETTINGS.items():
-        value = computation.get(key, 0 if key == "top_k" else None)
+    for name in RECORDED_SETTINGS.values():
+        value = recorded_values.get(name, 0 if name == "top_k" else None)  # no top-k recorded: 0 (format.py)
         if value is not None and not _given(cfg, cfg, name, defaults[name]) and value != getattr(cfg, name):
             setattr(cfg, name, value)
             taken["--" + name.replace("_", "-")] = value

@@ -25,7 +25,7 @@ from schemas.card import read_card_metadata
 from schemas.encoding import EncodingConfig
 from storage.files import TEMP
 
-from .config import computation_options, encoding_options, settings_refusal
+from .config import check_recorded, computation_options, encoding_options, settings_refusal
 
 SHARD = re.compile(r"^shard-(v\d{5}-)?\d{5}\.parquet$")  # plan_shards' names (and --update's: precompute/update.py)
 # an interrupted first run (shards, no manifest yet) of other data: --update needs a finished cache
@@ -104,6 +104,8 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
         recorded = rules.footer_computation(shard.meta) or {}
         differs = rules.computation_findings(recorded, claimed, partial=True, where=path.name, remedy=COMPUTATION)
         if path.name not in pending:  # a readable footer of other settings or other rows: refused, never "damage"
+            if shard.meta:  # a value precompute-ref never writes is damage, never a setting to name as the cache's
+                check_recorded(out, f"{out / path.name}'s footer", recorded, _json_dict(shard.meta.get("encoding")))
             if recorded and differs:
                 _refuse(differs, f"{out} already holds a different cache", f"{out} already holds a different cache,")
             other = encoding_options(_json_dict(shard.meta.get("encoding")), encoding.to_dict()) if shard.meta else []

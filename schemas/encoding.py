@@ -161,10 +161,40 @@ class EncodingConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown encoding config fields: {sorted(unknown)}")
+        for fld in dataclasses.fields(cls):  # first: a damaged value is named as such, whatever else is missing
+            if fld.name in d and (expected := _unwritten(fld, d[fld.name])) is not None:
+                raise RecordedEncodingError(fld.name, d[fld.name], expected)
         if "add_bos" not in d:  # its default changed: a missing value cannot be told apart, so never assume one
             raise ValueError("no add_bos recorded, so the BOS rule the ids were made with is unknown; re-run "
                              "precompute-ref with this version of refcache")
         return cls(**d)
+
+
+class RecordedEncodingError(ValueError):
+    """An encoding record holding a value refcache never writes for that field (a float 1024.0 for max_length, a
+    negative length, a mode that is not one): the record is damaged, never coerced into a setting."""
+
+    def __init__(self, key: str, value, expected: str):
+        self.key, self.value, self.expected = key, value, expected
+        super().__init__(f"encoding {key!r} is {value!r}, not a value precompute-ref writes ({expected})")
+
+
+def _unwritten(fld: dataclasses.Field, value) -> str | None:
+    """None where `value` is one EncodingConfig.to_dict writes for field `fld` (its option's domain, the JSON type
+    exactly: a bool is not a number, 1024.0 is not 1024), else what the field takes."""
+    meta = fld.metadata
+    if "domain" in meta:  # every numeric encoding option is a whole number: "count" (>= 1) or "natural" (>= 0)
+        least = meta.get("min", 0 if meta["domain"] == "natural" else 1)
+        return None if type(value) is int and value >= least else f"a whole number >= {least}"
+    if "choices" in meta:
+        return None if isinstance(value, str) and value in meta["choices"] else "one of " + ", ".join(meta["choices"])
+    if fld.name == "add_eos":
+        return None if isinstance(value, bool) else "true or false"
+    if fld.name == "add_bos":
+        return None if isinstance(value, bool) or value == "tokenizer" else "tokenizer, true or false"
+    if fld.name == "columns":
+        return None if value is None or isinstance(value, str) else "TARGET=COLUMN,... text"
+    return None
 
 
 @dataclass(frozen=True)

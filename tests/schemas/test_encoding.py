@@ -15,6 +15,7 @@ from schemas.encoding import (
     BadRowError,
     EncodedPair,
     EncodingConfig,
+    RecordedEncodingError,
     encode_pair,
     parse_row,
     row_id,
@@ -801,3 +802,17 @@ def test_completion_end_template_keeps_what_the_template_writes_after_the_eos(to
     assert EncodingConfig.from_dict(trl_end.to_dict()) == trl_end
     with pytest.raises(ValueError, match="completion_end must be one of"):
         EncodingConfig(completion_end="newline")
+
+
+@pytest.mark.parametrize("key,value", [("max_length", 1024.0), ("max_length", 8.5), ("max_length", float("inf")),
+                                       ("max_length", 1e30), ("max_length", -3), ("max_length", True),
+                                       ("max_length", "64"), ("truncation_mode", 3), ("chat_template", ["on"]),
+                                       ("completion_end", None), ("add_eos", 1), ("add_bos", "yes"),
+                                       ("columns", {"prompt": "q"})])
+def test_from_dict_refuses_a_value_refcache_never_writes_rather_than_coercing_it(key, value):
+    """A record is read as written: 1024.0 is not 1024 (the mask checksums hash the encoding's JSON), a bool is not a
+    number; the error names the key, so a damaged cache is refused naming it (precompute/config.py)."""
+    with pytest.raises(RecordedEncodingError, match=f"encoding '{key}' is") as e:
+        EncodingConfig.from_dict({**EncodingConfig().to_dict(), key: value})
+    assert e.value.key == key
+    assert EncodingConfig.from_dict(EncodingConfig().to_dict()) == EncodingConfig()  # what it writes reads back
