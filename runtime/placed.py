@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -106,12 +107,17 @@ def attention_here() -> list[str]:
     return [a for a in ATTENTION if a not in FLASH_PACKAGES or kernels or _installed(FLASH_PACKAGES[a][0])]
 
 
+HUB_KERNEL = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w.-]+)?(:[\w.-]+)?")
+
+
 def parse_attention(text: str) -> str:
     """--attn-implementation, checked where the options are read (before any model or cache is): one of transformers'
     names that this installation can load, or a hub kernel (`org/name`, loaded by transformers' `kernels`). A
     ValueError says what is wrong and lists only the values that work here."""
     text = str(text).strip()
-    if "/" in text:
+    if "/" in text:  # a hub kernel's repo id (org/name, a revision after @, a kernel after :), nothing else
+        if not HUB_KERNEL.fullmatch(text):
+            raise ValueError(f"{text!r} is not a hub kernel's id (org/name, e.g. kernels-community/flash-attn)")
         return text
     here = attention_here()
     listed = ", ".join(a + (" (on CUDA)" if a == "flex_attention" else "") for a in here)  # flex_on_cpu: not on CPU

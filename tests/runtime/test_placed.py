@@ -149,3 +149,18 @@ def test_a_hub_kernel_runs_only_with_trust_remote_code(command, tmp_path):
     allowed = make(attn_implementation="kernels-community/flash-attn", trust_remote_code=True)
     assert attention_of(allowed) == "kernels-community/flash-attn"
     assert attention_of(make(attn_implementation="sdpa")) == "sdpa" and attention_of(make()) is None
+
+
+@pytest.mark.parametrize("text, ok", [("kernels-community/flash-attn", True), ("org/name@v1", True),
+                                      ("org/name:kernel", True), ("a/b; rm -rf ~", False), ("a/b c", False),
+                                      ("/etc/passwd", False), ("a/b/c", False), ("../x", False)])
+def test_a_hub_kernel_value_has_a_repo_ids_form(text, ok):
+    """Found by a helper: any text holding '/' passed as a hub kernel (and, recorded in a cache, could come back
+    in a remedy as 'pass --attn-implementation a/b; rm -rf ~')."""
+    from runtime.placed import parse_attention
+
+    if ok:
+        assert parse_attention(text) == text
+    else:
+        with pytest.raises(ValueError, match="is not a hub kernel's id"):
+            parse_attention(text)
