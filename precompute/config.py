@@ -122,6 +122,8 @@ class PrecomputeConfig:
 RECORDED_SETTINGS = {"rows_per_shard": "rows_per_shard", "top_k": "top_k", "dtype": "dtype",
                      "token_budget": "token_budget", "requested_attn_implementation": "attn_implementation",
                      "requested_batching": "batching"}
+# what an `auto` setting chose, as the cache records it (computation key): given by name, it is the cache's own
+AUTO_CHOSE = {"attn_implementation": "attn_implementation", "batching": "mode"}
 OPTION_OF = {**{k: "--" + v.replace("_", "-") for k, v in RECORDED_SETTINGS.items()}, "device_type": "--device"}
 
 
@@ -241,7 +243,12 @@ def cache_settings(cfg: PrecomputeConfig) -> tuple[str, dict]:
     taken = {}
     for name in RECORDED_SETTINGS.values():
         value = recorded_values.get(name, 0 if name == "top_k" else None)  # no top-k recorded: 0 (format.py)
-        if value is not None and not _given(cfg, cfg, name, defaults[name]) and value != getattr(cfg, name):
+        chose = computation.get(AUTO_CHOSE.get(name, ""))
+        if value == "auto" and _given(cfg, cfg, name, defaults[name]) and getattr(cfg, name) == chose:
+            # the kernel or mode the cache's auto chose, given by name: the same scoring, so the cache's request
+            setattr(cfg, name, value)
+            taken["--" + name.replace("_", "-")] = f"auto (the cache's; it chose {escaped(chose)}, as given)"
+        elif value is not None and not _given(cfg, cfg, name, defaults[name]) and value != getattr(cfg, name):
             setattr(cfg, name, value)
             taken["--" + name.replace("_", "-")] = value
     fresh = EncodingConfig()

@@ -88,3 +88,27 @@ def test_update_refuses_a_differing_setting_with_owner_labels(llama_dir, tmp_pat
     updated = precompute_cli("--model", llama_dir, "--data", grown, "--out", out, "--update")
     assert updated.exit_code == 0, updated.output
     assert "6 rows added" in updated.output, updated.output
+
+
+def test_update_given_by_name_what_the_caches_auto_chose_takes_the_caches_auto(llama_dir, tmp_path):
+    """UX pass: `--update --attn-implementation sdpa --batching packed` on a cache whose auto chose sdpa and packed
+    was refused as a differing setting; it is the same scoring, so the cache's request (auto) is kept. Another
+    named choice is still refused."""
+    rows = pref_rows(12)
+    out = tmp_path / "cache"
+    made = precompute_cli("--model", llama_dir, "--data", write_jsonl(tmp_path / "v1.jsonl", rows[:8]), "--out", out)
+    assert made.exit_code == 0, made.output
+    chose = manifest_of(out)["computation"]
+    attention, mode = chose["attn_implementation"], chose["mode"]
+    grown = write_jsonl(tmp_path / "v2.jsonl", rows)
+    other = next(m for m in ("single", "full_forward") if m != mode)
+    refused = precompute_cli("--model", llama_dir, "--data", grown, "--out", out, "--update", "--batching", other)
+    assert refused.exit_code == 2 and f"this run gives --batching {other}" in refused.output, refused.output
+    updated = precompute_cli("--model", llama_dir, "--data", grown, "--out", out, "--update",
+                             "--attn-implementation", attention, "--batching", mode)
+    assert updated.exit_code == 0, updated.output
+    assert f"--batching auto (the cache's; it chose {mode}, as given)" in updated.output
+    assert f"--attn-implementation auto (the cache's; it chose {attention}, as given)" in updated.output
+    recorded = manifest_of(out)["computation"]
+    assert recorded["requested_batching"] == "auto" and recorded["requested_attn_implementation"] == "auto"
+    assert "4 rows added" in updated.output
