@@ -10,6 +10,7 @@ log-probs and tail) joined to the rows by id as `ref_chosen_X` / `ref_rejected_X
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import polars as pl
@@ -121,16 +122,17 @@ def encoded_table(encoded: Encoded) -> pa.Table:
     })
 
 
-def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded) -> CacheError:
+def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded, data, cache_option: str) -> CacheError:
     """Rows missing or differing: say why when the cache's record shows it (another split, another data format), and
     then that reason's remedy in place of the generic one (re-running precompute-ref over these rows would be
-    another cache, not the one this run is missing)."""
+    another cache, not the one this run is missing). A single data file has no splits: its split says nothing."""
     source = cache.manifest.get("source") or {}
     facts, remedies = [], []
-    if source.get("split") not in (None, split):
+    if source.get("split") not in (None, split) and not _one_file(data):
         facts.append(f"the cache holds split {source['split']!r}" + (" (the eval split's cache)" if source["split"] in (
             "test", "eval", "validation") else "") + f", not {split!r}")
-        remedies.append(f"pass it as --eval-ref-cache, and the cache of split {split!r} as --ref-cache "
+        other = "--ref-cache" if cache_option == "--eval-ref-cache" else "--eval-ref-cache"
+        remedies.append(f"pass it as {other}, and the cache of split {split!r} as {cache_option} "
                         f"(precompute-ref --split {split} makes one)")
     formats = source.get("formats")
     if isinstance(formats, dict) and formats and encoded.formats:
@@ -146,15 +148,26 @@ def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded) ->
                        expected=error.expected, found=error.found, shard=error.shard, row=error.row)
 
 
+def _one_file(data) -> bool:
+    return data is not None and Path(str(data)).is_file()
+
+
 def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: str, missing: list[str],
-              encoded, resuming: str | None = None) -> CacheError:
+              encoded, resuming: str | None = None, cache_option: str = "--ref-cache") -> CacheError:
     """Rows missing or changed, answered in the one remedy vocabulary (runtime/remedies.py): rows an update of the
     cache removed name the version that removed them and the --cache-version that holds them; other rows the cache
     lacks, `precompute-ref --update`; rows edited under an id the cache holds, `--update --replace-changed`, unless
     an earlier version holds them as they are here (an update replaced them since: said in words, and that version's
     --cache-version; `resuming`: the checkpoint resumed, whose record names the version it trained on)."""
+    if _one_file(data):  # the update names the split the cache records (a single file's is only a label)
+        split = (cache.manifest.get("source") or {}).get("split") or split
     if error.kind == "rows_missing":
         removing, holding = history.removed_by(cache.root, cache.manifest, missing)
+        if removing and cache_option != "--ref-cache":  # --cache-version is --ref-cache's: this cache is current
+            message = (f"{error.message}; version{'s' * (len(removing) > 1)} {', '.join(map(str, removing))} of the "
+                       "cache removed them (precompute-ref --update)")
+            return type(error)(error.kind, message, remedy=remedies.rows_missing(cache_arg, data, model, split),
+                               expected=error.expected, found=error.found, shard=error.shard, row=error.row)
         remedy = (remedies.rows_removed(removing, holding) if removing else
                   remedies.rows_missing(cache_arg, data, model, split))
     elif error.kind == "mask_checksum":
@@ -229,9 +242,10 @@ def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> Da
 def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
                     expected_model_hash=None, cache_version: int | None = None,
                     encoding_request=None, on_bad_row="error", verify_files=True, resuming: str | None = None,
-                    log=echo) -> Verified:
+                    cache_option: str = "--ref-cache", log=echo) -> Verified:
     """`cache_version`: a version of an updated cache (train-dpo --cache-version N), default its current one.
-    `resuming`: the checkpoint a resume continues (a refusal names the version it trained on)."""
+    `resuming`: the checkpoint a resume continues (a refusal names the version it trained on). `cache_option`: the
+    option that gave the cache (--ref-cache, --eval-ref-cache), named in refusals and their remedies."""
     t0 = time.perf_counter()
     cache = open_cache(cache_dir, verify_files=verify_files, keep=scanned_columns,  # one fetch per shard on a store
                        version=cache_version)
@@ -249,16 +263,16 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
 
     for finding in use_findings(cache, model_hash=expected_model, tokenizer_hash=tokenizer_hash(tokenizer),
                                 tokenizer_parts=tokenizer_parts(tokenizer), encoding_request=encoding_request,
-                                rows=rows, option=option_name,
-                                remedies=REMEDIES):
+                                rows=rows, option=option_name, remedies=REMEDIES,
+                                named="" if cache_option == "--ref-cache" else f" ({cache_option})"):
         error = finding.error()
         if finding.rule == "rows":
             held = set(cache.index.column("id").to_pylist()) if finding.kind == "rows_missing" else set()
             missing = [i for i in found["encoded"].ids if i not in held] if finding.kind == "rows_missing" else []
-            explained = _explained(error, cache, split, found["encoded"])
+            explained = _explained(error, cache, split, found["encoded"], data, cache_option)
             error = explained if explained is not error else _remedied(error, cache, cache_dir, data, ref_model or
                                                                        model_dir, split, missing, found["encoded"],
-                                                                       resuming)
+                                                                       resuming, cache_option)
         raise error from None
     source, encoded = found["source"], found["encoded"]
     if cache.encoding.add_bos is True:

@@ -120,12 +120,12 @@ def row_findings(index, expected: dict[str, str], *, where: str = "the cache",
 
 
 def use_findings(cache, *, model_hash=None, tokenizer_hash=None, tokenizer_parts=None, encoding_request=None,
-                 rows=None, option=str, remedies: dict | None = None):
+                 rows=None, option=str, remedies: dict | None = None, named: str = ""):
     """An open cache (schemas/cache.py) against what its user will train on, lazily in order (so the user stops
     at the first, before it encodes a row): the encoding options it asks for, its model and tokenizer hashes, then
     its rows, `rows(encoding)` -> id -> mask checksum, encoded with the cache's encoding. A hash or request given as
-None is not compared."""
-    where, remedies = f"the cache {cache.root}", remedies or {}
+None is not compared. `named`: the option that gave the cache (" (--eval-ref-cache)"), said after its path."""
+    where, remedies = f"the cache {cache.root}{named}", remedies or {}
     yield from option_findings(cache.encoding, encoding_request or {}, where=where, option=option,
                                remedy=remedies.get("encoding", RERUN))
     known = {k: v for k, v in (("model_hash", model_hash), ("tokenizer_hash", tokenizer_hash)) if v is not None}

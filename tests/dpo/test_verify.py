@@ -297,3 +297,34 @@ def test_the_run_manifest_names_the_verified_cache_by_its_absolute_path(tmp_path
     assert result.exit_code == 0, result.output
     reference = json.loads((tmp_path / "run" / "run-manifest.json").read_text())["reference"]
     assert reference["verification"]["cache"] == str(tmp_path / "cache") == reference["cache"]["path"]
+
+
+def test_an_eval_cache_lacking_rows_is_named_and_told_to_update(tmp_path, llama_dir):
+    """UX pass: --eval-ref-cache lacking rows of a one-file --eval-data was told 'the cache holds split train, not
+    test: pass it as --eval-ref-cache' (it was that already; a single file has no splits), without naming which
+    cache; and a row a later version of it removed was told nothing of the version (--cache-version is
+    --ref-cache's only). Now: the option named, and the --update that brings it to the eval data."""
+    from support import precompute_ok
+
+    rows = pref_rows(16, seed=3)
+    train, small_eval = write_jsonl(tmp_path / "p12.jsonl", rows[:12]), write_jsonl(tmp_path / "e12.jsonl", rows[:12])
+    whole_eval = write_jsonl(tmp_path / "e16.jsonl", rows)
+    precompute_ok("--model", llama_dir, "--data", train, "--out", tmp_path / "c4")
+    precompute_ok("--model", llama_dir, "--data", small_eval, "--out", tmp_path / "e4")
+    args = ["--model", str(llama_dir), "--data", str(train), "--ref-cache", str(tmp_path / "c4"), "--eval-data",
+            str(whole_eval), "--eval-ref-cache", str(tmp_path / "e4"), "--output-dir", str(tmp_path / "r"), *TRAIN]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert f"4 of 16 data rows are not in the cache {tmp_path / 'e4'} (--eval-ref-cache)" in result.output
+    assert "holds split" not in result.output and "pass it as" not in result.output
+    assert f"--data {whole_eval} --out {tmp_path / 'e4'} --update" in result.output, result.output
+    assert "--split" not in result.output  # the cache's own split (train), the default
+
+    precompute_ok("--model", llama_dir, "--data", write_jsonl(tmp_path / "e11.jsonl", rows[:11]), "--out",
+                  tmp_path / "e4", "--update")  # version 2 removes row 11
+    args[args.index(str(whole_eval))] = str(small_eval)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "1 of 12 data rows are not in the cache" in result.output
+    assert "version 2 of the cache removed them" in result.output and "--cache-version" not in result.output
+    assert f"--data {small_eval} --out {tmp_path / 'e4'} --update" in result.output, result.output
