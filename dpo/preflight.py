@@ -86,13 +86,18 @@ def check_evaluation(cfg, log) -> str:
     return rows
 
 
-def check_training_options(cfg):
-    """The Trainer's arguments, the output dir and the checkpoint to resume from; refused before any data is read."""
+def check_option_values(cfg) -> None:
+    """Values the options alone show wrong: refused before any place is looked at."""
     if cfg.batch_layout not in ("auto", "padded", "prefix_shared"):
         raise JobError(f"--batch-layout must be auto, padded or prefix_shared, got {cfg.batch_layout!r}")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(cfg, name) < 1:  # from the command line or --config
             raise JobError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+
+
+def check_training_options(cfg):
+    """The Trainer's arguments, the output dir and the checkpoint to resume from; refused before any data is read."""
+    check_option_values(cfg)
     try:
         args = cfg.training_arguments()
     except ValueError as e:  # transformers' own checks of the training options

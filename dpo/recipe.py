@@ -25,7 +25,7 @@ from . import lora
 from .config import TrainConfig
 from .outdir import check_no_links, check_output_dir, inputs, prepare_metrics
 from .phases import PhaseTimer
-from .preflight import check_reference_options, check_training_options
+from .preflight import check_option_values, check_reference_options, check_training_options
 from .preflight import latest_checkpoint  # noqa: F401  (re-exported)
 from .verify import EncodedOnly, Verified, declared_reference, encode_only, verify_and_join
 
@@ -58,6 +58,7 @@ def run_train(cfg: TrainConfig, log=echo) -> dict:
     from .kl_governor import check_kl_options  # (transformers: not for --help and the options' refusals)
 
     check_kl_options(cfg)
+    check_option_values(cfg)
     check_present(cfg)  # --model, --data, --ref-cache, ...: there, named as given (runtime/locations.py)
     policy = _open_policy(cfg, log)
     args = check_training_options(cfg)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 import traceback
 
@@ -274,7 +275,10 @@ def shell_word(value) -> str:
     printed command, remedy and summary writes a path the user may copy."""
     import shlex
 
-    return shlex.quote(str(value))
+    text = str(value)
+    if re.fullmatch(r"<[^<>'\n]+>", text):  # a placeholder for the user to fill in (<the reference model>): as is
+        return text
+    return shlex.quote(text)
 
 
 def number_text(value) -> str:

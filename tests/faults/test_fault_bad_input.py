@@ -517,7 +517,7 @@ AUDIT_CASES = {  # case -> (damage to the cache copy or None, arguments, usage e
     "manifest_without_stamps": (manifest_damage("no_stamps"), ["{cache}"], False,
                                 ["manifest.json: 'stamps' is missing or malformed"]),
     "manifest_bad_encoding": (manifest_damage("bad_encoding"), ["{cache}"], False,
-                              ["manifest.json: bad encoding config (max_length must be at least 2, got 1)"]),
+                              ["manifest.json: bad encoding config (encoding 'max_length' is 1, not a value precompute-ref writes"]),
     "data_without_model": (None, ["{cache}", "--data", "{data}"], True, ["--data needs --model"]),
     "sample_and_all": (None, ["{cache}", "--sample", "3", "--all"], True, ["give --sample N or --all, not both"]),
     "tolerance_0": (None, ["{cache}", "--tolerance", "0"], True, ["Invalid value for '--tolerance'"]),

@@ -204,7 +204,7 @@ def test_second_writer_and_reader_are_refused_while_a_writer_runs(world):
         assert "Traceback" not in stderr and stdout == ""
     code, _, stderr = procs.result("reader")
     assert code == 2, stderr
-    assert f"error: {busy} has no manifest.json: the cache is incomplete (precompute-ref is still running or was " \
+    assert f"error: --ref-cache {busy} has no manifest.json: the cache is incomplete (precompute-ref is still running or was " \
            "interrupted)" in stderr and "remedy:   wait for precompute-ref to finish" in stderr
     assert not (world["base"] / "reader-out").exists()
     # in process too, with --overwrite: refused, and nothing of the running writer's was touched
