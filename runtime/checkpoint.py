@@ -81,6 +81,11 @@ class Checkpoint:
                 f"{model_dir}: this model needs custom code from its folder (auto_map in config.json); refcache does "
                 "not run it unless you pass --trust-remote-code"
             )
+        kernel = _hub_kernel(config)
+        if kernel and not trust_remote_code:  # transformers would fetch and run it even at --attn-implementation auto
+            raise JobError(
+                f"{model_dir}: its config.json asks for the attention kernel {kernel!r}, code downloaded from the hub "
+                "and run; refcache does not run it unless you pass --trust-remote-code (or remove that key)")
         adapter = None if adapter is None else str(adapter)  # as peft and the manifests take it
         return cls(str(model_dir), config, tuple(files), trust_remote_code, adapter,
                    None if adapter is None else check_adapter(adapter))
@@ -155,6 +160,19 @@ class Checkpoint:
         if self.adapter is not None:
             model = _merge_adapter(model, self.adapter)
         return model if trainable else model.eval().requires_grad_(False)
+
+
+def _hub_kernel(config) -> str | None:
+    """A hub kernel (org/name) a model's config.json, or a sub-config in it, names as its attention implementation."""
+    if not isinstance(config, dict):
+        return None
+    for key, value in config.items():
+        if key in ("_attn_implementation", "attn_implementation") and isinstance(value, str) and "/" in value:
+            return value
+        found = _hub_kernel(value) if isinstance(value, dict) else None
+        if found:
+            return found
+    return None
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):

@@ -163,6 +163,10 @@ def _damage(folder: Path, how: str) -> None:
     elif how == "remote_code":
         data = json.loads(config.read_text())
         config.write_text(json.dumps({**data, "auto_map": {"AutoModelForCausalLM": "custom.Model"}}))
+    elif how in ("hub_kernel", "hub_kernel_in_a_sub_config"):  # hostile pass: reached at --attn-implementation auto
+        data = json.loads(config.read_text())
+        asked = {"_attn_implementation": "kernels-community/flash-attn"}
+        config.write_text(json.dumps({**data, **(asked if how == "hub_kernel" else {"text_config": asked})}))
 
 
 REFUSALS = {  # damage -> (error type, message with {m} for the folder)
@@ -174,6 +178,10 @@ REFUSALS = {  # damage -> (error type, message with {m} for the folder)
                                  "transformers loads"),
     "remote_code": (JobError, "{m}: this model needs custom code from its folder (auto_map in config.json); refcache "
                               "does not run it unless you pass --trust-remote-code"),
+    "hub_kernel": (JobError, "{m}: its config.json asks for the attention kernel 'kernels-community/flash-attn', code "
+                             "downloaded from the hub and run; refcache does not run it unless you pass "
+                             "--trust-remote-code"),
+    "hub_kernel_in_a_sub_config": (JobError, "{m}: its config.json asks for the attention kernel"),
 }
 
 
