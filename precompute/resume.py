@@ -77,9 +77,7 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
     the cache's versions, which are not this run's to judge; the manifest is then the update's to judge. A shard an
     interrupted update left (history.pending_shards: named for the next version, named by no version) that this
     update does not plan, or plans for other rows, is reclaimed: removed, or scored again."""
-    for path in own_files(out):
-        if TEMP.match(path.name):
-            writes.remove(path)
+    temporaries = [path for path in own_files(out) if TEMP.match(path.name)]  # removed once nothing is refused
     previous = _previous_manifest(out, stamps, encoding) if keep is None else None
     listed = {e["file"]: e for e in previous["shards"]} if previous else {}
     planned = {s["file"]: s for s in plan}
@@ -127,7 +125,10 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
             _refuse(differs or found, f"{out} already holds a different cache", f"{out} already holds a different cache,")
         computations[path.name] = recorded
         done.add(path.name)
-    return Resume(done, _agreed(previous, computations), rescore, reclaimed)
+    agreed = _agreed(previous, computations)
+    for path in temporaries:
+        writes.remove(path)
+    return Resume(done, agreed, rescore, reclaimed)
 
 
 def _other_rows(out: Path, name: str, finished: bool, kinds=(), *, updated: bool = False) -> JobError:
@@ -165,7 +166,7 @@ def own_files(out: Path) -> list[Path]:
     skipped rows, agreeing with the manifest's counts when there is one) and its README.md (a dataset card with
     refcache metadata, of the manifest's stamps when there is one) are its own. Other .parquet files are its
     own only with a refcache footer; a temporary file of an atomic write is its own when it is one of these files'
-    (a shard's, a manifest's; skipped.jsonl's and README.md's where a cache is there), never another program's."""
+    and a cache is there (removed only once the resume refuses nothing), never another program's."""
     entries = {}
     for p in sorted(out.iterdir()):
         try:
@@ -202,11 +203,12 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
         return "a folder"
     if p not in plain:
         return "not a regular file"
-    if TEMP.match(p.name):  # atomic_write's `.{name}.tmp-{pid}`: ours only where `name` is one this cache writes
+    if TEMP.match(p.name):  # atomic_write's `.{name}.tmp-{pid}`: ours only where `name` is one this cache writes,
+        # in a folder that holds a cache (a folder holding only a temporary file has no finished work to keep)
         target = p.name[1:p.name.rindex(".tmp-")]
-        if SHARD.match(target) or target == fmt.MANIFEST or history.VERSION_FILE.match(target):
-            return None
-        return None if cache and target in (fmt.SKIPPED, fmt.CARD) else "not a temporary file of this cache"
+        ours = SHARD.match(target) or history.VERSION_FILE.match(target) or target in (fmt.MANIFEST, fmt.SKIPPED,
+                                                                                       fmt.CARD)
+        return None if cache and ours else "not a temporary file of this cache"
     if p.name == fmt.MANIFEST:
         return None if cache else "not a refcache manifest"
     if history.VERSION_FILE.match(p.name):  # an earlier version of the manifest (precompute-ref --update)

@@ -164,14 +164,15 @@ OTHERS = ["notes_file", "folder", "hidden_file", "foreign_parquet", "foreign_rea
           "foreign_temp", "foreign_temp_yaml"]
 
 
-@pytest.mark.parametrize("into, other", [("empty_folder", o) for o in [*OTHERS, "foreign_manifest"]]
+@pytest.mark.parametrize("into, other", [("empty_folder", o) for o in [*OTHERS, "foreign_manifest", "shard_temp"]]
                          + [("cache", o) for o in OTHERS])
 def test_2_out_holding_files_that_are_not_a_caches_is_refused(world, tmp_path, other, into):
     out = copy_tree(world["clean"], tmp_path / "out") if into == "cache" else tmp_path / "out"
     out.mkdir(exist_ok=True)
     name = {"notes_file": "notes.txt", "folder": "keep", "hidden_file": ".env", "foreign_parquet": "table.parquet",
             "foreign_manifest": fmt.MANIFEST, "foreign_readme": fmt.CARD, "card_of_another_cache": fmt.CARD,
-            "foreign_temp": ".notes.tmp-42", "foreign_temp_yaml": ".my-precompute.yaml.tmp-1"}[other]
+            "foreign_temp": ".notes.tmp-42", "foreign_temp_yaml": ".my-precompute.yaml.tmp-1",
+            "shard_temp": ".shard-00000.parquet.tmp-42"}[other]
     if other == "folder":
         (out / name).mkdir()
         (out / name / "mine.txt").write_text("mine")
@@ -350,3 +351,14 @@ def test_2_a_footer_read_as_values_by_resume_and_audit_alike(world, tmp_path, ke
     assert pq.read_schema(out / "shard-00000.parquet").metadata[(fmt.META_PREFIX + key).encode()] == respaced.encode()
     code, _, output = audit(out)
     assert code == 0, output
+
+
+def test_2_a_refused_rerun_removes_no_temporary_file(world, tmp_path):
+    """Hostile pass: the temporary files of a cache's own names were removed before the rerun was refused (other
+    data): removed only once the resume refuses nothing."""
+    out = copy_tree(world["clean"], tmp_path / "cache")
+    (out / ".shard-00009.parquet.tmp-11").write_text("my precious notes")
+    other = write_jsonl(tmp_path / "other.jsonl", pref_rows(ROWS, seed=99))
+    result = precompute(*world["args"], "--data", other, "--out", out)
+    assert result.exit_code == 2, result.output
+    assert (out / ".shard-00009.parquet.tmp-11").read_text() == "my precious notes"
