@@ -5,6 +5,7 @@ back (command_text). The options themselves: runtime/options.py; path-or-URL opt
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import sys
@@ -182,11 +183,16 @@ def quiet_libraries() -> None:
 TRUE_WORDS, FALSE_WORDS = frozenset({"true", "t", "yes", "y", "1"}), frozenset({"false", "f", "no", "n", "0"})
 
 
+WORD_LISTS = frozenset({"lora_target_modules", "report_to"})
+
+
 def bool_words(params, args: list[str]) -> list[str]:
     """The command line with each boolean option's true/false word folded into the option, as TRL's scripts and docs
     write them for transformers' HfArgumentParser (`--bf16 True`, `--disable-tqdm=false`, `--gradient_checkpointing
     True`): `--x true` is `--x`, `--x false` is `--no-x` (a flag without a --no- form: not given). Every boolean option
-    of every command (Command.parse_args); anything after `--` is left as it is."""
+    of every command (Command.parse_args); anything after `--` is left as it is. The same pass reads the value of
+    an option that takes one as that option's (never folded), refuses one of the command's own options in its place
+    (`--split --debug`), and joins the several words TRL's list form gives a WORD_LISTS option with commas."""
     opposite: dict[str, str | None] = {}
     for p in params:
         if isinstance(p, click.Option) and p.is_flag and p.is_bool_flag:
@@ -197,6 +203,9 @@ def bool_words(params, args: list[str]) -> list[str]:
     # the value of an option that takes one is that option's, whatever it reads like (`--out --overwrite false`:
     # --out's value is refused by its type, never turned into --no-overwrite)
     takes_value = {o for p in params if isinstance(p, click.Option) and not p.is_flag for o in p.opts}
+    names = {o for p in params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)}
+    # options whose value is a comma-separated list, that TRL's HfArgumentParser takes as several words
+    word_lists = {o for p in params if isinstance(p, click.Option) and p.name in WORD_LISTS for o in p.opts}
     # where the command takes no positional argument, any word after a boolean option is meant as its value
     positional = any(isinstance(p, click.Argument) for p in params)
     out, i = [], 0
@@ -205,8 +214,16 @@ def bool_words(params, args: list[str]) -> list[str]:
         if word == "--":
             return out + args[i:]
         if word in takes_value:
+            value = args[i + 1] if i + 1 < len(args) else None
+            if value in names:  # `--split --debug`: the option was given no value
+                raise click.UsageError(f"{word} needs a value: {value} is an option (give {word} its value first)")
             out += args[i:i + 2]
             i += 2
+            if word in word_lists and not positional:  # TRL's list form: --lora_target_modules q_proj v_proj
+                more = list(itertools.takewhile(lambda w: not w.startswith("-"), args[i:]))
+                if more:
+                    out[-1] = ",".join([out[-1], *more])
+                    i += len(more)
             continue
         flag, eq, value = word.partition("=")
         following = args[i + 1] if i + 1 < len(args) else None

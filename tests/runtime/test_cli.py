@@ -237,5 +237,32 @@ def test_an_option_given_no_value_before_a_boolean_word_is_refused_not_rewritten
     word."""
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(_commands()[command], args)
-    assert result.exit_code == 2 and "reads as an option, not a path" in result.output, result.output
-    assert value in result.output and list(tmp_path.iterdir()) == []
+    assert result.exit_code == 2 and f"{value} needs a value: " in result.output, result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command, args, option", [
+    ("precompute-ref", ["--model", "m", "--data", "d", "--out", "o", "--split", "--debug"], "--split"),
+    ("train-dpo", ["--model", "m", "--data", "d", "--run-name", "--overwrite-output-dir"], "--run-name"),
+    ("train-dpo", ["--model", "m", "--data", "d", "--eval-split", "--debug"], "--eval-split")])
+def test_an_option_given_another_option_as_its_value_is_refused(command, args, option, tmp_path, monkeypatch):
+    """Hostile pass: `--split --debug` recorded the split '--debug' and swallowed --debug (every option that takes a
+    value, not only paths)."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(_commands()[command], args)
+    assert result.exit_code == 2 and f"{option} needs a value: " in result.output, result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_trls_list_form_of_a_list_option_is_read_as_its_comma_list():
+    """UX pass: TRL's `--lora_target_modules q_proj v_proj` (HfArgumentParser's nargs) was 'unexpected extra argument
+    (v_proj)'."""
+    from runtime.cli import bool_words
+
+    params = _commands()["train-dpo"].params
+    line = bool_words(params, ["--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--report_to", "tensorboard",
+                               "wandb", "--bf16", "true"])
+    assert line == ["--use_peft", "--lora_target_modules", "q_proj,v_proj", "--report_to", "tensorboard,wandb",
+                    "--bf16"]
+    assert bool_words(params, ["--lora-target-modules", "all-linear", "--bf16"]) == ["--lora-target-modules",
+                                                                                     "all-linear", "--bf16"]
