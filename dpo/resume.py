@@ -30,6 +30,13 @@ CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 TRAINER_STATE = "trainer_state.json"
 METRICS = ("metrics.jsonl", "metrics.png")
 OUTPUTS = (*METRICS, CARD)  # a run's other files in --output-dir, each proved ours by _ours
+# what the Trainer's final save writes into --output-dir itself (the model, its tokenizer, its arguments): an earlier
+# run's own where the folder holds that run's record, anyone's otherwise
+TRAINER_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                           "adapter_config.json", "adapter_model.safetensors", "training_args.bin", "tokenizer.json",
+                           "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "tokenizer.model",
+                           "vocab.json", "merges.txt", "added_tokens.json"})
+MODEL_SHARD = re.compile(r"(model|adapter_model)-\d{5}-of-\d{5}\.safetensors")
 
 
 def is_complete(checkpoint: Path) -> bool:
@@ -128,7 +135,7 @@ def _ours(path: Path) -> bool:
             return True
         if not path.is_file():
             return False
-        if name == rm.RUN_RECORD:
+        if name == rm.RUN_RECORD or name in TRAINER_FILES or MODEL_SHARD.fullmatch(name):
             rm.read_run_record(path.parent)
             return True
         if name == rm.RUN_MANIFEST:
@@ -149,17 +156,21 @@ def _ours(path: Path) -> bool:
 
 
 def _would_write(name: str) -> bool:
-    return bool(CHECKPOINT.fullmatch(name)) or name in (rm.RUN_RECORD, rm.RUN_MANIFEST, *OUTPUTS)
+    return (bool(CHECKPOINT.fullmatch(name) or MODEL_SHARD.fullmatch(name))
+            or name in (rm.RUN_RECORD, rm.RUN_MANIFEST, *OUTPUTS, *TRAINER_FILES))
 
 
 def overwrite_plan(out: Path) -> tuple[list[Path], list[Path]]:
     """(what --overwrite-output-dir retires, what it leaves). Refuses a file or folder in the way of the new run
-    (a name it writes: checkpoint-N, the run record, run manifest, metrics, model card) that an earlier run did not
-    provably write: replacing it could destroy something that is not ours."""
+    (a name it writes: checkpoint-N, the run record, run manifest, metrics, model card, the Trainer's final model
+    and tokenizer files) that an earlier run did not provably write: replacing it could destroy something that is
+    not ours."""
     out = Path(out)
     entries = sorted(p for p in out.iterdir() if not is_lock_file(p)) if out.is_dir() and not out.is_symlink() else []
-    retire = [p for p in entries if _would_write(p.name) and _ours(p)]
-    in_the_way = [p for p in entries if _would_write(p.name) and p not in retire]
+    ours = {p for p in entries if _would_write(p.name) and _ours(p)}
+    # an earlier run's final model and tokenizer stay until the new run's final save replaces them
+    retire = [p for p in entries if p in ours and not (p.name in TRAINER_FILES or MODEL_SHARD.fullmatch(p.name))]
+    in_the_way = [p for p in entries if _would_write(p.name) and p not in ours]
     if in_the_way:
         names = ", ".join(p.name + (" (a symlink)" if p.is_symlink() else "") for p in in_the_way[:5])
         raise JobError(f"--overwrite-output-dir {out}: {names} {'is' if len(in_the_way) == 1 else 'are'} not an "

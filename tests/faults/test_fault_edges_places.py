@@ -6,6 +6,7 @@ folder holding no cache as such). Each example of the issue, and its neighbours.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -247,3 +248,23 @@ def test_a_folder_that_shows_a_cache_being_written_is_incomplete(world, tmp_path
         open_cache(lock_only)
     assert e.value.kind == "incomplete"
     shutil.rmtree(lock_only)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "training_args.bin", "model.safetensors",
+                                  "model-00001-of-00002.safetensors"])
+def test_overwrite_output_dir_refuses_a_trainer_file_no_earlier_run_wrote(tmp_path, name):
+    """Hostile pass: a user's config.json, tokenizer_config.json and training_args.bin in an --output-dir with no
+    run record were silently replaced by the Trainer's final save under --overwrite-output-dir. An earlier run's own
+    (its record is in the folder) are retired."""
+    from dpo.resume import overwrite_plan
+    from runtime.errors import JobError
+    from schemas import run_manifest as rm
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).write_text("mine")
+    with pytest.raises(JobError, match=rf"{re.escape(name)} is not an earlier train-dpo run's own"):
+        overwrite_plan(out)
+    assert (out / name).read_text() == "mine"
+    rm.write_json(out / rm.RUN_RECORD, rm.run_record("a" * 32, "2026-01-01T00:00:00+00:00"))
+    assert out / name in overwrite_plan(out)[1]  # the earlier run's: left until the new run's final save
