@@ -202,8 +202,15 @@ def test_update_of_a_place_holding_no_cache_leaves_nothing(world, tmp_path, wher
     if where == "data_folder":  # another data set's folder, given as --out by mistake
         write_jsonl(out / "train.jsonl", pref_rows(2, seed=1))
     before = sorted(tmp_path.rglob("*"))
-    refused(precompute(*world["args"], "--out", out, "--update"), "holds no finished cache")
+    said = "does not exist" if where == "nowhere" else "holds no finished cache"  # a typo: what is near (UX pass)
+    refused(precompute(*world["args"], "--out", out, "--update"), said)
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_update_of_a_mistyped_out_names_the_cache_near_it(world, tmp_path):
+    copy_tree(world["cache"], tmp_path / "c1")
+    r = refused(precompute(*world["args"], "--out", tmp_path / "c11", "--update"), "--update --out")
+    assert f"does not exist; did you mean {tmp_path / 'c1'}?" in r.output, r.output
 
 
 def test_a_refusal_under_the_lock_takes_back_the_lock(world, tmp_path):

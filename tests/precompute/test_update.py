@@ -205,7 +205,7 @@ def test_without_update_a_rerun_on_grown_data_is_refused_and_points_to_update(ll
 def test_update_without_a_cache_and_with_overwrite_is_refused(llama_dir, rows, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     result = update(llama_dir, data, tmp_path / "empty")
-    assert result.exit_code != 0 and "holds no finished cache" in result.output
+    assert result.exit_code != 0 and "does not exist" in result.output
     result = update(llama_dir, data, tmp_path / "empty", "--overwrite")
     assert result.exit_code != 0 and "pass one of them" in result.output
 
