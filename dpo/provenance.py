@@ -46,13 +46,15 @@ def check_resume_reference(checkpoint: str, record: dict, train=None, evaluation
         if moved is None:
             continue
         old, new, changed = moved
+        fingerprint = "data_fingerprint" if role == "cache" else "eval_data_fingerprint"
+        other = recorded.get(fingerprint) is not None and recorded.get(fingerprint) != record.get(fingerprint)
         where = (f"the cache {record[role]['path']} was updated from version {old} to {new} since this checkpoint"
                  if new > old else f"this run uses version {new} of the cache {record[role]['path']}, the checkpoint "
                  f"was trained on version {old}")
         if changed:
             raise JobError(f"--resume-from-checkpoint {checkpoint}: {where}, and version {max(old, new)} changed "
                            f"{len(changed)} of this run's rows ({', '.join(map(repr, changed[:5]))}"
-                           f"{' …' if len(changed) > 5 else ''})\n  remedy: {remedies.resume_moved(old, new)}")
+                           f"{' …' if len(changed) > 5 else ''})\n  remedy: {remedies.resume_moved(old, new, other)}")
         log(f"{where}; none of this run's {rows.table.num_rows} rows changed: resuming on version {new}")
         recorded = {**recorded, role: record[role]}
     found = rm.reference_findings(recorded, record)

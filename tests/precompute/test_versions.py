@@ -196,6 +196,32 @@ def test_a_resume_on_an_updated_cache(llama_dir, rows, base, tmp_path):
     assert resumed.exit_code == 0, resumed.output
 
 
+def test_a_resume_with_data_edited_since_the_checkpoint_is_told_both_ways_on(llama_dir, rows, tmp_path):
+    """UX pass: a run trained on version 1; a row edited and the cache updated with --replace-changed (version 2);
+    resuming with the edited data was told `--cache-version 1`, which then refused the edited row with
+    `--update --replace-changed` (done already): a loop. The refusal says this run's data is not the checkpoint's."""
+    cache = tmp_path / "cache"
+    data = write_jsonl(tmp_path / "p12.jsonl", rows[:12])
+    assert ok("--model", llama_dir, "--data", data, "--out", cache).exit_code == 0
+    out = tmp_path / "run"
+    args = ["--model", llama_dir, "--ref-cache", cache, *TRAIN, "--save-steps", "1", "--output-dir", out]
+    assert train(*args, "--data", data, "--max-steps", "1").exit_code == 0
+    edited = [dict(r) for r in rows[:12]]
+    edited[3]["chosen"] += " and more"
+    edited_data = write_jsonl(tmp_path / "p12e.jsonl", edited)
+    assert update(llama_dir, edited_data, cache, "--replace-changed").exit_code == 0
+    refused = train(*args, "--data", edited_data, "--max-steps", "2", "--resume-from-checkpoint",
+                    out / "checkpoint-1")
+    assert refused.exit_code == 2, refused.output
+    assert "updated from version 1 to 2 since this checkpoint" in refused.output
+    assert "this run's data is not the data this checkpoint trained on" in refused.output, refused.output
+    assert "resume with the data it trained on and --cache-version 1, or train on this data in a new run" in \
+        refused.output
+    resumed = train(*args, "--data", data, "--cache-version", "1", "--max-steps", "2", "--resume-from-checkpoint",
+                    out / "checkpoint-1")
+    assert resumed.exit_code == 0, resumed.output
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # a sliding-window model: the cache's batching mode cannot take longer rows
 
