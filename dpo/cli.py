@@ -36,7 +36,8 @@ def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
     trainer = {k: values.pop(k) for k in list(values) if k in TRAINER}
     lora = {k: values.pop(k) for k in list(values) if k in LORA}
     cfg = TrainConfig(**values, training_args=trainer, lora=LoraOptions(**lora), config_file=config_file)
-    record_sources(cfg, config_file, set(from_file) - set(command_line))  # a place not there names the file's key
+    # a place not there names the file and the key as the file wrote it
+    record_sources(cfg, config_file, set(from_file) - set(command_line), getattr(from_file, "written", {}))
     try:
         cfg.loss_config()  # the loss's own rules beyond each option's domain (label_smoothing < 0.5)
     except ValueError as e:

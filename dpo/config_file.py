@@ -11,7 +11,7 @@ import click
 from runtime.options import TRL_ALIASES
 from runtime.placed import Placement, group_options, prefix_of
 from runtime.terminal import echo
-from runtime.config_file import converted, read_mapping
+from runtime.config_file import FileValues, converted, read_mapping
 
 from .config import TrainConfig
 from .options import OURS, SPECS, TRAINER
@@ -198,5 +198,8 @@ def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
 def load_config_file(path) -> dict:
     path = str(path)
     # runtime/config_file.py: the one reader of a config file, which refuses an option given twice under TRL's name
-    data, given_as = _from_trl(path, read_mapping(path, lambda key: TRL_ALIASES.get(key, key)))
-    return {key: _convert(path, key, value, given_as.get(key)) for key, value in data.items() if value is not None}
+    mapping = read_mapping(path, lambda key: TRL_ALIASES.get(key, key))
+    data, given_as = _from_trl(path, mapping)
+    return FileValues({key: _convert(path, key, value, given_as.get(key)) for key, value in data.items()
+                       if value is not None},
+                      {key: mapping.written.get(given_as.get(key) or key, given_as.get(key) or key) for key in data})

@@ -74,7 +74,7 @@ def main(config_file, debug, **options):
         cfg = PrecomputeConfig(**given, encoding=encoding_from(**encoding),
                                given=frozenset(given) | {k for k, v in encoding.items() if v is not None},
                                config_file=config_file)
-        record_sources(cfg, config_file, set(from_file) - set(given_values(options)))
+        record_sources(cfg, config_file, set(from_file) - set(given_values(options)), getattr(from_file, "written", {}))
         checked_inputs(cfg)  # a command line refused by its options alone imports no model library
         from .job import run_precompute
 

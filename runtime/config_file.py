@@ -147,6 +147,15 @@ def read_text(path) -> str:
         raise click.UsageError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
+class FileValues(dict):
+    """A config file's values by option, and `written`: {option: the key as the file wrote it} (dataset_name,
+    ref-cache), so that a refusal names the key the user wrote."""
+
+    def __init__(self, values=(), written=None):
+        super().__init__(values)
+        self.written = dict(written or {})
+
+
 def read_mapping(path, name_of=None) -> dict:
     """The file's mapping of option names to values (keys with `-` read as `_`), each option given once (one_each;
     `name_of`: the option a key names, as the command reads it). A file that is not valid JSON (a .json name) or
@@ -173,7 +182,8 @@ def read_mapping(path, name_of=None) -> dict:
         return name_of(key) if name_of else key
 
     given = one_each(path, [(k, v, lines.get(k)) for k, v in data.items()], option)
-    return {str(k).replace("-", "_"): v for k, v in given.items()}
+    return FileValues({str(k).replace("-", "_"): v for k, v in given.items()},
+                      {str(k).replace("-", "_"): str(k) for k in given})
 
 
 def options_from_file(path, command: click.Command, prog: str, aliases: dict, *, skip=("config_file", "debug")) -> dict:
@@ -197,14 +207,16 @@ def options_from_file(path, command: click.Command, prog: str, aliases: dict, *,
         option = option_of(key)[0]
         return option.name if option is not None else key
 
-    values, unknown = {}, []
-    for key, value in read_mapping(path, name_of).items():
+    values, unknown = FileValues(), []
+    mapping = read_mapping(path, name_of)
+    for key, value in mapping.items():
         option, on = option_of(key)
         if option is None:
             unknown.append(key)
         elif value is not None:
             converted = _converted(path, key, option, value)
             values[option.name] = converted if on else not converted
+            values.written[option.name] = mapping.written.get(key, key)
     if unknown:
         raise click.UsageError(f"{path}: unknown option(s) {', '.join(sorted(unknown))} (see `{prog} "
                                "--help`: a key is an option's name, with _ or -)")

@@ -119,10 +119,12 @@ def checkpoint_problem(path) -> str | None:
     return None if (Path(path) / "config.json").is_file() else NOT_A_CHECKPOINT
 
 
-def record_sources(config, config_file, keys) -> None:
+def record_sources(config, config_file, keys, written=None) -> None:
     """Note which of `config`'s values came from --config `config_file` (`keys`: those its command line did not
     override), so that check_present names the file and the key of a place that is not there."""
-    vars(config)["_sources"] = {key: f"{config_file}: {key}: " for key in keys} if config_file else {}
+    written = written or {}
+    vars(config)["_sources"] = ({key: f"{config_file}: {written.get(key, key)}: " for key in keys} if config_file
+                                else {})
 
 
 def check_present(config, names=None) -> None:

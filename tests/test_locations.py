@@ -218,6 +218,12 @@ def test_a_place_the_job_reads_that_is_not_there_is_refused_naming_the_option(co
     result = _run(command, {k: v for k, v in args.items() if k != flag} | {"--config": config})
     assert result.exit_code == 2, result.output
     assert f"error: {config}: {name}: {typo}: does not exist" in " ".join(result.output.split()), result.output
+    trl = {"model": "model_name_or_path", "data": "dataset_name"}.get(name)
+    for written in {name.replace("_", "-"), trl} - {None}:  # named as the file wrote it (UX pass)
+        config.write_text(f"{written}: {typo}\n")
+        result = _run(command, {k: v for k, v in args.items() if k != flag} | {"--config": config})
+        assert result.exit_code == 2, result.output
+        assert f"error: {config}: {written}: {typo}: does not exist" in " ".join(result.output.split()), result.output
     if kind != "data":  # a folder that is there but is not what the option takes
         result = _run(command, args | {flag: real})
         assert result.exit_code == 2, result.output
