@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import click
 
 from runtime.cli import EXIT_FAILED, EXIT_OK, Command, exit_without_teardown, given_values, quiet_libraries, run_cli
+from runtime.cli import shell_word
 from runtime.locations import Location, read_locations
 from runtime.options import dataclass_options, field_help
 from runtime.errors import JobError
@@ -291,7 +292,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
              sample_rows(scan.index, sample, opts.seed))
     tokenizer = verified_tokenizer(manifest, opts.tokenizer or opts.model, opts.trust_remote_code)
     failed = [c.name for c in scan.checks if c.status == FAIL]
-    notes = [f"this cache fails {', '.join(failed)}: run audit-ref {cache} for the details"] if failed else []
+    notes = [f"this cache fails {', '.join(failed)}: run audit-ref {shell_word(cache)} for the details"] if failed else []
     if version["current"] > 1:  # an updated cache: which version these rows are of
         notes.insert(0, version["line"])
     if opts.data:  # the data re-encoded as the audit does: do the cached rows still say what the data says?
@@ -319,7 +320,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     if opts.html:
         page = show.render_html(views, root, manifest, notes, run_named).encode("utf-8")
         output_file(opts.html, "--html", inputs(cache, opts, manifest), page)
-        echo(f"wrote {opts.html}: {len(views)} row(s) token by token")
+        echo(f"wrote {shell_word(opts.html)}: {len(views)} row(s) token by token")
 
 
 def process_main():

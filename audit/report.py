@@ -9,6 +9,7 @@ import polars as pl
 
 from runtime.placement import describe
 from runtime.terminal import escaped
+from storage.quoting import shell_word
 
 from .checks import FAIL, PASS, SECTIONS, SKIP
 
@@ -63,12 +64,12 @@ def render(report: dict) -> str:
     sw = made.get("software") or {}
     comp = made.get("computation") or {}
     src = made.get("source") or {}
-    out = [f"audit-ref {escaped(report['cache'])}",
+    out = [f"audit-ref {escaped(shell_word(report['cache']))}",
            f"  made {made.get('created_at')} by refcache {sw.get('refcache')} (" +
            ", ".join(f"{k} {v}" for k, v in sw.items() if k != "refcache") + ")",
            f"  reference {escaped((made.get('model') or {}).get('name'))} in {comp.get('dtype')} on "
            f"{comp.get('device_type')} ({comp.get('attn_implementation')} attention, {comp.get('mode')} batching); "
-           f"data {escaped(src.get('data'))} split {escaped(src.get('split'))}; "
+           f"data {escaped(shell_word(src.get('data')))} split {escaped(src.get('split'))}; "
            f"{report['stats']['rows']:,} rows, {report['stats']['bytes'] / 2**20:.2f} MiB",
            *([f"  split by {describe(comp['layout'])}"] if isinstance(comp.get("layout"), dict) else []),
            *([f"  {v['line']}"] if (v := report.get("version")) else []),

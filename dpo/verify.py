@@ -19,6 +19,7 @@ import pyarrow as pa
 from runtime.data import DataError, Encoded, load_rows, recorded_config, usable_rows
 from runtime.errors import JobError
 from runtime.terminal import echo
+from storage.quoting import shell_word
 from runtime import remedies
 from schemas import history
 from schemas import run_manifest as rm
@@ -295,7 +296,7 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
     }
     reasons = ", ".join(f"{k}: {v}" for k, v in report["skipped"].items())
     skipped = f", {len(encoded.skipped)} bad rows skipped ({reasons})" if encoded.skipped else ""
-    log(f"verified {cache.root}, {cache.version['line']}: {report['rows']} rows{skipped}, model/tokenizer/mask "
+    log(f"verified {shell_word(cache.root)}, {cache.version['line']}: {report['rows']} rows{skipped}, model/tokenizer/mask "
         "stamps match "
         f"({report['total_s']:.2f} s; file hashes {report['files_s']:.2f} s)")
     return Verified(table, source.fingerprint, report)

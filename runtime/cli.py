@@ -7,11 +7,12 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import re
 import sys
 import traceback
 
 import click
+
+from storage.quoting import shell_word
 
 # Every command's exit codes: 0 done (audit-ref: every check passed), 1 failed (a check failed, an unexpected error),
 # 2 refused (bad input, a cache or output folder that does not match, a usage error), 3 (train-dpo) stopped because
@@ -285,17 +286,6 @@ def command_text(prog: str, values: dict, leading: tuple = ()) -> str:
         else:
             words += [w for v in (value if isinstance(value, list) else [value]) for w in (flag, number_text(v))]
     return " ".join(shell_word(w) for w in words)
-
-
-def shell_word(value) -> str:
-    """A path or value as a shell takes it back, quoted where it must be (a space, a quote, a `$`): the one way every
-    printed command, remedy and summary writes a path the user may copy."""
-    import shlex
-
-    text = str(value)
-    if re.fullmatch(r"<[^<>'\n]+>", text):  # a placeholder for the user to fill in (<the reference model>): as is
-        return text
-    return shlex.quote(text)
 
 
 def number_text(value) -> str:

@@ -11,6 +11,7 @@ import json
 from . import format as fmt
 from .encoding import EncodingConfig
 from .findings import CACHE_SIDE, RERUN, RUN_SIDE, Finding
+from storage.quoting import shell_word
 
 
 def computation_findings(recorded: dict, now: dict, *, partial: bool = False, where: str = "the cache",
@@ -125,7 +126,7 @@ def use_findings(cache, *, model_hash=None, tokenizer_hash=None, tokenizer_parts
     at the first, before it encodes a row): the encoding options it asks for, its model and tokenizer hashes, then
     its rows, `rows(encoding)` -> id -> mask checksum, encoded with the cache's encoding. A hash or request given as
 None is not compared. `named`: the option that gave the cache (" (--eval-ref-cache)"), said after its path."""
-    where, remedies = f"the cache {cache.root}{named}", remedies or {}
+    where, remedies = f"the cache {shell_word(cache.root)}{named}", remedies or {}
     yield from option_findings(cache.encoding, encoding_request or {}, where=where, option=option,
                                remedy=remedies.get("encoding", RERUN))
     known = {k: v for k, v in (("model_hash", model_hash), ("tokenizer_hash", tokenizer_hash)) if v is not None}

@@ -328,3 +328,24 @@ def test_an_eval_cache_lacking_rows_is_named_and_told_to_update(tmp_path, llama_
     assert "1 of 12 data rows are not in the cache" in result.output
     assert "version 2 of the cache removed them" in result.output and "--cache-version" not in result.output
     assert f"--data {small_eval} --out {tmp_path / 'e4'} --update" in result.output, result.output
+
+
+def test_a_cache_path_with_a_space_is_written_as_a_shell_takes_it_back(tmp_path, llama_dir, dpo_data, dpo_cache):
+    """UX pass: running text named 'my caches/c 1' unquoted (the verified line, the rows-missing refusal, audit-ref's
+    header), while commands and summaries quoted it (storage.quoting.shell_word, the one quoting)."""
+    import shlex
+
+    from audit.cli import main as audit_ref
+
+    cache = tmp_path / "my caches" / "c 1"
+    shutil.copytree(dpo_cache, cache)
+    result = CliRunner().invoke(main, ["--model", str(llama_dir), "--data", str(dpo_data), "--ref-cache", str(cache),
+                                       "--output-dir", str(tmp_path / "run"), *TRAIN], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert f"verified {shlex.quote(str(cache))}, " in result.output, result.output
+    more = write_jsonl(tmp_path / "more.jsonl", pref_rows(len(open(dpo_data).readlines()) + 2))
+    result = CliRunner().invoke(main, ["--model", str(llama_dir), "--data", str(more), "--ref-cache", str(cache),
+                                       "--output-dir", str(tmp_path / "run2"), *TRAIN])
+    assert result.exit_code == 2 and f"not in the cache {shlex.quote(str(cache))};" in result.output, result.output
+    header = CliRunner().invoke(audit_ref, [str(cache)]).output.splitlines()[0]
+    assert header == f"audit-ref {shlex.quote(str(cache))}", header
