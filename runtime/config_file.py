@@ -241,7 +241,9 @@ def converted(path, key: str, kind, value, *, multiple: bool = False, param=None
     command line converts it, for every command's --config: a refusal (a bad choice, a number out of its domain, a
     path that is not there) is a usage error naming the file and the key (`given_as`: the key as the file spells it,
     TRL's name of ours), then the type's own reason."""
-    kind = click.types.convert_type(kind)
+    from .options import TEXT
+
+    kind = TEXT if kind is str else click.types.convert_type(kind)
     try:
         if multiple:
             return [kind.convert(v, param, None) for v in (value if isinstance(value, list) else [value])]

@@ -5,6 +5,7 @@ encodes data shares."""
 from __future__ import annotations
 
 import dataclasses
+import unicodedata
 import typing
 
 import click
@@ -55,6 +56,24 @@ class ParsedText(click.ParamType):
             return self.parse(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+
+
+class Text(click.ParamType):
+    """A free-text option's value (a run name, a split, a hub id): any text but a control character (a newline, an
+    ESC), which would carry into messages as a forged line and into written files (the model card's heading)."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        text = click.STRING.convert(value, param, ctx)
+        if any(unicodedata.category(ch) == "Cc" for ch in text):
+            from .terminal import escaped
+
+            self.fail(f"{escaped(text)}: holds a control character; give the text without it", param, ctx)
+        return text
+
+
+TEXT = Text()
 
 
 def field_help(help: str, group: str | None = None, **extra) -> dict:
@@ -233,7 +252,8 @@ def spec_options(specs: list[OptionSpec]):
             if spec.kind is bool:
                 f = click.option(*spec.decls, spec.name, **common)(f)
             else:
-                f = click.option(*spec.decls, spec.name, type=spec.kind, multiple=spec.multiple, **common)(f)
+                f = click.option(*spec.decls, spec.name, type=TEXT if spec.kind is str else spec.kind,
+                                 multiple=spec.multiple, **common)(f)
         return f
 
     return decorate

@@ -178,7 +178,7 @@ def test_audit_show_text_and_token_views(world, colour):
 
 def test_audit_show_unknown_row(world):
     code, out = audit_out(world["cache"], "--show", "nope" + EVIL, "--model", world["llama"])
-    assert code == 2 and "no row" in out, out
+    assert code == 2 and "holds a control character" in out, out  # every free-text option (runtime.options.Text)
     assert_clean(out)
 
 
@@ -219,3 +219,24 @@ def test_command_line_errors_of_every_command(command, tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "a path holding a control character" in result.output, result.output
     assert_clean(result.output)
+
+
+@pytest.mark.parametrize("command, option", [("precompute-ref", "--split"), ("train-dpo", "--run-name"),
+                                             ("train-dpo", "--hub-model-id"), ("audit-ref", "--show")])
+def test_a_free_text_option_holding_a_control_character_is_refused(world, command, option, tmp_path):
+    """Hostile pass: `--run-name $'x\\e[31m\\nRED'` wrote a raw ESC and a newline into the model card's heading;
+    `--split` with an ESC was recorded in the manifest. Every free-text option of every command refuses one."""
+    from audit.cli import main as audit_main
+    from dpo.cli import main as train_main
+    from precompute.cli import main as precompute_main
+
+    main = {"precompute-ref": precompute_main, "train-dpo": train_main, "audit-ref": audit_main}[command]
+    args = {"precompute-ref": ["--model", str(world["llama"]), "--data", str(world["data"]), "--out",
+                               str(tmp_path / "o")],
+            "train-dpo": ["--model", str(world["llama"]), "--data", str(world["data"]), "--ref-cache",
+                          str(world["cache"]), "--output-dir", str(tmp_path / "o")],
+            "audit-ref": [str(world["cache"])]}[command]
+    result = CliRunner().invoke(main, [*args, option, "x" + EVIL + "\nRED"])
+    assert result.exit_code == 2 and "holds a control character" in result.output, result.output
+    assert_clean(result.output)
+    assert not (tmp_path / "o").exists()
