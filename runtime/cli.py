@@ -209,6 +209,10 @@ def bool_words(params, args: list[str]) -> list[str]:
     word_lists = {o for p in params if isinstance(p, click.Option) and p.name in WORD_LISTS for o in p.opts}
     # where the command takes no positional argument, any word after a boolean option is meant as its value
     positional = any(isinstance(p, click.Argument) for p in params)
+    configs = [w for w in itertools.takewhile(lambda w: w != "--", args) if w.partition("=")[0] == "--config"]
+    if len(configs) > 1:  # a second file would silently replace the first, whole
+        raise click.UsageError("--config is given twice: give one file (put the options of both in it, or give the "
+                               "other file's options on the command line)")
     out, i = [], 0
     while i < len(args):
         word = args[i]

@@ -266,3 +266,13 @@ def test_trls_list_form_of_a_list_option_is_read_as_its_comma_list():
                     "--bf16"]
     assert bool_words(params, ["--lora-target-modules", "all-linear", "--bf16"]) == ["--lora-target-modules",
                                                                                      "all-linear", "--bf16"]
+
+
+@pytest.mark.parametrize("command", ["precompute-ref", "train-dpo"])
+def test_a_second_config_file_is_refused_not_silently_taken(command, tmp_path):
+    """Hostile pass: `--config p5.yaml --config p6.yaml` dropped p5.yaml whole, without a word."""
+    for name in ("a.yaml", "b.yaml"):
+        (tmp_path / name).write_text("{}")
+    result = CliRunner().invoke(_commands()[command], ["--config", str(tmp_path / "a.yaml"),
+                                                       f"--config={tmp_path / 'b.yaml'}"])
+    assert result.exit_code == 2 and "--config is given twice" in result.output, result.output
