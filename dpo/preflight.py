@@ -104,6 +104,7 @@ def check_training_options(cfg):
         raise JobError(training_options_error(cfg, e)) from None
     if cfg.optim is None:  # the Trainer's default, what TRL users get: recorded as what it resolved to
         cfg.optim = str(getattr(args.optim, "value", args.optim))
+    _check_optimizer_and_scheduler(args)
     check_one_job(args.world_size)
     given = None if cfg.resume_from_checkpoint is None else str(cfg.resume_from_checkpoint)  # a path, or a word
     latest = given is not None and given.strip().lower() in TRUE
@@ -117,6 +118,23 @@ def check_training_options(cfg):
     check_resume(cfg.resume_from_checkpoint, Path(cfg.output_dir), latest)
     check_no_links(Path(cfg.output_dir))
     return args
+
+
+def _check_optimizer_and_scheduler(args) -> None:
+    """What the Trainer reads of --optim-args and --lr-scheduler-kwargs only when it builds them, after the models
+    load and the run record is written: read here by the Trainer's own code, so a bad value is refused first."""
+    from transformers import Trainer
+
+    try:
+        Trainer.get_optimizer_cls_and_kwargs(args)  # ImportError (a package the optimizer needs): run_cli says so
+    except (ValueError, TypeError) as e:
+        raise JobError(f"--optim {getattr(args.optim, 'value', args.optim)} --optim-args {args.optim_args!r}: the "
+                       f"Trainer cannot build the optimizer ({e}); --optim-args takes key=value pairs separated by "
+                       "commas (e.g. betas=0.9,0.99)") from None
+    kwargs = args.lr_scheduler_kwargs
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise JobError(f"--lr-scheduler-kwargs {kwargs!r}: the scheduler's keyword arguments are a JSON object "
+                       "(e.g. '{\"num_cycles\": 2}'), or leave the option out")
 
 
 def check_one_job(trainer_world: int) -> None:

@@ -208,3 +208,17 @@ def test_a_bad_row_against_a_cache_that_skipped_none_has_no_skip_hint(tmp_path, 
     assert result.exit_code == EXIT_REFUSED, result.output
     assert f"error: {data}, row 6: bad_json: unparsable JSON (Expecting value at column 1)" in result.output
     assert "--on-bad-row skip" not in result.output
+
+
+@pytest.mark.parametrize("option, value, said", [("--optim-args", "foo", "the Trainer cannot build the optimizer"),
+                                                 ("--lr-scheduler-kwargs", "[1,2]", "are a JSON object")])
+def test_a_trainer_option_read_only_when_training_starts_is_refused_before_anything_is_written(
+        tmp_path, llama_dir, dpo_data, dpo_cache, option, value, said):
+    """Hostile pass: a bad --optim-args / --lr-scheduler-kwargs failed at the first step, exit 1 'unexpected
+    ValueError', after the run record was written: the corrected rerun was then refused ('already holds files')."""
+    out = tmp_path / "run"
+    r = train("--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir", out, *TRAIN,
+              option, value)
+    assert r.exit_code == EXIT_REFUSED and said in r.output, r.output
+    assert_one_paragraph(r.output)
+    assert not out.exists()
