@@ -43,7 +43,24 @@ def manifest_findings(manifest: dict) -> list[Finding]:
     if "rows" in manifest and manifest["rows"] != listed:
         out.append(Finding("manifest", "manifest", "the manifest's rows differ from the sum of its shards' rows",
                            expected=listed, found=manifest["rows"]))
-    return out
+    return out + _history_findings(manifest)
+
+
+def _history_findings(manifest: dict) -> list[Finding]:
+    """The earlier versions the manifest's history lists, as precompute-ref --update writes them: each its version
+    number (below the current one, once), the file of that number, whole rows. An entry of another shape is never
+    read (no path leaves the cache), and is said, not passed over."""
+    entries = manifest.get("history") or []
+    current = manifest.get("version") if type(manifest.get("version")) is int else 1
+    bad = [e for e in (entries if isinstance(entries, list) else [entries]) if not (
+        isinstance(e, dict) and type(e.get("version")) is int and 1 <= e["version"] < current
+        and e.get("file") == history.version_name(e["version"]) and type(e.get("rows")) is int and e["rows"] >= 0)]
+    versions = [e.get("version") for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+    if bad or len(set(map(repr, versions))) != len(versions):
+        shown = repr(bad[0] if bad else entries)
+        return [Finding("manifest", "manifest", "the manifest's history lists an earlier version precompute-ref "
+                        f"--update does not write ({shown[:200]}): the history was edited")]
+    return []
 
 
 def shard_file_findings(root: Path, entry: dict, *, hash_files: bool = True) -> tuple[Path | None, list[Finding]]:

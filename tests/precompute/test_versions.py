@@ -196,6 +196,22 @@ def test_a_resume_on_an_updated_cache(llama_dir, rows, base, tmp_path):
     assert resumed.exit_code == 0, resumed.output
 
 
+@pytest.mark.parametrize("edit", [{"file": "/etc/passwd"}, {"file": "../../etc/passwd"}, {"rows": -5},
+                                  {"version": 1e40}, {"version": 7}, {"file": "manifest-00002.json"}])
+def test_an_edited_history_entry_is_a_finding_not_passed_over(llama_dir, rows, base, tmp_path, edit):
+    """Hostile pass: a history entry naming /etc/passwd, -5 rows or version 1e40 was carried forward by --update and
+    passed by audit-ref (never read: only names of the version-file form are). The manifest rule says it."""
+    grown = write_jsonl(tmp_path / "v2.jsonl", rows[:ROWS + 2])
+    assert update(llama_dir, grown, base).exit_code == 0
+    manifest = manifest_of(base)
+    manifest["history"][0].update(edit)
+    (base / fmt.MANIFEST).write_text(json.dumps(manifest))
+    code, report, output = audit_ref(base)
+    assert code == 1 and "the history was edited" in check_of(report, "manifest")["detail"], output
+    refused = update(llama_dir, write_jsonl(tmp_path / "v3.jsonl", rows), base)
+    assert refused.exit_code == 2 and "the history was edited" in refused.output, refused.output
+
+
 def test_a_resume_with_data_edited_since_the_checkpoint_is_told_both_ways_on(llama_dir, rows, tmp_path):
     """UX pass: a run trained on version 1; a row edited and the cache updated with --replace-changed (version 2);
     resuming with the edited data was told `--cache-version 1`, which then refused the edited row with
