@@ -101,17 +101,19 @@ def verified_tokenizer(manifest: dict, source: str | None, trust_remote_code: bo
     cache's tokenizer_hash stamp; a JobError saying what to pass otherwise."""
     if source is None:
         model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
-        recorded = model.get("path")
-        if (not recorded or not Path(recorded).is_dir()) and model.get("hub_id"):  # the hub id, in this HF cache
+        recorded = model.get("path") if isinstance(model.get("path"), str) else None  # text, or nothing recorded
+        hub_id = model.get("hub_id") if isinstance(model.get("hub_id"), str) else None
+        if (not recorded or not Path(recorded).is_dir()) and hub_id:  # the hub id, in this HF cache
             from runtime.hub import resolve
 
             try:
-                recorded = resolve(model["hub_id"], "model")
+                recorded = resolve(hub_id, "model")
             except JobError:
                 pass
         if not recorded or not Path(recorded).is_dir():
-            raise JobError(f"the token text needs the tokenizer the cache was made with; its recorded model folder "
-                           f"{recorded!r} is not here: pass --model (or --tokenizer) with that checkpoint")
+            raise JobError("the token text needs the tokenizer the cache was made with; its recorded model folder "
+                           + (f"{recorded!r} is not here" if recorded else "is not recorded as a path")
+                           + ": pass --model (or --tokenizer) with that checkpoint")
         source = recorded
     light = None if trust_remote_code else _backend_only(source)
     if light is not None and not stamp_findings(manifest["stamps"], {"tokenizer_hash": tokenizer_hash(light)}):

@@ -40,3 +40,18 @@ def test_a_row_a_later_version_removed_names_that_version_and_the_one_that_shows
     code, out, err = audit(cache, "--show", "pair-00004", "--cache-version", "1")  # the remedy, as given
     assert code == 0, err
     assert "id 'pair-00004'" in out and "margin: reference chosen - rejected" in out
+
+
+@pytest.mark.parametrize("path", [{"a": 1}, 1e40, None])
+def test_a_recorded_model_path_that_is_not_text_asks_for_model(updated, tmp_path, path):
+    """Hostile pass: a manifest whose model.path is {"a": 1} or 1e40 crashed `--show` (unexpected TypeError)."""
+    import json
+    import shutil
+
+    cache = shutil.copytree(updated[0], tmp_path / "c")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["model"] = {**manifest["model"], "path": path}
+    manifest["model"].pop("hub_id", None)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = audit(cache, "--show", "pair-00000")
+    assert code == 2 and "pass --model (or --tokenizer)" in err, err
