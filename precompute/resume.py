@@ -208,7 +208,7 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
         target = p.name[1:p.name.rindex(".tmp-")]
         ours = SHARD.match(target) or history.VERSION_FILE.match(target) or target in (fmt.MANIFEST, fmt.SKIPPED,
                                                                                        fmt.CARD)
-        return None if cache and ours else "not a temporary file of this cache"
+        return None if cache and ours and _begins_as_ours(p, target) else "not a temporary file of this cache"
     if p.name == fmt.MANIFEST:
         return None if cache else "not a refcache manifest"
     if history.VERSION_FILE.match(p.name):  # an earlier version of the manifest (precompute-ref --update)
@@ -220,6 +220,21 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
     if p.name == fmt.CARD:
         return None if cache and _own_card(p, manifest) else "not this cache's dataset card"
     return ""
+
+
+def _begins_as_ours(p: Path, target: str) -> bool:
+    """A temporary file of a killed writer begins as that writer began it: nothing yet, a shard's Parquet magic, a
+    card's YAML header, a JSON record; a name alone proves nothing (a user's notes under that name are kept)."""
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    if not head:
+        return True
+    if SHARD.match(target):
+        return head == b"PAR1"
+    return head.startswith(b"---") if target == fmt.CARD else head[:1] == b"{"
 
 
 def _json_dict(text) -> dict:

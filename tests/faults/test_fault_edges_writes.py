@@ -290,7 +290,8 @@ def test_3_train_dpo_refuses_a_symlink_in_a_used_output_dir(llama_dir, dpo_data,
     # the names a new run writes are judged first by dpo/resume.overwrite_plan (items 4, 6), any other link after
     theirs = {"metrics.jsonl": "metrics.jsonl (a symlink) is not an earlier train-dpo run's own",
               "run-manifest.json": "run-manifest.json (a symlink) is not an earlier train-dpo run's own",
-              "checkpoint-1/trainer_state.json": "checkpoint-1 is not an earlier train-dpo run's own"}
+              "checkpoint-1/trainer_state.json": "checkpoint-1 is not an earlier train-dpo run's own",
+              "model.safetensors": "model.safetensors (a symlink) is not an earlier train-dpo run's own"}
     refused(result, theirs.get(planted, f"error: {out / planted} is a symlink (to {victim}): refcache does not write "
                                         "there"))
     assert victim.read_text() == "precious\n" and os.readlink(out / planted) == str(victim)
@@ -351,6 +352,20 @@ def test_2_a_footer_read_as_values_by_resume_and_audit_alike(world, tmp_path, ke
     assert pq.read_schema(out / "shard-00000.parquet").metadata[(fmt.META_PREFIX + key).encode()] == respaced.encode()
     code, _, output = audit(out)
     assert code == 0, output
+
+
+@pytest.mark.parametrize("name", [".shard-00000.parquet.tmp-42", ".README.md.tmp-7", ".manifest.json.tmp-9"])
+def test_2_a_users_file_under_a_temporary_name_in_a_cache_is_refused_and_kept(world, tmp_path, name):
+    """Closing UX pass: in a cache folder, a rerun that went through deleted a user's file named as a temporary of
+    the cache's own files (by its name alone): it must begin as the cache's writer begins that file."""
+    out = copy_tree(world["clean"], tmp_path / "cache")
+    (out / name).write_text("precious")
+    result = precompute(*world["args"], "--data", world["data"], "--out", out)
+    refused(result, f"holds files that are not this cache's own: {name} (not a temporary file of this cache)")
+    assert (out / name).read_text() == "precious"
+    (out / name).write_bytes(b"PAR1 partial" if "parquet" in name else b"---\n" if "README" in name else b'{"a')
+    assert precompute(*world["args"], "--data", world["data"], "--out", out).exit_code == 0
+    assert not (out / name).exists()  # a killed writer's: removed
 
 
 def test_2_a_refused_rerun_removes_no_temporary_file(world, tmp_path):
