@@ -177,7 +177,11 @@ def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: st
             said = _replaced_in_words(*holding, resuming, cache_arg)
             return type(error)(error.kind, said, remedy=remedies.rows_replaced(*holding[:2]), shard=error.shard,
                                row=error.row)
-        remedy = remedies.rows_changed(cache_arg, data, model, split)
+        current = _current_holds_as_edited(cache, cache_arg, encoded)
+        if current:  # --cache-version N over data an update brought the cache to since: not another update
+            remedy = remedies.rows_in_current(cache.version.get("version"), current)
+        else:
+            remedy = remedies.rows_changed(cache_arg, data, model, split)
     else:
         return error
     return type(error)(error.kind, error.message, remedy=remedy, expected=error.expected, found=error.found,
@@ -228,6 +232,20 @@ def _holding_as_edited(cache: Cache, cache_arg, encoded) -> tuple[list[int], int
         return None
     held = dict(zip(older.index.column("id").to_pylist(), older.index.column("mask_checksum").to_pylist()))
     return (replacing, holding, changed) if all(held.get(i) == mine[i] for i in changed) else None
+
+
+def _current_holds_as_edited(cache: Cache, cache_arg, encoded) -> int | None:
+    """The cache's current version, where `cache` is an earlier one (--cache-version) and the current one holds
+    every row of this data as it has it (an update replaced them since)."""
+    version, current = cache.version.get("version"), cache.version.get("current")
+    if not isinstance(version, int) or not isinstance(current, int) or version >= current:
+        return None
+    try:
+        now = open_cache(cache_arg, verify_files=False)
+    except CacheError:
+        return None
+    held = dict(zip(now.index.column("id").to_pylist(), now.index.column("mask_checksum").to_pylist()))
+    return current if all(held.get(i) == p.mask_checksum for i, p in zip(encoded.ids, encoded.pairs)) else None
 
 
 def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> DataError:

@@ -62,6 +62,14 @@ def rows_replaced(versions: list[int], holding: int) -> str:
             "this data has them")
 
 
+def rows_in_current(version: int, current: int) -> str:
+    """Data rows that an earlier version (`version`, --cache-version) holds otherwise, and the current one as the
+    data has them: the update was made already."""
+    return (f"version {current}, the cache's current one, holds them as this data has them (an update replaced them "
+            f"since version {version}): leave out {VERSION_OPTION} to train on it; a checkpoint trained on version "
+            f"{version} resumes with the data it trained on, or train on this data in a new run")
+
+
 def setting(options: list[str], *, update: bool = True) -> str:
     """A run into a cache (--update, or a resume) given a setting the cache was made without."""
     run = "--update" if update else "a resume"

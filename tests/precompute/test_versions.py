@@ -233,6 +233,11 @@ def test_a_resume_with_data_edited_since_the_checkpoint_is_told_both_ways_on(lla
     assert "this run's data is not the data this checkpoint trained on" in refused.output, refused.output
     assert "resume with the data it trained on and --cache-version 1, or train on this data in a new run" in \
         refused.output
+    looped = train(*args, "--data", edited_data, "--cache-version", "1", "--max-steps", "2",
+                   "--resume-from-checkpoint", out / "checkpoint-1")  # closing pass: was told --update again
+    assert looped.exit_code == 2, looped.output
+    assert "version 2, the cache's current one, holds them as this data has them" in looped.output, looped.output
+    assert "--replace-changed`" not in looped.output
     resumed = train(*args, "--data", data, "--cache-version", "1", "--max-steps", "2", "--resume-from-checkpoint",
                     out / "checkpoint-1")
     assert resumed.exit_code == 0, resumed.output
