@@ -29,9 +29,15 @@ def test_a_used_folder_is_refused_unless_overwrite_or_resume(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     check_output_dir(config(tmp_path, out))  # empty: fine
-    (out / "metrics.jsonl").write_text("{}\n")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(JobError, match=r"already holds files \(metrics.jsonl\).*--overwrite-output-dir"):
         check_output_dir(config(tmp_path, out))
+    (out / "config.json").write_text("{}")  # a user's: --overwrite-output-dir would be refused, so not offered
+    with pytest.raises(JobError, match=r"already holds files \(config.json, metrics.jsonl\) that no earlier "
+                                       r"train-dpo run there wrote") as e:
+        check_output_dir(config(tmp_path, out))
+    assert "--overwrite-output-dir" not in str(e.value)
+    (out / "config.json").unlink()
     check_output_dir(config(tmp_path, out, overwrite_output_dir=True))
     check_output_dir(config(tmp_path, out, resume_from_checkpoint=str(out / "checkpoint-2")))
 
