@@ -132,9 +132,12 @@ def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded, da
     if source.get("split") not in (None, split) and not _one_file(data):
         facts.append(f"the cache holds split {source['split']!r}" + (" (the eval split's cache)" if source["split"] in (
             "test", "eval", "validation") else "") + f", not {split!r}")
-        other = "--ref-cache" if cache_option == "--eval-ref-cache" else "--eval-ref-cache"
-        remedies.append(f"pass it as {other}, and the cache of split {split!r} as {cache_option} "
-                        f"(precompute-ref --split {split} makes one)")
+        if cache_option == "--eval-ref-cache":  # a cache of the other split given for the eval rows
+            remedies.append(f"give --eval-ref-cache a cache of split {split!r} (precompute-ref --data {shell_word(data)} "
+                            f"--split {split} makes one), or --eval-split {source['split']} to evaluate on its rows")
+        else:
+            remedies.append(f"pass it as --eval-ref-cache, and the cache of split {split!r} as --ref-cache "
+                            f"(precompute-ref --split {split} makes one)")
     formats = source.get("formats")
     if isinstance(formats, dict) and formats and encoded.formats:
         cached_templated = formats.get("conversational", 0) > 0

@@ -238,6 +238,15 @@ def test_eval_cache_given_as_ref_cache_says_so(tmp_path, llama_dir):
     assert e.value.remedy == ("pass it as --eval-ref-cache, and the cache of split 'train' as --ref-cache "
                               "(precompute-ref --split train makes one)")
     assert str(e.value).count("remedy") == 1 and "full data" not in str(e.value)
+    # the train split's cache given as --eval-ref-cache (closing UX pass: was told to pass it as --ref-cache)
+    run_precompute(PrecomputeConfig(model=str(llama_dir), data=str(tmp_path / "d"), out=str(tmp_path / "train-cache"),
+                                    progress=False), log=lambda m: None)
+    with pytest.raises(Exception, match=r"the cache holds split 'train', not 'test'") as e:
+        verify_and_join(tokenizer=AutoTokenizer.from_pretrained(llama_dir), model_dir=str(llama_dir),
+                        data=str(tmp_path / "d"), split="test", cache_dir=str(tmp_path / "train-cache"),
+                        cache_option="--eval-ref-cache", log=lambda m: None)
+    assert e.value.remedy == (f"give --eval-ref-cache a cache of split 'test' (precompute-ref --data {tmp_path / 'd'} "
+                              "--split test makes one), or --eval-split train to evaluate on its rows")
 
 
 # ---------------------------------------------------------------------------------------------------------------
