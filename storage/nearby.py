@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .quoting import shell_word
+
 
 def nearby(name) -> str:
     """After "does not exist": "; did you mean d1/train.jsonl? (d1 holds: ...)" for a typo such as d1/trian.jsonl, or
@@ -17,7 +19,7 @@ def nearby(name) -> str:
     if not parent.is_dir():
         return ""
     if parent != path.parent:
-        return f" (nor does {path.parent}; the nearest folder that does is {parent})"
+        return f" (nor does {shell_word(path.parent)}; the nearest folder that does is {shell_word(parent)})"
     try:
         names = sorted(p.name + ("/" if p.is_dir() else "") for p in parent.iterdir() if not p.name.startswith("."))
     except OSError:
@@ -34,10 +36,10 @@ def nearby(name) -> str:
     if not near:
         whole = {n.lower(): n for n in bare}
         near = [whole[s] for s in closest(path.name.lower(), whole, cutoff=0.85, ties=True)]
-    where = "the current folder" if str(parent) in ("", ".") else str(parent)
-    held = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "") if names else "nothing"
+    where = "the current folder" if str(parent) in ("", ".") else shell_word(parent)
+    held = ", ".join(map(shell_word, names[:12])) + (f", ... ({len(names)} in all)" if len(names) > 12 else "") if names else "nothing"
     held += f"; and {hidden} name{'s' if hidden > 1 else ''} with control characters, not shown" if hidden else ""
-    meant = " or ".join(str(parent / c) for c in near)
+    meant = " or ".join(shell_word(parent / c) for c in near)
     return (f"; did you mean {meant}?" if near else "") + f" ({where} holds: {held})"
 
 

@@ -38,3 +38,14 @@ def test_a_name_holding_a_control_character_is_counted_never_listed(tmp_path):
     assert said.isprintable() and "remedy" not in said and "evil" not in said
     assert f"did you mean {tmp_path / 'train.jsonl'}?" in said
     assert "holds: train.jsonl; and 2 names with control characters, not shown)" in said, said
+
+
+def test_names_with_a_space_are_written_as_a_shell_takes_them_back(tmp_path):
+    """Closing UX pass: 'did you mean my caches/c 1?' was unquoted."""
+    import shlex
+
+    (tmp_path / "my caches").mkdir()
+    (tmp_path / "my caches" / "c 1").mkdir()
+    said = not_here(tmp_path / "my caches" / "c 11")
+    assert f"did you mean {shlex.quote(str(tmp_path / 'my caches' / 'c 1'))}?" in said, said
+    assert f"({shlex.quote(str(tmp_path / 'my caches'))} holds: 'c 1/')" in said, said
