@@ -131,9 +131,11 @@ def _verify(cfg: TrainConfig, policy: Checkpoint, log) -> Run:
         train = _rows(cfg, tokenizer, cfg.data, cfg.split, cfg.ref_cache, reference, log, cfg.cache_version)
         evaluation = None
         if cfg.eval_data:
-            evaluation = _rows(cfg, tokenizer, cfg.eval_data, cfg.eval_split, cfg.eval_ref_cache or cfg.ref_cache,
-                               reference, log, None if cfg.eval_ref_cache else cfg.cache_version,
-                               "--eval-ref-cache" if cfg.eval_ref_cache else "--ref-cache")
+            eval_cache = cfg.eval_ref_cache or cfg.ref_cache
+            shared = cfg.ref_cache is not None and _same_place(eval_cache, cfg.ref_cache)
+            evaluation = _rows(cfg, tokenizer, cfg.eval_data, cfg.eval_split, eval_cache, reference, log,
+                               None if cfg.eval_ref_cache else cfg.cache_version,
+                               "--eval-ref-cache" if cfg.eval_ref_cache else "--ref-cache", shared)
     record = reference_record(cfg, train, evaluation, live.base_hash if live else None)
     if cfg.resume_from_checkpoint:
         check_resume_reference(cfg.resume_from_checkpoint, record, train, evaluation, log)  # before any model loads
@@ -192,15 +194,19 @@ def _declared_reference(cfg: TrainConfig, policy: Checkpoint) -> str:
     return declared_reference(cfg.ref_model, hashed, cfg.ref_model_hash) or policy.model_hash
 
 
+def _same_place(a, b) -> bool:
+    return str(a) == str(b) or (isinstance(a, Path) and isinstance(b, Path) and a.resolve() == b.resolve())
+
+
 def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None, log, version: int | None = None,
-          cache_option: str = "--ref-cache"):
+          cache_option: str = "--ref-cache", serves_training: bool = False):
     if cache is not None:
         dist = Dist.joined()  # under torchrun every rank verifies (it needs the joined rows) and refuses together
         return dist.share(lambda: verify_and_join(
             tokenizer=tokenizer, model_dir=cfg.model, data=data, split=split, cache_dir=cache, cache_version=version,
             expected_model_hash=reference, encoding_request=cfg.encoding_request(),
             on_bad_row=cfg.on_bad_row, verify_files=not cfg.fast_verify and dist.rank == 0,  # files hashed once
-            resuming=cfg.resume_from_checkpoint, cache_option=cache_option,
+            resuming=cfg.resume_from_checkpoint, cache_option=cache_option, serves_training=serves_training,
             log=log if dist.rank == 0 else (lambda _m: None),
         ), every_rank=True, what="the cache")
     request = {k: v for k, v in cfg.encoding_request().items() if v is not None}

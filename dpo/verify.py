@@ -20,6 +20,7 @@ from runtime.data import DataError, Encoded, load_rows, recorded_config, usable_
 from runtime.errors import JobError
 from runtime.terminal import echo
 from storage.quoting import shell_word
+from runtime.remedies import eval_cache as rm_eval_cache
 from runtime import remedies
 from schemas import history
 from schemas import run_manifest as rm
@@ -123,7 +124,8 @@ def encoded_table(encoded: Encoded) -> pa.Table:
     })
 
 
-def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded, data, cache_option: str) -> CacheError:
+def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded, data, cache_option: str,
+               model=None) -> CacheError:
     """Rows missing or differing: say why when the cache's record shows it (another split, another data format), and
     then that reason's remedy in place of the generic one (re-running precompute-ref over these rows would be
     another cache, not the one this run is missing). A single data file has no splits: its split says nothing."""
@@ -133,8 +135,7 @@ def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded, da
         facts.append(f"the cache holds split {source['split']!r}" + (" (the eval split's cache)" if source["split"] in (
             "test", "eval", "validation") else "") + f", not {split!r}")
         if cache_option == "--eval-ref-cache":  # a cache of the other split given for the eval rows
-            remedies.append(f"give --eval-ref-cache a cache of split {split!r} (precompute-ref --data {shell_word(data)} "
-                            f"--split {split} makes one), or --eval-split {source['split']} to evaluate on its rows")
+            remedies.append(rm_eval_cache(model, data, split))
         else:
             remedies.append(f"pass it as --eval-ref-cache, and the cache of split {split!r} as --ref-cache "
                             f"(precompute-ref --split {split} makes one)")
@@ -157,12 +158,17 @@ def _one_file(data) -> bool:
 
 
 def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: str, missing: list[str],
-              encoded, resuming: str | None = None, cache_option: str = "--ref-cache") -> CacheError:
+              encoded, resuming: str | None = None, cache_option: str = "--ref-cache",
+              serves_training: bool = False) -> CacheError:
     """Rows missing or changed, answered in the one remedy vocabulary (runtime/remedies.py): rows an update of the
     cache removed name the version that removed them and the --cache-version that holds them; other rows the cache
     lacks, `precompute-ref --update`; rows edited under an id the cache holds, `--update --replace-changed`, unless
     an earlier version holds them as they are here (an update replaced them since: said in words, and that version's
     --cache-version; `resuming`: the checkpoint resumed, whose record names the version it trained on)."""
+    if serves_training and error.kind in ("rows_missing", "mask_checksum"):  # never --update it to the eval rows
+        return type(error)(error.kind, error.message, remedy=rm_eval_cache(model, data, split, shared=True),
+                           expected=error.expected, found=error.found, shard=error.shard, row=error.row,
+                           sides=error.sides)
     if _one_file(data):  # the update names the split the cache records (a single file's is only a label)
         split = (cache.manifest.get("source") or {}).get("split") or split
     if error.kind == "rows_missing":
@@ -264,10 +270,12 @@ def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> Da
 def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
                     expected_model_hash=None, cache_version: int | None = None,
                     encoding_request=None, on_bad_row="error", verify_files=True, resuming: str | None = None,
-                    cache_option: str = "--ref-cache", log=echo) -> Verified:
+                    cache_option: str = "--ref-cache", serves_training: bool = False, log=echo) -> Verified:
     """`cache_version`: a version of an updated cache (train-dpo --cache-version N), default its current one.
     `resuming`: the checkpoint a resume continues (a refusal names the version it trained on). `cache_option`: the
-    option that gave the cache (--ref-cache, --eval-ref-cache), named in refusals and their remedies."""
+    option that gave the cache (--ref-cache, --eval-ref-cache), named in refusals and their remedies;
+    `serves_training`: the eval rows are verified against the training rows' cache (an --update of it to the eval
+    data would drop the training rows: the remedy is an eval cache of their own)."""
     t0 = time.perf_counter()
     cache = open_cache(cache_dir, verify_files=verify_files, keep=scanned_columns,  # one fetch per shard on a store
                        version=cache_version)
@@ -291,10 +299,10 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
         if finding.rule == "rows":
             held = set(cache.index.column("id").to_pylist()) if finding.kind == "rows_missing" else set()
             missing = [i for i in found["encoded"].ids if i not in held] if finding.kind == "rows_missing" else []
-            explained = _explained(error, cache, split, found["encoded"], data, cache_option)
+            explained = _explained(error, cache, split, found["encoded"], data, cache_option, ref_model or model_dir)
             error = explained if explained is not error else _remedied(error, cache, cache_dir, data, ref_model or
                                                                        model_dir, split, missing, found["encoded"],
-                                                                       resuming, cache_option)
+                                                                       resuming, cache_option, serves_training)
         raise error from None
     source, encoded = found["source"], found["encoded"]
     if cache.encoding.add_bos is True:

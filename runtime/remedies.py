@@ -62,6 +62,17 @@ def rows_replaced(versions: list[int], holding: int) -> str:
             "this data has them")
 
 
+def eval_cache(model, data, split: str, *, shared: bool = False) -> str:
+    """Eval rows that need a cache of their own (`shared`: the cache given for them is the training rows' cache)."""
+    from .cli import shell_word
+
+    extra = f" --split {shell_word(split)}" if split and split != "train" else ""
+    why = ("the eval rows need a cache of their own (an --update of this one to the eval data would drop the training "
+           "rows): " if shared else "")
+    return (f"{why}make one with `precompute-ref --model {shell_word(model)} --data {shell_word(data)}{extra} --out "
+            "EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE")
+
+
 def rows_in_current(version: int, current: int) -> str:
     """Data rows that an earlier version (`version`, --cache-version) holds otherwise, and the current one as the
     data has them: the update was made already."""

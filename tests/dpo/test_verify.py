@@ -245,8 +245,8 @@ def test_eval_cache_given_as_ref_cache_says_so(tmp_path, llama_dir):
         verify_and_join(tokenizer=AutoTokenizer.from_pretrained(llama_dir), model_dir=str(llama_dir),
                         data=str(tmp_path / "d"), split="test", cache_dir=str(tmp_path / "train-cache"),
                         cache_option="--eval-ref-cache", log=lambda m: None)
-    assert e.value.remedy == (f"give --eval-ref-cache a cache of split 'test' (precompute-ref --data {tmp_path / 'd'} "
-                              "--split test makes one), or --eval-split train to evaluate on its rows")
+    assert e.value.remedy == (f"make one with `precompute-ref --model {llama_dir} --data {tmp_path / 'd'} --split test "
+                              "--out EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -328,6 +328,14 @@ def test_an_eval_cache_lacking_rows_is_named_and_told_to_update(tmp_path, llama_
     assert "holds split" not in result.output and "pass it as" not in result.output
     assert f"--data {whole_eval} --out {tmp_path / 'e4'} --update" in result.output, result.output
     assert "--split" not in result.output  # the cache's own split (train), the default
+
+    shared = list(args)  # the training rows' cache given for the eval rows too (closing pass: its --update remedy
+    shared[shared.index(str(tmp_path / "e4"))] = str(tmp_path / "c4")  # would have dropped the training rows)
+    result = CliRunner().invoke(main, shared)
+    assert result.exit_code == 2 and "an --update of this one to the eval data would drop the training rows" in \
+        result.output, result.output
+    assert f"--data {whole_eval} --split test --out EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE" in result.output
+    assert "--update`" not in result.output
 
     precompute_ok("--model", llama_dir, "--data", write_jsonl(tmp_path / "e11.jsonl", rows[:11]), "--out",
                   tmp_path / "e4", "--update")  # version 2 removes row 11
