@@ -31,14 +31,14 @@ def check_output_dir(cfg) -> None:
         raise JobError(f"--output-dir {out}: {existing} is not writable")
     used = sorted(p.name for p in out.iterdir() if not is_lock_file(p)) if out.is_dir() else []  # the lock: no use
     if used and not cfg.overwrite_output_dir and not cfg.resume_from_checkpoint:
-        held = f"--output-dir {out} already holds files ({', '.join(used[:5])}{' …' if len(used) > 5 else ''})"
-        from .resume import overwrite_plan
+        from .resume import in_the_way
 
-        try:
-            overwrite_plan(Path(out))  # offer --overwrite-output-dir only where it would be taken
-        except JobError:
-            raise JobError(f"{held} that no earlier train-dpo run there wrote, where this run would write: move them "
-                           "elsewhere, or choose a new --output-dir") from None
+        foreign = [p.name for p in in_the_way(Path(out))]  # offer --overwrite-output-dir only where it is taken
+        if foreign:
+            raise JobError(f"--output-dir {out} holds {', '.join(foreign[:5])}{' …' if len(foreign) > 5 else ''}, "
+                           "which no earlier train-dpo run there wrote, where this run would write: move "
+                           f"{'it' if len(foreign) == 1 else 'them'} elsewhere, or choose a new --output-dir")
+        held = f"--output-dir {out} already holds files ({', '.join(used[:5])}{' …' if len(used) > 5 else ''})"
         raise JobError(f"{held}: a second run would mix its checkpoints and metrics with them; pass "
                        "--overwrite-output-dir to train over them, --resume-from-checkpoint to continue that run, or "
                        "choose a new --output-dir")

@@ -160,17 +160,28 @@ def _would_write(name: str) -> bool:
             or name in (rm.RUN_RECORD, rm.RUN_MANIFEST, *OUTPUTS, *TRAINER_FILES))
 
 
+def _judged(out: Path) -> tuple[list[Path], set[Path], list[Path]]:
+    """(the folder's entries, those an earlier run provably wrote of the names a new run writes, those of such a
+    name it did not)."""
+    entries = sorted(p for p in out.iterdir() if not is_lock_file(p)) if out.is_dir() and not out.is_symlink() else []
+    ours = {p for p in entries if _would_write(p.name) and _ours(p)}
+    return entries, ours, [p for p in entries if _would_write(p.name) and p not in ours]
+
+
+def in_the_way(out: Path) -> list[Path]:
+    """What --overwrite-output-dir would refuse: files of names the new run writes that no earlier run wrote."""
+    return _judged(Path(out))[2]
+
+
 def overwrite_plan(out: Path) -> tuple[list[Path], list[Path]]:
     """(what --overwrite-output-dir retires, what it leaves). Refuses a file or folder in the way of the new run
     (a name it writes: checkpoint-N, the run record, run manifest, metrics, model card, the Trainer's final model
     and tokenizer files) that an earlier run did not provably write: replacing it could destroy something that is
     not ours."""
     out = Path(out)
-    entries = sorted(p for p in out.iterdir() if not is_lock_file(p)) if out.is_dir() and not out.is_symlink() else []
-    ours = {p for p in entries if _would_write(p.name) and _ours(p)}
+    entries, ours, in_the_way = _judged(out)
     # an earlier run's final model and tokenizer stay until the new run's final save replaces them
     retire = [p for p in entries if p in ours and not (p.name in TRAINER_FILES or MODEL_SHARD.fullmatch(p.name))]
-    in_the_way = [p for p in entries if _would_write(p.name) and p not in ours]
     if in_the_way:
         names = ", ".join(p.name + (" (a symlink)" if p.is_symlink() else "") for p in in_the_way[:5])
         raise JobError(f"--overwrite-output-dir {out}: {names} {'is' if len(in_the_way) == 1 else 'are'} not an "

@@ -33,8 +33,8 @@ def test_a_used_folder_is_refused_unless_overwrite_or_resume(tmp_path):
     with pytest.raises(JobError, match=r"already holds files \(metrics.jsonl\).*--overwrite-output-dir"):
         check_output_dir(config(tmp_path, out))
     (out / "config.json").write_text("{}")  # a user's: --overwrite-output-dir would be refused, so not offered
-    with pytest.raises(JobError, match=r"already holds files \(config.json, metrics.jsonl\) that no earlier "
-                                       r"train-dpo run there wrote") as e:
+    with pytest.raises(JobError, match=r"holds config.json, which no earlier train-dpo run there wrote, where this "
+                                       r"run would write: move it elsewhere") as e:
         check_output_dir(config(tmp_path, out))
     assert "--overwrite-output-dir" not in str(e.value)
     (out / "config.json").unlink()
