@@ -25,7 +25,7 @@ from runtime.errors import JobError
 from schemas import format as fmt
 from schemas import history, rules
 from storage import reads, writes
-from storage.nearby import not_here
+from storage.nearby import missing
 from schemas.stamps import combined_mask_checksum, tokenizer_parts
 
 from runtime.remedies import NEW_CACHE
@@ -60,7 +60,7 @@ class Change:
 def check_finished(out) -> None:
     """--update needs a finished cache in --out (checked before anything is made there, and again under the lock)."""
     if isinstance(out, Path) and not out.exists():  # a typo: what is near, not "holds no finished cache"
-        raise JobError(f"--update --out {out}: {not_here(out)}")
+        raise JobError(f"--update --out {missing(out)}")
     if not (out / fmt.MANIFEST).is_file():
         raise JobError(f"--update: {out} holds no finished cache (no {fmt.MANIFEST}); run precompute-ref without "
                        "--update to make it (or to finish an interrupted first run)")

@@ -60,9 +60,9 @@ class Checkpoint:
         allowed, an unusable adapter), before any expensive work."""
         path = Path(model_dir)
         if not path.exists():
-            from .hub import not_here
+            from storage.nearby import missing
 
-            raise JobError(f"{model_dir}: {not_here(path)}")
+            raise JobError(missing(model_dir))
         from .locations import checkpoint_problem
 
         if checkpoint_problem(path):

@@ -146,7 +146,7 @@ def load_rows(path, split: str = "train", config: str | None = None) -> Source:
 
     path = Path(resolve_data(str(path)))
     if not path.exists():
-        from .hub import not_here
+        from storage.nearby import not_here
 
         raise DataError(path, None, not_here(path))
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from storage.nearby import not_here
+from storage.nearby import missing
 
 from .errors import JobError
 
@@ -26,7 +26,7 @@ def resolve(name: str, repo_type: str) -> str:
         return snapshot_download(repo_id=name, repo_type=repo_type, local_files_only=True)
     except Exception:  # huggingface_hub raises LocalEntryNotFoundError (and friends) for anything not cached
         if Path(name).parent.is_dir() and Path(name).parent != Path("."):  # a local path mistyped, not a hub id
-            raise JobError(f"{name}: {not_here(name)}") from None
+            raise JobError(missing(name)) from None
         flag = " --repo-type dataset" if repo_type == "dataset" else ""
         raise JobError(f"{name}: no such local path, and the {repo_type} {name} was not found locally in the Hugging "
                        f"Face cache; download with `hf download {name}{flag}` (or pass a local folder)") from None
@@ -73,6 +73,6 @@ def hub_path_type(repo_type: str, *, folder: bool = True):
             except click.BadParameter:
                 if Path(value).exists() or Path(value).is_symlink():
                     raise
-                self.fail(f"{value}: {not_here(value)}", param, ctx)
+                self.fail(missing(value), param, ctx)
 
     return HubPath()

@@ -73,9 +73,9 @@ class Location(click.ParamType):
             except click.BadParameter:
                 if os.path.lexists(place) or getattr(self.local, "names_misses", False):  # a hub id's type does
                     raise
-                from storage.nearby import not_here
+                from storage.nearby import missing
 
-                self.fail(f"{escaped(place)}: {escaped(not_here(place))}", param, ctx)  # what is there, the closest
+                self.fail(escaped(missing(place)), param, ctx)  # what is there, the closest
         return place
 
     def _no_store(self, url, param, ctx):
@@ -134,7 +134,7 @@ def check_present(config, names=None) -> None:
     exist; did you mean c3?), or for a value from --config the file and its key (record_sources). A hub id
     (org/name, resolved from the local Hugging Face cache by runtime.hub) and an object-store URL are their
     readers' to judge."""
-    from storage.nearby import not_here
+    from storage.nearby import missing
 
     from .errors import JobError
 
@@ -149,7 +149,7 @@ def check_present(config, names=None) -> None:
         if not os.path.lexists(path):
             if kind != "cache" and _hub_id(path):
                 continue
-            raise JobError(f"{where}{path}: {not_here(path)}")  # (printed by the terminal rule)
+            raise JobError(f"{where}{missing(path)}")  # (printed by the terminal rule)
         if kind == "checkpoint" and checkpoint_problem(path):
             raise JobError(f"{where}{path}: {checkpoint_problem(path)}")
         if kind == "cache" and not (path / "manifest.json").is_file():

@@ -43,6 +43,11 @@ def nearby(name) -> str:
     return (f"; did you mean {meant}?" if near else "") + f" ({where} holds: {held})"
 
 
+def missing(name) -> str:
+    """A local path that does not exist, as every refusal names it: the path as a shell takes it back, then why."""
+    return f"{shell_word(name)}: {not_here(name)}"
+
+
 def not_here(name) -> str:
     """Why a local path that does not exist is not there, for its refusal: "does not exist" and what is near it."""
     return "does not exist" + nearby(name)

@@ -49,3 +49,14 @@ def test_names_with_a_space_are_written_as_a_shell_takes_them_back(tmp_path):
     said = not_here(tmp_path / "my caches" / "c 11")
     assert f"did you mean {shlex.quote(str(tmp_path / 'my caches' / 'c 1'))}?" in said, said
     assert f"({shlex.quote(str(tmp_path / 'my caches'))} holds: 'c 1/')" in said, said
+
+
+def test_a_missing_path_is_named_as_a_shell_takes_it_back(tmp_path):
+    """Closing pass: '--update --out my caches/c 11: does not exist' echoed the typed path unquoted."""
+    import shlex
+
+    from storage.nearby import missing
+
+    (tmp_path / "my caches").mkdir()
+    typed = tmp_path / "my caches" / "c 11"
+    assert missing(typed).startswith(f"{shlex.quote(str(typed))}: does not exist")
