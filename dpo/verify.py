@@ -188,7 +188,7 @@ def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: st
                                row=error.row)
         current = _current_holds_as_edited(cache, cache_arg, encoded)
         if current:  # --cache-version N over data an update brought the cache to since: not another update
-            remedy = remedies.rows_in_current(cache.version.get("version"), current)
+            remedy = remedies.rows_in_current(cache.version.get("version"), current, resuming is not None)
         else:
             remedy = remedies.rows_changed(cache_arg, data, model, split)
     else:

@@ -73,12 +73,15 @@ def eval_cache(model, data, split: str, *, shared: bool = False) -> str:
             "EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE")
 
 
-def rows_in_current(version: int, current: int) -> str:
+def rows_in_current(version: int, current: int, resuming: bool = False) -> str:
     """Data rows that an earlier version (`version`, --cache-version) holds otherwise, and the current one as the
-    data has them: the update was made already."""
-    return (f"version {current}, the cache's current one, holds them as this data has them (an update replaced them "
-            f"since version {version}): leave out {VERSION_OPTION} to train on it; a checkpoint trained on version "
-            f"{version} resumes with the data it trained on, or train on this data in a new run")
+    data has them: the update was made already (`resuming`: a checkpoint trained on `version` is resumed)."""
+    held = (f"version {current}, the cache's current one, holds them as this data has them (an update replaced them "
+            f"since version {version})")
+    if resuming:
+        return (f"{held}: this checkpoint trained on version {version} resumes with the data it trained on; train on "
+                "this data in a new run (a fresh --output-dir)")
+    return f"{held}: leave out {VERSION_OPTION} to train on it"
 
 
 def setting(options: list[str], *, update: bool = True) -> str:

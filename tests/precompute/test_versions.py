@@ -237,6 +237,7 @@ def test_a_resume_with_data_edited_since_the_checkpoint_is_told_both_ways_on(lla
                    "--resume-from-checkpoint", out / "checkpoint-1")  # closing pass: was told --update again
     assert looped.exit_code == 2, looped.output
     assert "version 2, the cache's current one, holds them as this data has them" in looped.output, looped.output
+    assert "this checkpoint trained on version 1 resumes with the data it trained on" in looped.output
     assert "--replace-changed`" not in looped.output
     resumed = train(*args, "--data", data, "--cache-version", "1", "--max-steps", "2", "--resume-from-checkpoint",
                     out / "checkpoint-1")
