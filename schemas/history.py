@@ -37,7 +37,15 @@ def history_entry(root: Path, manifest: dict) -> dict:
     """The line an update records for the version it replaces (kept as version_name(version))."""
     name = version_name(version_of(manifest))
     return {"version": version_of(manifest), "file": name, "sha256": reads.sha256(places.location(root) / name),
-            "cache_id": cache_id(manifest), "rows": manifest.get("rows")}
+            "cache_id": cache_id(manifest), "rows": manifest.get("rows"), **_made(manifest)}
+
+
+def _made(manifest: dict) -> dict:
+    """When a version was made and, for an update, how many rows it added, removed and replaced (every report's
+    history lists them for each version)."""
+    u = update_record(manifest)
+    counts = {k: len(u.get(k) or []) for k in ("added", "removed", "replaced")} if u else {}
+    return {**({"created_at": manifest["created_at"]} if manifest.get("created_at") else {}), **counts}
 
 
 def _json(path: Path) -> dict | None:
@@ -256,13 +264,14 @@ def _undone_by(root: Path, manifest: dict, ids, kind: str) -> tuple[list[int], i
 
 def version_report(manifest: dict, file: str = CURRENT, current: dict | None = None) -> dict:
     """A version of a cache as every report records it: {"version", "file", "current" (the cache's current version),
-    "line" (version_line), "history": [{"version", "rows", "created_at"?, "added", "removed", "replaced"}...]} from
-    the current manifest (`current`, default `manifest`) alone."""
+    "line" (version_line), "history": [{"version", "rows", "created_at"?, "added"?, "removed"?, "replaced"?}...]}
+    from the current manifest (`current`, default `manifest`) alone: each earlier version as its history entry
+    records it (an update writes when it was made and its counts; one before refcache recorded them, rows only)."""
     current = manifest if current is None else current
-    steps = [{"version": e["version"], "rows": e.get("rows")} for e in _listed(current)]
-    u = update_record(current) or {}
-    steps.append({"version": version_of(current), "rows": current.get("rows"), "created_at": current.get("created_at"),
-                  **{k: len(u.get(k) or []) for k in ("added", "removed", "replaced") if u}})
+    said = ("created_at", "added", "removed", "replaced")  # an update since this recorded them; an older one did not
+    steps = [{"version": e["version"], "rows": e.get("rows"), **{k: e[k] for k in said if k in e}}
+             for e in _listed(current)]
+    steps.append({"version": version_of(current), "rows": current.get("rows"), **_made(current)})
     return {"version": version_of(manifest), "file": file, "current": version_of(current),
             "line": version_line(manifest, file, current), "history": steps}
 

@@ -303,6 +303,16 @@ def test_two_updates_keep_both_earlier_versions_and_overwrite_clears_them(llama_
                                                                                       "manifest-00002.json"]
     assert manifest["update"] == {"from_version": 2, "added": [rows[42]["id"], rows[43]["id"]],
                                   "removed": [r["id"] for r in rows[2:5]], "replaced": []}
+    # every earlier version in the history says when it was made and what its update did (UX pass: only the current
+    # one did), as its own manifest records it
+    v2_manifest = json.loads((base / "manifest-00002.json").read_text())
+    first, second = manifest["history"]
+    assert "added" not in first and first["created_at"] == json.loads((base / "manifest-00001.json").read_text())[
+        "created_at"]
+    assert second["created_at"] == v2_manifest["created_at"]
+    assert {k: second[k] for k in ("added", "removed", "replaced")} == {
+        k: len(v2_manifest["update"][k]) for k in ("added", "removed", "replaced")}
+    assert second["removed"] == 2  # rows 0 and 1, as v2.jsonl left them out
     assert by_id(base)["id"].to_list() == [r["id"] for r in rows[5:44]]
     for old in ("manifest-00001.json", "manifest-00002.json"):  # every file a version names is still there
         assert all((base / s["file"]).is_file() for s in json.loads((base / old).read_text())["shards"])
