@@ -165,9 +165,9 @@ def own_files(out: Path) -> list[Path]:
     its shard-NNNNN.parquet and shard-vNNNNN-MMMMM.parquet files (a damaged one is scored again), its skipped.jsonl (JSON Lines of
     skipped rows, agreeing with the manifest's counts when there is one) and its README.md (a dataset card with
     refcache metadata, of the manifest's stamps when there is one) are its own. Other .parquet files are its
-    own only with a refcache footer; a temporary shard of an atomic write is its own where a cache is there and it
-    begins as a Parquet file (removed only once the resume refuses nothing); a killed writer's temporary manifest or
-    card is left alone; any other file is another program's."""
+    own only with a refcache footer; a temporary file of an atomic write is its own where a cache is there, its name
+    is one of these files' and it begins as the cache's writer begins that file (removed only once the resume refuses
+    nothing); any other file is another program's."""
     entries = {}
     for p in sorted(out.iterdir()):
         try:
@@ -181,7 +181,7 @@ def own_files(out: Path) -> list[Path]:
     cache = manifest is not None or bool(footers)
     own, foreign = [], []
     for p, st in entries.items():
-        if is_lock_file(p) or (cache and p in plain and _small_temporary(p)):
+        if is_lock_file(p):
             continue
         why = _not_own(p, st, plain, footers, cache, manifest)
         if why is None:
@@ -207,8 +207,9 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
     if TEMP.match(p.name):  # atomic_write's `.{name}.tmp-{pid}`: ours only where `name` is one this cache writes,
         # in a folder that holds a cache (a folder holding only a temporary file has no finished work to keep)
         target = p.name[1:p.name.rindex(".tmp-")]
-        return None if cache and SHARD.match(target) and _begins_as_ours(p, target) else \
-            "not a temporary file of this cache"
+        ours = SHARD.match(target) or history.VERSION_FILE.match(target) or target in (fmt.MANIFEST, fmt.SKIPPED,
+                                                                                       fmt.CARD)
+        return None if cache and ours and _begins_as_ours(p, target) else "not a temporary file of this cache"
     if p.name == fmt.MANIFEST:
         return None if cache else "not a refcache manifest"
     if history.VERSION_FILE.match(p.name):  # an earlier version of the manifest (precompute-ref --update)
@@ -222,29 +223,25 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
     return ""
 
 
-def _small_temporary(p: Path) -> bool:
-    """A killed writer's temporary manifest, version, skipped.jsonl or card: left where it is, neither removed nor
-    refused (a few bytes; its first bytes, a YAML header or a JSON brace, would not prove it the writer's)."""
-    if not TEMP.match(p.name):
-        return False
-    target = p.name[1:p.name.rindex(".tmp-")]
-    small = history.VERSION_FILE.match(target) or target in (fmt.MANIFEST, fmt.SKIPPED, fmt.CARD)
-    return bool(small) and _begins_as_ours(p, target)
+# how the cache's writers begin each file (a manifest: format.write_manifest's sorted, indented JSON; skipped.jsonl:
+# a skipped row's record; the card: its YAML header, which names refcache within its first lines)
+BEGINS = {"shard": b"PAR1", "manifest": b'{\n  "computation"', "skipped": b'{"file": '}
 
 
 def _begins_as_ours(p: Path, target: str) -> bool:
-    """A temporary file of a killed writer begins as that writer began it: nothing yet, a shard's Parquet magic, a
-    card's YAML header, a JSON record; a name alone proves nothing (a user's notes under that name are kept)."""
+    """A temporary file of a killed writer begins as that writer began it (or holds nothing yet); a name alone
+    proves nothing: a user's notes, even a YAML- or JSON-headed one, under that name are kept."""
     try:
         with open(p, "rb") as f:
-            head = f.read(4)
+            head = f.read(512)
     except OSError:
         return False
     if not head:
         return True
-    if SHARD.match(target):
-        return head == b"PAR1"
-    return head.startswith(b"---") if target == fmt.CARD else head[:1] == b"{"
+    if target == fmt.CARD:
+        return head.startswith(b"---\n") and b"refcache" in head
+    kind = "shard" if SHARD.match(target) else "skipped" if target == fmt.SKIPPED else "manifest"
+    return head.startswith(BEGINS[kind][:len(head)])
 
 
 def _json_dict(text) -> dict:
