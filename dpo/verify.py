@@ -229,7 +229,7 @@ def _holding_as_edited(cache: Cache, cache_arg, encoded) -> tuple[list[int], int
     """(the versions that replaced them, an earlier version, the rows) when the rows this data has otherwise than the
     cache were replaced by an update of the cache, and that earlier version holds every one of them as this data has
     them."""
-    cached = dict(zip(cache.index.column("id").to_pylist(), cache.index.column("mask_checksum").to_pylist()))
+    cached = _checksums(cache)
     mine = {i: p.mask_checksum for i, p in zip(encoded.ids, encoded.pairs)}
     changed = [i for i, check in mine.items() if cached.get(i) not in (None, check)]
     replacing, holding = history.replaced_by(cache.root, cache.manifest, changed)
@@ -239,8 +239,13 @@ def _holding_as_edited(cache: Cache, cache_arg, encoded) -> tuple[list[int], int
         older = open_cache(cache_arg, verify_files=False, version=holding)
     except CacheError:
         return None
-    held = dict(zip(older.index.column("id").to_pylist(), older.index.column("mask_checksum").to_pylist()))
+    held = _checksums(older)
     return (replacing, holding, changed) if all(held.get(i) == mine[i] for i in changed) else None
+
+
+def _checksums(cache: Cache) -> dict[str, str]:
+    """{row id: mask checksum} of a cache's (or one version's) rows."""
+    return dict(zip(cache.index.column("id").to_pylist(), cache.index.column("mask_checksum").to_pylist()))
 
 
 def _current_holds_as_edited(cache: Cache, cache_arg, encoded) -> int | None:
@@ -253,7 +258,7 @@ def _current_holds_as_edited(cache: Cache, cache_arg, encoded) -> int | None:
         now = open_cache(cache_arg, verify_files=False)
     except CacheError:
         return None
-    held = dict(zip(now.index.column("id").to_pylist(), now.index.column("mask_checksum").to_pylist()))
+    held = _checksums(now)
     return current if all(held.get(i) == p.mask_checksum for i, p in zip(encoded.ids, encoded.pairs)) else None
 
 

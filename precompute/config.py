@@ -131,8 +131,9 @@ def _given(cfg: PrecomputeConfig, holder, name: str, default) -> bool:
     return name in cfg.given if cfg.given is not None else getattr(holder, name) != default
 
 
-def recorded_settings(out) -> tuple[str, str, dict, EncodingConfig] | None:
-    """How the rows already in --out were scored: (whose, the file that says it, computation, encoding) from a
+def recorded_settings(out) -> tuple[str, dict, dict, EncodingConfig] | None:
+    """How the rows already in --out were scored: (whose, the settings as their options take them (_recorded_values),
+    computation, encoding) from a
     finished cache's manifest, or, where an interrupted first run left shards and no manifest, from its first readable
     shard's footer; None when --out holds neither (or nothing readable: the job's own checks name it). A record
     holding a value refcache never writes (an encoding outside its domain, a computation that is not a mapping) is a
@@ -155,20 +156,21 @@ def recorded_settings(out) -> tuple[str, str, dict, EncodingConfig] | None:
                 return None
     except Exception:  # missing, unreadable, not ours: the resume and the update name it
         return None
-    check_recorded(out, where, computation, encoding)
+    values = check_recorded(out, where, computation, encoding)
     try:
-        return whose, where, computation, EncodingConfig.from_dict(encoding)
+        return whose, values, computation, EncodingConfig.from_dict(encoding)
     except Exception:  # not a record of this version (no add_bos, unknown keys): the resume and the update name it
         return None
 
 
-def check_recorded(out, where: str, computation, encoding=None) -> None:
+def check_recorded(out, where: str, computation, encoding=None) -> dict:
     """Refuse (JobError) a record of how rows were scored (`where`: a manifest, or a shard's footer) that holds a
     value precompute-ref never writes: a computation setting its option's type and domain refuse (_recorded_values),
-    or an encoding value outside EncodingConfig's (RecordedEncodingError). Everything else is left to the rules."""
+    or an encoding value outside EncodingConfig's (RecordedEncodingError). Everything else is left to the rules.
+    Returns the settings as their options take them."""
     if not isinstance(computation, dict):
         raise _damaged(out, f"{where}: computation is {computation!r}, not a mapping of settings")
-    _recorded_values(out, where, computation)
+    values = _recorded_values(out, where, computation)
     if isinstance(encoding, dict):
         try:
             EncodingConfig.from_dict(encoding)
@@ -176,6 +178,7 @@ def check_recorded(out, where: str, computation, encoding=None) -> None:
             raise _damaged(out, f"{where}: {e}") from None
         except (TypeError, ValueError):  # unknown keys, no add_bos: not this version's record; the rules name it
             pass
+    return values
 
 
 def _damaged(out, what: str) -> JobError:
@@ -235,8 +238,7 @@ def cache_settings(cfg: PrecomputeConfig) -> tuple[str, dict]:
     recorded = None if cfg.overwrite else recorded_settings(out)
     if recorded is None:
         return "", {}
-    whose, where, computation, encoding = recorded
-    recorded_values = _recorded_values(out, where, computation)  # checked already: the values as the options take
+    whose, recorded_values, computation, encoding = recorded
     if cfg.update and whose != "the cache's":
         return "", {}
     defaults = {f.name: f.default for f in fields(PrecomputeConfig)}

@@ -164,10 +164,12 @@ class Checkpoint:
 
 def _hub_kernel(config) -> str | None:
     """A hub kernel (org/name) a model's config.json, or a sub-config in it, names as its attention implementation."""
+    from .placed import is_hub_kernel
+
     if not isinstance(config, dict):
         return None
     for key, value in config.items():
-        if key in ("_attn_implementation", "attn_implementation") and isinstance(value, str) and "/" in value:
+        if key in ("_attn_implementation", "attn_implementation") and is_hub_kernel(value):
             return value
         found = _hub_kernel(value) if isinstance(value, dict) else None
         if found:

@@ -72,21 +72,14 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
         echo(printable(f"error: a package this run needs is not installed: {e}\n  remedy: install it in this "
                        "environment (pip install ...), or leave out the option that asks for it"), err=True)
         sys.exit(EXIT_REFUSED)
-    except OSError as e:
+    except Exception as e:
         if debug:
             traceback.print_exc()
-        if e.errno == errno.ENAMETOOLONG:  # a path given (an option, a config value) that no file system takes
+        if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:  # a path given that no file system takes
             echo(clipped(f"error: a path is too long for the file system: {e.filename}\n  remedy: give a shorter path "
                          "(at most 255 characters a name)"), err=True)
             sys.exit(EXIT_REFUSED)
         if not debug:
-            echo(clipped(f"error: unexpected {type(e).__name__}: {e} (re-run with --debug for the traceback)"),
-                 err=True)
-        sys.exit(EXIT_FAILED)
-    except Exception as e:
-        if debug:
-            traceback.print_exc()
-        else:
             echo(clipped(f"error: unexpected {type(e).__name__}: {e} (re-run with --debug for the traceback)"), err=True)
         sys.exit(EXIT_FAILED)
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import unicodedata
 from pathlib import Path
 
 import click
 
-from .terminal import escaped
+from .terminal import escaped, holds_control
 
 
 class Location(click.ParamType):
@@ -45,8 +44,7 @@ class Location(click.ParamType):
         if not isinstance(value, (str, os.PathLike)):
             self.fail(f"{value!r} is not a path ({type(value).__name__})", param, ctx)
         text = os.fspath(value)
-        if any(unicodedata.category(ch) == "Cc" for ch in text):  # a newline or ESC in a path would print as a
-            # forged line of any message that names it (other unprintable characters are escaped where shown)
+        if holds_control(text):  # other unprintable characters are escaped where shown
             self.fail(f"{escaped(text)}: a path holding a control character is not taken; rename it", param, ctx)
         if text.startswith("-") and param is not None:  # `--out --overwrite`: the next option taken as the value
             self.fail(f"{escaped(text)} reads as an option, not a path: give the option its value (a path that does "

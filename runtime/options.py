@@ -5,7 +5,6 @@ encodes data shares."""
 from __future__ import annotations
 
 import dataclasses
-import unicodedata
 import typing
 
 import click
@@ -65,10 +64,10 @@ class Text(click.ParamType):
     name = "text"
 
     def convert(self, value, param, ctx):
-        text = click.STRING.convert(value, param, ctx)
-        if any(unicodedata.category(ch) == "Cc" for ch in text):
-            from .terminal import escaped
+        from .terminal import escaped, holds_control
 
+        text = click.STRING.convert(value, param, ctx)
+        if holds_control(text):
             self.fail(f"{escaped(text)}: holds a control character; give the text without it", param, ctx)
         return text
 

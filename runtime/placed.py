@@ -110,12 +110,18 @@ def attention_here() -> list[str]:
 HUB_KERNEL = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w.-]+)?(:[\w.-]+)?")
 
 
+def is_hub_kernel(value) -> bool:
+    """An attention implementation that names a kernel on the hub (org/name): code transformers downloads and runs,
+    only with --trust-remote-code (attention_of; a checkpoint's config.json naming one: runtime.checkpoint)."""
+    return isinstance(value, str) and "/" in value
+
+
 def parse_attention(text: str) -> str:
     """--attn-implementation, checked where the options are read (before any model or cache is): one of transformers'
     names that this installation can load, or a hub kernel (`org/name`, loaded by transformers' `kernels`). A
     ValueError says what is wrong and lists only the values that work here."""
     text = str(text).strip()
-    if "/" in text:  # a hub kernel's repo id (org/name, a revision after @, a kernel after :), nothing else
+    if is_hub_kernel(text):  # a hub kernel's repo id (org/name, a revision after @, a kernel after :), nothing else
         if not HUB_KERNEL.fullmatch(text):
             raise ValueError(f"{text!r} is not a hub kernel's id (org/name, e.g. kernels-community/flash-attn)")
         return text
@@ -251,7 +257,7 @@ def flex_on_cpu(what: str, attention: str | None, device) -> None:
 def attention_of(config) -> str | None:
     """The config's attention implementation as from_pretrained takes it (None: transformers' choice)."""
     value = getattr(config, "attn_implementation", None)
-    if isinstance(value, str) and "/" in value and not getattr(config, "trust_remote_code", False):
+    if is_hub_kernel(value) and not getattr(config, "trust_remote_code", False):
         raise JobError(f"--attn-implementation {value}: a hub kernel is code downloaded from the hub and run (by "
                        "transformers' kernels package); pass --trust-remote-code to allow it, or use sdpa or eager")
     return None if value in (None, "auto") else value

@@ -8,6 +8,7 @@ it."""
 from __future__ import annotations
 
 from schemas.history import VERSION_OPTION  # train-dpo's and audit-ref's option naming a version
+from storage.quoting import shell_word
 
 KEEPS_VERSIONS = "earlier runs keep their version: audit-ref --run finds it"
 
@@ -19,12 +20,14 @@ NEW_CACHE = ("an update scores new rows exactly as the cache's were scored: make
              "encoding or device with another --out (precompute-ref without --update)")
 
 
+def _split(split: str | None) -> str:
+    """A printed precompute-ref command's --split words (none for the default split)."""
+    return f" --split {shell_word(split)}" if split and split != "train" else ""
+
+
 def update_command(cache, data, model, *, replace_changed: bool = False, split: str | None = None) -> str:
     """The precompute-ref --update command that brings `cache` to `data` (the cache's settings are its own)."""
-    from .cli import shell_word
-
-    extra = f" --split {shell_word(split)}" if split and split != "train" else ""
-    return (f"precompute-ref --model {shell_word(model)} --data {shell_word(data)}{extra} --out {shell_word(cache)} "
+    return (f"precompute-ref --model {shell_word(model)} --data {shell_word(data)}{_split(split)} --out {shell_word(cache)} "
             "--update"
             + (" --replace-changed" if replace_changed else ""))
 
@@ -64,12 +67,9 @@ def rows_replaced(versions: list[int], holding: int) -> str:
 
 def eval_cache(model, data, split: str, *, shared: bool = False) -> str:
     """Eval rows that need a cache of their own (`shared`: the cache given for them is the training rows' cache)."""
-    from .cli import shell_word
-
-    extra = f" --split {shell_word(split)}" if split and split != "train" else ""
     why = ("the eval rows need a cache of their own (an --update of this one to the eval data would drop the training "
            "rows): " if shared else "")
-    return (f"{why}make one with `precompute-ref --model {shell_word(model)} --data {shell_word(data)}{extra} --out "
+    return (f"{why}make one with `precompute-ref --model {shell_word(model)} --data {shell_word(data)}{_split(split)} --out "
             "EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE")
 
 

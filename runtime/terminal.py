@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import unicodedata
 
 import click
 
@@ -50,6 +51,12 @@ def escaped(text) -> str:
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() else _escape_char(ch) for ch in text)
+
+
+def holds_control(text: str) -> bool:
+    """Whether `text` holds a control character (Unicode Cc: a newline, a carriage return, ESC, a C1 control): data
+    text that would print as a forged line of a message, which options and paths refuse outright."""
+    return any(unicodedata.category(ch) == "Cc" for ch in text)
 
 
 def printable(message) -> str:
