@@ -276,3 +276,19 @@ def test_a_second_config_file_is_refused_not_silently_taken(command, tmp_path):
     result = CliRunner().invoke(_commands()[command], ["--config", str(tmp_path / "a.yaml"),
                                                        f"--config={tmp_path / 'b.yaml'}"])
     assert result.exit_code == 2 and "--config is given twice" in result.output, result.output
+
+
+def test_every_free_text_option_of_every_command_refuses_a_control_character():
+    """Enumerated: an option whose value is text (not a path, a number or a choice) is read by the one text type
+    (runtime.options.Text), command line and --config alike, so a new one cannot skip the control-character rule."""
+    from runtime.options import Text
+
+    texts = [(name, p) for name, command in _commands().items() for p in command.params
+             if isinstance(p, click.Option) and not p.is_flag and p.type is click.STRING]
+    assert texts == [], [(n, p.name) for n, p in texts]  # no free-text option falls back to click's plain STRING
+    found = [(name, p) for name, command in _commands().items() for p in command.params if isinstance(p.type, Text)]
+    assert {("train-dpo", "run_name"), ("precompute-ref", "split"), ("audit-ref", "show")} <= {
+        (n, p.name) for n, p in found}
+    for name, p in found:
+        with pytest.raises(click.BadParameter, match="holds a control character"):
+            p.type.convert("x\x1b[2Jy\nz", p, None)
