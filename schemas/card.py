@@ -43,7 +43,8 @@ def card_metadata(manifest: dict) -> dict:
     identity = {"format_version": manifest["format_version"], "cache_id": cache_id(manifest),
                 "stamps": {k: manifest["stamps"][k] for k in fmt.STAMPS}, "encoding": manifest["encoding"],
                 "computation": manifest.get("computation"), "top_k": fmt.top_k_of(manifest.get("computation")),
-                "rows": sum(e["rows"] for e in manifest["shards"]), "shards": len(shards)}
+                "rows": sum(e["rows"] for e in manifest["shards"]), "shards": len(shards),
+                "version": history.version_of(manifest)}
     # file names, not a glob: the shards and only they, whatever else the folder holds
     configs = [{"config_name": "default", "data_files": [{"split": split_of(manifest), "path": shards}]}]
     # a top-k cache's tails too: the reader normalises them with the top-k log-probs (format.normalised_top_k)
@@ -55,8 +56,9 @@ def card_metadata(manifest: dict) -> dict:
 
 
 def dataset_card(manifest: dict):
-    """The card of a manifest (a huggingface_hub DatasetCard): a function of the manifest alone, without when, with
-    which software or from which paths it was made."""
+    """The card of a manifest (a huggingface_hub DatasetCard): a function of the manifest alone (its version line
+    says when the version was made: a rerun that changes nothing keeps the manifest, and so the card, as they are),
+    without with which software or from which paths it was made."""
     from huggingface_hub import DatasetCard, DatasetCardData
 
     rows = sum(e["rows"] for e in manifest["shards"])
@@ -157,7 +159,7 @@ from it and is not part of the cache's identity).
 
 ## Version
 
-{history.version_line(manifest, when=False)}. `precompute-ref --update` brings the cache to grown, shrunk or edited data as a new
+{history.version_line(manifest)}. `precompute-ref --update` brings the cache to grown, shrunk or edited data as a new
 version; each earlier version's manifest is kept as `manifest-NNNNN.json`, and `train-dpo --cache-version N` or
 `audit-ref --cache-version N` reads that version.
 

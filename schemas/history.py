@@ -276,13 +276,10 @@ def version_report(manifest: dict, file: str = CURRENT, current: dict | None = N
             "line": version_line(manifest, file, current), "history": steps}
 
 
-def version_line(manifest: dict, file: str = CURRENT, current: dict | None = None, *, when: bool = True) -> str:
+def version_line(manifest: dict, file: str = CURRENT, current: dict | None = None) -> str:
     """"cache version N ..." for every report (train-dpo's verified line, its model card and run manifest, audit-ref,
-    the dataset card): which version, and how the cache came to it (when, rows added/removed/replaced). when=False:
-    without the time (the dataset card, a function of the cache's content)."""
+    the dataset card): which version, and how the cache came to it (when, rows added/removed/replaced)."""
     current = manifest if current is None else current
-    if not when:
-        manifest = {k: v for k, v in manifest.items() if k != "created_at"}
     v, now = version_of(manifest), version_of(current)
     where = f"version {v} of {now}, kept as {file}" if file != CURRENT else f"version {v}"
     u = update_record(manifest)

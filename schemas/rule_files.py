@@ -188,6 +188,7 @@ def skipped_findings(root: Path, manifest: dict) -> tuple[int, list[Finding]]:
     return len(lines), [Finding("skipped_counts", "manifest", "; ".join(problems))] if problems else []
 
 
+LATER = ("version",)  # fields of the card's refcache metadata added after cards were first written
 CARD_REMEDY = ("re-run the same precompute-ref command: it writes the card from the manifest (a README.md that is "
                "not this cache's card is refused: move it away first)")
 
@@ -204,6 +205,8 @@ def card_findings(root: Path, manifest: dict) -> tuple[bool, list[Finding]]:
         return True, [Finding("card", "card", f"{fmt.CARD} is not a dataset card huggingface_hub can read (or not a "
                               "plain file)", remedy=CARD_REMEDY)]
     want = card_metadata(manifest)
+    if isinstance(meta.get("refcache"), dict):  # a card written before a field was added is as good (cards of old)
+        want["refcache"] = {k: v for k, v in want["refcache"].items() if k not in LATER or k in meta["refcache"]}
     differ = [k for k in DEFINED if meta.get(k) != want[k]]
     if not differ:
         return True, []

@@ -53,10 +53,13 @@ def test_the_card_is_a_dataset_card_with_the_manifests_metadata(dpo_cache):
     for value in (*manifest["stamps"].values(), meta["cache_id"], manifest["computation"]["mode"],
                   manifest["computation"]["dtype"], "--ref-cache", "audit-ref", "load_dataset"):
         assert value in card.text, value
-    # a function of the manifest alone: rendered again it is the same file; no path, time or software version in it
+    # a function of the manifest alone: rendered again it is the same file; no path or software version in it; the
+    # version and when it was made in its text and the version in its metadata (issue 36)
     assert str(dataset_card(manifest)) == (dpo_cache / fmt.CARD).read_text()
     content = (dpo_cache / fmt.CARD).read_text()
-    assert str(dpo_cache.parent) not in content and manifest["created_at"] not in content
+    assert str(dpo_cache.parent) not in content
+    assert f"cache version 1 (the cache as first made {manifest['created_at']}; never updated; 40 rows)" in content
+    assert meta["version"] == 1
     assert manifest["software"]["refcache"] not in content.replace(meta["cache_id"], "")
 
 
@@ -125,3 +128,27 @@ def test_write_card_writes_only_a_change_and_never_through_a_link(dpo_cache, tmp
     with pytest.raises(UnsafeDestination):
         write_card(cache, manifest)
     assert victim.read_text() == "precious\n"
+
+
+def test_the_cards_version_is_checked_where_the_card_has_one(dpo_cache, tmp_path):
+    """audit-ref's card check (rules.card_findings): a card whose metadata names another version than the manifest is
+    a finding naming the version; a card written before the version was in the metadata is as good as it was."""
+    from schemas.rule_files import card_findings
+
+    cache = shutil.copytree(dpo_cache, tmp_path / "cache")
+    manifest = fmt.read_manifest(cache)
+    card = DatasetCard.load(cache / fmt.CARD)
+    assert card.data.refcache["version"] == 1 and card_findings(cache, manifest) == (True, [])
+    for version, findings in ((7, 1), (None, 0)):
+        meta = dict(card.data.refcache)
+        if version is None:
+            del meta["version"]  # a card of before
+        else:
+            meta["version"] = version
+        card.data.refcache = meta
+        card.save(cache / fmt.CARD)
+        present, found = card_findings(cache, manifest)
+        assert present and len(found) == findings
+        if found:
+            assert "'refcache'" in found[0].message and found[0].found == {"version": 7}
+            assert found[0].expected == {"version": 1}
