@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from support import audit_streams as audit
-from conftest import build_llama, fake_run, manifest_of, precompute_in_process, save_checkpoint
+from conftest import build_llama, fake_run, make_lora_adapter, manifest_of, precompute_in_process, save_checkpoint
 from schemas import format as fmt
 
 K = 4
@@ -182,6 +182,20 @@ def test_batches_that_differ_from_the_definition_are_not_used(dpo_cache, policy_
             "forward by 1.00e-03") in err
     assert len(seen["batches"]) == 1 and len(seen["views"]) == 6  # the probe's batch only
     assert_policys_own(seen["views"], cached_rows(dpo_cache), policy)
+
+
+def test_a_lora_runs_page_in_batches_is_base_plus_adapter(dpo_cache, llama_dir, seen, tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    run = fake_run(tmp_path / "run", make_lora_adapter(llama_dir, tmp_path / "adapter"), dpo_cache)
+    code, out, err = audit(dpo_cache, "--html", tmp_path / "page.html", "--sample", 6, "--run", run,
+                           "--model", llama_dir)
+    assert code == 0, err
+    assert len(seen["batches"]) == 2 and "one sequence at a time" not in err  # the probe's batch, then all rows
+    policy = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32),
+                                            run).eval()
+    assert_policys_own(few(seen["views"]), cached_rows(dpo_cache), policy)
 
 
 def test_a_one_row_view_runs_no_batch_and_imports_no_datasets(dpo_cache, policy_dir, policy, llama_dir, seen,
