@@ -216,8 +216,8 @@ def main(cache, debug, **options):
         if opts.json:  # the report is an output like any other, refused now (not after the audit) where it may not be
             output_file(opts.json, "--json", inputs(cache, opts))
         if opts.show or opts.html:
-            if opts.data or opts.run:  # (a view of the cache alone imports neither datasets nor torch)
-                quiet_libraries()
+            if opts.data or opts.run:  # (a view of the cache alone imports neither datasets nor torch, of a run no datasets)
+                quiet_libraries(datasets=bool(opts.data))
             view(cache, opts, None if opts.all else given.get("sample", HTML_SAMPLE))
             sys.exit(EXIT_OK)
         if opts.model or opts.data:
@@ -277,7 +277,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
     from . import show
     from .cache import audit_cache
     from .runs import audit_data
-    from .views import load_policy, pick_rows, row_views, sample_rows, verified_tokenizer
+    from .views import pick_rows, row_views, sample_rows, verified_tokenizer
 
     from storage.places import location
 
@@ -309,9 +309,13 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         _, problems = run_manifest.run_cache_findings(recorded, root, manifest["stamps"], version["file"])
         if problems:  # a log-ratio against a reference the run did not train with means nothing
             raise JobError(f"--run {opts.run}: {problems[0].message}")
-        policy = load_policy(opts.run, opts.model, manifest, opts.trust_remote_code)
+        from .policy import load_policy  # (torch: only with a policy to score)
+
+        policy = load_policy(opts.run, opts.model, manifest, tokenizer, opts.trust_remote_code)
         run_named = show.run_label(opts.run, recorded)
     views = row_views(root, picks, tokenizer, policy)
+    if policy is not None and policy.fallback:
+        echo(f"note: the policy scored one sequence at a time ({policy.fallback})", err=True)
     if opts.show:
         colour = colour_wanted(sys.stdout)
         if run_named:  # the log-ratios below are this run's (as the HTML page names it)

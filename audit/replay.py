@@ -129,7 +129,20 @@ def _load(checkpoint, dtype, device, attn: str | None, **placed):
 
 SIDES = ("chosen", "rejected")
 PROBE_ROWS = 4  # the two longest and the two shortest of the replayed rows
-DEFAULT_TOKEN_BUDGET = 16384  # tokens per padded batch when the manifest records none (precompute-ref's default)
+
+
+def recorded_budget(comp: dict) -> int:
+    """The padded tokens per batch the cache was computed with (its manifest's `computation`; what `auto` came to on
+    the machine that wrote it), else precompute-ref's default: the replay's and a view's batches, before
+    runtime.logprobs.effective_budget bounds them by the model's head."""
+    from runtime.budget import DEFAULT_TOKEN_BUDGET
+
+    recorded = comp.get("token_budget")
+    if recorded == "auto":  # a note beside it says what it came to
+        resolved = comp.get("token_budget_resolved")
+        recorded = resolved.get("tokens") if isinstance(resolved, dict) else None
+    return recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else \
+        DEFAULT_TOKEN_BUDGET
 
 
 def _layout(comp: dict) -> tuple[bool, str]:
@@ -187,13 +200,7 @@ def _replay_way(root: Path, model, comp: dict, picked: pl.DataFrame, pad_id: int
     size = size.with_row_index("at").sort("n", "at")
     probe_at = sorted(set(size["at"].head(PROBE_ROWS // 2).to_list() + size["at"].tail(PROBE_ROWS // 2).to_list()))
     longest = int(size["n"].max()) if size.height else 0
-    recorded = comp.get("token_budget")
-    if recorded == "auto":  # what `auto` came to on the machine that wrote the cache (a note beside it)
-        resolved = comp.get("token_budget_resolved")
-        recorded = resolved.get("tokens") if isinstance(resolved, dict) else None
-    budget = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else \
-        DEFAULT_TOKEN_BUDGET
-    way = _Way(model, pad_id, top_k, effective_budget(model, budget, longest), left, name, None)
+    way = _Way(model, pad_id, top_k, effective_budget(model, recorded_budget(comp), longest), left, name, None)
     why = shape_dependent(model, longest)
     if why is None:
         probe = picked[probe_at]

@@ -1,7 +1,8 @@
 """What audit-ref --show / --html show (audit/show.py renders it): the rows picked by id or index, or a seeded sample,
 read from their shards with each token's text from the tokenizer the cache was made with (its hash checked against
 the cache's tokenizer_hash stamp first), and with a train-dpo run the policy's log-ratio at each completion token
-(scored by `runtime.logprobs`, the one definition) and, in a top-k cache, its KL over the reference's top-k tokens."""
+and, in a top-k cache, its KL over the reference's top-k tokens (the policy's values from audit/policy.py: the
+definition, `runtime.logprobs.reference_log_softmax`, or batches proven against it)."""
 
 from __future__ import annotations
 
@@ -204,31 +205,44 @@ def _texts(tokenizer, ids: list[int]) -> list[str]:
 
 def row_views(root: Path, picks: pl.DataFrame, tokenizer, policy=None) -> list[RowView]:
     """The picked rows (from an audit_cache index, with its `index` column) read from their shards, in the order
-    picked; with `policy` (a model) each completion token's log-ratio."""
+    picked; with `policy` (an audit.policy.PolicyScorer) each completion token's log-ratio, all rows scored together
+    (in batches where they can be)."""
     from .cache import shard_rows
 
     views = {}
     for (shard,), group in picks.group_by("shard", maintain_order=True):
         index_of = dict(zip(group["row"].to_list(), group["index"].to_list()))
         for r in shard_rows(root / shard, group["row"]):
-            r["index"] = index_of[r["row"]]
-            parts = {"prompt": Part("prompt", r["prompt_input_ids"], _texts(tokenizer, r["prompt_input_ids"]))}
-            for side in fmt.SIDES:
-                ids = r[f"{side}_input_ids"]
-                top = _top_k(r, side, tokenizer)
-                ratio = None
-                if policy is not None and top is not None:  # one forward: the log-ratios and the KL
-                    ratio, top.kl = _policy_against(policy, r["prompt_input_ids"], ids, r[f"{side}_logps"], top)
-                elif policy is not None:
-                    from runtime.logprobs import reference_logps  # (torch: only with a policy to score)
+            views[index_of[r["row"]]] = _view(r, index_of[r["row"]], shard, tokenizer)
+    shown = [views[i] for i in picks["index"].to_list()]
+    if policy is not None:
+        _add_policy(list(views.values()), policy)
+    return shown
 
-                    policy_logps = reference_logps(policy, r["prompt_input_ids"], ids).cpu().double().numpy()
-                    ratio = policy_logps - np.asarray(r[f"{side}_logps"], np.float64)
-                parts[side] = Part(side, ids, _texts(tokenizer, ids), np.asarray(r[f"{side}_logps"], np.float64), ratio,
-                                   top)
-            views[r["index"]] = RowView(r["id"], r["index"], shard, r["row"], **parts,
-                                        chosen_logp=float(r["chosen_logp"]), rejected_logp=float(r["rejected_logp"]))
-    return [views[i] for i in picks["index"].to_list()]
+
+def _view(r: dict, index: int, shard: str, tokenizer) -> RowView:
+    parts = {"prompt": Part("prompt", r["prompt_input_ids"], _texts(tokenizer, r["prompt_input_ids"]))}
+    for side in fmt.SIDES:
+        ids = r[f"{side}_input_ids"]
+        parts[side] = Part(side, ids, _texts(tokenizer, ids), np.asarray(r[f"{side}_logps"], np.float64),
+                           top=_top_k(r, side, tokenizer))
+    return RowView(r["id"], index, shard, r["row"], **parts, chosen_logp=float(r["chosen_logp"]),
+                   rejected_logp=float(r["rejected_logp"]))
+
+
+def _add_policy(views: list[RowView], policy) -> None:
+    """Each completion token's log-ratio, the policy's log-prob minus the cached reference's, and in a top-k cache
+    its KL(policy || reference) over the reference's K tokens and the rest, from the policy's own distribution."""
+    from schemas.encoding import EncodedPair
+
+    parts = [part for v in views for part in (v.chosen, v.rejected)]
+    scores = policy.score([EncodedPair(v.prompt.ids, v.chosen.ids, v.rejected.ids) for v in views],
+                          [None if part.top is None else part.top.ids for part in parts])
+    for part, s in zip(parts, scores):
+        part.ratio = np.asarray(s.logps, np.float64) - part.ref
+        if part.top is not None:
+            part.top.kl = coarse_kl(np.asarray(s.top_logps, np.float64), np.asarray(s.tail, np.float64),
+                                    part.top.logps, part.top.tail)
 
 
 def _top_k(row: dict, side: str, tokenizer) -> TopK | None:
@@ -244,21 +258,6 @@ def _top_k(row: dict, side: str, tokenizer) -> TopK | None:
                 np.asarray(row[f"{side}_tail"], np.float64))
 
 
-def _policy_against(policy, prompt_ids, ids, ref_logps, top: TopK) -> tuple[np.ndarray, np.ndarray]:
-    """The policy's log-ratio at each completion token and its KL(policy || reference) over the reference's K tokens
-    and the rest, from the policy's own distribution (runtime.logprobs.reference_log_softmax, the one definition)."""
-    import torch
-
-    from runtime.logprobs import reference_log_softmax
-
-    logps = reference_log_softmax(policy, prompt_ids, ids).double().cpu()
-    at_tokens = logps.gather(-1, torch.as_tensor(ids)[:, None]).squeeze(-1).numpy()
-    top_ids = torch.as_tensor(top.ids)
-    p_top = logps.gather(-1, top_ids).numpy()
-    p_rest = logps.scatter(-1, top_ids, float("-inf")).logsumexp(-1).numpy()
-    return at_tokens - np.asarray(ref_logps, np.float64), coarse_kl(p_top, p_rest, top.logps, top.tail)
-
-
 def coarse_kl(p_top: np.ndarray, p_rest: np.ndarray, q_top: np.ndarray, q_rest: np.ndarray) -> np.ndarray:
     """Per position KL(p || q) of two distributions coarsened to K outcomes and the rest (log-probs, [T, K] and [T]):
     the sum of p (log p - log q) over the outcomes, an outcome p gives no mass counting 0."""
@@ -267,20 +266,3 @@ def coarse_kl(p_top: np.ndarray, p_rest: np.ndarray, q_top: np.ndarray, q_rest: 
     with np.errstate(invalid="ignore"):
         terms = np.where(np.isneginf(lp), 0.0, np.exp(lp) * (lp - lq))
     return terms.sum(-1)
-
-
-def load_policy(run_dir: str, model_dir: str | None, manifest: dict, trust_remote_code: bool = False):
-    """The policy a train-dpo run left in `run_dir` (its checkpoint, or `model_dir` + its LoRA adapter), in the dtype
-    the cache was computed in, on this machine's device."""
-    from runtime.checkpoint import Checkpoint, preserved_rng, resolve_device, resolve_dtype
-
-    if (Path(run_dir) / "adapter_config.json").is_file():
-        if not model_dir:
-            raise JobError(f"{run_dir} holds a LoRA adapter: pass --model with its base checkpoint to score the policy")
-        checkpoint = Checkpoint.open(model_dir, trust_remote_code, adapter=run_dir)
-    else:
-        checkpoint = Checkpoint.open(run_dir, trust_remote_code)
-    device = resolve_device("auto")
-    with preserved_rng():
-        return checkpoint.load_model(resolve_dtype((manifest.get("computation") or {}).get("dtype", "float32"),
-                                                   device), device)

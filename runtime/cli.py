@@ -160,14 +160,17 @@ def heap_settled() -> None:
     gc.set_threshold(*thresholds)
 
 
-def quiet_libraries() -> None:
-    """Our own progress bar and summary replace the libraries' per-file bars and notices."""
+def quiet_libraries(datasets: bool = True) -> None:
+    """Our own progress bar and summary replace the libraries' per-file bars and notices. `datasets=False`: a command
+    that reads no data (audit-ref --show --run) leaves that library unimported (over half a second)."""
     import logging
 
-    import datasets
     import transformers
 
-    datasets.disable_progress_bars()
+    if datasets:
+        import datasets as library
+
+        library.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     logging.getLogger("accelerate").setLevel(logging.ERROR)  # --device-map: precompute-ref prints the layout itself

@@ -317,17 +317,19 @@ def pad_sequences(sequences: list[list[int]], pad_id: int, device=None,
 
 
 def padded_scores(model, sequences: list[tuple[list[int], list[int]]], pad_id: int, top_k: int = 0,
-                  left: bool = False) -> tuple[list[TokenScores], dict]:
+                  left: bool = False, given: torch.Tensor | None = None) -> tuple[list[TokenScores], dict]:
     """Completion scores of (prompt, completion) sequences run as one padded batch with its attention mask: one
     TokenScores (numpy) per sequence, and {"processed": real tokens, "slots": tokens including padding}. Right
     padding is precompute-ref's full_forward layout (default positions); left padding gives each row its positions
-    from the mask (audit-ref's replay of a full_forward cache runs it, a layout other than the one it checks)."""
+    from the mask (audit-ref's replay of a full_forward cache runs it, a layout other than the one it checks).
+    `given`: as in completion_scores, ids per completion token in sequence order (audit-ref's view scores the
+    policy at a top-k cache's reference ids)."""
     device = input_device(unwrap(model))
     ids, mask = pad_sequences([list(p) + list(c) for p, c in sequences], pad_id, device, left=left)
     clen = torch.tensor([len(c) for _, c in sequences])
     positions = (mask.cumsum(1) - 1).clamp(min=0) if left else None
     flat = completion_scores(model, ids, mask, torch.tensor([len(p) for p, _ in sequences]), clen, top_k=top_k,
-                             position_ids=positions)
+                             given=None if given is None else given.to(device), position_ids=positions)
     return split_scores(flat, clen), {"processed": int(mask.sum()), "slots": mask.numel()}
 
 
