@@ -4,10 +4,13 @@ back (command_text). The options themselves: runtime/options.py; path-or-URL opt
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
+import signal
 import sys
+import threading
 import traceback
 
 import click
@@ -16,8 +19,10 @@ from storage.quoting import shell_word
 
 # Every command's exit codes: 0 done (audit-ref: every check passed), 1 failed (a check failed, an unexpected error),
 # 2 refused (bad input, a cache or output folder that does not match, a usage error), 3 (train-dpo) stopped because
-# the loss, the gradient norm or the weights became non-finite (runtime.errors.NonFiniteError), 130 interrupted.
+# the loss, the gradient norm or the weights became non-finite (runtime.errors.NonFiniteError), 130 interrupted
+# (Ctrl-C), 143 terminated (SIGTERM), as a shell reports a process those signals end.
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_NON_FINITE = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 
 def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
@@ -44,7 +49,8 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
 
     try:
         try:
-            body()
+            with _terminate_as_interrupt():
+                body()
         except (DataError, JobError, CacheError, WeightsError, UnsafeDestination, StoreUnavailable, click.UsageError,
                 KeyboardInterrupt):
             raise
@@ -63,9 +69,9 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
         # printable here (runtime/terminal.py), keeping only the newlines the message lays out
         echo(clipped(f"error: {e}" + (f"\n  then: {carry_on()}" if isinstance(e, NoSpaceError) else "")), err=True)
         sys.exit(getattr(e, "exit_code", EXIT_REFUSED))  # NonFiniteError: EXIT_NON_FINITE; KLAlarmStop: EXIT_KL_ALARM
-    except KeyboardInterrupt:
-        echo(f"interrupted; {carry_on()}", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        echo(f"{'terminated (SIGTERM)' if isinstance(e, Terminated) else 'interrupted'}; {carry_on()}", err=True)
+        sys.exit(getattr(e, "exit_code", EXIT_INTERRUPTED))
     except ImportError as e:  # an option that needs a package this environment lacks (--use-liger-kernel, ...)
         if debug:
             traceback.print_exc()
@@ -82,6 +88,31 @@ def run_cli(body, debug: bool, next_step=None, writes_to=None) -> None:
         if not debug:
             echo(clipped(f"error: unexpected {type(e).__name__}: {e} (re-run with --debug for the traceback)"), err=True)
         sys.exit(EXIT_FAILED)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: a scheduler's preemption, `timeout`, `kill`, torchrun stopping its workers. It ends a command as
+    Ctrl-C does (what is complete is kept, the way on is printed), with the exit code a shell gives a SIGTERM."""
+
+    exit_code = EXIT_TERMINATED
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM raised as Terminated in the main thread while a command's body runs, where nothing else (a launcher,
+    a notebook, a test) handles it already; the handler there before is put back after."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminated(_signum, _frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _writes_to(writes_to):

@@ -356,6 +356,30 @@ def test_16_ctrl_c_prints_the_command_that_resumes_and_it_does(trained, tmp_path
     assert "trained 2 steps" in resumed.output
 
 
+def test_16_sigterm_ends_the_run_as_ctrl_c_does_with_its_own_exit_code(trained, tmp_path, monkeypatch):
+    """A scheduler's preemption (SIGTERM, delivered to the process inside step 2): exit 143, the checkpoint kept and
+    the command that resumes printed, as after Ctrl-C; the signal's handler is put back after the command."""
+    import signal
+
+    from dpo.trainer import DPOTrainer
+
+    out, real = tmp_path / "run", DPOTrainer.training_step
+
+    def training_step(self, *a, **k):
+        if self.state.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(DPOTrainer, "training_step", training_step)
+    stopped = train(*trained["args"], "--output-dir", out)
+    monkeypatch.undo()
+    assert stopped.exit_code == 143, stopped.output
+    assert "terminated (SIGTERM); checkpoint-1 is the latest complete checkpoint; resume from it with" in stopped.output
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    resumed = train(*_resume_line(stopped.output))
+    assert resumed.exit_code == 0 and "trained 2 steps" in resumed.output, resumed.output
+
+
 def test_16_ctrl_c_before_the_first_checkpoint_says_nothing_was_saved(trained, tmp_path, monkeypatch):
     """Neighbour: interrupted in step 1 of a run that replaced another (--overwrite-output-dir): nothing to resume;
     the printed command starts again, and works."""
