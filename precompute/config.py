@@ -184,10 +184,10 @@ def check_recorded(out, where: str, computation, encoding=None) -> dict:
 def _damaged(out, what: str) -> JobError:
     """`what` (the file, the key, the value and why) precompute-ref never writes: the cache is damaged (exit 2), the
     value escaped for the terminal and clipped."""
-    from runtime.cli import shell_word
+    from runtime.remedies import rebuild
+    from schemas.history import current_manifest
 
-    return JobError(clipped(escaped(f"{what}: the cache is damaged; audit-ref {shell_word(out)} tells what else; "
-                                    "--overwrite to start over")))
+    return JobError(clipped(escaped(what)) + "\n  remedy:   " + escaped(rebuild(out, current_manifest(out))))
 
 
 _JSON_KIND = {int: "an integer", float: "a float", str: "a string", bool: "a boolean", list: "a list", dict: "a mapping"}
