@@ -238,7 +238,11 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
     if p.name == fmt.SKIPPED:
         return None if cache and _own_skipped(p.parent, manifest) else "not the list of rows this cache skipped"
     if p.name == fmt.CARD:
-        return None if cache and _own_card(p, manifest) else "not this cache's dataset card"
+        if cache and _own_card(p, manifest):
+            return None
+        return ("a refcache dataset card whose stamps are not manifest.json's: the card or the manifest was edited, "
+                "so it is not provably this cache's; audit-ref names what else fails" if cache and _own_card(p, None)
+                else "not this cache's dataset card")
     return ""
 
 

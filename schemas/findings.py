@@ -11,6 +11,7 @@ from storage.quoting import shell_word
 RERUN = "re-run precompute-ref with the same --model, --data and encoding options into a fresh --out directory"
 # what a remedy names where the damaged record no longer says it (a manifest that is not JSON)
 MODEL_PLACEHOLDER, DATA_PLACEHOLDER = "<the reference model>", "<the data it was made from>"
+DAMAGED = "the cache is damaged (precompute-ref never writes this)"  # how `rebuild` begins
 # kinds raised as StampMismatch (a stamp or the shard metadata that carries one differs)
 STAMP_KINDS = frozenset({"model_hash", "tokenizer_hash", "mask_checksum", "encoding", "shard_metadata",
                          "ids_checksum", "computation"})
@@ -61,18 +62,18 @@ def rebuild(root, manifest=None, **known) -> str:
     """The one remedy of a damaged cache (a record precompute-ref never writes, a file that is not what it recorded):
     nothing in it can be trusted to say more, so the remedy is the command that makes it again (`known`: the model,
     data and split the caller has)."""
-    return (f"the cache is damaged (precompute-ref never writes this): make it again with "
-            f"`{rebuild_command(root, manifest, **known)}` (or with another --out, to keep this one)")
+    return (f"{DAMAGED}: make it again with `{rebuild_command(root, manifest, **known)}` (or with another --out, to "
+            "keep this one)")
 
 
 def damaged(error: "CacheError", root, manifest=None, **known) -> "CacheError":
-    """`error` with the rebuild command (`rebuild`) as its remedy where it carries the generic RERUN one; any other
-    remedy (rows to bring in, an option to pass, a newer refcache) is the caller's to keep."""
-    if error.remedy != RERUN:
+    """`error` with the rebuild command (`rebuild`, naming what the caller knows) as its remedy where it carries the
+    generic RERUN one or a rebuild command; any other remedy (rows to bring in, an option to pass, a newer refcache)
+    is the caller's to keep."""
+    if error.remedy != RERUN and not error.remedy.startswith(DAMAGED):
         return error
-    out = type(error)(error.kind, error.message, remedy=rebuild(root, manifest, **known), expected=error.expected,
-                      found=error.found, shard=error.shard, row=error.row, sides=error.sides)
-    return out
+    return type(error)(error.kind, error.message, remedy=rebuild(root, manifest, **known), expected=error.expected,
+                       found=error.found, shard=error.shard, row=error.row, sides=error.sides)
 
 
 class CacheError(Exception):

@@ -28,7 +28,7 @@ from .columns import SHARD_SCHEMA, per_token_columns  # noqa: F401  (re-exported
 from .encoding import EncodingConfig, row_mask_checksum
 from .logp_codes import _code_steps, _code_values, decode_logps, encode_logps, normalised_top_k
 from .logp_codes import LOGP_ERROR  # noqa: F401  (re-exported for the tests)
-from .findings import RERUN, CacheError, StampMismatch, rebuild  # noqa: F401  (re-exported)
+from .findings import DAMAGED, RERUN, CacheError, StampMismatch, rebuild  # noqa: F401  (re-exported)
 from .stamps import canonical_json, combined_mask_checksum, ids_checksum
 
 FORMAT_VERSION = 1
@@ -402,8 +402,7 @@ def _other_format(root: Path, path, manifest: dict, version: int) -> CacheError:
                           found=version)
     if 1 <= version < FORMAT_VERSION:  # an older refcache's cache: this one does not read it
         return CacheError("format_version", f"{said} (an older refcache wrote it)", remedy=rebuild(root, manifest)
-                          .replace("the cache is damaged (precompute-ref never writes this)", "this refcache cannot "
-                                   "read it"), expected=FORMAT_VERSION, found=version)
+                          .replace(DAMAGED, "this refcache cannot read it"), expected=FORMAT_VERSION, found=version)
     why = ("no refcache writes a format version below 1" if version < 1 else
            f"yet it names refcache {writer} as its writer, which writes version {FORMAT_VERSION}")
     return CacheError("format_version", f"{said}: {why}, so the manifest is damaged (edited), not from another "
