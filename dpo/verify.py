@@ -341,6 +341,7 @@ def _verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=
         "stamps": cache.stamps,
         "version": cache.version,  # which version of the cache (schemas/history.py version_report)
         "dtype": (cache.manifest.get("computation") or {}).get("dtype"),  # the cached log-probs' precision
+        "top_k": cache.top_k,  # the K of the reference's top-k distribution it holds (0: none)
     }
     reasons = ", ".join(f"{k}: {v}" for k, v in report["skipped"].items())
     skipped = f", {len(encoded.skipped)} bad rows skipped ({reasons})" if encoded.skipped else ""

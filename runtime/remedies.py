@@ -67,12 +67,13 @@ def rows_replaced(versions: list[int], holding: int) -> str:
             "this data has them")
 
 
-def eval_cache(model, data, split: str, *, shared: bool = False) -> str:
-    """Eval rows that need a cache of their own (`shared`: the cache given for them is the training rows' cache)."""
+def eval_cache(model, data, split: str, *, shared: bool = False, top_k: int | None = None) -> str:
+    """Eval rows that need a cache of their own (`shared`: the cache given for them is the training rows' cache;
+    `top_k`: the training cache's --top-k, which the eval cache needs for the evaluations to log the KL figures)."""
     why = ("the eval rows need a cache of their own (an --update of this one to the eval data would drop the training "
            "rows): " if shared else "")
-    return (f"{why}make one with `precompute-ref --model {shell_word(model)} --data {shell_word(data)}{_split(split)} --out "
-            "EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE")
+    return (f"{why}make one with `precompute-ref --model {shell_word(model)} --data {shell_word(data)}{_split(split)}"
+            + (f" --top-k {int(top_k)}" if top_k else "") + " --out EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE")
 
 
 def rows_in_current(version: int, current: int, resuming: bool = False) -> str:
