@@ -178,9 +178,10 @@ def _hub_kernel(config) -> str | None:
     return None
 
 
-# the files of a checkpoint folder that transformers reads for its config and tokenizer (where present); one it
-# cannot read as a file it may skip without a word, and then a chat template fails on the data's first row
-READ_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+# the files of a checkpoint folder that transformers reads besides config.json (which `open` reads itself) for the
+# model and its tokenizer, where present; one it cannot read as a file it may skip without a word, and then a chat
+# template fails on the data's first row
+READ_FILES = ("generation_config.json", "tokenizer_config.json", "tokenizer.json",
               "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
               "merges.txt", "tokenizer.model")
 
@@ -197,8 +198,8 @@ def check_readable(model_dir) -> None:
     for name in READ_FILES:
         path = folder / name
         if os.path.lexists(path) and (why := unreadable(path)):
-            raise JobError(f"{model_dir}: the model folder's {name} cannot be read: it is {why}; transformers "
-                           f"reads it for the {'tokenizer' if name != 'config.json' else 'model config'}: put the "
+            raise JobError(f"{model_dir}: the model folder's {name} cannot be read: {why}; transformers "
+                           f"reads it for the {'model' if name == 'generation_config.json' else 'tokenizer'}: put the "
                            "checkpoint's own file there (or remove it, if the checkpoint has none)")
 
 

@@ -177,8 +177,9 @@ def test_a_model_folders_file_that_cannot_be_read_is_named_as_the_folders(made, 
     refused = precompute("--model", model, "--data", made[1], "--out", tmp_path / "out")
     assert refused.exit_code == 2, refused.output
     assert_one_paragraph(refused.output)
-    assert f"{model}: the model folder's tokenizer_config.json cannot be read: it is " in refused.output
-    assert {"fifo": "a FIFO (named pipe)", "folder": "a folder", "unreadable": "cannot be opened"}[kind] in \
+    why = {"fifo": "it is a FIFO (named pipe), not a regular file", "folder": "it is a folder, not a file",
+           "unreadable": "opening it fails (Permission denied)"}[kind]
+    assert f"{model}: the model folder's tokenizer_config.json cannot be read: {why}; " in refused.output, \
         refused.output
     assert "chat template" not in refused.output and "row 1" not in refused.output, refused.output
     assert not (tmp_path / "out").exists()
