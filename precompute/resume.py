@@ -22,6 +22,7 @@ from schemas import format as fmt
 from schemas import history, rules
 from storage import places, writes
 from schemas.card import read_card_metadata
+from schemas.findings import DAMAGED
 from schemas.encoding import EncodingConfig
 from storage.files import TEMP
 
@@ -48,7 +49,8 @@ def _previous_manifest(out: Path, stamps: dict, encoding: EncodingConfig) -> dic
     try:
         manifest = fmt.read_manifest(out)
     except fmt.CacheError as e:
-        raise JobError(f"{out} holds an unreadable cache ({e.message}); {OVERWRITE}") from None
+        raise JobError(f"{out} holds an unreadable cache ({e.message}); "
+                       + (e.remedy if e.remedy.startswith(DAMAGED) else OVERWRITE)) from None
     recorded = {**manifest["stamps"], "encoding": manifest["encoding"]}
     found = list(rules.stamp_findings(recorded, {**{k: stamps[k] for k in fmt.STAMPS}, "encoding": encoding.to_dict()}))
     for f in sorted(found, key=lambda f: f.kind != "encoding"):  # another encoding also changes the mask checksum
