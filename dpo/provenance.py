@@ -14,6 +14,8 @@ from runtime import remedies
 from runtime.hub import origin
 from schemas import run_manifest as rm
 
+from .resume import same_cache_elsewhere
+
 
 def reference_record(cfg, train, evaluation, live_hash: str | None = None) -> dict:
     """This run's record, from the verification reports (cache stamps) and the data fingerprints; `live_hash`: the
@@ -41,6 +43,9 @@ def check_resume_reference(checkpoint: str, record: dict, train=None, evaluation
         raise JobError(f"--resume-from-checkpoint {checkpoint}: {e}") from None
     for role, rows in (("cache", train), ("eval_cache", evaluation)):
         if rm.same_cache(recorded.get(role), record.get(role)):
+            elsewhere = same_cache_elsewhere(role, recorded.get(role), record.get(role))
+            if elsewhere:  # a copy (or a move) of the cache it trained with: the same by content, said in one line
+                log(elsewhere)
             continue
         moved = _moved_on(recorded.get(role), record.get(role), rows)
         if moved is None:

@@ -16,7 +16,7 @@ from runtime.errors import JobError
 from runtime.hub import origin
 from runtime.locations import check_present
 from runtime.placed import Placement, attention_of, attention_refused, flex_on_cpu, load_placed
-from runtime import placement
+from runtime import placement, remedies
 from runtime.terminal import echo
 from schemas.encoding import EncodingConfig
 from schemas.stamps import model_hash
@@ -173,8 +173,10 @@ def note_eval_without_top_k(cfg: TrainConfig, run: Run, log) -> None:
     if has(run.train) and run.evaluation is not None and not has(run.evaluation):
         where = (f"the eval cache {cfg.eval_ref_cache} was made without --top-k" if cfg.eval_ref_cache else
                  "the eval rows have no top-k distribution")
-        log(f"note: {where}, so the evaluations log no KL figures (the train steps do, from --ref-cache's top-k); "
-            f"precompute-ref the eval split with --top-k for them")
+        k = run.train.report.get("top_k")
+        log(f"note: {where}, so the evaluations log no KL figures (the train steps do, from --ref-cache's top-k"
+            f"{f' {k}' if k else ''}); for them, "
+            + remedies.eval_cache(cfg.ref_model or cfg.model, cfg.eval_data or cfg.data, cfg.eval_split, top_k=k))
 
 
 def _same_folder(a: str | None, b: str) -> bool:

@@ -213,3 +213,19 @@ def start_run(cfg, log=echo) -> str:
     out.mkdir(parents=True, exist_ok=True)
     rm.write_json(out / rm.RUN_RECORD, rm.run_record(run_id, started))
     return run_id
+
+
+# how a resume names each cache role of a run's record (schemas/run_manifest.py reference_record)
+CACHE_ROLES = {"cache": "the cache", "eval_cache": "the eval cache"}
+
+
+def same_cache_elsewhere(role: str, recorded, now) -> str | None:
+    """The line a resume prints when it goes on with the cache it trained with (the same content: same_cache) found
+    at another place (a copy, a move): None when it is where the checkpoint's record says it was."""
+    if not isinstance(recorded, dict) or not isinstance(now, dict) or recorded.get("path") == now.get("path"):
+        return None
+    from storage.quoting import shell_word
+
+    ident = f"cache id {now['cache_id']}" if now.get("cache_id") else f"manifest sha256 {now.get('manifest_sha256')}"
+    return (f"resume: {CACHE_ROLES.get(role, role)} at {shell_word(now.get('path'))} is the one this run trained with "
+            f"({ident}, was at {shell_word(recorded.get('path'))})")

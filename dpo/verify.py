@@ -272,10 +272,24 @@ def _skipped_by_the_cache(error: DataError, cache: Cache, on_bad_row: str) -> Da
                      "train on the rows it holds")
 
 
-def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
-                    expected_model_hash=None, cache_version: int | None = None,
-                    encoding_request=None, on_bad_row="error", verify_files=True, resuming: str | None = None,
-                    cache_option: str = "--ref-cache", serves_training: bool = False, log=echo) -> Verified:
+def verify_and_join(*, cache_dir, data, split, model_dir, ref_model=None, **options) -> Verified:
+    """_verify_and_join, whose refusals of a damaged cache (the rules' generic remedy) name the command that makes it
+    again with this run's reference and data (runtime/remedies.py `damaged`), never "audit-ref it" alone."""
+    try:
+        return _verify_and_join(cache_dir=cache_dir, data=data, split=split, model_dir=model_dir, ref_model=ref_model,
+                                **options)
+    except CacheError as e:
+        try:  # the cache's manifest where it still reads as JSON (the rebuild command's --top-k)
+            manifest = history.current_manifest(cache_dir)
+        except Exception:
+            manifest = None
+        raise remedies.damaged(e, cache_dir, manifest, model=ref_model or model_dir, data=data, split=split) from None
+
+
+def _verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
+                     expected_model_hash=None, cache_version: int | None = None,
+                     encoding_request=None, on_bad_row="error", verify_files=True, resuming: str | None = None,
+                     cache_option: str = "--ref-cache", serves_training: bool = False, log=echo) -> Verified:
     """`cache_version`: a version of an updated cache (train-dpo --cache-version N), default its current one.
     `resuming`: the checkpoint a resume continues (a refusal names the version it trained on). `cache_option`: the
     option that gave the cache (--ref-cache, --eval-ref-cache), named in refusals and their remedies;
@@ -327,6 +341,7 @@ def verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=N
         "stamps": cache.stamps,
         "version": cache.version,  # which version of the cache (schemas/history.py version_report)
         "dtype": (cache.manifest.get("computation") or {}).get("dtype"),  # the cached log-probs' precision
+        "top_k": cache.top_k,  # the K of the reference's top-k distribution it holds (0: none)
     }
     reasons = ", ".join(f"{k}: {v}" for k, v in report["skipped"].items())
     skipped = f", {len(encoded.skipped)} bad rows skipped ({reasons})" if encoded.skipped else ""

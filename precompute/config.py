@@ -181,13 +181,22 @@ def check_recorded(out, where: str, computation, encoding=None) -> dict:
     return values
 
 
-def _damaged(out, what: str) -> JobError:
-    """`what` (the file, the key, the value and why) precompute-ref never writes: the cache is damaged (exit 2), the
-    value escaped for the terminal and clipped."""
-    from runtime.cli import shell_word
+class DamagedRecord(JobError):
+    """A record of how rows were scored that precompute-ref never writes (`what`), refused with the rebuild command."""
 
-    return JobError(clipped(escaped(f"{what}: the cache is damaged; audit-ref {shell_word(out)} tells what else; "
-                                    "--overwrite to start over")))
+    def __init__(self, message: str, what: str):
+        super().__init__(message)
+        self.what = what
+
+
+def _damaged(out, what: str, **known) -> DamagedRecord:
+    """`what` (the file, the key, the value and why) precompute-ref never writes: the cache is damaged (exit 2), the
+    value escaped for the terminal and clipped; the remedy is the command that makes it again (`known`: the model,
+    data and split of this run, else the manifest's)."""
+    from runtime.remedies import rebuild
+    from schemas.history import current_manifest
+
+    return DamagedRecord(clipped(escaped(f"{what}; {rebuild(out, current_manifest(out), **known)}")), what)
 
 
 _JSON_KIND = {int: "an integer", float: "a float", str: "a string", bool: "a boolean", list: "a list", dict: "a mapping"}
@@ -235,7 +244,10 @@ def cache_settings(cfg: PrecomputeConfig) -> tuple[str, dict]:
     taken). Nothing with --overwrite, or when --out records nothing readable (the update refuses that itself). Every
     value recorded goes through its option's type and domain first (_recorded_values): a damaged one is refused."""
     out = places.location(cfg.out)
-    recorded = None if cfg.overwrite else recorded_settings(out)
+    try:
+        recorded = None if cfg.overwrite else recorded_settings(out)
+    except DamagedRecord as e:  # the rebuild command with this run's model and data
+        raise _damaged(out, e.what, model=cfg.model, data=cfg.data, split=cfg.split) from None
     if recorded is None:
         return "", {}
     whose, recorded_values, computation, encoding = recorded

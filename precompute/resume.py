@@ -17,11 +17,12 @@ from pathlib import Path
 
 from runtime.errors import JobError
 from runtime.locks import is_lock_file
-from runtime.remedies import OVERWRITE, UPDATE  # UPDATE: the remedy when only the data differs
+from runtime.remedies import OVERWRITE, UPDATE, rebuild  # UPDATE: the remedy when only the data differs
 from schemas import format as fmt
 from schemas import history, rules
 from storage import places, writes
 from schemas.card import read_card_metadata
+from schemas.findings import DAMAGED
 from schemas.encoding import EncodingConfig
 from storage.files import TEMP
 
@@ -48,7 +49,8 @@ def _previous_manifest(out: Path, stamps: dict, encoding: EncodingConfig) -> dic
     try:
         manifest = fmt.read_manifest(out)
     except fmt.CacheError as e:
-        raise JobError(f"{out} holds an unreadable cache ({e.message}); {OVERWRITE}") from None
+        raise JobError(f"{out} holds an unreadable cache ({e.message}); "
+                       + (e.remedy if e.remedy.startswith(DAMAGED) else OVERWRITE)) from None
     recorded = {**manifest["stamps"], "encoding": manifest["encoding"]}
     found = list(rules.stamp_findings(recorded, {**{k: stamps[k] for k in fmt.STAMPS}, "encoding": encoding.to_dict()}))
     for f in sorted(found, key=lambda f: f.kind != "encoding"):  # another encoding also changes the mask checksum
@@ -58,6 +60,24 @@ def _previous_manifest(out: Path, stamps: dict, encoding: EncodingConfig) -> dic
         remedy = UPDATE if f.kind == "mask_checksum" else OVERWRITE
         raise JobError(f"{out} already holds a different cache; {remedy}\n  {f.kind}:\n{f.sides_text('    ')}")
     return manifest
+
+
+def _manifest_agrees(out: Path, previous: dict | None, entry: dict | None, name: str, footer: dict | None) -> None:
+    """A shard the manifest lists was scored as the manifest says: precompute-ref writes the two from the same run, so
+    a manifest whose computation its own shards' footers contradict (an edited setting) is a damaged cache, refused
+    with the rebuild command; never read as "the cache's setting" and offered to the user to pass."""
+    if not previous or not entry or footer is None:
+        return
+    said = fmt.shard_computation(previous, entry)
+    if not isinstance(said, dict):
+        return  # no record, or not a mapping: the rules and check_recorded name it
+    differ = rules.computation_findings(fmt.scored_computation(said), fmt.scored_computation(footer), where=name)
+    if differ:
+        settings = ", ".join(f"{k}={v!r}" for f in differ for k, v in f.expected.items())
+        scored = ", ".join(f"{k}={v!r}" for f in differ for k, v in f.found.items())
+        raise JobError(f"{out / fmt.MANIFEST} records {settings}, but {name}, a shard it lists, was scored with {scored} "
+                       "(precompute-ref writes both from the same run, so the manifest was edited)\n  remedy:   "
+                       + rebuild(out, previous))
 
 
 def _refuse(findings, what: str, where: str | None = None):
@@ -104,6 +124,7 @@ def finished_shards(out: Path, plan: list[dict], stamps: dict, encoding: Encodin
         if path.name not in pending:  # a readable footer of other settings or other rows: refused, never "damage"
             if shard.meta:  # a value precompute-ref never writes is damage, never a setting to name as the cache's
                 check_recorded(out, f"{out / path.name}'s footer", recorded, _json_dict(shard.meta.get("encoding")))
+                _manifest_agrees(out, previous, listed.get(path.name), path.name, recorded)
             if recorded and differs:
                 _refuse(differs, f"{out} already holds a different cache", f"{out} already holds a different cache,")
             other = encoding_options(_json_dict(shard.meta.get("encoding")), encoding.to_dict()) if shard.meta else []
@@ -219,7 +240,11 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
     if p.name == fmt.SKIPPED:
         return None if cache and _own_skipped(p.parent, manifest) else "not the list of rows this cache skipped"
     if p.name == fmt.CARD:
-        return None if cache and _own_card(p, manifest) else "not this cache's dataset card"
+        if cache and _own_card(p, manifest):
+            return None
+        return ("a refcache dataset card whose stamps are not manifest.json's: the card or the manifest was edited, "
+                "so it is not provably this cache's; audit-ref names what else fails" if cache and _own_card(p, None)
+                else "not this cache's dataset card")
     return ""
 
 

@@ -28,7 +28,8 @@ from storage import reads, writes
 from storage.nearby import missing
 from schemas.stamps import combined_mask_checksum, tokenizer_parts
 
-from runtime.remedies import NEW_CACHE
+from runtime.remedies import NEW_CACHE, rebuild
+from storage.quoting import shell_word
 from runtime.terminal import counted
 
 from .config import computation_options, encoding_options, settings_refusal
@@ -73,13 +74,12 @@ def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
     try:
         base = fmt.read_manifest(out)
     except fmt.CacheError as e:
-        raise JobError(f"--update: {out} holds an unreadable cache ({e.message}); audit-ref it, or make a new cache "
-                       "with --overwrite") from None
+        raise JobError(f"--update: {out} holds an unreadable cache ({e.message}); {e.remedy}") from None
     _same_identity(out, base, job, cfg, claimed)
     read = {}
     for f in rules.cache_findings(out, base, read=read):  # (this update's shards, written before a kill: below)
-        raise JobError(f"--update: the cache in {out} does not verify: {f.message}; audit-ref it, or make a new "
-                       "cache with --overwrite")
+        raise JobError(f"--update: the cache in {out} does not verify: {f.message}; audit-ref {shell_word(out)} lists "
+                       f"every check it fails; {rebuild(out, base, model=cfg.model, data=cfg.data)}")
     cached = pa.concat_tables([read[e["file"]] for e in base["shards"]]) if base["shards"] else None
     encoded = job.encoded
     changes = history.row_changes(cached.column("id").to_pylist() if cached else [],

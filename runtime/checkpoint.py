@@ -67,6 +67,7 @@ class Checkpoint:
 
         if checkpoint_problem(path):
             raise JobError(f"{model_dir}: {checkpoint_problem(path)}")
+        check_readable(model_dir)
         try:
             config, problem = json.loads((path / "config.json").read_text(encoding="utf-8")), None
         except ValueError as e:  # also UnicodeDecodeError
@@ -177,9 +178,35 @@ def _hub_kernel(config) -> str | None:
     return None
 
 
+# the files of a checkpoint folder that transformers reads besides config.json (which `open` reads itself) for the
+# model and its tokenizer, where present; one it cannot read as a file it may skip without a word, and then a chat
+# template fails on the data's first row
+READ_FILES = ("generation_config.json", "tokenizer_config.json", "tokenizer.json",
+              "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
+              "merges.txt", "tokenizer.model")
+
+
+def check_readable(model_dir) -> None:
+    """Refuse (JobError) a local checkpoint folder holding one of READ_FILES that cannot be read as a file (a FIFO, a
+    folder, a file this user may not open), naming it as the folder's file, before transformers skips it and the
+    fault shows up as the data's (storage/reads.py `unreadable`: never blocks on a FIFO)."""
+    from storage.reads import unreadable
+
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        return  # a hub id: the hub's reader judges it
+    for name in READ_FILES:
+        path = folder / name
+        if os.path.lexists(path) and (why := unreadable(path)):
+            raise JobError(f"{model_dir}: the model folder's {name} cannot be read: {why}; transformers "
+                           f"reads it for the {'model' if name == 'generation_config.json' else 'tokenizer'}: put the "
+                           "checkpoint's own file there (or remove it, if the checkpoint has none)")
+
+
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    check_readable(model_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers and tokenizers raise many types here (OSError, ValueError, plain Exception)

@@ -1,12 +1,14 @@
 """The remedies that bring a cache to its data or pick one of its versions, in one vocabulary: precompute-ref
 --update (rows the cache lacks), --update --replace-changed (rows edited under an id the cache holds), --cache-version
-N (rows a later version removed, or a resume whose rows a later version changed), and an update's own settings. Every
+N (rows a later version removed, or a resume whose rows a later version changed), an update's own settings, and a
+damaged cache's rebuild command (schemas/findings.py `rebuild`, which the contract's own refusals use too). Every
 refusal that is answered by one of these takes its words from here (precompute/update.py, dpo/verify.py,
 dpo/provenance.py), so none still says "re-run precompute-ref into a fresh --out" where an update or a version does
 it."""
 
 from __future__ import annotations
 
+from schemas.findings import damaged, rebuild  # noqa: F401  a damaged cache: the command that makes it again
 from schemas.history import VERSION_OPTION  # train-dpo's and audit-ref's option naming a version
 from storage.quoting import shell_word
 
@@ -65,12 +67,13 @@ def rows_replaced(versions: list[int], holding: int) -> str:
             "this data has them")
 
 
-def eval_cache(model, data, split: str, *, shared: bool = False) -> str:
-    """Eval rows that need a cache of their own (`shared`: the cache given for them is the training rows' cache)."""
+def eval_cache(model, data, split: str, *, shared: bool = False, top_k: int | None = None) -> str:
+    """Eval rows that need a cache of their own (`shared`: the cache given for them is the training rows' cache;
+    `top_k`: the training cache's --top-k, which the eval cache needs for the evaluations to log the KL figures)."""
     why = ("the eval rows need a cache of their own (an --update of this one to the eval data would drop the training "
            "rows): " if shared else "")
-    return (f"{why}make one with `precompute-ref --model {shell_word(model)} --data {shell_word(data)}{_split(split)} --out "
-            "EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE")
+    return (f"{why}make one with `precompute-ref --model {shell_word(model)} --data {shell_word(data)}{_split(split)}"
+            + (f" --top-k {int(top_k)}" if top_k else "") + " --out EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE")
 
 
 def rows_in_current(version: int, current: int, resuming: bool = False) -> str:

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from storage.quoting import shell_word
+
 RERUN = "re-run precompute-ref with the same --model, --data and encoding options into a fresh --out directory"
+# what a remedy names where the damaged record no longer says it (a manifest that is not JSON)
+MODEL_PLACEHOLDER, DATA_PLACEHOLDER = "<the reference model>", "<the data it was made from>"
+DAMAGED = "the cache is damaged (precompute-ref never writes this)"  # how `rebuild` begins
 # kinds raised as StampMismatch (a stamp or the shard metadata that carries one differs)
 STAMP_KINDS = frozenset({"model_hash", "tokenizer_hash", "mask_checksum", "encoding", "shard_metadata",
                          "ids_checksum", "computation"})
@@ -30,6 +35,45 @@ def labelled(sides: tuple[str, str] | None, expected, found, indent: str = "  ")
         pairs.reverse()
     width = max(len(name) for name, _ in pairs) + 1
     return [f"{indent}{(name + ':').ljust(width)} {'none' if value is None else value}" for name, value in pairs]
+
+
+def _recorded(manifest) -> tuple:
+    """(model, data, split, top_k) as a manifest that is still a JSON mapping records them (None where it does not)."""
+    manifest = manifest if isinstance(manifest, dict) else {}
+    part = lambda key: manifest.get(key) if isinstance(manifest.get(key), dict) else {}
+    text = lambda v: v if isinstance(v, str) and v and "\n" not in v else None
+    top_k = part("computation").get("top_k")
+    return (text(part("model").get("path")), text(part("source").get("data")), text(part("source").get("split")),
+            top_k if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else None)
+
+
+def rebuild_command(root, manifest=None, *, model=None, data=None, split=None) -> str:
+    """The precompute-ref command that makes a damaged cache at `root` again: the model, data, split and --top-k the
+    caller knows, else those the manifest (if still readable) records, else placeholders to fill in."""
+    recorded = _recorded(manifest)
+    model, data, split = model or recorded[0], data or recorded[1], split or recorded[2]
+    return (f"precompute-ref --model {shell_word(model or MODEL_PLACEHOLDER)} --data "
+            f"{shell_word(data or DATA_PLACEHOLDER)}" + (f" --split {shell_word(split)}" if split and split != "train"
+                                                        else "")
+            + (f" --top-k {recorded[3]}" if recorded[3] else "") + f" --out {shell_word(root)} --overwrite")
+
+
+def rebuild(root, manifest=None, **known) -> str:
+    """The one remedy of a damaged cache (a record precompute-ref never writes, a file that is not what it recorded):
+    nothing in it can be trusted to say more, so the remedy is the command that makes it again (`known`: the model,
+    data and split the caller has)."""
+    return (f"{DAMAGED}: make it again with `{rebuild_command(root, manifest, **known)}` (or with another --out, to "
+            "keep this one)")
+
+
+def damaged(error: "CacheError", root, manifest=None, **known) -> "CacheError":
+    """`error` with the rebuild command (`rebuild`, naming what the caller knows) as its remedy where it carries the
+    generic RERUN one or a rebuild command; any other remedy (rows to bring in, an option to pass, a newer refcache)
+    is the caller's to keep."""
+    if error.remedy != RERUN and not error.remedy.startswith(DAMAGED):
+        return error
+    return type(error)(error.kind, error.message, remedy=rebuild(root, manifest, **known), expected=error.expected,
+                       found=error.found, shard=error.shard, row=error.row, sides=error.sides)
 
 
 class CacheError(Exception):

@@ -28,7 +28,7 @@ from .columns import SHARD_SCHEMA, per_token_columns  # noqa: F401  (re-exported
 from .encoding import EncodingConfig, row_mask_checksum
 from .logp_codes import _code_steps, _code_values, decode_logps, encode_logps, normalised_top_k
 from .logp_codes import LOGP_ERROR  # noqa: F401  (re-exported for the tests)
-from .findings import RERUN, CacheError, StampMismatch  # noqa: F401  (re-exported)
+from .findings import DAMAGED, RERUN, CacheError, StampMismatch, rebuild  # noqa: F401  (re-exported)
 from .stamps import canonical_json, combined_mask_checksum, ids_checksum
 
 FORMAT_VERSION = 1
@@ -362,33 +362,62 @@ def read_manifest(root: Path) -> dict:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise CacheError("manifest", f"{path} is not valid JSON ({e})", remedy=RERUN) from None
+        raise CacheError("manifest", f"{path} is not valid JSON ({e})", remedy=rebuild(root)) from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if not isinstance(version, int) or isinstance(version, bool):
-        raise CacheError("manifest", f"{path} has no integer format_version", remedy=RERUN)
+        raise CacheError("manifest", f"{path} has no integer format_version", remedy=rebuild(root, manifest))
     if version != FORMAT_VERSION:
-        raise CacheError(
-            "format_version",
-            f"{path} has format version {version}; this refcache reads version {FORMAT_VERSION}",
-            remedy="upgrade refcache" if version > FORMAT_VERSION else RERUN,
-            expected=FORMAT_VERSION,
-            found=version,
-        )
+        raise _other_format(root, path, manifest, version)
+    remedy = rebuild(root, manifest)
     for key, kind in (("stamps", dict), ("encoding", dict), ("shards", list)):
         if not isinstance(manifest.get(key), kind):
-            raise CacheError("manifest", f"{path}: '{key}' is missing or malformed", remedy=RERUN)
+            raise CacheError("manifest", f"{path}: '{key}' is missing or malformed", remedy=remedy)
     if any(not isinstance(manifest["stamps"].get(s), str) for s in STAMPS):
-        raise CacheError("manifest", f"{path}: stamps must hold {', '.join(STAMPS)}", remedy=RERUN)
+        raise CacheError("manifest", f"{path}: stamps must hold {', '.join(STAMPS)}", remedy=remedy)
     try:
         EncodingConfig.from_dict(manifest["encoding"])
     except (TypeError, ValueError) as e:
-        raise CacheError("manifest", f"{path}: bad encoding config ({e})", remedy=RERUN) from None
+        raise CacheError("manifest", f"{path}: bad encoding config ({e})", remedy=remedy) from None
     for s in manifest["shards"]:
         if not isinstance(s, dict) or not set(SHARD_ENTRY) <= set(s):
-            raise CacheError("manifest", f"{path}: malformed shard entry {s!r}", remedy=RERUN)
+            raise CacheError("manifest", f"{path}: malformed shard entry {s!r}", remedy=remedy)
         counts_ok = all(isinstance(s[k], int) and not isinstance(s[k], bool) and s[k] >= 0 for k in ("rows", "bytes"))
         if not counts_ok or not all(isinstance(s[k], str) for k in ("sha256", "mask_checksum", "ids_checksum")):
             # (the file name is judged per shard, kind shard_path)
             raise CacheError("manifest", f"{path}: shard entry {s!r} has a field of the wrong type (sha256, mask_checksum "
-                             "and ids_checksum are strings; rows and bytes are counts)", remedy=RERUN)
+                             "and ids_checksum are strings; rows and bytes are counts)", remedy=remedy)
     return manifest
+
+
+def _other_format(root: Path, path, manifest: dict, version: int) -> CacheError:
+    """A manifest of another format version: one a newer refcache wrote (upgrade), or a damaged one: a version no
+    refcache writes (below 1), or a newer one in a manifest that names this refcache, or an older one, as its
+    writer (that release writes this version)."""
+    software = manifest.get("software") if isinstance(manifest.get("software"), dict) else {}
+    writer = software.get("refcache") if isinstance(software.get("refcache"), str) else None
+    said = f"{path} has format version {version}; this refcache reads version {FORMAT_VERSION}"
+    if version > FORMAT_VERSION and not _not_newer(writer):
+        return CacheError("format_version", said + (f" (written by refcache {writer})" if writer else ""),
+                          remedy="upgrade refcache (pip install -U refcache) to read it", expected=FORMAT_VERSION,
+                          found=version)
+    if 1 <= version < FORMAT_VERSION:  # an older refcache's cache: this one does not read it
+        return CacheError("format_version", f"{said} (an older refcache wrote it)", remedy=rebuild(root, manifest)
+                          .replace(DAMAGED, "this refcache cannot read it"), expected=FORMAT_VERSION, found=version)
+    why = ("no refcache writes a format version below 1" if version < 1 else
+           f"yet it names refcache {writer} as its writer, which writes version {FORMAT_VERSION}")
+    return CacheError("format_version", f"{said}: {why}, so the manifest is damaged (edited), not from another "
+                      "refcache", remedy=rebuild(root, manifest), expected=FORMAT_VERSION, found=version)
+
+
+def _not_newer(writer: str | None) -> bool:
+    """Whether refcache release `writer` is this one or older (it writes this format version, or an older one)."""
+    if writer is None:
+        return False
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        from packaging.version import InvalidVersion, Version
+
+        return Version(writer) <= Version(version("refcache"))
+    except (PackageNotFoundError, InvalidVersion, ImportError):
+        return False

@@ -61,3 +61,27 @@ def source(path):
     else:
         with path.fs.open(path.key, "rb", cache_type="none") as f:
             yield f
+
+
+def unreadable(path) -> str | None:
+    """Why the file at `path` cannot be read as a file, as a clause ("it is a folder, not a file"; None: a regular file this process may read; a symlink to one
+    is fine): a folder, a FIFO, a device or socket, or a file it may not open. Judged on the descriptor opened with
+    O_NONBLOCK, so a FIFO without a writer is refused, never waited on; nothing is read."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except IsADirectoryError:
+        return "it is a folder, not a file"
+    except OSError as e:
+        return f"opening it fails ({e.strerror})"
+    try:
+        mode = os.fstat(fd).st_mode
+    finally:
+        os.close(fd)
+    if stat.S_ISDIR(mode):
+        return "it is a folder, not a file"
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device or socket"
+        return f"it is {kind}, not a regular file"
+    return None

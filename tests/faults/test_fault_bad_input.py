@@ -492,7 +492,9 @@ def manifest_damage(kind):
         elif kind == "a_list":
             path.write_text("[1, 2]")
         elif kind == "future_version":
-            path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 7}))
+            # as a newer refcache writes it: a newer format and that release named as the writer
+            path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 7,
+                                        "software": {"refcache": "99.0"}}))
         elif kind == "no_stamps":
             m = json.loads(path.read_text())
             del m["stamps"]

@@ -80,7 +80,9 @@ def test_a_tampered_recorded_setting_is_a_damaged_cache_refused_naming_the_file_
     named = str(out / fmt.MANIFEST) if where == "manifest" else f"{out / FIRST_SHARD}'s footer"
     assert f"{named}: {section} '{key}'" in refused.output, refused.output
     assert words in refused.output and "the cache is damaged" in refused.output, refused.output
-    assert f"audit-ref {out}" in refused.output and "--overwrite" in refused.output
+    # the remedy leads somewhere: the command that makes the cache again (audit-ref could tell no more than this)
+    assert f"make it again with `precompute-ref --model {llama_dir} --data " in refused.output, refused.output
+    assert f"--out {out} --overwrite`" in refused.output, refused.output
     # no remedy made of the bad value (top_k -1 once read "this run gives --top-k -1"), no default named instead
     assert "this run gives" not in refused.output and "--update" not in refused.output
     assert "unexpected" not in refused.output

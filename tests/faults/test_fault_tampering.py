@@ -172,7 +172,7 @@ def malformed_manifest(w, cache):
 
 
 def future_format_version(w, cache):
-    edit_manifest(cache, lambda m: m.__setitem__("format_version", 2))
+    edit_manifest(cache, lambda m: m.update(format_version=2, software={"refcache": "99.0"}))  # a newer refcache's
 
 
 def shard_name_climbs_out(w, cache):

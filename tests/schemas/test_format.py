@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+from importlib.metadata import version as version_of
 from pathlib import Path
 
 import numpy as np
@@ -279,9 +280,23 @@ def test_manifest_missing_fields(cache_dir, edit):
 def test_future_format_version(cache_dir):
     m = manifest_of(cache_dir)
     m["format_version"] = FORMAT_VERSION + 1
+    m["software"] = {**m.get("software", {}), "refcache": "99.0"}  # as a newer refcache writes it
     write_manifest(cache_dir, m)
     e = refused(cache_dir, "format_version")
     assert (e.expected, e.found) == (1, 2) and "upgrade refcache" in e.remedy
+
+
+@pytest.mark.parametrize("version", [0, -1, FORMAT_VERSION + 98])
+def test_edited_format_version_is_a_damaged_manifest(cache_dir, version):
+    """A format version no refcache writes (below 1), or a newer one in a manifest that names this refcache as its
+    writer, is an edited manifest: said so, with the command that makes the cache again, never "upgrade refcache"."""
+    m = manifest_of(cache_dir)
+    m["format_version"] = version
+    m["software"] = {**m.get("software", {}), "refcache": version_of("refcache")}
+    write_manifest(cache_dir, m)
+    e = refused(cache_dir, "format_version")
+    assert "the manifest is damaged" in e.message and "upgrade" not in e.remedy, e
+    assert f"--out {cache_dir} --overwrite`" in e.remedy and e.remedy.startswith("the cache is damaged"), e.remedy
 
 
 @pytest.mark.parametrize("name", ["../shard-00000.parquet", "sub/shard-00000.parquet", "/tmp/shard-00000.parquet",
