@@ -50,10 +50,6 @@ def quoted(text: str) -> str:
     return f"'{visible(text)}'"
 
 
-def _signed(x: float) -> str:
-    return f"{x:+.3f}"
-
-
 def render_text(views: list[RowView], colour: bool = True) -> str:
     """The rows for a console: the prompt's tokens between bars, then one line per completion token (position, id,
     text, reference log-prob[, log-ratio]), coloured by log-prob band when `colour`."""
@@ -82,7 +78,7 @@ def render_text(views: list[RowView], colour: bool = True) -> str:
                         f"{style(f'{lp:>9.3f}', fg=TERMINAL_COLOURS[band(lp)])}")
                 if part.ratio is not None:
                     r = part.ratio[j]
-                    line += " " + style(f"{_signed(r):>10}", fg="green" if r > 0 else "red" if r < 0 else None)
+                    line += " " + style(f"{_signed(r):>10}", fg="green" if round(r, 3) > 0 else "red" if round(r, 3) < 0 else None)
                 out.append(line + (_top_k_cells(part.top, j) if part.top is not None else ""))
         margin = f"  margin: reference chosen - rejected {v.margin:+.3f}"
         if v.policy_margin is not None:
@@ -97,22 +93,31 @@ def _top_k_header(top: TopK) -> str:
     return (f" {'KL':>7}" if top.kl is not None else "") + f" {f'top-{k} mass':>12}  reference's top {min(k, TOP_ALTERNATIVES)}"
 
 
-def _shown_kl(value: float) -> float:
-    """A KL as the views print it: a rounding below zero (the coarse KL of two normalised distributions is >= 0 up to
-    float rounding) prints as 0, never as -0.0000; anything that shows at four decimals is printed as it is."""
-    return value if round(value, 4) else 0.0
+def _kl_text(value: float) -> str:
+    """A token's KL as the views print it: four decimals, or two significant digits below 0.001 (a run that moved the
+    policy little has per-token KL of 1e-9, which four decimals would show as exactly 0); a rounding below zero (the
+    coarse KL of two normalised distributions is >= 0 up to float rounding) prints as 0, never as a negative."""
+    if not value > 0:
+        return "0"
+    return f"{value:.4f}" if value >= 1e-3 else f"{value:.1e}"
+
+
+def _signed(x: float) -> str:
+    """A log-ratio: three decimals and its sign, 0.000 without one where it rounds to zero (never -0.000 from float
+    noise beside +0.000)."""
+    return f"{x:+.3f}" if round(x, 3) else " 0.000"
 
 
 def _top_k_cells(top: TopK, j: int) -> str:
     """A token's KL (with a policy), the mass of the reference's top K and its most probable tokens."""
     alternatives = ", ".join(f"{visible(text)!r} {p:.3f}" for text, p in top.alternatives(j))
     width = len(f"top-{top.ids.shape[1]} mass")
-    return (f" {_shown_kl(top.kl[j]):>7.4f}" if top.kl is not None else "") + f" {top.mass[j]:>{max(width, 12)}.4f}  {alternatives}"
+    return (f" {_kl_text(top.kl[j]):>7}" if top.kl is not None else "") + f" {top.mass[j]:>{max(width, 12)}.4f}  {alternatives}"
 
 
 def _alternatives_title(top: TopK, j: int) -> str:
     """The hover text of a top-k cache's token: its KL, the top-k mass and the reference's most probable tokens."""
-    kl = f", KL(policy||reference) {_shown_kl(top.kl[j]):.4f}" if top.kl is not None else ""
+    kl = f", KL(policy||reference) {_kl_text(top.kl[j])}" if top.kl is not None else ""
     alternatives = ", ".join(f"{visible(text)!r} {p:.3f}" for text, p in top.alternatives(j))
     return f"{kl}, top-{top.ids.shape[1]} mass {top.mass[j]:.4f}; reference's most probable: {alternatives}"
 
@@ -162,9 +167,9 @@ def _token_html(part: Part, j: int) -> str:
     lp = part.ref[j]
     extra = f" log-ratio {_signed(part.ratio[j])}" if part.ratio is not None else ""
     extra += _alternatives_title(part.top, j) if part.top is not None else ""
-    ratio = (f'<small class="{"up" if part.ratio[j] >= 0 else "down"}">{_signed(part.ratio[j])}</small>'
+    ratio = (f'<small class="{"up" if round(part.ratio[j], 3) >= 0 else "down"}">{_signed(part.ratio[j])}</small>'
              if part.ratio is not None else "")
-    kl = (f'<small class="kl">KL {_shown_kl(part.top.kl[j]):.3f}</small>' if part.top is not None and part.top.kl is not None
+    kl = (f'<small class="kl">KL {_kl_text(part.top.kl[j])}</small>' if part.top is not None and part.top.kl is not None
           else "")
     return (f'<span class="tok {band(lp)}" title="id {part.ids[j]}, log-prob {lp:.4f}{html.escape(extra)}">{text}'
             f"<small>{lp:.2f}</small>{ratio}{kl}</span>")
@@ -204,7 +209,7 @@ def _top_k_table(part: Part) -> str:
         if part.ratio is not None:
             cells.append(f'<td class="num">{_signed(part.ratio[j])}</td>')
         if top.kl is not None:
-            cells.append(f'<td class="num">{_shown_kl(top.kl[j]):.4f}</td>')
+            cells.append(f'<td class="num">{_kl_text(top.kl[j])}</td>')
         cells.append(f'<td class="num">{top.mass[j]:.4f}</td>')
         cells += [f"<td><code>{html.escape(quoted(text))}</code> {p:.3f}</td>" for text, p in top.alternatives(j, shown)]
         rows.append("<tr>" + "".join(cells) + "</tr>")

@@ -422,7 +422,7 @@ def test_show_of_a_top_k_cache_with_a_run_gives_each_tokens_kl(top_k_cache, llam
         q_rest = torch.where(outside, q.exp(), 0).sum(-1)
         p_top, q_top = p.gather(-1, top).exp(), q.gather(-1, top).exp()
         kl = (p_top * (p_top / q_top).log()).sum(-1) + p_rest * (p_rest / q_rest).log()
-        cells = [re.search(r"[+-]\d+\.\d{3}\s+(-?\d+\.\d{4})\s+[01]\.\d{4}  ", line) for line in
+        cells = [re.search(r"[+-]?\d+\.\d{3}\s+(\d+(?:\.\d+)?(?:e-\d+)?)\s+[01]\.\d{4}  ", line) for line in
                  top_k_lines(out, side)]
         shown = [float(c.group(1)) for c in cells]
         assert kl.max() > 5e-4  # another model than the reference: the KL says something
@@ -457,3 +457,13 @@ def test_show_and_html_without_a_run_construct_no_model(dpo_cache, tmp_path, mon
     code, _, err = audit(dpo_cache, "--html", tmp_path / "page.html", "--sample", 2)
     assert code == 0, err
     assert built == []
+
+
+def test_small_kl_and_log_ratios_print_as_what_they_are():
+    """A run that moved the policy little: a per-token KL of 1e-9 prints as such, not as 0.0000; a rounding below
+    zero prints as 0; a log-ratio that rounds to zero has no sign (never -0.000 beside +0.000)."""
+    from audit.show import _kl_text, _signed
+
+    assert [_kl_text(x) for x in (3.2e-9, 0.0335, 1e-3, -1e-12, 0.0)] == ["3.2e-09", "0.0335", "0.0010", "0", "0"]
+    assert float(_kl_text(3.2e-9)) == 3.2e-9
+    assert [_signed(x) for x in (-1e-4, 1e-4, 0.0123, -0.5)] == [" 0.000", " 0.000", "+0.012", "-0.500"]

@@ -122,7 +122,7 @@ def shown_ratios(page: str, row_index: int, side: str) -> list[float]:
     """The log-ratios printed under one completion's tokens on the page."""
     block = page.split(f'<h2 id="row-{row_index}">', 1)[1].split("<h2 ", 1)[0]
     part = block.split(f'<div class="part {side}">', 1)[1].split("</div>", 1)[0]
-    return [float(x) for x in re.findall(r'<small class="(?:up|down)">([+-][\d.]+)</small>', part)]
+    return [float(x) for x in re.findall(r'<small class="(?:up|down)"> ?([+-]?[\d.]+)</small>', part)]
 
 
 def test_a_page_of_every_row_scores_the_policy_in_batches_with_its_own_values(dpo_cache, policy_dir, policy,
