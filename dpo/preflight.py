@@ -20,7 +20,10 @@ def check_reference_options(cfg, log=echo) -> None:
     """--ref-cache / --ref-model / --ref-model-hash / --eval-ref-cache agree, the evaluation asked for can happen,
     and the trackers are installed."""
     if cfg.ref_cache is None and cfg.ref_model is None:
-        raise JobError("give --ref-cache DIR (cached reference) or --ref-model PATH (live reference)")
+        split = f" --split {shell_word(cfg.split)}" if cfg.split not in (None, "train") else ""
+        raise JobError("give --ref-cache DIR (the reference's log-probs, made once with `precompute-ref --model "
+                       f"{shell_word(cfg.model)} --data {shell_word(cfg.data)}{split} --out REF_CACHE`, then "
+                       "--ref-cache REF_CACHE) or --ref-model PATH (a live reference, loaded beside the policy)")
     if cfg.ref_model_hash and cfg.ref_cache is None:
         raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
     if cfg.cache_version is not None and cfg.ref_cache is None:

@@ -40,9 +40,13 @@ def summary_text(s: dict) -> str:
         version = (f"  update: version {u['version']}: {counted(u['added'], 'row')} added, {u['removed']} removed, "
                    f"{u['replaced']} replaced; {counted(u['kept_shards'], 'shard')} kept, {u['copied_shards']} copied "
                    "without removed rows\n" if u else "")
+    changed = s["rows_scored"] or (u and (u["added"] or u["removed"] or u["replaced"]))
+    made = (f"wrote {counted(s['rows'], 'pair')} ({s['rows_scored']} scored now) in {counted(s['shards'], 'shard')} to "
+            if changed else  # a rerun or an update with nothing left to do
+            f"nothing to score: the cache holds {counted(s['rows'], 'pair')} ({s['rows_scored']} scored now) in "
+            f"{counted(s['shards'], 'shard')} at ")
     return (
-        f"wrote {counted(s['rows'], 'pair')} ({s['rows_scored']} scored now) in {counted(s['shards'], 'shard')} to "
-        f"{shell_word(s['out'])}\n{version}"
+        f"{made}{shell_word(s['out'])}\n{version}"
         f"  skipped rows: {s['skipped']} ({skipped}); identical chosen/rejected: {s['identical_pairs']}\n{work}\n"
         f"  cache size: {s['bytes'] / 2**20:.2f} MiB"
         + (f" ({per_token:.1f} bytes per completion token)" if per_token is not None else "")

@@ -262,7 +262,7 @@ def scored_now(result) -> tuple[int, int]:
     """(pairs written, pairs scored by this run) from precompute-ref's closing line."""
     import re
 
-    m = re.search(r"wrote (\d+) pairs \((\d+) scored now\)", result.output)
+    m = re.search(r"(?:wrote|the cache holds) (\d+) pairs \((\d+) scored now\)", result.output)
     assert m, result.output
     return int(m.group(1)), int(m.group(2))
 

@@ -391,8 +391,10 @@ TRAIN_ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, 
     # an empty folder holds no cache: nothing there says a precompute-ref ever wrote it (issue 34, family 2)
     "ref_cache_without_manifest": ({"--ref-cache": "{tmp}/no-manifest"}, False,
                                    ["error: --ref-cache {tmp}/no-manifest holds no cache (it is empty)"]),
-    "no_reference_at_all": ({"--ref-cache": None}, False, ["error: give --ref-cache DIR (cached reference) or "
-                                                           "--ref-model PATH (live reference)"]),
+    "no_reference_at_all": ({"--ref-cache": None}, False, ["error: give --ref-cache DIR (the reference's log-probs, made "
+                                                           "once with `precompute-ref --model ",
+                                                           "--out REF_CACHE`, then --ref-cache REF_CACHE) or --ref-model "
+                                                           "PATH (a live reference, loaded beside the policy)"]),
     "ref_model_hash_without_cache": ({"--ref-cache": None, "--ref-model": "{llama}", "--ref-model-hash": "0" * 64}, False,
                                      ["error: --ref-model-hash only declares which reference a --ref-cache must "
                                       "hold; add --ref-cache"]),

@@ -42,7 +42,7 @@ TRAIN_ARGS = [*TRAIN[:TRAIN.index("--max-steps")], *TRAIN[TRAIN.index("--max-ste
 
 
 def scored_now(output: str) -> tuple[int, int]:
-    m = re.search(r"wrote (\d+) pairs \((\d+) scored now\)", output)
+    m = re.search(r"(?:wrote|the cache holds) (\d+) pairs \((\d+) scored now\)", output)
     assert m, output
     return int(m.group(1)), int(m.group(2))
 

@@ -168,7 +168,7 @@ def test_a_rerun_with_nothing_left_says_nothing_to_score(llama_dir, tmp_path):
     first = in_process(*args, "--no-progress").output
     assert "throughput:" in first and "nothing to score" not in first
     rerun = in_process(*args).output  # with the progress bar: nothing to draw either
-    assert "wrote 8 pairs (0 scored now)" in rerun
+    assert "nothing to score: the cache holds 8 pairs (0 scored now)" in rerun
     assert "nothing to score: every pair was in the cache already" in rerun
     assert "tokens/s" not in rerun and "throughput" not in rerun and "tok/s" not in rerun
 
