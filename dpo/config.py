@@ -10,7 +10,7 @@ from pathlib import Path
 
 from runtime.distributed import Dist
 from runtime.locations import read_locations
-from runtime.options import field_help
+from runtime.options import field_help, model_hash_text
 from runtime.placed import Attention, Placement, included
 from runtime import kl_control
 from runtime.kl_control import alarm_text, target_text  # (the class body has a field named kl_control)
@@ -66,7 +66,8 @@ class TrainConfig:
                                      "without, live-reference mode.", "Reference cache", location="input",
                                present="checkpoint")
     ref_model_hash: str | None = _f(None, "Model hash the cache must carry, when the reference differs from --model "
-                                          "and is not at hand.", "Reference cache")
+                                          "and is not at hand: 64 hex digits, the cache's stamps.model_hash.",
+                                    "Reference cache", parse=model_hash_text, metavar="SHA256")
     split: str = _f("train", "Split of --data to train on (datasets' split names: train, test/eval, validation).",
                     "Data")
     eval_data: str | None = _f(None, "Evaluation preference data (needs its own cache: --eval-ref-cache).", "Data",

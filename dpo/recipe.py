@@ -15,7 +15,8 @@ from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
 from runtime.locations import check_present
-from runtime.placed import Placement, attention_of, attention_refused, flex_on_cpu, load_placed
+from runtime.placed import (Placement, attention_of, attention_refused, check_flex_here, flex_on_cpu,
+                            load_placed)
 from runtime import placement
 from runtime.terminal import echo
 from schemas.encoding import EncodingConfig
@@ -54,6 +55,7 @@ def run_train(cfg: TrainConfig, log=echo) -> dict:
     import datasets, torch, transformers  # noqa: E401, F401  (the libraries' import time, as its own phase)
 
     timer.mark("imports")
+    check_flex_here(cfg, "cpu" if cfg.use_cpu else None, "use_cpu")  # before the data, the tokenizer, the cache
     check_reference_options(cfg, log)
     from .kl_governor import check_kl_options  # (transformers: not for --help and the options' refusals)
 

@@ -15,7 +15,7 @@ from runtime.data import Encoded, load_rows, recorded_config, usable_rows
 from runtime.distributed import Dist
 from runtime import locks
 from runtime.errors import JobError
-from runtime.placed import Placement
+from runtime.placed import Placement, check_flex_here
 from runtime import placement
 from schemas import format as fmt
 from schemas.stamps import combined_mask_checksum, tokenizer_hash
@@ -60,6 +60,8 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
         log(f"{'--update' if cfg.update else 'resume'}: {whose} settings: "
             + ", ".join(f"{k} {v}" for k, v in taken.items()))
     out, origins, inputs = checked_inputs(cfg)
+    split = cfg.device_map is not None or cfg.tp_size > 1  # placed by the split itself
+    check_flex_here(cfg, None if split else cfg.device)  # before the tokenizer, the data and the model
     cfg.model = origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
     _check_top_k(cfg.top_k, (checkpoint.config.get("text_config") or {}).get("vocab_size")

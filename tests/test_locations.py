@@ -213,12 +213,22 @@ def test_a_place_the_job_reads_that_is_not_there_is_refused_naming_the_option(co
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
     assert f"error: {flag} {typo}: does not exist; did you mean {real} or {tie}?" in said, said
+    trl = {"model": "model_name_or_path", "data": "dataset_name"}.get(name)
+    for typed in {"--" + name, f"--{trl}" if trl else None} - {None, flag}:  # named as typed (issue 36)
+        result = _run(command, {k: v for k, v in args.items() if k != flag} | {typed: typo})
+        assert result.exit_code == 2, result.output
+        assert f"error: {typed} {typo}: does not exist" in " ".join(result.output.split()), result.output
+    if kind == "data":  # a mistyped path that reads as a hub id (org/name): named too, never a download hint
+        result = _run(command, {k: v for k, v in args.items() if k != flag} | {f"--{trl or name}": "d2/train.jsonl"})
+        assert result.exit_code == 2, result.output
+        said = " ".join(result.output.split())
+        assert (f"error: --{trl or name} d2/train.jsonl: does not exist (nor does d2; the nearest folder that does is .); a "
+                "name ending in .jsonl is read as a local file, not a hub data set id") in said, said
     config = tmp_path / "run.yaml"
     config.write_text(f"{name}: {typo}\n")
     result = _run(command, {k: v for k, v in args.items() if k != flag} | {"--config": config})
     assert result.exit_code == 2, result.output
     assert f"error: {config}: {name}: {typo}: does not exist" in " ".join(result.output.split()), result.output
-    trl = {"model": "model_name_or_path", "data": "dataset_name"}.get(name)
     for written in {name.replace("_", "-"), trl} - {None}:  # named as the file wrote it (UX pass)
         config.write_text(f"{written}: {typo}\n")
         result = _run(command, {k: v for k, v in args.items() if k != flag} | {"--config": config})
