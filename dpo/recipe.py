@@ -14,7 +14,7 @@ from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
-from runtime.locations import check_present
+from runtime.locations import check_present, named
 from runtime.placed import (Placement, attention_of, attention_refused, check_flex_here, flex_on_cpu,
                             load_placed)
 from runtime import placement
@@ -210,6 +210,7 @@ def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None
             on_bad_row=cfg.on_bad_row, verify_files=not cfg.fast_verify and dist.rank == 0,  # files hashed once
             resuming=cfg.resume_from_checkpoint, cache_option=cache_option, serves_training=serves_training,
             log=log if dist.rank == 0 else (lambda _m: None),
+            cache_named=named(cfg, cache_option[2:].replace("-", "_")).rstrip(": "),  # a --config key as written
         ), every_rank=True, what="the cache")
     request = {k: v for k, v in cfg.encoding_request().items() if v is not None}
     return encode_only(tokenizer=tokenizer, data=data, split=split, encoding=EncodingConfig(**request),

@@ -15,6 +15,7 @@ from runtime.data import Encoded, load_rows, recorded_config, usable_rows
 from runtime.distributed import Dist
 from runtime import locks
 from runtime.errors import JobError
+from runtime.locations import named
 from runtime.placed import Placement, check_flex_here
 from runtime import placement
 from schemas import format as fmt
@@ -138,7 +139,7 @@ def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) ->
     an --update of a folder holding no finished cache. A refusal under the lock takes back the folder and lock file
     it made (runtime.locks.exclusive)."""
     if cfg.update:
-        update.check_finished(job.out)
+        update.check_finished(job.out, named(cfg, "out"))
     if job.out.is_dir():
         own_files(job.out)
     try:

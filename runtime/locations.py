@@ -155,6 +155,17 @@ def named(config, name: str) -> str:
             or f"--{name.replace('_', '-')} ")
 
 
+def renamed(error: Exception, config, name: str) -> Exception:
+    """A refusal raised by code that knows only the option (`--resume-from-checkpoint X: no such directory`), begun
+    as `named` names field `name`'s value (the config file and its key, or the spelling typed); any other error as
+    it is."""
+    flag, shown = f"--{name.replace('_', '-')} ", named(config, name)
+    text = str(error)
+    if shown == flag or not text.startswith(flag) or type(error).__init__ is not RuntimeError.__init__:
+        return error
+    return type(error)(shown + text[len(flag):])
+
+
 def check_present(config, names=None) -> None:
     """Every local input place of `config` that must be there (a field's `present` metadata: a "checkpoint" folder,
     "data", a "cache"; `names`: only these fields) refused, before the job reads it, where it is not there, is not a
