@@ -14,7 +14,8 @@ from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
-from runtime.locations import check_present, named
+from runtime.data_files import split_of_file
+from runtime.locations import check_present, named, was_given
 from runtime.placed import (Placement, attention_of, attention_refused, check_flex_here, flex_on_cpu,
                             load_placed)
 from runtime import placement
@@ -56,6 +57,9 @@ def run_train(cfg: TrainConfig, log=echo) -> dict:
 
     timer.mark("imports")
     check_flex_here(cfg, "cpu" if cfg.use_cpu else None, "use_cpu")  # before the data, the tokenizer, the cache
+    for data, split in (("data", "split"), ("eval_data", "eval_split")):  # one file: the one split its name says
+        setattr(cfg, split, split_of_file(getattr(cfg, data), getattr(cfg, split), was_given(cfg, split),
+                                          named(cfg, split), named(cfg, data)))
     check_reference_options(cfg, log)
     from .kl_governor import check_kl_options  # (transformers: not for --help and the options' refusals)
 

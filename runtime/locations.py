@@ -155,6 +155,12 @@ def named(config, name: str) -> str:
             or f"--{name.replace('_', '-')} ")
 
 
+def was_given(config, name: str) -> bool:
+    """Whether field `name` was given (on the command line or in --config), as record_sources noted it."""
+    own = vars(config)
+    return name in (own.get("_sources") or {}) or name in (own.get("_typed") or {})
+
+
 def renamed(error: Exception, config, name: str) -> Exception:
     """A refusal raised by code that knows only the option (`--resume-from-checkpoint X: no such directory`), begun
     as `named` names field `name`'s value (the config file and its key, or the spelling typed); any other error as

@@ -69,3 +69,40 @@ def test_a_deepspeed_config_is_refused_naming_what_is_wrong(tmp_path, llama_dir,
     assert (f"error: --deepspeed {good}: the deepspeed package is not installed here; install it with `pip install "
             "deepspeed`") in said, said
     assert "No package metadata" not in said and not out.exists()
+
+
+def test_a_split_that_selects_nothing_in_one_file_is_refused(tmp_path, llama_dir, dpo_data, dpo_cache):
+    """Found by the UX pass (issue 36): `precompute-ref --split test --data one_file.jsonl` recorded split test in the
+    manifest though it selected nothing. One file holds one split, the one its name says as datasets names a folder's
+    files (eval.jsonl is test; prefs.jsonl train): that is recorded, and a --split (train-dpo's --split and
+    --eval-split alike, TRL's spellings too) naming another is refused, naming the option as typed."""
+    import json
+    import shutil
+
+    from precompute.cli import main as precompute
+
+    cache = tmp_path / "cache"
+    made = CliRunner().invoke(precompute, [str(a) for a in ("--model", llama_dir, "--data", dpo_data, "--split", "test",
+                                                            "--out", cache, "--no-progress")])
+    assert made.exit_code == 2, made.output
+    said = _said(made)
+    assert (f"error: --split test: --data {dpo_data} is one file, which holds one split (train, by its name, as "
+            "datasets names the files of a folder), so --split test would select nothing in it; leave it out") \
+        in said, said
+    assert not cache.exists()
+    evaluation = tmp_path / "eval.jsonl"
+    shutil.copy(dpo_data, evaluation)
+    made = CliRunner().invoke(precompute, [str(a) for a in ("--model", llama_dir, "--data", evaluation, "--split",
+                                                            "eval", "--out", cache, "--no-progress")])
+    assert made.exit_code == 0, made.output
+    assert json.loads((cache / "manifest.json").read_text())["source"]["split"] == "test"  # what was read
+    out = tmp_path / "out"
+    args = ["--model", llama_dir, "--ref-cache", dpo_cache, "--output-dir", out, *TRAIN]
+    result = _cli([*args, "--data", dpo_data, "--dataset_train_split", "test"])
+    assert result.exit_code == 2, result.output
+    assert f"error: --dataset_train_split test: --data {dpo_data} is one file" in _said(result), result.output
+    result = _cli([*args, "--data", dpo_data, "--eval-data", dpo_data, "--eval-split", "test", "--eval-ref-cache",
+                   dpo_cache])
+    assert result.exit_code == 2, result.output
+    assert f"error: --eval-split test: --eval-data {dpo_data} is one file" in _said(result), result.output
+    assert not out.exists()
