@@ -259,8 +259,10 @@ def test_config_files_read_their_paths_by_the_same_type(tmp_path):
 
     keys = [k for k, f in OURS.items() if "location" in f.metadata]
     assert {"model", "output_dir", "ref_cache", "init_adapter"} <= set(keys)
+    (tmp_path / "x.json").write_text("{}")  # --deepspeed and --fsdp-config must name a file that is there
     for key in keys:
-        assert _convert("run.yaml", key, f"file://localhost{tmp_path}/x") == tmp_path / "x", key
+        name = "x.json" if key in ("deepspeed", "fsdp_config") else "x"
+        assert _convert("run.yaml", key, f"file://localhost{tmp_path}/{name}") == tmp_path / name, key
         with pytest.raises(click.UsageError, match=rf"run.yaml: {key}: .*simplecache::s3 is not supported"):
             _convert("run.yaml", key, "simplecache::s3://bucket/x")
     assert _convert("run.yaml", "resume_from_checkpoint", True) == "true"
