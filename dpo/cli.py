@@ -13,7 +13,7 @@ import click
 
 from runtime import kl_control
 from runtime.cli import (GroupedCommand, command_text, exit_without_teardown, given_values, number_text, shell_word,
-                         quiet_libraries, run_cli)
+                         quiet_libraries, run_cli, typed_options)
 from runtime.locations import Location, record_sources
 from runtime.options import TRL_ALIASES, dataclass_options, spec_options
 from runtime.terminal import echo
@@ -37,7 +37,8 @@ def resolve_config(config_file: str | None, given: dict) -> TrainConfig:
     lora = {k: values.pop(k) for k in list(values) if k in LORA}
     cfg = TrainConfig(**values, training_args=trainer, lora=LoraOptions(**lora), config_file=config_file)
     # a place not there names the file and the key as the file wrote it
-    record_sources(cfg, config_file, set(from_file) - set(command_line), getattr(from_file, "written", {}))
+    record_sources(cfg, config_file, set(from_file) - set(command_line), getattr(from_file, "written", {}),
+                   typed_options())
     try:
         cfg.loss_config()  # the loss's own rules beyond each option's domain (label_smoothing < 0.5)
     except ValueError as e:

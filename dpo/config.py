@@ -8,9 +8,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import click
+
 from runtime.distributed import Dist
 from runtime.locations import read_locations
-from runtime.options import field_help
+from runtime.options import field_help, model_hash_text
 from runtime.placed import Attention, Placement, included
 from runtime import kl_control
 from runtime.kl_control import alarm_text, target_text  # (the class body has a field named kl_control)
@@ -66,7 +68,8 @@ class TrainConfig:
                                      "without, live-reference mode.", "Reference cache", location="input",
                                present="checkpoint")
     ref_model_hash: str | None = _f(None, "Model hash the cache must carry, when the reference differs from --model "
-                                          "and is not at hand.", "Reference cache")
+                                          "and is not at hand: 64 hex digits, the cache's stamps.model_hash.",
+                                    "Reference cache", parse=model_hash_text, metavar="SHA256")
     split: str = _f("train", "Split of --data to train on (datasets' split names: train, test/eval, validation).",
                     "Data")
     eval_data: str | None = _f(None, "Evaluation preference data (needs its own cache: --eval-ref-cache).", "Data",
@@ -179,9 +182,10 @@ class TrainConfig:
     dataloader_num_workers: int = _f(0, "Data loader worker processes.", "Training", domain="natural")
     use_cpu: bool = _f(False, "Train on CPU even if a GPU is present (needed for --bf16 on CPU).", "Training")
     fsdp: str = _f("", "FSDP mode, e.g. 'full_shard auto_wrap' (under torchrun).", "Training")
-    fsdp_config: str | None = _f(None, "FSDP config JSON file.", "Training", location="input", json_text=True)
+    fsdp_config: str | None = _f(None, "FSDP config JSON file.", "Training", location="input", json_text=True,
+                                 click_type=click.Path(exists=True, dir_okay=False))
     deepspeed: str | None = _f(None, "DeepSpeed config JSON file (needs the deepspeed package).", "Training",
-                               location="input", json_text=True)
+                               location="input", json_text=True, click_type=click.Path(exists=True, dir_okay=False))
     # ours
     trust_remote_code: bool = _f(False, "Allow custom model code from checkpoint folders.", "Model")
     plot: bool = _f(True, "Write metrics.png at the end.", "Output")

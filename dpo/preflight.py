@@ -8,6 +8,7 @@ from pathlib import Path
 from runtime.cli import shell_word
 from runtime.distributed import Dist
 from runtime.errors import JobError
+from runtime.locations import named, renamed
 from runtime.terminal import echo
 
 from .outdir import check_no_links, check_output_dir
@@ -38,7 +39,7 @@ def check_reference_options(cfg, log=echo) -> None:
             f"{shell_word(cfg.eval_split)} --out EVAL_CACHE` "
             "(same encoding options as the training cache) and pass --eval-ref-cache EVAL_CACHE"
             + ("" if cfg.evaluation_strategy() == "no" else ", or pass --eval-strategy no to train without evaluation"))
-    check_trackers(cfg.trackers())
+    check_trackers(cfg.trackers(), named(cfg, "report_to"))
 
 
 def check_reference_split(cfg) -> None:
@@ -101,6 +102,7 @@ def check_option_values(cfg) -> None:
 def check_training_options(cfg):
     """The Trainer's arguments, the output dir and the checkpoint to resume from; refused before any data is read."""
     check_option_values(cfg)
+    check_deepspeed(cfg)
     try:
         args = cfg.training_arguments()
     except ValueError as e:  # transformers' own checks of the training options
@@ -111,16 +113,49 @@ def check_training_options(cfg):
     check_one_job(args.world_size)
     given = None if cfg.resume_from_checkpoint is None else str(cfg.resume_from_checkpoint)  # a path, or a word
     latest = given is not None and given.strip().lower() in TRUE
-    cfg.resume_from_checkpoint = latest_checkpoint(given, Path(cfg.output_dir))
+    cfg.resume_from_checkpoint = latest_checkpoint(given, Path(cfg.output_dir), named(cfg, "resume_from_checkpoint"))
     if cfg.resume_from_checkpoint and cfg.overwrite_output_dir:
         raise JobError("--overwrite-output-dir starts a new run over the output dir's, --resume-from-checkpoint "
                        "continues that run: give one of them")
     check_output_dir(cfg)
     if cfg.overwrite_output_dir:
         overwrite_plan(Path(cfg.output_dir))  # refuses what it could not prove an earlier run's own
-    check_resume(cfg.resume_from_checkpoint, Path(cfg.output_dir), latest)
+    try:
+        check_resume(cfg.resume_from_checkpoint, Path(cfg.output_dir), latest)
+    except JobError as e:  # a checkpoint from --config: its file and key
+        raise renamed(e, cfg, "resume_from_checkpoint") from None
     check_no_links(Path(cfg.output_dir))
     return args
+
+
+def check_deepspeed(cfg) -> None:
+    """--deepspeed's config read before the Trainer is (which says only that a distribution is missing, inside a
+    message of its own): JSON that does not read is refused naming the option (or the config file's key), the file
+    and where it fails; the deepspeed package missing is refused with how to install it."""
+    import importlib.util
+    import json
+
+    value = cfg.deepspeed
+    if value is None or isinstance(value, dict):
+        return
+    given, text = named(cfg, "deepspeed"), str(value)
+    shown = "JSON text" if text.lstrip().startswith("{") else shell_word(text)
+    if shown != "JSON text":  # a file (the location type has found it there)
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise JobError(f"{given}{shown}: cannot be read ({e})") from None
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise JobError(f"{given}{shown}: not valid JSON ({e}); "
+                       "a DeepSpeed config is a JSON object (e.g. {\"zero_optimization\": {\"stage\": 2}})") from None
+    if not isinstance(config, dict):
+        raise JobError(f"{given}{shown}: a DeepSpeed config is a JSON object, not "
+                       f"{type(config).__name__}")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise JobError(f"{given}{shown}: the deepspeed package is not installed here; install it "
+                       "with `pip install deepspeed` (on a CUDA machine), or leave --deepspeed out")
 
 
 def _check_optimizer_and_scheduler(args) -> None:
@@ -156,8 +191,9 @@ TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("w
                     "trackio": ("trackio",), "swanlab": ("swanlab",), "neptune": ("neptune",)}
 
 
-def check_trackers(trackers: list[str]) -> None:
-    """A tracker whose package is missing is refused before verification and model load, with the install line."""
+def check_trackers(trackers: list[str], given: str = "--report-to ") -> None:
+    """A tracker whose package is missing is refused before verification and model load, with the install line
+    (`given`: how the value was given, runtime.locations.named)."""
     import importlib.util
 
     for name in trackers:
@@ -165,10 +201,10 @@ def check_trackers(trackers: list[str]) -> None:
             continue
         packages = TRACKER_PACKAGES.get(name)
         if packages is None:
-            raise JobError(f"--report-to {name}: unknown tracker; use one of {', '.join(TRACKER_PACKAGES)} or none")
+            raise JobError(f"{given}{name}: unknown tracker; use one of {', '.join(TRACKER_PACKAGES)} or none")
         if not any(importlib.util.find_spec(p) for p in packages):
             extra = "pip install 'refcache[tensorboard]'" if name == "tensorboard" else f"pip install {packages[0]}"
-            raise JobError(f"--report-to {name}: the {packages[0]} package is not installed; install it with `{extra}`")
+            raise JobError(f"{given}{name}: the {packages[0]} package is not installed; install it with `{extra}`")
 
 
 def training_options_error(cfg, e: ValueError) -> str:
@@ -179,7 +215,7 @@ def training_options_error(cfg, e: ValueError) -> str:
     return f"invalid training options: {detail}"
 
 
-def latest_checkpoint(value: str | None, out: Path) -> str | None:
+def latest_checkpoint(value: str | None, out: Path, given: str = "--resume-from-checkpoint ") -> str | None:
     """--resume-from-checkpoint true means the latest checkpoint-N in --output-dir, as in the Trainer."""
     if value is None or value.strip().lower() not in TRUE:
         return None if value is None or value.strip().lower() in ("false", "no", "0", "") else value
@@ -187,7 +223,7 @@ def latest_checkpoint(value: str | None, out: Path) -> str | None:
 
     latest = get_last_checkpoint(str(out)) if out.is_dir() else None
     if latest is None:
-        raise JobError(f"--resume-from-checkpoint true: no checkpoint-N folder in --output-dir {out}")
+        raise JobError(f"{given}{value.strip()}: no checkpoint-N folder in --output-dir {out}")
     return latest
 
 

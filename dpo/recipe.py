@@ -14,8 +14,10 @@ from runtime.disk import writing
 from runtime.distributed import Dist
 from runtime.errors import JobError
 from runtime.hub import origin
-from runtime.locations import check_present
-from runtime.placed import Placement, attention_of, attention_refused, flex_on_cpu, load_placed
+from runtime.data_files import split_of_file
+from runtime.locations import check_present, named, was_given
+from runtime.placed import (Placement, attention_of, attention_refused, check_flex_here, flex_on_cpu,
+                            load_placed)
 from runtime import placement, remedies
 from runtime.terminal import echo
 from schemas.encoding import EncodingConfig
@@ -54,6 +56,10 @@ def run_train(cfg: TrainConfig, log=echo) -> dict:
     import datasets, torch, transformers  # noqa: E401, F401  (the libraries' import time, as its own phase)
 
     timer.mark("imports")
+    check_flex_here(cfg, "cpu" if cfg.use_cpu else None, "use_cpu")  # before the data, the tokenizer, the cache
+    for data, split in (("data", "split"), ("eval_data", "eval_split")):  # one file: the one split its name says
+        setattr(cfg, split, split_of_file(getattr(cfg, data), getattr(cfg, split), was_given(cfg, split),
+                                          named(cfg, split), named(cfg, data)))
     check_reference_options(cfg, log)
     from .kl_governor import check_kl_options  # (transformers: not for --help and the options' refusals)
 
@@ -210,6 +216,7 @@ def _rows(cfg: TrainConfig, tokenizer, data, split, cache, reference: str | None
             on_bad_row=cfg.on_bad_row, verify_files=not cfg.fast_verify and dist.rank == 0,  # files hashed once
             resuming=cfg.resume_from_checkpoint, cache_option=cache_option, serves_training=serves_training,
             log=log if dist.rank == 0 else (lambda _m: None),
+            cache_named=named(cfg, cache_option[2:].replace("-", "_")).rstrip(": "),  # a --config key as written
         ), every_rank=True, what="the cache")
     request = {k: v for k, v in cfg.encoding_request().items() if v is not None}
     return encode_only(tokenizer=tokenizer, data=data, split=split, encoding=EncodingConfig(**request),

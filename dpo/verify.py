@@ -289,7 +289,8 @@ def verify_and_join(*, cache_dir, data, split, model_dir, ref_model=None, **opti
 def _verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=None, ref_model_hash=None,
                      expected_model_hash=None, cache_version: int | None = None,
                      encoding_request=None, on_bad_row="error", verify_files=True, resuming: str | None = None,
-                     cache_option: str = "--ref-cache", serves_training: bool = False, log=echo) -> Verified:
+                     cache_option: str = "--ref-cache", serves_training: bool = False, log=echo,
+                     cache_named: str | None = None) -> Verified:
     """`cache_version`: a version of an updated cache (train-dpo --cache-version N), default its current one.
     `resuming`: the checkpoint a resume continues (a refusal names the version it trained on). `cache_option`: the
     option that gave the cache (--ref-cache, --eval-ref-cache), named in refusals and their remedies;
@@ -313,7 +314,7 @@ def _verify_and_join(*, tokenizer, model_dir, data, split, cache_dir, ref_model=
     for finding in use_findings(cache, model_hash=expected_model, tokenizer_hash=tokenizer_hash(tokenizer),
                                 tokenizer_parts=tokenizer_parts(tokenizer), encoding_request=encoding_request,
                                 rows=rows, option=option_name, remedies=REMEDIES,
-                                named="" if cache_option == "--ref-cache" else f" ({cache_option})"):
+                                named="" if cache_option == "--ref-cache" else f" ({cache_named or cache_option})"):
         error = finding.error()
         if finding.rule == "rows":
             held = set(cache.index.column("id").to_pylist()) if finding.kind == "rows_missing" else set()

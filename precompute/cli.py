@@ -8,7 +8,7 @@ import click
 
 from precompute.config import PrecomputeConfig, checked_inputs
 from runtime.cli import (GroupedCommand, command_text, exit_without_teardown, given_values, quiet_libraries, run_cli,
-                         shell_word)
+                         shell_word, typed_options)
 from runtime.options import (ENCODING_OPTIONS, TRL_ALIASES, TRL_NEGATIONS, dataclass_options, encoding_from,
                              encoding_options)
 from runtime.config_file import options_from_file
@@ -78,7 +78,8 @@ def main(config_file, debug, **options):
         cfg = PrecomputeConfig(**given, encoding=encoding_from(**encoding),
                                given=frozenset(given) | {k for k, v in encoding.items() if v is not None},
                                config_file=config_file)
-        record_sources(cfg, config_file, set(from_file) - set(given_values(options)), getattr(from_file, "written", {}))
+        record_sources(cfg, config_file, set(from_file) - set(given_values(options)), getattr(from_file, "written", {}),
+                       typed_options())
         checked_inputs(cfg)  # a command line refused by its options alone imports no model library
         from .job import run_precompute
 

@@ -12,15 +12,17 @@ import torch
 
 from runtime.checkpoint import Checkpoint, resolve_device, resolve_dtype
 from runtime.data import Encoded, load_rows, recorded_config, usable_rows
+from runtime.data_files import split_of_file
 from runtime.distributed import Dist
 from runtime import locks
 from runtime.errors import JobError
-from runtime.placed import Placement
+from runtime.locations import named
+from runtime.placed import Placement, check_flex_here
 from runtime import placement
 from schemas import format as fmt
 from schemas.stamps import combined_mask_checksum, tokenizer_hash
 
-from .config import PrecomputeConfig, cache_settings, checked_inputs
+from .config import PrecomputeConfig, _given, cache_settings, checked_inputs
 from .plan import plan_shards
 from .resume import Resume, clear_cache_dir, finished_shards, own_files
 from . import update
@@ -60,6 +62,11 @@ def _plan(cfg: PrecomputeConfig, log, dist: Dist) -> Job:
         log(f"{'--update' if cfg.update else 'resume'}: {whose} settings: "
             + ", ".join(f"{k} {v}" for k, v in taken.items()))
     out, origins, inputs = checked_inputs(cfg)
+    split = cfg.device_map is not None or cfg.tp_size > 1  # placed by the split itself
+    check_flex_here(cfg, None if split else cfg.device)  # before the tokenizer, the data and the model
+    # one file is the one split its name says: recorded as read; a --split naming another is refused
+    cfg.split = split_of_file(cfg.data, cfg.split, _given(cfg, cfg, "split", "train"),
+                              named(cfg, "split"), named(cfg, "data"))
     cfg.model = origins["model"]["path"]  # a hub id in the local Hugging Face cache -> its snapshot folder
     checkpoint = Checkpoint.open(cfg.model, cfg.trust_remote_code, cfg.adapter)
     _check_top_k(cfg.top_k, (checkpoint.config.get("text_config") or {}).get("vocab_size")
@@ -136,7 +143,7 @@ def _resume(cfg: PrecomputeConfig, job: Job, lock: contextlib.ExitStack, log) ->
     an --update of a folder holding no finished cache. A refusal under the lock takes back the folder and lock file
     it made (runtime.locks.exclusive)."""
     if cfg.update:
-        update.check_finished(job.out)
+        update.check_finished(job.out, named(cfg, "out"))
     if job.out.is_dir():
         own_files(job.out)
     try:

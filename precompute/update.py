@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 
 from runtime.data import Encoded
 from runtime.errors import JobError
+from runtime.locations import named
 from schemas import format as fmt
 from schemas import history, rules
 from storage import reads, writes
@@ -58,10 +59,12 @@ class Change:
         return not (self.added or self.removed or self.replaced)
 
 
-def check_finished(out) -> None:
-    """--update needs a finished cache in --out (checked before anything is made there, and again under the lock)."""
+def check_finished(out, given: str = "--out ") -> None:
+    """--update needs a finished cache in --out (checked before anything is made there, and again under the lock);
+    `given`: how --out was given (runtime.locations.named: a config file's key)."""
     if isinstance(out, Path) and not out.exists():  # a typo: what is near, not "holds no finished cache"
-        raise JobError(f"--update --out {missing(out)}")
+        raise JobError(f"--update {given}{missing(out)}" if given.startswith("--") else
+                       f"--update: {given}{missing(out)}")
     if not (out / fmt.MANIFEST).is_file():
         raise JobError(f"--update: {out} holds no finished cache (no {fmt.MANIFEST}); run precompute-ref without "
                        "--update to make it (or to finish an interrupted first run)")
@@ -70,7 +73,7 @@ def check_finished(out) -> None:
 def prepare(out: Path, job, cfg, claimed: dict, log) -> tuple[Resume, Change]:
     """Judge the cache against this job (refusing another model, tokenizer, encoding or computation, and changed rows
     unless --replace-changed), copy the kept rows of shards that lost some, and plan the rows to score."""
-    check_finished(out)
+    check_finished(out, named(cfg, "out"))
     try:
         base = fmt.read_manifest(out)
     except fmt.CacheError as e:

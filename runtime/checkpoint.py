@@ -232,7 +232,7 @@ def check_adapter(adapter_dir: str) -> str:
     try:
         return adapter_hash(adapter_dir)
     except (WeightsError, OSError) as e:
-        raise JobError(f"--adapter {adapter_dir}: {e}") from None
+        raise JobError(f"the adapter {adapter_dir}: {e}") from None
 
 
 @contextlib.contextmanager
@@ -256,7 +256,7 @@ def _merge_adapter(model, adapter_dir: str):
             wrapped = peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
     except (ValueError, KeyError, RuntimeError) as e:  # adapter made for another architecture or shape
         detail = " ".join(str(e).split())[:300]
-        raise JobError(f"--adapter {adapter_dir}: cannot be applied to this model ({detail})") from None
+        raise JobError(f"the adapter {adapter_dir}: cannot be applied to this model ({detail})") from None
     return wrapped.merge_and_unload()
 
 

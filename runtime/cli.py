@@ -274,6 +274,28 @@ def bool_words(params, args: list[str]) -> list[str]:
     return out
 
 
+# ctx.meta's key of {option's name: the spelling the command line used} (typed_spellings)
+TYPED = "refcache.typed"
+
+
+def typed_spellings(params, args: list[str]) -> dict[str, str]:
+    """{option name: the spelling the command line used for it} (`--dataset_name` for --data, the last one given, as
+    click takes the last value), so that a refusal names the option as the user typed it (runtime.locations.named)."""
+    spelling = {o: p.name for p in params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)}
+    typed = {}
+    for word in itertools.takewhile(lambda w: w != "--", args):
+        flag = word.partition("=")[0]
+        if flag in spelling:
+            typed[spelling[flag]] = flag
+    return typed
+
+
+def typed_options() -> dict[str, str]:
+    """The spellings the running command's command line used (typed_spellings); {} outside a click command."""
+    ctx = click.get_current_context(silent=True)
+    return dict(ctx.meta.get(TYPED) or {}) if ctx is not None else {}
+
+
 class Command(click.Command):
     """Every command's parser: a boolean option may be followed by a true/false word (bool_words), and command-line
     errors (click's own, raised while the options are parsed: a value that is not a choice, a path that does not
@@ -283,7 +305,9 @@ class Command(click.Command):
         from .terminal import printable
 
         try:
-            return super().parse_args(ctx, bool_words(self.get_params(ctx), list(args)))
+            words = bool_words(self.get_params(ctx), list(args))
+            ctx.meta[TYPED] = typed_spellings(self.get_params(ctx), words)
+            return super().parse_args(ctx, words)
         except click.UsageError as e:
             e.message = printable(e.message)
             raise

@@ -132,6 +132,39 @@ def _split_named(split: str, splits) -> str:
                 split)
 
 
+def file_split(path) -> str:
+    """The split a single data file is, by its name, as datasets files it in a folder (test.jsonl and eval.jsonl are
+    test, dev.jsonl validation, anything else train): a file holds that one split and no other."""
+    import re
+
+    from datasets.data_files import NON_WORDS_CHARS, SPLIT_KEYWORDS
+
+    name, sep = Path(str(path)).name.lower(), re.escape(NON_WORDS_CHARS)
+    for split, words in SPLIT_KEYWORDS.items():
+        if any(re.search(rf"(^|[{sep}]){re.escape(w)}([{sep}]|$)", name) for w in words):
+            return str(split)
+    return "train"
+
+
+def split_of_file(data, split: str, given: bool, split_named: str, data_named: str) -> str:
+    """The split the rows of `data` are when it is one local file: the file's own (file_split), so that what is
+    recorded is what was read; a `split` given (`given`: on the command line or in --config) that names another is
+    refused (exit 2), naming the option as given (`split_named`, `data_named`: runtime.locations.named) and why: a
+    file holds one split, so the split would select nothing. `split` itself for a folder, a hub data set or a
+    save_to_disk folder, where it selects."""
+    from .errors import JobError
+
+    if data is None or not Path(str(data)).is_file():
+        return split
+    own = file_split(data)
+    if given and _split_named(split, {own}) != own:
+        raise JobError(f"{split_named}{split}: {data_named}{data} is one file, which holds one split ({own}, by its "
+                       f"name, as datasets names the files of a folder), so {split_named.strip().rstrip(':')} "
+                       f"{split} would select nothing in it; leave it out (or give the file of split {split} as "
+                       "the data, or a folder holding it)")
+    return own
+
+
 @contextlib.contextmanager
 def _loader_quiet():
     """datasets logs its parser's failure (with a 0-based row of its own) before it raises; the error raised in its

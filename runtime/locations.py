@@ -73,13 +73,31 @@ class Location(click.ParamType):
                     raise
                 from storage.nearby import missing
 
-                self.fail(escaped(missing(place)), param, ctx)  # what is there, the closest
+                raise PlaceMissing(escaped(missing(place)), ctx, param)  # what is there, the closest
         return place
 
     def _no_store(self, url, param, ctx):
         self.fail(f"{url}: an object-store URL is taken where refcache writes or reads a cache (precompute-ref --out, "
                   "train-dpo --ref-cache / --eval-ref-cache, audit-ref CACHE), not here; give a local path (and copy "
                   "to or from the store with its own tools)", param, ctx)
+
+
+class PlaceMissing(click.BadParameter):
+    """A local place an option must name that is not there, said as every location refusal says it: the option as
+    the user typed it (CACHE, --config, --dataset_name), then the path and what is near it (`CACHE c33: does not
+    exist; did you mean c3?`), not click's "Invalid value for ...". Exit 2, as every usage error."""
+
+    def format_message(self) -> str:
+        from .cli import typed_options
+
+        param = self.param
+        if param is None:
+            return self.message
+        if isinstance(param, click.Option):
+            shown = typed_options().get(param.name) or param.opts[0]
+        else:
+            shown = param.human_readable_name
+        return f"{shown} {self.message}"
 
 
 def read_locations(config) -> None:
@@ -117,12 +135,41 @@ def checkpoint_problem(path) -> str | None:
     return None if (Path(path) / "config.json").is_file() else NOT_A_CHECKPOINT
 
 
-def record_sources(config, config_file, keys, written=None) -> None:
+def record_sources(config, config_file, keys, written=None, typed=None) -> None:
     """Note which of `config`'s values came from --config `config_file` (`keys`: those its command line did not
-    override), so that check_present names the file and the key of a place that is not there."""
+    override; `written`: {option: the key as the file wrote it}) and how the command line spelt the others (`typed`:
+    runtime.cli.typed_options, --dataset_name for --data), so that every refusal of a value names it as the user
+    gave it (named)."""
     written = written or {}
     vars(config)["_sources"] = ({key: f"{config_file}: {written.get(key, key)}: " for key in keys} if config_file
                                 else {})
+    vars(config)["_typed"] = {key: f"{flag} " for key, flag in (typed or {}).items() if key not in keys}
+
+
+def named(config, name: str) -> str:
+    """How a refusal of field `name`'s value begins, the one naming of every option a job refuses: for a value from
+    --config its file and key as written (`run.yaml: dataset_name: `), else the option as the command line spelt it
+    (`--dataset_name `), else its kebab-case spelling (`--data `); the value follows."""
+    own = vars(config)
+    return ((own.get("_sources") or {}).get(name) or (own.get("_typed") or {}).get(name)
+            or f"--{name.replace('_', '-')} ")
+
+
+def was_given(config, name: str) -> bool:
+    """Whether field `name` was given (on the command line or in --config), as record_sources noted it."""
+    own = vars(config)
+    return name in (own.get("_sources") or {}) or name in (own.get("_typed") or {})
+
+
+def renamed(error: Exception, config, name: str) -> Exception:
+    """A refusal raised by code that knows only the option (`--resume-from-checkpoint X: no such directory`), begun
+    as `named` names field `name`'s value (the config file and its key, or the spelling typed); any other error as
+    it is."""
+    flag, shown = f"--{name.replace('_', '-')} ", named(config, name)
+    text = str(error)
+    if shown == flag or not text.startswith(flag) or type(error).__init__ is not RuntimeError.__init__:
+        return error
+    return type(error)(shown + text[len(flag):])
 
 
 def check_present(config, names=None) -> None:
@@ -136,17 +183,19 @@ def check_present(config, names=None) -> None:
 
     from .errors import JobError
 
-    sources = vars(config).get("_sources") or {}
     for fld in dataclasses.fields(config):
         value, kind = getattr(config, fld.name), fld.metadata.get("present")
         if kind is None or value is None or (names is not None and fld.name not in names) or not isinstance(
                 value, (str, Path)):
             continue
-        where = sources.get(fld.name) or f"--{fld.name.replace('_', '-')} "
+        where = named(config, fld.name)
         path = Path(value)
         if not os.path.lexists(path):
             if kind != "cache" and _hub_id(path):
-                continue
+                problem = _not_on_hub(path, kind)
+                if problem is None:
+                    continue
+                raise JobError(f"{where}{problem}")
             raise JobError(f"{where}{missing(path)}")  # (printed by the terminal rule)
         if kind == "checkpoint" and checkpoint_problem(path):
             raise JobError(f"{where}{path}: {checkpoint_problem(path)}")
@@ -155,6 +204,25 @@ def check_present(config, names=None) -> None:
 
             e = no_manifest(path)
             raise CacheError(e.kind, f"{where}{e.message}", remedy=e.remedy)
+
+
+def _not_on_hub(path: Path, kind: str) -> str | None:
+    """Why a name that reads as a hub id (org/name) and is no local path is not there either: None where the local
+    Hugging Face cache holds it (runtime.hub reads it); a name ending in a data file's suffix (d2/train.jsonl) is a
+    local path mistyped, named with what is near it."""
+    from storage.nearby import missing
+
+    from .data_files import SUFFIXES
+    from .errors import JobError
+    from .hub import resolve
+
+    if kind == "data" and path.suffix.lower() in SUFFIXES:
+        return f"{missing(path)}; a name ending in {path.suffix} is read as a local file, not a hub data set id"
+    try:
+        resolve(str(path), "model" if kind == "checkpoint" else "dataset")
+    except JobError as e:
+        return str(e)
+    return None
 
 
 def _hub_id(path: Path) -> bool:

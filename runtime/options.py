@@ -5,6 +5,7 @@ encodes data shares."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 import click
@@ -38,6 +39,25 @@ ENCODING_OPTIONS = tuple(f.name for f in dataclasses.fields(EncodingConfig) if f
 def encoding_from(**given) -> EncodingConfig:
     """The EncodingConfig of the encoding options given (ENCODING_OPTIONS; None: not given)."""
     return EncodingConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+def model_hash_text(text) -> str:
+    """A model hash given on the command line or in a config file (train-dpo --ref-model-hash), in the one form the
+    cache's stamps hold it: 64 lowercase hexadecimal digits (a sha256). A ValueError says what it must be and
+    where a cache's value is."""
+    value = str(text).strip()
+    if re.fullmatch(r"[0-9a-f]{64}", value):
+        return value
+    from .terminal import escaped
+
+    how = ("in lowercase, as the stamps hold it" if re.fullmatch(r"[0-9a-fA-F]{64}", value) else
+           f"{len(value)} characters given" if re.fullmatch(r"[0-9a-fA-F]*", value) else "only the digits 0-9 and a-f")
+    raise ValueError(f"{escaped(_clip(value))} is not a model hash: 64 lowercase hexadecimal digits (a sha256; {how}); "
+                     "a cache's is stamps.model_hash in CACHE/manifest.json (audit-ref CACHE --json FILE reports it)")
+
+
+def _clip(value: str, limit: int = 80) -> str:
+    return value if len(value) <= limit else value[:limit] + "..."
 
 
 class ParsedText(click.ParamType):

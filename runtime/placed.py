@@ -239,19 +239,47 @@ def attention_refused(what: str, attention: str, checkpoint, error: Exception) -
                     f"supports: {', '.join(choices)}, or leave --attn-implementation at auto")
 
 
+def _flex_refusal(given: str, why: str) -> JobError:
+    usable = ", ".join(a for a in attention_here() if a != "flex_attention")
+    return JobError(f"{given}flex_attention needs a CUDA device, and {why} (on CPU torch's FlexAttention has no "
+                    f"backward and its compiled kernels may not build); use one of {usable} here (auto: what "
+                    "transformers picks for the model)")
+
+
+def check_flex_here(config, device: str | None = None, device_field: str = "device") -> None:
+    """--attn-implementation flex_attention where the run would compute on the CPU, refused as the job starts (the
+    first point that imports torch), before any data, tokenizer, model or cache work: named as given (the option as
+    typed, or the config file's key: runtime.locations.named), with what works here. `device`: the device the
+    options ask for (None or auto: the machine's), `device_field` the option that asked (device, use_cpu)."""
+    if getattr(config, "attn_implementation", None) != "flex_attention":
+        return
+    import torch
+
+    from .locations import named
+
+    try:
+        asked_cpu = device not in (None, "auto") and torch.device(device).type == "cpu"
+    except RuntimeError:  # a bad --device: its own check names it
+        asked_cpu = False
+    if asked_cpu:
+        value, given = getattr(config, device_field), named(config, device_field)
+        flag = value is True and given.startswith("--")  # --use-cpu (a file's `use_cpu: true` shows its value)
+        asked = given.rstrip() if flag else given + ("true" if value is True else str(value))
+        raise _flex_refusal(named(config, "attn_implementation"), f"{asked} runs it on the CPU")
+    if not torch.cuda.is_available():
+        raise _flex_refusal(named(config, "attn_implementation"), "this machine has none")
+
+
 def flex_on_cpu(what: str, attention: str | None, device) -> None:
     """FlexAttention on a CPU is refused before the model loads: torch compiles it, and on CPU it has no backward
     (train-dpo stopped with NotImplementedError at its first step) and its kernels may not build (precompute-ref
-    stopped in inductor's C++ compile after its probe)."""
+    stopped in inductor's C++ compile after its probe). The commands refuse it earlier (check_flex_here); this is
+    the check of every load."""
     import torch
 
     on_cpu = (torch.device(device).type == "cpu") if device is not None else not torch.cuda.is_available()
     if attention == "flex_attention" and on_cpu:
-        from runtime.errors import JobError
-
-        raise JobError(f"{what}: --attn-implementation flex_attention needs a CUDA device (on CPU torch's "
-                       "FlexAttention has no backward and its compiled kernels may not build): use sdpa or eager "
-                       "here, or leave --attn-implementation at auto")
+        raise _flex_refusal(f"{what}: --attn-implementation ", "the model would load on the CPU")
 
 
 def attention_of(config) -> str | None:

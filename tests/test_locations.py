@@ -213,12 +213,22 @@ def test_a_place_the_job_reads_that_is_not_there_is_refused_naming_the_option(co
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
     assert f"error: {flag} {typo}: does not exist; did you mean {real} or {tie}?" in said, said
+    trl = {"model": "model_name_or_path", "data": "dataset_name"}.get(name)
+    for typed in {"--" + name, f"--{trl}" if trl else None} - {None, flag}:  # named as typed (issue 36)
+        result = _run(command, {k: v for k, v in args.items() if k != flag} | {typed: typo})
+        assert result.exit_code == 2, result.output
+        assert f"error: {typed} {typo}: does not exist" in " ".join(result.output.split()), result.output
+    if kind == "data":  # a mistyped path that reads as a hub id (org/name): named too, never a download hint
+        result = _run(command, {k: v for k, v in args.items() if k != flag} | {f"--{trl or name}": "d2/train.jsonl"})
+        assert result.exit_code == 2, result.output
+        said = " ".join(result.output.split())
+        assert (f"error: --{trl or name} d2/train.jsonl: does not exist (nor does d2; the nearest folder that does is .); a "
+                "name ending in .jsonl is read as a local file, not a hub data set id") in said, said
     config = tmp_path / "run.yaml"
     config.write_text(f"{name}: {typo}\n")
     result = _run(command, {k: v for k, v in args.items() if k != flag} | {"--config": config})
     assert result.exit_code == 2, result.output
     assert f"error: {config}: {name}: {typo}: does not exist" in " ".join(result.output.split()), result.output
-    trl = {"model": "model_name_or_path", "data": "dataset_name"}.get(name)
     for written in {name.replace("_", "-"), trl} - {None}:  # named as the file wrote it (UX pass)
         config.write_text(f"{written}: {typo}\n")
         result = _run(command, {k: v for k, v in args.items() if k != flag} | {"--config": config})
@@ -249,8 +259,10 @@ def test_config_files_read_their_paths_by_the_same_type(tmp_path):
 
     keys = [k for k, f in OURS.items() if "location" in f.metadata]
     assert {"model", "output_dir", "ref_cache", "init_adapter"} <= set(keys)
+    (tmp_path / "x.json").write_text("{}")  # --deepspeed and --fsdp-config must name a file that is there
     for key in keys:
-        assert _convert("run.yaml", key, f"file://localhost{tmp_path}/x") == tmp_path / "x", key
+        name = "x.json" if key in ("deepspeed", "fsdp_config") else "x"
+        assert _convert("run.yaml", key, f"file://localhost{tmp_path}/{name}") == tmp_path / name, key
         with pytest.raises(click.UsageError, match=rf"run.yaml: {key}: .*simplecache::s3 is not supported"):
             _convert("run.yaml", key, "simplecache::s3://bucket/x")
     assert _convert("run.yaml", "resume_from_checkpoint", True) == "true"
@@ -338,3 +350,54 @@ def test_every_input_place_of_both_jobs_is_kept_apart_from_their_outputs(tmp_pat
     kept_apart = inputs(TrainConfig(**values, output_dir=tmp_path / "run"))
     assert {_option(n) for n in train_inputs} <= set(kept_apart), train_inputs - {k[2:] for k in kept_apart}
     assert "init_adapter" in _input_fields(TrainConfig) and "--init-adapter" in kept_apart
+
+
+def _refused_cases():
+    """(command, field, value, extra options, what the refusal says after the option's name) of values refused by a
+    job's own checks (not by click's type): each is named as the user gave it (issue 36)."""
+    return [
+        ("train-dpo", "report_to", "foo", {}, lambda n, v: f"error: {n}foo: unknown tracker"),
+        ("train-dpo", "resume_from_checkpoint", "{tmp}/nothere", {}, lambda n, v: f"error: {n}{v}: no such directory"),
+        ("train-dpo", "resume_from_checkpoint", "true", {},
+         lambda n, v: f"error: {n}true: no checkpoint-N folder in --output-dir"),
+        ("train-dpo", "deepspeed", "{tmp}/bad.json", {}, lambda n, v: f"error: {n}{v}: not valid JSON"),
+        ("train-dpo", "attn_implementation", "flex_attention", {},
+         lambda n, v: f"error: {n}flex_attention needs a CUDA device, and --use-cpu runs it on the CPU"),
+        ("train-dpo", "eval_ref_cache", "{cache}", {"--eval-data": "{tmp}/other.jsonl"},
+         lambda n, v: f"not in the cache {v} ({n.rstrip(': ')})"),
+        ("precompute-ref", "out", "{tmp}/nothere", {"--update": None},
+         lambda n, v: f"error: --update {n}{v}: does not exist" if n.startswith("--") else
+         f"error: --update: {n}{v}: does not exist"),
+    ]
+
+
+@pytest.mark.parametrize("command, name, value, extra, says", _refused_cases(),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_a_refused_value_is_named_as_given(command, name, value, extra, says, llama_dir, dpo_data, dpo_cache,
+                                           tmp_path):
+    """Found by the UX pass (issue 36): a value from --config refused by the job's own checks was named by its flag,
+    not by the file and the key as written (as the location refusals above are). Every spelling: both on the command
+    line, both as a config file's key; exit 2, nothing written."""
+    import json
+
+    (tmp_path / "bad.json").write_text('{"zero_optimization":\n')
+    rows = [json.loads(line) for line in Path(dpo_data).read_text().splitlines()]
+    (tmp_path / "other.jsonl").write_text("".join(json.dumps({**r, "id": "x" + r["id"]}) + "\n" for r in rows))
+    fill = lambda v: None if v is None else str(v).format(tmp=tmp_path, cache=dpo_cache)
+    value = fill(value)
+    args = _good_args(command, llama_dir, dpo_data, dpo_cache, tmp_path) | {k: fill(v) for k, v in extra.items()}
+    kebab, snake = name.replace("_", "-"), name
+    args.pop(f"--{kebab}", None)  # given below, in each spelling
+    config = tmp_path / "run.yaml"
+    forms = [(f"--{k}", f"--{k} ") for k in dict.fromkeys((kebab, snake))]
+    forms += [(k, f"{config}: {k}: ") for k in dict.fromkeys((snake, kebab))]
+    for given, named in forms:
+        if given.startswith("--"):
+            result = _run(command, args | {given: value})
+        else:
+            config.write_text(f"{given}: {json.dumps(value)}\n")
+            result = _run(command, args | {"--config": config})
+        assert result.exit_code == 2, (given, result.output)
+        said = " ".join(result.output.split())
+        assert says(named, value) in said, (given, said)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()

@@ -343,3 +343,25 @@ def test_the_reports_options_name_local_places_absolutely(dpo_cache, dpo_data, l
                                  json_path=tmp_path / "audit.json")
     assert report is not None, output
     assert report["options"]["data"] == str(dpo_data.absolute()) and report["options"]["run"] is None
+
+
+def test_a_mistyped_cache_reads_like_the_other_location_refusals(cache, tmp_path, monkeypatch):
+    """Issue 36: `audit-ref c33` put its "did you mean" inside click's "Invalid value for 'CACHE': ..."; it reads as
+    train-dpo's `--ref-cache c33: does not exist; did you mean c3?` does, exit 2; a click-checked option that is
+    not there is named as typed the same way."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from audit.cli import main
+
+    shutil.copytree(cache, tmp_path / "here" / "c3")
+    monkeypatch.chdir(tmp_path / "here")
+    result = CliRunner().invoke(main, ["c33"])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "Error: CACHE c33: does not exist; did you mean c3? (the current folder holds: c3/)" in said, said
+    assert "Invalid value" not in said, said
+    result = CliRunner().invoke(main, ["c3", "--run", "rn1"])
+    assert result.exit_code == 2 and "Error: --run rn1: does not exist" in " ".join(result.output.split()), \
+        result.output

@@ -83,24 +83,35 @@ def test_attn_implementation_in_a_config_file(tmp_path):
     assert load_config_file(str(path)) == {"beta": 0.2}
 
 
-def test_flex_attention_on_cpu_is_refused_before_the_model_loads(tmp_path, llama_dir, dpo_data, dpo_cache):
-    """Found by the UX pass: train-dpo --attn_implementation flex_attention on CPU stopped at its first step with
-    'unexpected NotImplementedError' (no backward on CPU), precompute-ref in inductor's C++ build; both are refused,
-    exit 2, nothing written."""
+def test_flex_attention_on_cpu_is_refused_before_any_work(tmp_path, llama_dir, dpo_data, dpo_cache):
+    """Found by the UX passes: train-dpo --attn_implementation flex_attention on CPU stopped at its first step with
+    'unexpected NotImplementedError' (no backward on CPU), precompute-ref in inductor's C++ build; then both were
+    refused only after the data, the tokenizer and the cache were read. Now refused as the job starts (issue 36): the
+    data file here is not even JSON and is never read; exit 2, the option named as typed (or the config file's key),
+    with the device option that chose the CPU and what works here; nothing written."""
     from precompute.cli import main as precompute
 
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("not json\n")
     out = tmp_path / "out"
-    result = _cli(["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir", out, *TRAIN,
+    result = _cli(["--model", llama_dir, "--data", broken, "--ref-cache", dpo_cache, "--output-dir", out, *TRAIN,
                    "--attn_implementation", "flex_attention"])
     assert result.exit_code == 2, result.output
-    assert "--attn-implementation flex_attention needs a CUDA device" in " ".join(result.output.split())
+    said = " ".join(result.output.split())
+    assert ("error: --attn_implementation flex_attention needs a CUDA device, and --use-cpu runs it on the CPU"
+            in said), said
+    assert "use one of auto, eager, sdpa" in said and "broken" not in said, said
     assert not out.exists()
     cache = tmp_path / "cache"
-    made = CliRunner().invoke(precompute, [str(a) for a in ("--model", llama_dir, "--data", dpo_data, "--out", cache,
-                                                            "--attn-implementation", "flex_attention",
-                                                            "--no-progress")])
-    assert made.exit_code == 2 and "needs a CUDA device" in " ".join(made.output.split()), made.output
-    assert not any(cache.glob("*.parquet"))
+    config = tmp_path / "run.yaml"
+    config.write_text("attn_implementation: flex_attention\n")
+    made = CliRunner().invoke(precompute, [str(a) for a in ("--model", llama_dir, "--data", broken, "--out", cache,
+                                                            "--config", config, "--device", "cpu", "--no-progress")])
+    said = " ".join(made.output.split())
+    assert made.exit_code == 2, made.output
+    assert (f"error: {config}: attn_implementation: flex_attention needs a CUDA device, and --device cpu runs it "
+            "on the CPU") in said, said
+    assert "broken" not in said and not cache.exists()
 
 
 def test_lora_target_modules_as_a_list_in_a_config_is_read_as_its_names():

@@ -334,7 +334,8 @@ def test_an_eval_cache_lacking_rows_is_named_and_told_to_update(tmp_path, llama_
     result = CliRunner().invoke(main, shared)
     assert result.exit_code == 2 and "an --update of this one to the eval data would drop the training rows" in \
         result.output, result.output
-    assert f"--data {whole_eval} --split test --out EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE" in result.output
+    # e16.jsonl is one file of split train by its name (runtime.data_files.split_of_file): no --split to give
+    assert f"--data {whole_eval} --out EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE" in result.output
     assert "--update`" not in result.output
 
     precompute_ok("--model", llama_dir, "--data", write_jsonl(tmp_path / "e11.jsonl", rows[:11]), "--out",

@@ -420,7 +420,7 @@ TRAIN_ARG_CASES = {  # case -> (arguments replacing or adding to the good ones, 
     "learning_rate_not_a_number": (["--learning-rate", "fast"], True, ["Invalid value for '--learning-rate'"]),
     "loss_type_unknown": (["--loss-type", "magic"], True, ["Invalid value for '--loss-type'"]),
     "on_bad_row_unknown": (["--on-bad-row", "ignore"], True, ["Invalid value for '--on-bad-row'"]),
-    "config_file_missing": (["--config", "{tmp}/nowhere.yaml"], True, ["Invalid value for '--config'"]),
+    "config_file_missing": (["--config", "{tmp}/nowhere.yaml"], True, ["--config {tmp}/nowhere.yaml: does not exist"]),
     "config_file_not_json": (["--config", "{tmp}/bad.json"], True, ["{tmp}/bad.json: not valid JSON"]),
     "config_file_not_yaml": (["--config", "{tmp}/bad.yaml"], True, ["{tmp}/bad.yaml: not valid YAML"]),
     "config_file_not_a_mapping": (["--config", "{tmp}/list.yaml"], True, ["{tmp}/list.yaml: expected a mapping"]),
@@ -509,7 +509,7 @@ def manifest_damage(kind):
 
 
 AUDIT_CASES = {  # case -> (damage to the cache copy or None, arguments, usage error?, message parts)
-    "cache_path_missing": (None, ["{tmp}/nowhere"], True, ["Invalid value for 'CACHE'", "does not exist"]),
+    "cache_path_missing": (None, ["{tmp}/nowhere"], True, ["CACHE {tmp}/nowhere: does not exist"]),
     "cache_path_is_a_file": (None, ["{tmp}/a-file"], True, ["Invalid value for 'CACHE'", "is a file"]),
     "manifest_missing": (manifest_damage("missing"), ["{cache}"], False, ["error: {cache} has no manifest.json"]),
     "manifest_not_json": (manifest_damage("not_json"), ["{cache}"], False, ["manifest.json is not valid JSON"]),

@@ -135,11 +135,11 @@ def test_adapter_is_checked_at_open_hashed_with_the_base_and_merged_on_load(llam
     assert type(merged).__name__ == "LlamaForCausalLM"  # a plain transformers model again
 
     (tmp_path / "empty").mkdir()
-    with pytest.raises(JobError, match=r"--adapter .*empty: .*empty: no adapter_model\.safetensors"):
+    with pytest.raises(JobError, match=r"the adapter .*empty: .*empty: no adapter_model\.safetensors"):
         Checkpoint.open(str(llama_dir), adapter=str(tmp_path / "empty"))
     no_config = Path(shutil.copytree(adapter, tmp_path / "no-config"))
     (no_config / "adapter_config.json").unlink()
-    with pytest.raises(JobError, match=r"--adapter .*no-config: .*not a peft adapter folder \(no adapter_config"):
+    with pytest.raises(JobError, match=r"the adapter .*no-config: .*not a peft adapter folder \(no adapter_config"):
         Checkpoint.open(str(llama_dir), adapter=str(no_config))
     pickled = Path(shutil.copytree(adapter, tmp_path / "pickled"))
     (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")

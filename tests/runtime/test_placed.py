@@ -164,3 +164,28 @@ def test_a_hub_kernel_value_has_a_repo_ids_form(text, ok):
     else:
         with pytest.raises(ValueError, match="is not a hub kernel's id"):
             parse_attention(text)
+
+
+def test_flex_attention_is_refused_only_where_the_run_computes_on_the_cpu(monkeypatch):
+    """runtime.placed.check_flex_here (issue 36): on a CUDA machine flex_attention is taken unless --device cpu (or
+    train-dpo's --use-cpu) puts the run on the CPU; without CUDA it is refused whatever the options say."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from runtime.errors import JobError
+    from runtime.placed import check_flex_here
+
+    cfg = SimpleNamespace(attn_implementation="flex_attention", device="cpu", use_cpu=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_flex_here(cfg, None)
+    check_flex_here(cfg, "auto")
+    with pytest.raises(JobError, match="--attn-implementation flex_attention needs a CUDA device, and --device cpu "
+                                       "runs it on the CPU"):
+        check_flex_here(cfg, "cpu")
+    with pytest.raises(JobError, match="and --use-cpu runs it on the CPU"):
+        check_flex_here(cfg, "cpu", "use_cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(JobError, match="and this machine has none"):
+        check_flex_here(cfg, None)
+    check_flex_here(SimpleNamespace(attn_implementation="sdpa"), None)
