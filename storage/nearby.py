@@ -19,7 +19,9 @@ def nearby(name) -> str:
     if not parent.is_dir():
         return ""
     if parent != path.parent:
-        return f" (nor does {shell_word(path.parent)}; the nearest folder that does is {shell_word(parent)})"
+        meant = " or ".join(map(shell_word, _below(path, parent)))
+        return ((f"; did you mean {meant}?" if meant else "")
+                + f" (nor does {shell_word(path.parent)}; the nearest folder that does is {shell_word(parent)})")
     try:
         names = sorted(p.name + ("/" if p.is_dir() else "") for p in parent.iterdir() if not p.name.startswith("."))
     except OSError:
@@ -41,6 +43,21 @@ def nearby(name) -> str:
     held += f"; and {hidden} name{'s' if hidden > 1 else ''} with control characters, not shown" if hidden else ""
     meant = " or ".join(shell_word(parent / c) for c in near)
     return (f"; did you mean {meant}?" if near else "") + f" ({where} holds: {held})"
+
+
+def _below(path: Path, parent: Path, most: int = 500) -> list[Path]:
+    """Paths that exist which a typo in a folder's name may have meant (d1/train.jsonl for dl/train.jsonl, the
+    folder d1 beside the missing dl): each folder of `parent` (the nearest that exists) with the rest of `path` below
+    it, the closest to `path` by their whole text, where they exist. A folder's name alone is too short to judge
+    (d1 and dl share half their letters); with the file below it the two read alike."""
+    rest = path.parts[len(parent.parts):]
+    try:
+        folders = [p for _, p in zip(range(most), parent.iterdir()) if p.name.isprintable() and p.is_dir()]
+    except OSError:
+        return []
+    there = {str(Path(f.name, *rest[1:])): f.joinpath(*rest[1:]) for f in folders}
+    there = {k: v for k, v in there.items() if v.exists()}
+    return [there[k] for k in closest(str(Path(*rest)), there, cutoff=0.85, ties=True)]
 
 
 def missing(name) -> str:

@@ -60,3 +60,18 @@ def test_a_missing_path_is_named_as_a_shell_takes_it_back(tmp_path):
     (tmp_path / "my caches").mkdir()
     typed = tmp_path / "my caches" / "c 11"
     assert missing(typed).startswith(f"{shlex.quote(str(typed))}: does not exist")
+
+
+def test_a_typo_in_a_folders_name_is_answered_with_the_path_that_exists(tmp_path, monkeypatch):
+    """dl/train.jsonl with d1/train.jsonl there (a folder's name alone is too short to judge): the path that exists;
+    two folders that both hold it: both; a folder that does not hold the file below it: not suggested."""
+    monkeypatch.chdir(tmp_path)
+    for folder in ("d1", "d2", "runs"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "d1" / "train.jsonl").write_text("{}\n")
+    assert not_here("dl/train.jsonl").startswith("does not exist; did you mean d1/train.jsonl? (nor does dl;")
+    assert "did you mean d1/train.jsonl?" in not_here("./d9/train.jsonl")
+    (tmp_path / "d2" / "train.jsonl").write_text("{}\n")
+    assert "did you mean d1/train.jsonl or d2/train.jsonl?" in not_here("d3/train.jsonl")
+    assert "did you mean" not in not_here("dl/test.jsonl") and "did you mean" not in not_here("x/y/train.jsonl")
+    assert "did you mean" not in not_here(str(tmp_path / "rnus" / "model"))
