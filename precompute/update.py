@@ -63,8 +63,9 @@ def check_finished(out, given: str = "--out ") -> None:
     """--update needs a finished cache in --out (checked before anything is made there, and again under the lock);
     `given`: how --out was given (runtime.locations.named: a config file's key)."""
     if isinstance(out, Path) and not out.exists():  # a typo: what is near, not "holds no finished cache"
-        raise JobError(f"--update {given}{missing(out)}" if given.startswith("--") else
-                       f"--update: {given}{missing(out)}")
+        new = "; --update adds to a cache that exists: to make a new cache there, leave out --update"
+        raise JobError((f"--update {given}{missing(out)}" if given.startswith("--") else
+                        f"--update: {given}{missing(out)}") + new)
     if not (out / fmt.MANIFEST).is_file():
         raise JobError(f"--update: {out} holds no finished cache (no {fmt.MANIFEST}); run precompute-ref without "
                        "--update to make it (or to finish an interrupted first run)")

@@ -206,6 +206,7 @@ def test_update_without_a_cache_and_with_overwrite_is_refused(llama_dir, rows, t
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     result = update(llama_dir, data, tmp_path / "empty")
     assert result.exit_code != 0 and "does not exist" in result.output
+    assert "to make a new cache there, leave out --update" in result.output  # the way on for a new cache
     result = update(llama_dir, data, tmp_path / "empty", "--overwrite")
     assert result.exit_code != 0 and "pass one of them" in result.output
 
