@@ -19,7 +19,7 @@ from runtime.options import TRL_ALIASES, dataclass_options, spec_options
 from runtime.terminal import echo
 
 from .config import TrainConfig
-from .config_file import load_config_file
+from .config_file import RENAMED, load_config_file
 from .lora import LoraOptions
 from .loss_config import unread_message, unread_options
 from .options import LORA, OURS, REQUIRED, TRAINER, TRAINER_SPECS
@@ -112,7 +112,13 @@ def _precision_text(note: dict | None) -> str:
     return text + f": step 1's loss is {note['step_1_loss']:.6f}, not {shown}{named}"
 
 
-@click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+# options of TRL / transformers or of precompute-ref that train-dpo has not: what to give instead (runtime.cli.Command)
+ELSEWHERE = {"--" + k.replace("_", "-"): f"{why}: give --{now.replace('_', '-')} instead" for k, (now, why) in RENAMED.items()}
+ELSEWHERE["--out"] = "train-dpo writes to --output-dir DIR (--out is precompute-ref's, for the cache)"
+
+
+@click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+               elsewhere=ELSEWHERE)
 @click.option("--config", "config_file", type=Location("input", local=click.Path(exists=True, dir_okay=False)),
               help="YAML or JSON file of these options (snake_case or kebab-case keys), or a TRL DPOConfig / "
                    "`trl dpo` YAML; the command line overrides it.")

@@ -160,8 +160,9 @@ def _listed(words) -> str:
 
 
 # keys of older TRL / transformers configs that transformers 5 folded into another option: how to say it now
-RENAMED = {"warmup_ratio": "transformers 5 reads a ratio from warmup_steps (a number below 1 is a share of the steps): "
-                           "give warmup_steps: {value}"}
+# (the option now, why); the command line says the same (dpo/cli.py ELSEWHERE)
+RENAMED = {"warmup_ratio": ("warmup_steps", "transformers 5 reads a ratio from warmup_steps (a number below 1 is a share "
+                                            "of the steps)")}
 
 
 def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
@@ -186,7 +187,7 @@ def _from_trl(path: str, data: dict) -> tuple[dict, dict]:
     inert = [k for k in unknown if any(k in d and data[k] == d[k] for d in defaults)]
     unsupported = [k for k in unknown if k not in inert]
     if unsupported:
-        moved = "".join(f"; {k}: {RENAMED[k].format(value=data[k])}" for k in unsupported if k in RENAMED)
+        moved = "".join(f"; {k}: {RENAMED[k][1]}: give {RENAMED[k][0]}: {data[k]}" for k in unsupported if k in RENAMED)
         raise click.UsageError(
             f"{path}: unknown option(s) {', '.join(unsupported)} (refcache does not support these DPOConfig / trl "
             f"keys, or they are misspelt; see `train-dpo --help` and README 'Coming from TRL'){moved}")

@@ -55,7 +55,9 @@ def summary_text(s: dict) -> str:
     )
 
 
-@click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.command(cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+               elsewhere={"--output-dir": "precompute-ref writes its cache to --out DIR (--output-dir is train-dpo's, "
+                                          "for the trained model)"})
 @click.option("--config", "config_file", type=Location("input", local=click.Path(exists=True, dir_okay=False)),
               help="YAML or JSON file of these options (snake_case or kebab-case keys, or TRL's spellings such as "
                    "model_name_or_path); the command line overrides it.")

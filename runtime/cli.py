@@ -299,7 +299,13 @@ def typed_options() -> dict[str, str]:
 class Command(click.Command):
     """Every command's parser: a boolean option may be followed by a true/false word (bool_words), and command-line
     errors (click's own, raised while the options are parsed: a value that is not a choice, a path that does not
-    exist) print their text by the terminal rule too (runtime/terminal.py)."""
+    exist) print their text by the terminal rule too (runtime/terminal.py). `elsewhere`: {option: what to give
+    instead} for options another tool (TRL, transformers, the other command) has and this command does not, said
+    after click's "No such option" (keys in kebab case; TRL's snake case is matched too)."""
+
+    def __init__(self, *args, elsewhere: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.elsewhere = elsewhere or {}
 
     def parse_args(self, ctx, args):
         from .terminal import printable
@@ -308,6 +314,12 @@ class Command(click.Command):
             words = bool_words(self.get_params(ctx), list(args))
             ctx.meta[TYPED] = typed_spellings(self.get_params(ctx), words)
             return super().parse_args(ctx, words)
+        except click.NoSuchOption as e:
+            hint = self.elsewhere.get(e.option_name.split("=", 1)[0].replace("_", "-"))
+            if hint:  # in place of click's guess by spelling (--warmup_ratio: "Did you mean --warmup-steps")
+                e.message, e.possibilities = f"{e.message.rstrip('.')}; {hint}", None
+            e.message = printable(e.message)
+            raise
         except click.UsageError as e:
             e.message = printable(e.message)
             raise

@@ -88,3 +88,21 @@ def test_every_option_the_shared_modules_name_is_one_of_a_command():
     wrong = {(str(path.relative_to(ROOT)), flag) for path in sorted((ROOT / "runtime").rglob("*.py"))
              for _, text in _texts(path) for flag in FLAG.findall(text) if flag not in every | FOREIGN | PLACEHOLDERS}
     assert not wrong, sorted(wrong)
+
+
+@pytest.mark.parametrize("command", sorted(PACKAGES))
+def test_an_option_another_tool_has_is_answered_with_what_to_give_here(command):
+    """runtime.cli.Command's `elsewhere`: an option TRL, transformers or the other command has (train-dpo
+    --warmup_ratio, precompute-ref --output_dir) is refused by click with what to give instead, in both spellings;
+    no hint stands for an option the command has (it would never be shown)."""
+    from click.testing import CliRunner
+
+    main = _commands()[command]
+    own = {o for p in main.params for o in p.opts + p.secondary_opts}
+    for option, hint in main.elsewhere.items():
+        spellings = (option, "--" + option[2:].replace("-", "_"))
+        assert not own & set(spellings)
+        for typed in spellings:
+            result = CliRunner().invoke(main, [typed, "1"])
+            assert result.exit_code == 2 and f"No such option '{typed}'; {hint}" in result.output, result.output
+    assert command == "audit-ref" or main.elsewhere  # the two jobs a TRL user runs each have some
