@@ -269,6 +269,11 @@ def cache_settings(cfg: PrecomputeConfig) -> tuple[str, dict]:
     keep = {f.name: getattr(cfg.encoding, f.name) for f in fields(EncodingConfig)
             if _given(cfg, cfg.encoding, f.name, getattr(fresh, f.name)) and f.metadata.get("cli") is not False}
     chosen = replace(encoding, **keep)
+    differ = encoding_options(encoding.to_dict(), chosen.to_dict())
+    if differ and whose == "the cache's":  # refused as the setting it is, before any row is encoded by it (a row
+        # the cache's encoding took may fail this one's: --chat-template off on conversational rows)
+        where = f"the cache {out} was" if cfg.update else f"{out} already holds a different cache,"
+        raise JobError(("--update: " if cfg.update else "") + settings_refusal(differ, where, update=cfg.update))
     options = {f.name for f in fields(EncodingConfig) if f.metadata.get("cli") is not False}
     taken |= {"--" + k.replace("_", "-"): v for k, v in chosen.to_dict().items()
               if k in options and k not in keep and getattr(cfg.encoding, k) != v}

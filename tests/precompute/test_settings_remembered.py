@@ -112,3 +112,20 @@ def test_update_given_by_name_what_the_caches_auto_chose_takes_the_caches_auto(l
     recorded = manifest_of(out)["computation"]
     assert recorded["requested_batching"] == "auto" and recorded["requested_attn_implementation"] == "auto"
     assert "4 rows added" in updated.output
+
+
+def test_an_encoding_option_that_rows_cannot_take_is_refused_as_the_setting_it_is(llama_dir, tmp_path):
+    """Found by the UX pass: `--update --chat-template off` on a cache of conversational rows answered with a bad row
+    (the rows were encoded before the settings were compared); it is the setting that differs, said so before any row
+    is read, and the same for a rerun into the cache without --update."""
+    rows = pref_rows(10, fmt="conversational")
+    out = tmp_path / "cache"
+    made = precompute_cli("--model", llama_dir, "--data", write_jsonl(tmp_path / "v1.jsonl", rows[:6]), "--out", out)
+    assert made.exit_code == 0, made.output
+    before = dir_state(out)
+    grown = write_jsonl(tmp_path / "v2.jsonl", rows)
+    for update in (("--update",), ()):
+        refused = precompute_cli("--model", llama_dir, "--data", grown, "--out", out, *update, "--chat-template", "off")
+        assert refused.exit_code == 2, refused.output
+        assert "made with --chat-template auto; this run gives --chat-template off" in refused.output, refused.output
+        assert "needs_chat_template" not in refused.output and dir_state(out) == before
