@@ -108,7 +108,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
         if agreed is not None:
             log(f"token budget: auto -> {agreed['tokens']} ({agreed['why']})")
     if loaded:
-        model, computation, mode, pad_id, budget, _sized, probed = loaded
+        model, computation, mode, pad_id, budget, probed, _sized = loaded
         if cfg.token_budget == "auto":
             computation = {**computation, "token_budget_resolved": agreed}  # a note (COMPUTATION_NOTES)
             budget = effective_budget(model, agreed["tokens"], _longest(job.encoded))
@@ -187,7 +187,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
                    **({"layout": layout} if layout else {}), **notes}  # notes, not compared on a rerun (COMPUTATION_NOTES)
     sized = auto_budget(model, mode, computation["head"], longest) if cfg.token_budget == "auto" else None
     if cfg.torch_compile is None and layout is None:  # auto: decided on this rank's first batches (AutoCompile)
-        return model, computation, mode, pad, budget, sized, probed
+        return model, computation, mode, pad, budget, probed, sized
     compile_it, why = compile_choice(cfg.torch_compile, None, split=layout is not None)
     if cfg.torch_compile is not None:  # a note; a split model under auto records none, as before
         computation["compile_choice"] = why
@@ -196,7 +196,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     if compile_it:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
         model, computation["compiled"] = compiled_scorer(model, mode, probed["pairs"], pad, cfg.top_k, log, budget,
                                                          truth=probed["truth"])
-    return model, computation, mode, pad, budget, sized, None
+    return model, computation, mode, pad, budget, None, sized
 
 
 def _load_dispatched(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
