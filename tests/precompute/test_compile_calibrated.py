@@ -86,6 +86,26 @@ def test_the_estimate_weighs_the_remaining_batches_by_the_cost_model(monkeypatch
     assert len(asked) == 1
 
 
+def test_a_switch_at_a_shards_end_is_noted_at_the_next_shards_first_batch(monkeypatch):
+    """Decided on shard a's last batch: compiled scoring begins at shard b's first, and the holder score_pairs reads
+    now gives the compiled model (compile_choice and compiled_scorer stubbed: what they weigh and prove is tested
+    above and in tests/precompute/test_compile.py)."""
+    slow_batches(monkeypatch, 5.0)
+    monkeypatch.setattr(compiled, "compile_choice", lambda r, eager, **k: (True, "auto: compiled"))
+    monkeypatch.setattr(compiled, "compiled_scorer", lambda model, *a, **k: ("the compiled model", True))
+    model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(hidden_size=32)))
+    pair, notes = EncodedPair([1, 2], [3], [4]), {}
+    auto = compiled.AutoCompile(model, [("a", [pair] * 2), ("b", [pair])], "single", 4096, 0, 0,
+                                {"pairs": [], "truth": []}, notes, lambda m: None, "cpu")
+    auto.begin("a")
+    for _ in range(4):
+        assert auto.current.model is model
+        auto.after_batch()
+    assert auto.current.model == "the compiled model"
+    assert notes == {"compile_choice": "auto: compiled", "compiled": True,
+                     "compiled_from": {"shard": "b", "batch": 1, "eager_batches": 4}}
+
+
 def test_a_tiny_job_stays_eager_and_never_compiles(tmp_path, monkeypatch):
     """12 rows of data/ on the real clock: the job ends before the calibration, so nothing is measured or compiled,
     and its manifest records no compile note (as a default job's did before)."""
