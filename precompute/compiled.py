@@ -95,7 +95,7 @@ def inductor_cache() -> Path:
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or refcache_home() / "inductor")
 
 
-# The load (issue 39): the probe's eager rate is wall-clock, so on a machine shared with other jobs it reads slow
+# The load (issue 39): the measured eager rate is wall-clock, so on a machine shared with other jobs it reads slow
 # and the job's eager estimate grows with the load, while the compile seconds above were measured on an idle machine:
 # on 2 cores at load 6-14 auto compiled a 240-pair job because the probe read 4x slow, and the cold compile then took
 # about 260 s, not 44. So both sides are taken at the machine's present load: the compile seconds are scaled by

@@ -1,9 +1,9 @@
 """precompute-ref --torch-compile auto (neither flag, the default; issue 39 item 1): compile where the job's estimated
 eager scoring saves more than compiling costs, by precompute/compiled.py's measured figures; the cost model's inputs
 are faked here, never timed: a tiny job stays eager, a long one compiles, a warm inductor cache lowers the bar, the
-flags force either way, a split model stays eager, a loaded machine (probe and compile slowed alike) decides as an
-idle one; the choice is logged, noted in the manifest where it compiled or a flag decided, and inductor's caches go
-under refcache's home."""
+flags force either way, a split model stays eager, a loaded machine (the measured rate and the compile slowed alike)
+decides as an idle one. The job's side (the rate measured on its first batches, the switch, the notes):
+tests/precompute/test_compile_calibrated.py."""
 
 from __future__ import annotations
 

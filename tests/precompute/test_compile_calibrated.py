@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 from types import SimpleNamespace
 
@@ -108,7 +109,10 @@ def test_a_switch_at_a_shards_end_is_noted_at_the_next_shards_first_batch(monkey
 
 def test_a_tiny_job_stays_eager_and_never_compiles(tmp_path, monkeypatch):
     """12 rows of data/ on the real clock: the job ends before the calibration, so nothing is measured or compiled,
-    and its manifest records no compile note (as a default job's did before)."""
+    and its manifest records no compile note (as a default job's did before); inductor's caches go under refcache's
+    home."""
+    monkeypatch.setenv("REFCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     data = write_jsonl(tmp_path / "pairs.jsonl",
                        [json.loads(x) for x in (DATA / "prefs" / "train.jsonl").read_text().splitlines()[:12]])
     called = []
@@ -120,6 +124,8 @@ def test_a_tiny_job_stays_eager_and_never_compiles(tmp_path, monkeypatch):
     computation = manifest_of(tmp_path / "c")["computation"]
     assert not called and not {"compile_choice", "compiled", "compiled_from"} & set(computation)
     assert any(x.startswith("torch.compile auto: eager first; decides after 4 batches") for x in lines), lines
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "home" / "inductor")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")  # what the job set, not left to later tests
 
 
 def test_a_job_measured_fast_stays_eager_after_the_calibration(tmp_path, llama_dir, monkeypatch):
