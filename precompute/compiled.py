@@ -240,7 +240,7 @@ class AutoCompile:
     def decide(self) -> None:
         probed, self.probed = self.probed, None  # decided once; the probe's truth is no longer needed
         rate = self.work / self.seconds
-        eager, warm = self.remaining / rate, warm_cache()
+        eager, warm = max(self.remaining, 0.0) / rate, warm_cache()
         slowdown = cpu_slowdown() if eager else 1.0
         compile_it, why = compile_choice(None, eager, warm=warm, device_type=self.device_type, slowdown=slowdown)
         self.computation["compile_choice"] = why
