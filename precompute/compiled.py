@@ -21,9 +21,10 @@ import torch
 from runtime.logprobs import unwrap
 from runtime.paths import refcache_home
 from runtime.probe import disagreement, reference_values
+from runtime.terminal import counted
 from schemas.encoding import EncodedPair
 
-from .modes.scoring import score_pairs
+from .modes.scoring import Current, batch_costs, score_pairs
 
 
 class CompiledDecoder(torch.nn.Module):
@@ -94,7 +95,7 @@ def inductor_cache() -> Path:
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or refcache_home() / "inductor")
 
 
-# The load (issue 39): the probe's eager rate is wall-clock, so on a machine shared with other jobs it reads slow
+# The load (issue 39): the measured eager rate is wall-clock, so on a machine shared with other jobs it reads slow
 # and the job's eager estimate grows with the load, while the compile seconds above were measured on an idle machine:
 # on 2 cores at load 6-14 auto compiled a 240-pair job because the probe read 4x slow, and the cold compile then took
 # about 260 s, not 44. So both sides are taken at the machine's present load: the compile seconds are scaled by
@@ -186,3 +187,75 @@ def compiled_scorer(model, mode: str, probe: list[EncodedPair], pad_id: int, top
     log(f"torch.compile: the {mode} forward compiled ({what}, dynamic shapes); matches the reference forward on the "
         "probe")
     return compiled, True
+
+
+# --torch-compile auto decides on the job's own first batches, scored eager: the first batch is left out of the rate
+# (one-time costs: the allocator, kernel selection), then it waits for at least CALIBRATION_BATCHES more and
+# CALIBRATION_SECONDS of their scoring. A job done before that never decides and never compiles, at no extra cost;
+# a decision made that late loses at most CALIBRATION_SECONDS (1 - 1/speed-up) against one made at the start. The
+# probe's one call (choose.py's probe_rate) is not used: on three back-to-back calls it read 0.92, 1.35 and 0.175 s,
+# 2-22x apart, past the margin of any early decision worth its risk.
+CALIBRATION_BATCHES, CALIBRATION_SECONDS = 3, 10.0
+
+
+class AutoCompile:
+    """--torch-compile auto on one rank's shards: `current` (a Current) scores eager until the calibration batches
+    are done; then the remaining eager scoring is estimated from their measured rate in the cost model's work (token
+    equivalents of each batch: tokens alone misjudge long against short batches) and compile_choice decides. If it
+    compiles, compiled_scorer proves the compiled forward on the probe's pairs against `probed`'s eager truth and the
+    batches after score compiled; if the proof fails they go on eager, and say why. `computation`'s notes record
+    the choice, and where compiled scoring began (`compiled_from`)."""
+
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self, model, shards: list[tuple[str, list[EncodedPair]]], mode: str, token_budget: int,
+                 pad_id: int, top_k: int, probed: dict, computation: dict, log, device_type: str):
+        hidden = getattr(model.config.get_text_config(), "hidden_size", 1024)
+        self.costs = {file: batch_costs(pairs, mode, token_budget, hidden) for file, pairs in shards}
+        self.files = [file for file, _ in shards]
+        self.remaining = sum(map(sum, self.costs.values()))
+        self.current, self.probed, self.computation, self.log = Current(model), probed, computation, log
+        self.scoring = dict(mode=mode, pad_id=pad_id, top_k=top_k, token_budget=token_budget)
+        self.device_type = device_type
+        self.batches, self.work, self.seconds, self.shard, self.batch, self.mark = 0, 0.0, 0.0, None, 0, 0.0
+        log(f"torch.compile auto: eager first; decides after {CALIBRATION_BATCHES + 1} batches and "
+            f"{CALIBRATION_SECONDS:g} s of scoring, on their measured rate (a job done sooner stays eager)")
+
+    def begin(self, file: str) -> None:
+        """Shard `file`'s batches come next."""
+        self.shard, self.batch, self.mark = file, 0, self.clock()
+
+    def after_batch(self, *_completed) -> None:
+        """score_pairs' on_batch: one more batch of the present shard scored."""
+        now, cost = self.clock(), self.costs[self.shard][self.batch]
+        self.batch, self.remaining = self.batch + 1, self.remaining - cost
+        if self.probed is not None:
+            self.batches += 1
+            if self.batches > 1:  # the job's first batch is left out (one-time costs)
+                self.work, self.seconds = self.work + cost, self.seconds + now - self.mark
+            if self.batches > CALIBRATION_BATCHES and self.seconds >= CALIBRATION_SECONDS:
+                self.decide()  # once: the clock is not read after it
+        self.mark = now
+
+    def decide(self) -> None:
+        probed, self.probed = self.probed, None  # decided once; the probe's truth is no longer needed
+        rate = self.work / self.seconds
+        eager, warm = max(self.remaining, 0.0) / rate, warm_cache()
+        slowdown = cpu_slowdown() if eager else 1.0
+        compile_it, why = compile_choice(None, eager, warm=warm, device_type=self.device_type, slowdown=slowdown)
+        self.computation["compile_choice"] = why
+        measured = (f"the first {counted(self.batches, 'batch', 'batches')} scored eager, the last "
+                    f"{self.batches - 1} at {rate:,.0f} token equivalents/s over {self.seconds:.1f} s; "
+                    f"{self.remaining:,.0f} left; " + estimate_text(eager, warm, self.device_type, slowdown))
+        self.log(f"torch.compile {why} ({measured})")
+        if not compile_it:
+            return
+        s = self.scoring
+        model, used = compiled_scorer(self.current.model, s["mode"], probed["pairs"], s["pad_id"], s["top_k"],
+                                      self.log, s["token_budget"], truth=probed["truth"])
+        self.current.model, self.computation["compiled"] = model, used
+        if used:
+            shard, batch = self.shard, self.batch + 1
+            if batch > len(self.costs[shard]):  # the shard is done: the next one's first batch
+                shard, batch = self.files[self.files.index(shard) + 1], 1
+            self.computation["compiled_from"] = {"shard": shard, "batch": batch, "eager_batches": self.batches}

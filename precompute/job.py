@@ -33,7 +33,7 @@ from storage import writes
 from schemas.card import write_card
 from schemas.stamps import tokenizer_parts
 
-from .compiled import compile_choice, compiled_scorer, cpu_slowdown, estimate_text, inductor_cache, warm_cache
+from .compiled import AutoCompile, compile_choice, compiled_scorer, inductor_cache
 from .config import PrecomputeConfig
 from .modes import REGISTRY, choose_mode, effective_budget, score_pairs
 from .prepare import Job, _check_top_k, _plan, _resume
@@ -108,7 +108,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
         if agreed is not None:
             log(f"token budget: auto -> {agreed['tokens']} ({agreed['why']})")
     if loaded:
-        model, computation, mode, pad_id, budget, _sized = loaded
+        model, computation, mode, pad_id, budget, probed, _sized = loaded
         if cfg.token_budget == "auto":
             computation = {**computation, "token_budget_resolved": agreed}  # a note (COMPUTATION_NOTES)
             budget = effective_budget(model, agreed["tokens"], _longest(job.encoded))
@@ -119,8 +119,12 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
                 differs = update.beyond_batching(differs, resume.computation, computation, log)
             if differs:
                 raise JobError(f"{differs[0].message}; {differs[0].remedy}")
+        auto = None if probed is None else AutoCompile(
+            model, [(s["file"], job.encoded.pairs[s["start"] : s["stop"]]) for s in mine], mode, budget, pad_id,
+            cfg.top_k, probed, computation, (lambda m: rank_log(f"{dist.name()}: {m}")) if rank_log else log,
+            job.device.type)
         stats = {**_score_shards(model, job.encoded, mine, job.out, job.stamps, cfg, pad_id, mode, computation,
-                                 dist.rank == 0, budget, rank_log, dist), "computation": computation}
+                                 dist.rank == 0, budget, rank_log, dist, auto), "computation": computation}
     box = dist.gather(stats)[:: dist.tp_size]  # also the barrier before the manifest; one rank of each group
     made = [b["computation"] for b in box if b["computation"] is not None]
     stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")},
@@ -177,26 +181,22 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     probed = {}  # the probe's pairs and their truth: --torch-compile is checked against the same, not recomputed
     mode = choose_mode(model, job.batching or cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair],
                        top_k=cfg.top_k, notes=notes, probed=probed)
-    rate = notes.pop("probe_rate", None)  # tokens a second of the chosen mode, eager, on the probe
+    notes.pop("probe_rate", None)  # the probe's one-call rate: too noisy for --torch-compile auto (compiled.py)
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
                    "head": verified_head(model), "batching": REGISTRY[mode].description,
                    **({"layout": layout} if layout else {}), **notes}  # notes, not compared on a rerun (COMPUTATION_NOTES)
     sized = auto_budget(model, mode, computation["head"], longest) if cfg.token_budget == "auto" else None
-    # --torch-compile auto: each loading rank on its own estimate of a rank's share of the job (no collective here:
-    # a rank dealt no shard loads nothing); compiled or not, the same numbers and the same cache
-    tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in encoded.pairs) / dist.world
-    eager, warm = tokens / rate if rate else None, warm_cache()
-    slowdown = cpu_slowdown() if cfg.torch_compile is None and layout is None and eager else 1.0  # the load now
-    compile_it, why = compile_choice(cfg.torch_compile, eager, split=layout is not None, warm=warm,
-                                     device_type=job.device.type, slowdown=slowdown)
-    if compile_it or cfg.torch_compile is not None:  # a note; a default job that stays eager records none, as before
+    if cfg.torch_compile is None and layout is None:  # auto: decided on this rank's first batches (AutoCompile)
+        return model, computation, mode, pad, budget, probed, sized
+    compile_it, why = compile_choice(cfg.torch_compile, None, split=layout is not None)
+    if cfg.torch_compile is not None:  # a note; a split model under auto records none, as before
         computation["compile_choice"] = why
-    if cfg.torch_compile is None:
-        log(f"torch.compile {why} ({estimate_text(eager, warm, job.device.type, slowdown)})")
+    else:
+        log(f"torch.compile {why}")
     if compile_it:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
         model, computation["compiled"] = compiled_scorer(model, mode, probed["pairs"], pad, cfg.top_k, log, budget,
                                                          truth=probed["truth"])
-    return model, computation, mode, pad, budget, sized
+    return model, computation, mode, pad, budget, None, sized
 
 
 def _load_dispatched(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
@@ -324,8 +324,9 @@ def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint 
 
 
 def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computation, show_progress: bool,
-                  budget: int, rank_log=None, dist: Dist | None = None) -> dict:
-    """Score `todo`'s shards and write them; `rank_log` (under torchrun): this rank's line after each shard."""
+                  budget: int, rank_log=None, dist: Dist | None = None, auto: AutoCompile | None = None) -> dict:
+    """Score `todo`'s shards and write them; `rank_log` (under torchrun): this rank's line after each shard. `auto`
+    (--torch-compile auto): told of each batch, it may switch the model to the compiled one between batches."""
     from tqdm.auto import tqdm
 
     total = {"tokens": 0, "processed": 0, "slots": 0, "written": {}}
@@ -334,6 +335,8 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
                file=sys.stderr)
 
     def tick(pairs, tokens):  # whole pairs (score_pairs)
+        if auto is not None:
+            auto.after_batch()
         total["live"] = total.get("live", 0) + tokens
         bar.update(pairs)
         bar.set_postfix_str(f"{total['live'] / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
@@ -341,7 +344,10 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
     done = 0
     for n, shard in enumerate(todo, 1):
         pairs = encoded.pairs[shard["start"] : shard["stop"]]
-        chosen, rejected, stats = score_pairs(model, pairs, pad_id, budget, mode, tick, top_k=cfg.top_k)
+        if auto is not None:
+            auto.begin(shard["file"])
+        chosen, rejected, stats = score_pairs(auto.current if auto else model, pairs, pad_id, budget, mode, tick,
+                                              top_k=cfg.top_k)
         if dist is not None and not dist.leads:  # a tensor-parallel group's other ranks: same forwards, no file
             continue
         table = fmt.shard_table(

@@ -43,11 +43,12 @@ SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.parquet$")
 
 COMPUTATION_DEFAULTS = {"top_k": 0}  # a computation key a cache may leave out, and what its absence means
 # computation keys that say where or how the model ran, not what it computed (the layout of --device-map or --tp-size,
-# --torch-compile's compiled and compile_choice (why compiled or not), the number --token-budget auto came to on this machine's memory: the request `auto`
+# --torch-compile's compiled, compile_choice (why compiled or not) and compiled_from (auto: the shard and batch
+# compiled scoring began at), the number --token-budget auto came to on this machine's memory: the request `auto`
 # itself is compared; and `truth`, how the probe's reference values of sequences too long for the whole forward were
 # made, runtime/truth.py): kept in the manifest only, never in a shard's footer, and never compared on a rerun, so a
 # split or compiled model makes the same cache
-COMPUTATION_NOTES = ("layout", "token_budget_resolved", "compiled", "compile_choice", "truth")
+COMPUTATION_NOTES = ("layout", "token_budget_resolved", "compiled", "compile_choice", "compiled_from", "truth")
 # computation keys that say how rows were batched into forwards: every mode reproduces the model's own forward on a
 # probe of the job's rows before it runs, so the shards an --update adds may record another mode than the cache's
 # (one the new rows can use, e.g. full_forward for rows longer than a sliding window): their manifest entries then

@@ -1,19 +1,16 @@
 """precompute-ref --torch-compile auto (neither flag, the default; issue 39 item 1): compile where the job's estimated
 eager scoring saves more than compiling costs, by precompute/compiled.py's measured figures; the cost model's inputs
 are faked here, never timed: a tiny job stays eager, a long one compiles, a warm inductor cache lowers the bar, the
-flags force either way, a split model stays eager, a loaded machine (probe and compile slowed alike) decides as an
-idle one; the choice is logged, noted in the manifest where it compiled or a flag decided, and inductor's caches go
-under refcache's home."""
+flags force either way, a split model stays eager, a loaded machine (the measured rate and the compile slowed alike)
+decides as an idle one. The job's side (the rate measured on its first batches, the switch, the notes):
+tests/precompute/test_compile_calibrated.py."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-from conftest import DATA, manifest_of
-from precompute import compiled, job
-from precompute.job import PrecomputeConfig, run_precompute
+from precompute import compiled
 
 COLD, WARM = compiled.COMPILE_SECONDS["cold"], compiled.COMPILE_SECONDS["warm"]
 BREAK_EVEN = {kind: c / (1 - 1 / compiled.SPEEDUP) for kind, c in compiled.COMPILE_SECONDS.items()}
@@ -84,34 +81,3 @@ def test_the_estimate_names_the_slowdown_it_scaled_the_compile_by():
     text = compiled.estimate_text(600.0, False, "cpu", slowdown=4.0)
     assert f"about {COLD * 4:.0f} s of compiling with a cold inductor cache ({COLD:.0f} s measured unloaded x 4.0" in text
     assert "(unloaded: no CPU slowdown measured now)" in compiled.estimate_text(600.0, True, "cpu")
-
-
-def test_a_small_job_stays_eager_and_a_long_one_compiles(tmp_path, monkeypatch):
-    """run_precompute on 12 rows of data/: auto keeps it eager (logged, noted); with the probe's rate faked 10^6
-    times lower the same job is estimated long and compiles (compiled_scorer stubbed: what it proves is
-    tests/precompute/test_compile.py's); the inductor cache goes under refcache's home."""
-    data = tmp_path / "pairs.jsonl"
-    data.write_text("".join((DATA / "prefs" / "train.jsonl").read_text().splitlines(keepends=True)[:12]))
-    monkeypatch.setenv("REFCACHE_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    lines = []
-
-    def run(out):
-        run_precompute(PrecomputeConfig(model=str(DATA / "sft-model"), data=str(data), out=str(out), progress=False),
-                       log=lines.append)
-        return manifest_of(out)["computation"]
-
-    monkeypatch.setattr(job, "cpu_slowdown", lambda: 4.0)  # a loaded machine: the compile costs are scaled 4x
-    small = run(tmp_path / "small")
-    assert "compile_choice" not in small and "compiled" not in small  # a default job's manifest as before
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "home" / "inductor")
-    assert any(line.startswith("torch.compile auto: eager") and "eager scoring estimated at" in line
-               and "measured unloaded x 4.0, this machine's present CPU slowdown" in line for line in lines), lines
-
-    calls = []
-    monkeypatch.setattr(job, "compiled_scorer", lambda model, *a, **k: calls.append(a[0]) or (model, True))
-    original = compiled.compile_choice
-    monkeypatch.setattr(job, "compile_choice", lambda r, eager, **k: original(r, eager * 1e6, **k))
-    long = run(tmp_path / "long")
-    assert long["compile_choice"].startswith("auto: compiled") and long["compiled"] is True and len(calls) == 1
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")  # what the job set, not left to later tests
