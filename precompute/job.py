@@ -35,7 +35,7 @@ from schemas.stamps import tokenizer_parts
 
 from .compiled import compile_choice, compiled_scorer, cpu_slowdown, estimate_text, inductor_cache, warm_cache
 from .config import PrecomputeConfig
-from .modes import REGISTRY, choose_mode, effective_budget, score_pairs
+from .modes import REGISTRY, choose_mode, effective_budget, score_known
 from .prepare import Job, _check_top_k, _plan, _resume
 from .resume import COMPUTATION, Resume
 from . import update
@@ -108,7 +108,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
         if agreed is not None:
             log(f"token budget: auto -> {agreed['tokens']} ({agreed['why']})")
     if loaded:
-        model, computation, mode, pad_id, budget, _sized = loaded
+        model, computation, mode, pad_id, budget, _sized, known = loaded
         if cfg.token_budget == "auto":
             computation = {**computation, "token_budget_resolved": agreed}  # a note (COMPUTATION_NOTES)
             budget = effective_budget(model, agreed["tokens"], _longest(job.encoded))
@@ -120,7 +120,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
             if differs:
                 raise JobError(f"{differs[0].message}; {differs[0].remedy}")
         stats = {**_score_shards(model, job.encoded, mine, job.out, job.stamps, cfg, pad_id, mode, computation,
-                                 dist.rank == 0, budget, rank_log, dist), "computation": computation}
+                                 dist.rank == 0, budget, rank_log, dist, known), "computation": computation}
     box = dist.gather(stats)[:: dist.tp_size]  # also the barrier before the manifest; one rank of each group
     made = [b["computation"] for b in box if b["computation"] is not None]
     stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")},
@@ -196,7 +196,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     if compile_it:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
         model, computation["compiled"] = compiled_scorer(model, mode, probed["pairs"], pad, cfg.top_k, log, budget,
                                                          truth=probed["truth"])
-    return model, computation, mode, pad, budget, sized
+    return model, computation, mode, pad, budget, sized, probed.get("scores")  # the probe's values: not scored again
 
 
 def _load_dispatched(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
@@ -324,7 +324,7 @@ def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint 
 
 
 def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computation, show_progress: bool,
-                  budget: int, rank_log=None, dist: Dist | None = None) -> dict:
+                  budget: int, rank_log=None, dist: Dist | None = None, known: dict | None = None) -> dict:
     """Score `todo`'s shards and write them; `rank_log` (under torchrun): this rank's line after each shard."""
     from tqdm.auto import tqdm
 
@@ -341,7 +341,7 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
     done = 0
     for n, shard in enumerate(todo, 1):
         pairs = encoded.pairs[shard["start"] : shard["stop"]]
-        chosen, rejected, stats = score_pairs(model, pairs, pad_id, budget, mode, tick, top_k=cfg.top_k)
+        chosen, rejected, stats = score_known(model, pairs, pad_id, budget, mode, tick, top_k=cfg.top_k, known=known)
         if dist is not None and not dist.leads:  # a tensor-parallel group's other ranks: same forwards, no file
             continue
         table = fmt.shard_table(
