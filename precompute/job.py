@@ -108,7 +108,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
         if agreed is not None:
             log(f"token budget: auto -> {agreed['tokens']} ({agreed['why']})")
     if loaded:
-        model, computation, mode, pad_id, budget, _sized, known = loaded
+        model, computation, mode, pad_id, budget, known, _sized = loaded
         if cfg.token_budget == "auto":
             computation = {**computation, "token_budget_resolved": agreed}  # a note (COMPUTATION_NOTES)
             budget = effective_budget(model, agreed["tokens"], _longest(job.encoded))
@@ -196,7 +196,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     if compile_it:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
         model, computation["compiled"] = compiled_scorer(model, mode, probed["pairs"], pad, cfg.top_k, log, budget,
                                                          truth=probed["truth"])
-    return model, computation, mode, pad, budget, sized, probed.get("scores")  # the probe's values: not scored again
+    return model, computation, mode, pad, budget, probed.get("scores"), sized  # the probe's scores: kept, not redone
 
 
 def _load_dispatched(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
