@@ -32,7 +32,8 @@ CONFIGS = ("precompute", "end_to_end", "train", "train_compiled", "train_padded"
 
 def child_precompute(a) -> dict:
     from precompute.compiled import compile_scoring
-    from precompute.job import PrecomputeConfig, run_precompute, score_pairs
+    from precompute.job import PrecomputeConfig, run_precompute
+    from precompute.modes import score_pairs
     from runtime.checkpoint import Checkpoint
 
     dev = common.device()

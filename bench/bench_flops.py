@@ -39,7 +39,8 @@ CONFIGS = ("precompute", "train", "train_padded")
 # the children
 
 def child_precompute(a) -> dict:
-    from precompute.job import PrecomputeConfig, run_precompute, score_pairs
+    from precompute.job import PrecomputeConfig, run_precompute
+    from precompute.modes import score_pairs
     from runtime.checkpoint import Checkpoint
     from runtime.logprobs import pad_sequences
     from runtime.packing import length_batches
@@ -91,7 +92,8 @@ def variants(a, model, pairs, pad_id: int, per_shard: int, mode: str, refcache) 
     """Further contenders (--head-pieces): `score/head piece E` and `refcache/head piece E`, score_pairs and
     run_precompute with the CPU head's pieces at E logits (runtime.logprobs.CPU_CHUNK_ELEMENTS; 2**25 is the memory
     chunk itself, the head before it ran in pieces)."""
-    from precompute.job import PrecomputeConfig, score_pairs
+    from precompute.job import PrecomputeConfig
+    from precompute.modes import score_pairs
     from runtime import logprobs
 
     def pieces(piece: int, fn):

@@ -2,7 +2,7 @@
 
 For each case (a model and a data set), round-robin in this one process:
   refcache    run_precompute end to end, default options, into a fresh output directory each time
-  score-only  precompute.job.score_pairs on the loaded model in the mode run_precompute picked (and in
+  score-only  precompute.modes.score_pairs on the loaded model in the mode run_precompute picked (and in
               full_forward where that differs): forward + gather, no I/O
   bare        model(input_ids, attention_mask).logits over the same padded batches, no_grad: the limit
   trl         trl.DPOTrainer(precompute_ref_log_probs=True) construction with the model load, when trl is importable
@@ -69,7 +69,7 @@ PHASES = {  # phase -> (module, attribute)
     "model hash": ("runtime.checkpoint", "model_hash"),
     "load model": ("runtime.checkpoint", "Checkpoint.load_model"),
     "mode probe": ("precompute.job", "choose_mode"),
-    "forward+gather": ("precompute.job", "score_pairs"),
+    "forward+gather": ("precompute.job", "score_known"),
     "build table": ("schemas.format", "shard_table"),
     "write shard": ("schemas.format", "write_shard"),
     "hash shard": ("schemas.format", "shard_entry"),
@@ -171,7 +171,8 @@ def trl_precompute(model_dir, rows, max_length: int, pairs_per_batch: int, dev, 
 
 
 def bench_case(case: dict, work: Path, dev) -> dict:
-    from precompute.job import PrecomputeConfig, run_precompute, score_pairs
+    from precompute.job import PrecomputeConfig, run_precompute
+    from precompute.modes import score_pairs
     from runtime.checkpoint import Checkpoint
 
     model_dir, data, split, encoding = prepare(case, work)

@@ -19,7 +19,7 @@ PHASES = {  # label -> the (module, attribute) names it is called through; neste
     "mode choice": [("precompute.job", "choose_mode")],
     "probe: reference forwards": [("precompute.modes.choose", "reference_values")],
     "probe: mode forwards": [("precompute.modes.choose", "mode_values")],
-    "score_pairs": [("precompute.job", "score_pairs"), ("precompute.modes.choose", "score_pairs")],
+    "score_pairs": [("precompute.job", "score_known"), ("precompute.modes.choose", "score_pairs")],
     "model forwards": [("runtime.logprobs", "token_scores")],  # the modes import it where they score
     "head (projection + log-softmax)": [("runtime.logprobs", "_chunk_scores")],
     "shard table": [("schemas.format", "shard_table")],

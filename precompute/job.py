@@ -35,7 +35,7 @@ from schemas.stamps import tokenizer_parts
 
 from .compiled import AutoCompile, compile_choice, compiled_scorer, inductor_cache
 from .config import PrecomputeConfig
-from .modes import REGISTRY, choose_mode, effective_budget, score_pairs
+from .modes import REGISTRY, choose_mode, effective_budget, score_known, to_score
 from .prepare import Job, _check_top_k, _plan, _resume
 from .resume import COMPUTATION, Resume
 from . import update
@@ -108,7 +108,7 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
         if agreed is not None:
             log(f"token budget: auto -> {agreed['tokens']} ({agreed['why']})")
     if loaded:
-        model, computation, mode, pad_id, budget, probed, _sized = loaded
+        model, computation, mode, pad_id, budget, probed, known, _sized = loaded
         if cfg.token_budget == "auto":
             computation = {**computation, "token_budget_resolved": agreed}  # a note (COMPUTATION_NOTES)
             budget = effective_budget(model, agreed["tokens"], _longest(job.encoded))
@@ -119,12 +119,13 @@ def _score(cfg: PrecomputeConfig, job: Job, resume: Resume, log, dist: Dist, sta
                 differs = update.beyond_batching(differs, resume.computation, computation, log)
             if differs:
                 raise JobError(f"{differs[0].message}; {differs[0].remedy}")
-        auto = None if probed is None else AutoCompile(
-            model, [(s["file"], job.encoded.pairs[s["start"] : s["stop"]]) for s in mine], mode, budget, pad_id,
+        auto = None if probed is None else AutoCompile(  # the batches to run: the pairs not known from the probe
+            model, [(s["file"], to_score(job.encoded.pairs[s["start"] : s["stop"]], known, mode, cfg.top_k))
+                    for s in mine], mode, budget, pad_id,
             cfg.top_k, probed, computation, (lambda m: rank_log(f"{dist.name()}: {m}")) if rank_log else log,
             job.device.type)
         stats = {**_score_shards(model, job.encoded, mine, job.out, job.stamps, cfg, pad_id, mode, computation,
-                                 dist.rank == 0, budget, rank_log, dist, auto), "computation": computation}
+                                 dist.rank == 0, budget, rank_log, dist, auto, known), "computation": computation}
     box = dist.gather(stats)[:: dist.tp_size]  # also the barrier before the manifest; one rank of each group
     made = [b["computation"] for b in box if b["computation"] is not None]
     stats = {**{k: sum(b[k] for b in box) for k in ("tokens", "processed", "slots")},
@@ -187,7 +188,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
                    **({"layout": layout} if layout else {}), **notes}  # notes, not compared on a rerun (COMPUTATION_NOTES)
     sized = auto_budget(model, mode, computation["head"], longest) if cfg.token_budget == "auto" else None
     if cfg.torch_compile is None and layout is None:  # auto: decided on this rank's first batches (AutoCompile)
-        return model, computation, mode, pad, budget, probed, sized
+        return model, computation, mode, pad, budget, probed, probed.get("scores"), sized
     compile_it, why = compile_choice(cfg.torch_compile, None, split=layout is not None)
     if cfg.torch_compile is not None:  # a note; a split model under auto records none, as before
         computation["compile_choice"] = why
@@ -196,7 +197,7 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     if compile_it:  # a note too: compiled or not, the same numbers (proven by the probe) and the same cache
         model, computation["compiled"] = compiled_scorer(model, mode, probed["pairs"], pad, cfg.top_k, log, budget,
                                                          truth=probed["truth"])
-    return model, computation, mode, pad, budget, None, sized
+    return model, computation, mode, pad, budget, None, probed.get("scores"), sized  # the probe's scores: kept
 
 
 def _load_dispatched(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack):
@@ -324,9 +325,11 @@ def load_model_for(cfg: PrecomputeConfig, dtype, device, checkpoint: Checkpoint 
 
 
 def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computation, show_progress: bool,
-                  budget: int, rank_log=None, dist: Dist | None = None, auto: AutoCompile | None = None) -> dict:
+                  budget: int, rank_log=None, dist: Dist | None = None, auto: AutoCompile | None = None,
+                  known: dict | None = None) -> dict:
     """Score `todo`'s shards and write them; `rank_log` (under torchrun): this rank's line after each shard. `auto`
-    (--torch-compile auto): told of each batch, it may switch the model to the compiled one between batches."""
+    (--torch-compile auto): told of each batch, it may switch the model to the compiled one between batches;
+    `known`: the probe's values of the job's pairs it scored whole, kept, not scored again (modes.score_known)."""
     from tqdm.auto import tqdm
 
     total = {"tokens": 0, "processed": 0, "slots": 0, "written": {}}
@@ -334,8 +337,8 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
     bar = tqdm(total=sum(s["stop"] - s["start"] for s in todo), unit="pair", disable=not (cfg.progress and show_progress),
                file=sys.stderr)
 
-    def tick(pairs, tokens):  # whole pairs (score_pairs)
-        if auto is not None:
+    def tick(pairs, tokens, reused=False):  # whole pairs (score_pairs); reused: the probe's, no batch was run
+        if auto is not None and not reused:
             auto.after_batch()
         total["live"] = total.get("live", 0) + tokens
         bar.update(pairs)
@@ -346,8 +349,8 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
         pairs = encoded.pairs[shard["start"] : shard["stop"]]
         if auto is not None:
             auto.begin(shard["file"])
-        chosen, rejected, stats = score_pairs(auto.current if auto else model, pairs, pad_id, budget, mode, tick,
-                                              top_k=cfg.top_k)
+        chosen, rejected, stats = score_known(auto.current if auto else model, pairs, pad_id, budget, mode, tick,
+                                              top_k=cfg.top_k, known=known)
         if dist is not None and not dist.leads:  # a tensor-parallel group's other ranks: same forwards, no file
             continue
         table = fmt.shard_table(

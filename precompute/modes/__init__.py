@@ -17,12 +17,12 @@ from .registry import MODES, REGISTRY, batching_help, lookup, readme_table
 
 __all__ = ["FALLBACK", "HEAD_ELEMENTS", "MODES", "REGISTRY", "BatchingMode", "batching_help", "candidates",
            "choose_mode", "effective_budget", "estimated_cost", "lookup", "probe_pairs",
-           "readme_table", "score_pairs", "shape_dependent", "unsupported"]
+           "readme_table", "score_known", "score_pairs", "shape_dependent", "to_score", "unsupported"]
 
 
 def __getattr__(name):
     # the names that need torch, imported on first use (as schemas.read_cache is)
-    if name in ("FALLBACK", "candidates", "choose_mode", "probe_pairs", "unsupported"):
+    if name in ("FALLBACK", "candidates", "choose_mode", "probe_pairs", "score_known", "to_score", "unsupported"):
         from . import choose
 
         return getattr(choose, name)

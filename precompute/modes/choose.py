@@ -55,7 +55,8 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
     Refuses (JobError) if nothing reproduces the reference. `notes` receives the truth's record when a probe
     sequence is too long for the whole forward (runtime/truth.py). `probed` receives the probe's pairs and their
     truth (`pairs`, `truth`), so that a later check of the same pairs (--torch-compile) needs no second reference
-    pass over them."""
+    pass over them, and the chosen mode's own values of the probe pairs (`scores`, see score_known): the job's
+    pairs among them (its longest) were just scored in that mode and proven, and need no second pass either."""
     attn = model.config._attn_implementation
     if requested != "auto":
         warning = lookup(requested).warning(attn)  # an unknown name is refused here (ValueError)
@@ -73,9 +74,14 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
                "fit)" if t["kind"] == "chunked" else f" ({t['why']})"))
     rejected = []
     for mode in order:
+        got = {}
         reason = unsupported(mode, model, longest) or disagreement(
-            model, partial(_timed, notes, model, mode, pad_id=pad_id, top_k=top_k), probe, truth=truth)
+            model, partial(_timed, notes, model, mode, pad_id=pad_id, top_k=top_k, kept=got), probe, truth=truth)
         if reason is None:
+            if probed is not None:  # what this mode gave on the probe, every value within the tolerance of the truth
+                values = got["values"]
+                probed["scores"] = {"mode": mode, "top_k": top_k,
+                                    "pairs": {id(p): (p, values[2 * i], values[2 * i + 1]) for i, p in enumerate(probe)}}
             ratio = (f"; estimated {cost['full_forward'] / cost[mode]:.2f}x less work than full_forward"
                      if mode in cost else "")
             why = f"; instead of {'; '.join(rejected)}" if rejected else ""
@@ -123,12 +129,15 @@ def _shape(pair: EncodedPair) -> tuple[int, int, int]:
     return len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
 
 
-def _timed(notes: dict | None, model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: int = 0) -> list:
+def _timed(notes: dict | None, model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: int = 0,
+           kept: dict | None = None) -> list:
     """mode_values, its seconds and tokens (prompt and both completions of each pair) put in `notes["probe_rate"]`:
     the eager rate precompute-ref's --torch-compile auto weighs the job with (the probe's first call of a mode,
-    one-time costs included, so the rate is if anything low)."""
+    one-time costs included, so the rate is if anything low). `kept["values"]` receives the values as they came."""
     start = time.perf_counter()
     values = mode_values(model, mode, pairs, pad_id, top_k)
+    if kept is not None:
+        kept["values"] = values
     if notes is not None:
         tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
         notes["probe_rate"] = tokens / max(time.perf_counter() - start, 1e-9)
@@ -141,3 +150,46 @@ def mode_values(model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: 
     together)."""
     got_c, got_r, _ = score_pairs(model, pairs, pad_id, lookup(mode).probe_budget(pairs), mode, top_k=top_k)
     return [x for pair in zip(got_c, got_r) for x in pair]
+
+
+def score_known(model, pairs: list[EncodedPair], pad_id: int, token_budget: int, mode: str, on_batch=None,
+                top_k: int = 0, known: dict | None = None):
+    """score_pairs, except that a pair the probe already scored in `mode` (`known`: choose_mode's `probed["scores"]`;
+    the very same pair object, the job's own, not a cut copy) takes the probe's values instead of a second forward
+    over it: they are `mode`'s values of that pair, each within the tolerance of the truth (the probe checked them
+    before the mode was taken). The probe runs alike on every rank and every resumed run (the job's first shard and
+    longest pair), so a shard holds the same values whoever scores it. The probe's pairs are the job's longest,
+    the most costly to score twice. stats: the reused pairs' tokens count as scored (`tokens`), not as processed;
+    on_batch is told of them once, after the batches, with reused=True (no batch ran for them)."""
+    have = _known_of(pairs, known, mode, top_k)
+    if not have:
+        return score_pairs(model, pairs, pad_id, token_budget, mode, on_batch, top_k=top_k)
+    rest = [i for i in range(len(pairs)) if i not in have]
+    chosen, rejected = [None] * len(pairs), [None] * len(pairs)
+    stats = {"tokens": 0, "processed": 0, "slots": 0}
+    if rest:
+        got_c, got_r, stats = score_pairs(model, [pairs[i] for i in rest], pad_id, token_budget, mode, on_batch,
+                                          top_k=top_k)
+        for i, c, r in zip(rest, got_c, got_r):
+            chosen[i], rejected[i] = c, r
+    tokens = 0
+    for i, (pair, c, r) in have.items():
+        chosen[i], rejected[i] = c, r
+        tokens += 2 * len(pair.prompt_ids) + len(pair.chosen_ids) + len(pair.rejected_ids)
+    if on_batch:
+        on_batch(len(have), tokens, reused=True)
+    return chosen, rejected, {**stats, "tokens": stats["tokens"] + tokens}
+
+
+def _known_of(pairs: list[EncodedPair], known: dict | None, mode: str, top_k: int) -> dict:
+    """{index in `pairs`: (pair, chosen, rejected)} of the pairs `known` holds for this mode and top-k."""
+    if not (known and known.get("mode") == mode and known.get("top_k") == top_k):
+        return {}
+    return {i: known["pairs"][id(p)] for i, p in enumerate(pairs)
+            if id(p) in known["pairs"] and known["pairs"][id(p)][0] is p}
+
+
+def to_score(pairs: list[EncodedPair], known: dict | None, mode: str, top_k: int) -> list[EncodedPair]:
+    """The pairs of `pairs` that score_known runs through the model (those `known` does not hold), in its order."""
+    have = _known_of(pairs, known, mode, top_k)
+    return [p for i, p in enumerate(pairs) if i not in have]

@@ -255,7 +255,7 @@ def test_scoring_leaves_the_model_parameters_unchanged(llama_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from runtime.data import Source, encode_rows
-    from precompute.job import score_pairs
+    from precompute.modes import score_pairs
     from schemas.encoding import EncodingConfig
 
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)

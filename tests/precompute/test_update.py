@@ -47,7 +47,7 @@ class Forwards:
 
     def __init__(self, monkeypatch):
         self.sequences, self.scored = 0, []
-        forward, score = transformers.LlamaForCausalLM.forward, job_module.score_pairs
+        forward, score = transformers.LlamaForCausalLM.forward, job_module.score_known
 
         def counting(model, *args, **kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
@@ -60,7 +60,7 @@ class Forwards:
             return score(model, pairs, *args, **kwargs)
 
         monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", counting)
-        monkeypatch.setattr(job_module, "score_pairs", scoring)
+        monkeypatch.setattr(job_module, "score_known", scoring)
 
 
 def by_id(out: Path) -> pl.DataFrame:
