@@ -21,7 +21,6 @@ from conftest import (DATA, assert_same_values, audit_ref, manifest_of, pref_row
 from conftest import precompute_ok as ok
 from precompute import compiled
 from precompute.job import PrecomputeConfig, run_precompute
-from precompute.modes import REGISTRY
 from runtime.tolerance import probe_tolerance
 from schemas import format as fmt
 from schemas.encoding import EncodedPair
@@ -45,18 +44,16 @@ def slow_batches(monkeypatch, seconds: float):
     monkeypatch.setattr(compiled, "cpu_slowdown", lambda: 1.0)
 
 
-def batches_scored(monkeypatch, rows_per_shard: int, mode="full_forward"):
-    """Each batch the mode scores of the job's shards (not the probe's few pairs): (the shard's pairs object, whether
-    a compiled model scored it)."""
-    seen, way = [], REGISTRY[mode]
-    original = way.score
+def batches_scored(monkeypatch):
+    """Each batch the job runs through the model (not the probe's, not the compiled forward's proof; the pairs the
+    probe holds run no batch): (the shard's file, whether a compiled model scored it), as AutoCompile is told of it."""
+    seen, original = [], compiled.AutoCompile.after_batch
 
-    def score(model, pairs, *a, **k):
-        if len(pairs) == rows_per_shard:
-            seen.append((id(pairs), isinstance(model, compiled.CompiledDecoder)))
-        return original(model, pairs, *a, **k)
+    def after_batch(self, *a, **k):
+        seen.append((self.shard, isinstance(self.current.model, compiled.CompiledDecoder)))
+        return original(self, *a, **k)
 
-    monkeypatch.setattr(way, "score", score)
+    monkeypatch.setattr(compiled.AutoCompile, "after_batch", after_batch)
     return seen
 
 
@@ -153,7 +150,7 @@ def test_a_long_job_compiles_after_the_calibration_and_gives_the_eager_cache(tmp
     eager, auto = tmp_path / "eager", tmp_path / "auto"
     ok("--model", llama_dir, "--data", data, "--out", eager, *ARGS, "--no-torch-compile")
     slow_batches(monkeypatch, 1000.0)
-    seen = batches_scored(monkeypatch, 8)
+    seen = batches_scored(monkeypatch)
     result = ok("--model", llama_dir, "--data", data, "--out", auto, *ARGS)
     text = " ".join(result.output.split())
     assert "torch.compile auto: compiled, the job's estimated eager scoring is past the break-even (the first 4 " \
@@ -161,15 +158,13 @@ def test_a_long_job_compiles_after_the_calibration_and_gives_the_eager_cache(tmp
     assert "torch.compile: the full_forward forward compiled (its decoder, dynamic shapes)" in text
     assert_same_values(eager, auto, tol=probe_tolerance(torch.float32))
 
-    shards = list(dict.fromkeys(s for s, _ in seen))  # the shards' pairs objects, in scoring order
     flags = [c for _, c in seen]
     assert flags[:4] == [False] * 4 and all(flags[4:]) and len(flags) > 4, flags
     first, shard_of = seen[4][0], [s for s, _ in seen]
     computation = manifest_of(auto)["computation"]
     assert computation["compiled"] is True and computation["compile_choice"].startswith("auto: compiled")
     files = [s["file"] for s in manifest_of(auto)["shards"]]
-    assert computation["compiled_from"] == {"shard": files[shards.index(first)],
-                                            "batch": shard_of[:5].count(first), "eager_batches": 4}
+    assert computation["compiled_from"] == {"shard": first, "batch": shard_of[:5].count(first), "eager_batches": 4}
     footers = {json.dumps(json.loads(fmt.read_footer(auto / f).meta["computation"]), sort_keys=True) for f in files}
     assert len(footers) == 1 and "compiled" not in next(iter(footers))
     plain = manifest_of(eager)["computation"]
