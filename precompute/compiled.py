@@ -193,7 +193,7 @@ def compiled_scorer(model, mode: str, probe: list[EncodedPair], pad_id: int, top
 # (one-time costs: the allocator, kernel selection), then it waits for at least CALIBRATION_BATCHES more and
 # CALIBRATION_SECONDS of their scoring. A job done before that never decides and never compiles, at no extra cost;
 # a decision made that late loses at most CALIBRATION_SECONDS (1 - 1/speed-up) against one made at the start. The
-# probe's one call (choose.py's probe_rate) is not used: on three back-to-back calls it read 0.92, 1.35 and 0.175 s,
+# probe's one call (its wall time, which earlier versions weighed) is not used: on three back-to-back calls it read 0.92, 1.35 and 0.175 s,
 # 2-22x apart, past the margin of any early decision worth its risk.
 CALIBRATION_BATCHES, CALIBRATION_SECONDS = 3, 10.0
 

@@ -182,7 +182,6 @@ def _load(cfg: PrecomputeConfig, job: Job, log, stack: contextlib.ExitStack, dis
     probed = {}  # the probe's pairs and their truth: --torch-compile is checked against the same, not recomputed
     mode = choose_mode(model, job.batching or cfg.batching, first, longest, pad, budget, log, long_pairs=[longest_pair],
                        top_k=cfg.top_k, notes=notes, probed=probed)
-    notes.pop("probe_rate", None)  # the probe's one-call rate: too noisy for --torch-compile auto (compiled.py)
     computation = {**job.claimed(cfg), "attn_implementation": model.config._attn_implementation, "mode": mode,
                    "head": verified_head(model), "batching": REGISTRY[mode].description,
                    **({"layout": layout} if layout else {}), **notes}  # notes, not compared on a rerun (COMPUTATION_NOTES)

@@ -10,7 +10,6 @@ device, so a resumed job picks the same mode again. Reads the registry only: a n
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 from schemas.encoding import EncodedPair
@@ -76,7 +75,7 @@ def choose_mode(model, requested: str, sample: list[EncodedPair], longest: int, 
     for mode in order:
         got = {}
         reason = unsupported(mode, model, longest) or disagreement(
-            model, partial(_timed, notes, model, mode, pad_id=pad_id, top_k=top_k, kept=got), probe, truth=truth)
+            model, partial(_kept, got, model, mode, pad_id=pad_id, top_k=top_k), probe, truth=truth)
         if reason is None:
             if probed is not None:  # what this mode gave on the probe, every value within the tolerance of the truth
                 values = got["values"]
@@ -129,19 +128,10 @@ def _shape(pair: EncodedPair) -> tuple[int, int, int]:
     return len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
 
 
-def _timed(notes: dict | None, model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: int = 0,
-           kept: dict | None = None) -> list:
-    """mode_values, its seconds and tokens (prompt and both completions of each pair) put in `notes["probe_rate"]`:
-    the eager rate precompute-ref's --torch-compile auto weighs the job with (the probe's first call of a mode,
-    one-time costs included, so the rate is if anything low). `kept["values"]` receives the values as they came."""
-    start = time.perf_counter()
-    values = mode_values(model, mode, pairs, pad_id, top_k)
-    if kept is not None:
-        kept["values"] = values
-    if notes is not None:
-        tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
-        notes["probe_rate"] = tokens / max(time.perf_counter() - start, 1e-9)
-    return values
+def _kept(kept: dict, model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: int = 0) -> list:
+    """mode_values, the values also put in `kept["values"]` as they came (the job keeps them: score_known)."""
+    kept["values"] = mode_values(model, mode, pairs, pad_id, top_k)
+    return kept["values"]
 
 
 def mode_values(model, mode: str, pairs: list[EncodedPair], pad_id: int, top_k: int = 0) -> list:
