@@ -258,6 +258,29 @@ def precompute_ok(*args):
     return result
 
 
+def made_cache(tmp_path_factory, llama_dir, name: str, rows: int, per_shard: int = 4) -> tuple[Path, Path]:
+    """(a finished cache of `rows` pref_rows in shards of `per_shard`, its data file), made once in a folder `name`."""
+    base = tmp_path_factory.mktemp(name)
+    data = write_jsonl(base / "d.jsonl", pref_rows(rows))
+    precompute_ok("--model", llama_dir, "--data", data, "--out", base / "cache", "--rows-per-shard", per_shard)
+    return base / "cache", data
+
+
+def encoded_job(llama_dir, tmp_path_factory, name: str, rows: int, seed: int):
+    """(the model in float32, the encoded pairs of `rows` pref_rows, the pad id, the data file) for tests that score
+    pairs themselves."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from runtime.data import encode_rows, load_rows
+    from schemas.encoding import EncodingConfig
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    data = write_jsonl(tmp_path_factory.mktemp(name) / "d.jsonl", pref_rows(rows, seed=seed))
+    pairs = encode_rows(load_rows(data), tok, EncodingConfig(chat_template="auto")).pairs
+    return model, pairs, tok.pad_token_id, data
+
+
 def scored_now(result) -> tuple[int, int]:
     """(pairs written, pairs scored by this run) from precompute-ref's closing line."""
     import re

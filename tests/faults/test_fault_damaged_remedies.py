@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 from faultkit import assert_one_paragraph, audit, failed_checks, precompute, train
-from support import dir_state, pref_rows, write_jsonl
+from support import dir_state, made_cache
 
 from schemas import format as fmt
 
@@ -25,11 +25,7 @@ S1 = "shard-00001.parquet"
 @pytest.fixture(scope="module")
 def made(tmp_path_factory, llama_dir):
     """A finished cache of 8 rows in shards of 4, and its data."""
-    base = tmp_path_factory.mktemp("damaged-remedies")
-    data = write_jsonl(base / "d.jsonl", pref_rows(8))
-    done = precompute("--model", llama_dir, "--data", data, "--out", base / "cache", "--rows-per-shard", 4)
-    assert done.exit_code == 0, done.output
-    return base / "cache", data
+    return made_cache(tmp_path_factory, llama_dir, "damaged-remedies", 8)
 
 
 def _edit(out, edit):

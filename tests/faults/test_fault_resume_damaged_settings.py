@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 from faultkit import assert_one_paragraph, set_metadata
-from support import dir_state, pref_rows, precompute_cli, write_jsonl
+from support import dir_state, pref_rows, precompute_cli, write_jsonl, made_cache
 
 from precompute.config import OPTION_OF, PrecomputeConfig, cache_settings
 from runtime.errors import JobError
@@ -24,11 +24,7 @@ FIRST_SHARD = "shard-00000.parquet"
 @pytest.fixture(scope="module")
 def made(tmp_path_factory, llama_dir):
     """A finished cache of 12 rows in shards of 4, and its data."""
-    base = tmp_path_factory.mktemp("damaged-settings")
-    data = write_jsonl(base / "d.jsonl", pref_rows(12))
-    done = precompute_cli("--model", llama_dir, "--data", data, "--out", base / "cache", "--rows-per-shard", 4)
-    assert done.exit_code == 0, done.output
-    return base / "cache", data
+    return made_cache(tmp_path_factory, llama_dir, "damaged-settings", 12)
 
 
 def _tampered(made, tmp_path, where: str, section: str, key: str, value, shard: str = FIRST_SHARD):

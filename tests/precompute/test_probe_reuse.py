@@ -8,13 +8,10 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import pref_rows, write_jsonl
 from precompute.job import PrecomputeConfig, run_precompute
+from support import encoded_job
 from precompute.modes import choose
-from runtime.data import encode_rows, load_rows
-from schemas.encoding import EncodingConfig
 
 
 def plain_logps(model, prompt, completion) -> np.ndarray:
@@ -31,11 +28,7 @@ def _size(p) -> int:
 
 @pytest.fixture(scope="module")
 def job(llama_dir, tmp_path_factory):
-    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(llama_dir)
-    data = write_jsonl(tmp_path_factory.mktemp("reuse") / "d.jsonl", pref_rows(12, seed=5))
-    pairs = encode_rows(load_rows(data), tok, EncodingConfig(chat_template="auto")).pairs
-    return model, pairs, tok.pad_token_id, data
+    return encoded_job(llama_dir, tmp_path_factory, "reuse", 12, seed=5)
 
 
 def _counting(monkeypatch):

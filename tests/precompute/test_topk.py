@@ -15,13 +15,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from conftest import pref_rows, write_jsonl
 from precompute import modes
+from support import encoded_job
 from precompute.modes import REGISTRY, choose_mode, score_pairs
 from runtime import logprobs
-from runtime.data import encode_rows, load_rows
 from schemas import format as fmt
 from schemas.cache import open_cache
 from schemas.encoding import EncodingConfig
@@ -35,11 +34,7 @@ K = 5
 
 @pytest.fixture(scope="module")
 def setup(llama_dir, tmp_path_factory):
-    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(llama_dir)
-    data = write_jsonl(tmp_path_factory.mktemp("topk") / "d.jsonl", pref_rows(10, seed=5))
-    pairs = encode_rows(load_rows(data), tok, EncodingConfig(chat_template="auto")).pairs
-    return model, pairs, tok.pad_token_id, data
+    return encoded_job(llama_dir, tmp_path_factory, "topk", 10, seed=5)
 
 
 def plain_top_k(model, prompt, completion, k):
@@ -289,7 +284,6 @@ def test_the_probe_turns_down_a_mode_whose_top_k_is_wrong(setup, monkeypatch, da
 def test_any_top_k_values_read_back_as_written(tmp_path):
     """The storage is lossless but for the codes' rounding, whatever the order of the values (the writer stores
     each code's step from the one before, modulo 2**16); a stored column that is not K per token is refused."""
-    from schemas.encoding import EncodingConfig
 
     rng = np.random.default_rng(1)
     k, lengths = 3, [4, 1, 6]
