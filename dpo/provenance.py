@@ -57,7 +57,8 @@ def check_resume_reference(checkpoint: str, record: dict, train=None, evaluation
                  if new > old else f"this run uses version {new} of the cache {record[role]['path']}, the checkpoint "
                  f"was trained on version {old}")
         if changed:
-            raise JobError(f"--resume-from-checkpoint {checkpoint}: {where}, and version {max(old, new)} changed "
+            raise JobError(f"--resume-from-checkpoint {checkpoint}: {where}, and the update"
+                           f"{'s' if abs(new - old) > 1 else ''} between them added, removed or replaced "
                            f"{len(changed)} of this run's rows ({', '.join(map(repr, changed[:5]))}"
                            f"{' …' if len(changed) > 5 else ''})\n  remedy: {remedies.resume_moved(old, new, other)}")
         log(f"{where}; none of this run's {rows.table.num_rows} rows changed: resuming on version {new}")

@@ -109,8 +109,8 @@ def resume_moved(old: int, new: int, other_data: bool = False) -> str:
     """A resume whose rows a later (or earlier) version of the cache changed; `other_data`: this run's data is not
     the data the checkpoint trained on (edited since), which version `old` does not hold."""
     if other_data:
-        return (f"this run's data is not the data this checkpoint trained on (edited since; version {new} holds it as "
-                f"it is now): resume with the data it trained on and {VERSION_OPTION} {old}, or train on this data in "
+        return (f"this run's data is not the data this checkpoint trained on (rows added, removed or edited since; "
+                f"version {new} holds it as it is now): resume with the data it trained on and {VERSION_OPTION} {old}, or train on this data in "
                 "a new run (a fresh --output-dir)")
     return (f"pass {VERSION_OPTION} {old} to keep training on version {old}, the one this checkpoint was trained on, "
             "or start a new run (a fresh --output-dir)")

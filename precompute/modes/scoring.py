@@ -59,5 +59,7 @@ def estimated_cost(pairs: list[EncodedPair], mode: str, token_budget: int, hidde
 
 def batch_costs(pairs: list[EncodedPair], mode: str, token_budget: int, hidden: int) -> list[float]:
     """Work of each batch score_pairs runs for `pairs`, in its order, in token equivalents (estimated_cost's terms)."""
+    if not pairs:  # (a shard whose pairs the probe scored whole: none run, modes.to_score)
+        return []
     way, lengths = lookup(mode), Lengths.of(pairs)
     return [work(*way.batch_cost(lengths, batch), hidden) for batch in way.plan(pairs, token_budget)]

@@ -108,3 +108,18 @@ def test_the_job_stores_the_probes_values_of_its_longest_pair(job, llama_dir, tm
         for side in ("chosen", "rejected"):
             want = plain_logps(model, r["prompt_input_ids"], r[f"{side}_input_ids"])
             np.testing.assert_allclose(r[f"{side}_logps"], want, atol=2e-5)
+
+
+def test_an_update_whose_new_rows_the_probe_scored_whole_runs_no_batch(llama_dir, tmp_path):
+    """An --update of one new row: the probe scores it whole (the job's longest and its first shard's), so its shard
+    runs no batch; --torch-compile auto's calibration plans the batches of no pairs (found by the closing test run:
+    packing's plan of no pairs failed) and the row is the cache's."""
+    from support import precompute_cli, pref_rows, write_jsonl
+
+    rows = pref_rows(9, seed=11)
+    out = tmp_path / "cache"
+    for data, extra in ((rows[:8], ()), (rows, ("--update",))):
+        made = precompute_cli("--model", llama_dir, "--data", write_jsonl(tmp_path / "d.jsonl", data), "--out", out,
+                              "--batching", "packed", *extra)
+        assert made.exit_code == 0, made.output
+    assert "1 row added" in made.output and "(1 scored now)" in made.output

@@ -190,6 +190,8 @@ def test_a_resume_on_an_updated_cache(llama_dir, rows, base, tmp_path):
     refused = train(*args, "--output-dir", out, "--max-steps", "3", "--resume-from-checkpoint", out / "checkpoint-2")
     assert refused.exit_code == 2
     assert "updated from version 2 to 4 since this checkpoint" in refused.output
+    # said as what the updates did (ux44b: added rows were called "changed"), with the count of this run's rows
+    assert "and the updates between them added, removed or replaced 1 of this run's rows" in refused.output
     assert repr(rows[0]["id"]) in refused.output and "--cache-version 2" in refused.output
     resumed = train(*args, "--cache-version", "2", "--output-dir", out, "--max-steps", "3",
                     "--resume-from-checkpoint", out / "checkpoint-2")
