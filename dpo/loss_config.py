@@ -77,6 +77,13 @@ class LossConfig:
                              f"{self.beta_dpo_momentum}")
 
 
+def trained_with(loss: LossConfig) -> dict:
+    """The loss and the options it reads, as a checkpoint records them: {option as typed: value}. A resume with
+    other values would train one run under two objectives that its record calls one (dpo/provenance.py)."""
+    return {"--loss-type": loss.loss_type,
+            **{f"--{name.replace('_', '-')}": getattr(loss, name) for name in LOSSES[loss.loss_type]}}
+
+
 def loss_field(name: str) -> dataclasses.Field:
     """LossConfig's field `name` (its default and domain)."""
     return next(f for f in dataclasses.fields(LossConfig) if f.name == name)

@@ -13,8 +13,11 @@ from runtime.errors import JobError
 from runtime import remedies
 from runtime.hub import origin
 from schemas import run_manifest as rm
+from schemas.findings import labelled
 
 from .resume import same_cache_elsewhere
+
+LOSS = "loss"  # a checkpoint's record: the loss and the options it read (loss_config.trained_with)
 
 
 def reference_record(cfg, train, evaluation, live_hash: str | None = None) -> dict:
@@ -64,6 +67,15 @@ def check_resume_reference(checkpoint: str, record: dict, train=None, evaluation
         log(f"{where}; none of this run's {rows.table.num_rows} rows changed: resuming on version {new}")
         recorded = {**recorded, role: record[role]}
     found = rm.reference_findings(recorded, record)
+    theirs, ours = recorded.get(LOSS), record.get(LOSS)
+    if isinstance(theirs, dict) and isinstance(ours, dict) and theirs != ours:  # (older checkpoints record none)
+        differ = sorted((k for k in {**theirs, **ours} if theirs.get(k) != ours.get(k)), key=lambda k: k != "--loss-type")
+        sides = "\n".join(labelled(("the checkpoint", "this run"), *(
+            " ".join(f"{k} {d[k]}" if k in d else f"({k} not read by this loss)" for k in differ) for d in (theirs, ours))))
+        raise JobError(f"--resume-from-checkpoint {checkpoint}: the checkpoint was trained with other loss options "
+                       f"({', '.join(differ)}); one run is one objective, which its card and run-manifest.json "
+                       f"record\n{sides}\n  remedy: resume with {' '.join(f'{k} {theirs[k]}' for k in differ if k in theirs)} "
+                       "(the checkpoint's), or train with these options as a new run into a fresh --output-dir")
     if found:
         f = found[0]
         raise JobError(f"--resume-from-checkpoint {checkpoint}: {f.message}\n{f.sides_text()}\n"

@@ -472,3 +472,22 @@ def test_16_the_printed_command_overrides_what_a_config_file_says(tmp_path):
     assert text.startswith("checkpoint-3 is the latest complete checkpoint")
     assert shlex.split(text.splitlines()[-1])[3:] == ["--learning-rate", "0.5", "--resume-from-checkpoint", str(ckpt),
                                                       "--no-overwrite-output-dir"]
+
+
+@pytest.mark.parametrize("other", [("--beta", "0.2"), ("--loss-type", "ipo"), ("--label-smoothing", "0.1")])
+def test_17_a_resume_with_other_loss_options_is_refused_naming_them(trained, tmp_path, other):
+    """Found by the closing UX pass: a resume with another --beta went on, and the run's card and run-manifest.json
+    then said the new β for the whole run. Each checkpoint records its loss and the options that loss reads; a
+    resume with other values is refused naming them by owner, with the checkpoint's values to resume with, and
+    nothing written; with its own values it resumes."""
+    out = copy_tree(trained["run"], tmp_path / "run")
+    before = file_hashes(out)
+    result = train(*trained["args"], "--output-dir", out, "--max-steps", "3", "--resume-from-checkpoint", "true",
+                   *other)
+    option, value = other
+    refused(result, "the checkpoint was trained with other loss options", f"this run:       {option} {value}",
+            f"the checkpoint: {option} " + ("sigmoid" if option == "--loss-type" else ""),
+            "(the checkpoint's), or train with these options as a new run into a fresh --output-dir")
+    assert file_hashes(out) == before
+    again = train(*trained["args"], "--output-dir", out, "--max-steps", "3", "--resume-from-checkpoint", "true")
+    assert again.exit_code == 0, again.output
