@@ -237,6 +237,14 @@ class AutoCompile:
                 self.decide()  # once: the clock is not read after it
         self.mark = now
 
+    def finish(self) -> None:
+        """After the last batch: a job done before its calibration says so (it stayed eager, deciding nothing)."""
+        if self.probed is not None:
+            self.probed = None
+            self.log(f"torch.compile auto: stayed eager (the job's scoring was done after "
+                     f"{counted(self.batches, 'batch', 'batches')}, {self.seconds:.1f} s measured past the first, before "
+                     "the calibration: too short for compiling to pay)")
+
     def decide(self) -> None:
         probed, self.probed = self.probed, None  # decided once; the probe's truth is no longer needed
         rate = self.work / self.seconds

@@ -85,11 +85,12 @@ class PrecomputeConfig:
     torch_compile: bool | None = field(default=None, metadata=field_help(
         "Compile the scoring forward with torch.compile (dynamic shapes): used only where it reproduces the model's "
         "own eager forward on the probe of the job's pairs, else the job scores uncompiled and says why. Neither "
-        "flag (auto): compiled when the job's eager scoring, estimated from the probe's measured rate, would save "
-        "more than compiling costs (measured on CPU: past about 10 minutes of eager scoring with a warm inductor "
-        "cache, 25 cold; the caches are kept in refcache's home); a split model scores uncompiled. The manifest "
-        "notes computation.compiled and compile_choice; the cache is the same either way. Needs a C++ compiler on "
-        "CPU.", "Computation", show_default="auto"))
+        "flag (auto): the job starts eager and, after its first batches (4, and 10 s of scoring), compiles when the "
+        "rest of its eager scoring, estimated from their measured rate, would save more than compiling costs "
+        "(measured on CPU: past about 10 minutes of eager scoring with a warm inductor cache, 25 cold; the caches "
+        "are kept in refcache's home); a job done sooner stays eager; a split model scores uncompiled. The choice "
+        "is logged; where one was made the manifest notes computation.compile_choice and compiled (and "
+        "compiled_from); the cache is the same either way. Needs a C++ compiler on CPU.", "Computation", show_default="auto"))
     overwrite: bool = field(default=False, metadata=field_help(
         "Delete the existing cache first (default: resume, keeping finished shards of this same job).", "Output"))
     update: bool = field(default=False, metadata=field_help(

@@ -369,6 +369,8 @@ def _score_shards(model, encoded, todo, out, stamps, cfg, pad_id, mode, computat
                 rank_log(f"{dist.name()}: shard {n}/{len(todo)} ({shard['file']}) done, "
                          f"{done / seconds:,.1f} pairs/s, {total['tokens'] / seconds:,.0f} tokens/s")
     bar.close()
+    if auto is not None:
+        auto.finish()
     total["wall_s"] = time.perf_counter() - t0
     return total
 

@@ -121,6 +121,8 @@ def test_a_tiny_job_stays_eager_and_never_compiles(tmp_path, monkeypatch):
     computation = manifest_of(tmp_path / "c")["computation"]
     assert not called and not {"compile_choice", "compiled", "compiled_from"} & set(computation)
     assert any(x.startswith("torch.compile auto: eager first; decides after 4 batches") for x in lines), lines
+    assert any(x.startswith("torch.compile auto: stayed eager (the job's scoring was done after ") and
+               "before the calibration" in x for x in lines), lines  # what it chose, said (ux44b)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "home" / "inductor")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")  # what the job set, not left to later tests
 
