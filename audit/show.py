@@ -99,7 +99,8 @@ def _kl_text(value: float) -> str:
     coarse KL of two normalised distributions is >= 0 up to float rounding) prints as 0, never as a negative."""
     if not value > 0:
         return "0"
-    return f"{value:.4f}" if value >= 1e-3 else f"{value:.1e}"
+    four = f"{value:.4f}"  # a display choice, not a tolerance: at least two significant digits shown
+    return four if len(four.lstrip("0.")) >= 2 else f"{value:.1e}"
 
 
 def _signed(x: float) -> str:
