@@ -171,7 +171,8 @@ def run_audit(cache_dir, *, model=None, data=None, run=None, sample=DEFAULT_SAMP
         "result": FAIL if failed else PASS,
         "failed": failed,
         "checks": [asdict(c) for c in checks],
-        "stats": {"rows": scan.index.height, "bytes": sum(e["bytes"] for e in manifest["shards"]),
+        "stats": {"rows": scan.index.height, "rows_listed": sum(e["rows"] for e in manifest["shards"]),
+                  "bytes": sum(e["bytes"] for e in manifest["shards"]),
                   "tokens": token_stats(scan.index), "logprobs_per_shard": scan.logprob_stats},
         "made": {k: manifest.get(k) for k in ("created_at", "software", "model", "tokenizer", "computation", "source")}
         | {"encoding": manifest["encoding"], "stamps": manifest["stamps"]},

@@ -8,6 +8,7 @@ import numpy as np
 import polars as pl
 
 from runtime.placement import describe
+from schemas.findings import rebuild
 from runtime.terminal import escaped
 from storage.quoting import shell_word
 
@@ -59,6 +60,12 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
+def _rows(stats: dict) -> str:
+    """The cache's rows as its manifest lists them, and how many of them the audit could read where shards failed."""
+    listed, read = stats.get("rows_listed", stats["rows"]), stats["rows"]
+    return f"{listed:,} rows" + (f" ({read:,} of them in shards that passed shard_files)" if read != listed else "")
+
+
 def render(report: dict) -> str:
     made = report["made"]
     sw = made.get("software") or {}
@@ -70,7 +77,7 @@ def render(report: dict) -> str:
            f"  reference {escaped((made.get('model') or {}).get('name'))} in {comp.get('dtype')} on "
            f"{comp.get('device_type')} ({comp.get('attn_implementation')} attention, {comp.get('mode')} batching); "
            f"data {escaped(shell_word(src.get('data')))} split {escaped(src.get('split'))}; "
-           f"{report['stats']['rows']:,} rows, {report['stats']['bytes'] / 2**20:.2f} MiB",
+           f"{_rows(report['stats'])}, {report['stats']['bytes'] / 2**20:.2f} MiB",
            *([f"  split by {describe(comp['layout'])}"] if isinstance(comp.get("layout"), dict) else []),
            *([f"  {v['line']}"] if (v := report.get("version")) else []),
            *([f"  audited as version {v['version']} of the cache ({v['file']}; current version {v['current']})"
@@ -99,4 +106,8 @@ def render(report: dict) -> str:
     verdict = f"FAIL: {', '.join(report['failed'])}" if report["failed"] else "PASS"
     out.append(f"{verdict} ({counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped) in "
                f"{report['timing']['total_s']:.2f} s")
+    if any(c["status"] == FAIL and c["name"] in SECTIONS["cache"] and c["name"] != "card" for c in report["checks"]):
+        options, version = report.get("options") or {}, report.get("version") or {}  # a damaged cache (the card's
+        earlier = [h for h in version.get("history") or [] if h.get("version") != version.get("current")]  # own)
+        out.append(f"  remedy: {rebuild(report['cache'], {**made, 'history': earlier}, model=options.get('model'), data=options.get('data'))}")
     return "\n".join(out)

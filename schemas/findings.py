@@ -62,8 +62,13 @@ def rebuild(root, manifest=None, **known) -> str:
     """The one remedy of a damaged cache (a record precompute-ref never writes, a file that is not what it recorded):
     nothing in it can be trusted to say more, so the remedy is the command that makes it again (`known`: the model,
     data and split the caller has)."""
+    kept = sorted({e["version"] for e in (manifest.get("history") or [] if isinstance(manifest, dict) else [])
+                   if isinstance(e, dict) and type(e.get("version")) is int})  # an updated cache's earlier versions
+    versions = (f" and its earlier version{'s' if len(kept) > 1 else ''} {', '.join(map(str, kept))}, which "
+                "`train-dpo --cache-version N` and `audit-ref --cache-version N` still read where they verify; "
+                "--overwrite deletes them" if kept else "")
     return (f"{DAMAGED}: make it again with `{rebuild_command(root, manifest, **known)}` (or with another --out, to "
-            "keep this one)")
+            f"keep this one{versions})")
 
 
 def damaged(error: "CacheError", root, manifest=None, **known) -> "CacheError":

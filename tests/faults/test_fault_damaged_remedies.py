@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 from faultkit import assert_one_paragraph, audit, failed_checks, precompute, train
-from support import dir_state, made_cache
+from support import dir_state, made_cache, pref_rows, write_jsonl
 
 from schemas import format as fmt
 
@@ -119,6 +119,9 @@ def test_update_of_a_damaged_cache_never_loops_through_audit_ref(made, llama_dir
     code, report, output = audit(out)
     if DAMAGE[damage]:  # where the refusal sends the user to audit-ref, audit-ref reports the damage as checks
         assert code != 0 and report is not None and failed_checks(report), output
+        # and its report ends with the way on (ux44b: a FAIL with no remedy), the rows as the manifest lists them
+        assert "remedy: the cache is damaged" in output and f"--out {out} --overwrite`" in output, output
+        assert " 8 rows" in output.splitlines()[2], output
     else:
         assert "audit-ref" not in refused.output, refused.output
         assert code == 2 and report is None, output
@@ -179,3 +182,21 @@ def test_a_model_folders_file_that_cannot_be_read_is_named_as_the_folders(made, 
         refused.output
     assert "chat template" not in refused.output and "row 1" not in refused.output, refused.output
     assert not (tmp_path / "out").exists()
+
+
+def test_the_rebuild_remedy_of_an_updated_cache_says_what_overwrite_would_delete(made, llama_dir, tmp_path):
+    """Found by the closing UX pass: on an updated cache with a damaged shard of its current version, the remedy was
+    --overwrite alone, which deletes the earlier versions runs trained on; it names them, how they are still read,
+    and that --overwrite deletes them (another --out keeps them)."""
+    out = _copy(made, tmp_path, lambda out: None)
+    grown = write_jsonl(tmp_path / "grown.jsonl", pref_rows(10))
+    assert precompute("--model", llama_dir, "--data", grown, "--out", out, "--update").exit_code == 0
+    new_shard = next(p for p in sorted(out.glob("shard-v00002-*.parquet")))
+    raw = bytearray(new_shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    new_shard.write_bytes(bytes(raw))
+    code, _, output = audit(out)
+    assert code != 0
+    assert ("(or with another --out, to keep this one and its earlier version 1, which `train-dpo --cache-version N` "
+            "and `audit-ref --cache-version N` still read where they verify; --overwrite deletes them)") in output, output
+    assert audit(out, "--cache-version", "1")[0] == 0  # the earlier version still verifies, as said
