@@ -102,12 +102,15 @@ def render(report: dict) -> str:
                    "chosen_higher"],
                   [[s["shard"], s["rows"], s["tokens"], s["mean"], s["p5"], s["p50"], s["p95"], s["min"], s["max"],
                     s["mean_chosen_logp"], s["mean_rejected_logp"], s["chosen_higher"]] for s in lp]), ""]
+    if any(c["status"] == FAIL and c["name"] in SECTIONS["cache"] and c["name"] != "card" for c in report["checks"]):
+        # a damaged cache (the card's check names its own remedy): the rebuild, naming what --overwrite would delete
+        options, version = report.get("options") or {}, report.get("version") or {}
+        earlier = [h for h in version.get("history") or [] if h.get("version") != version.get("current")]
+        remedy = rebuild(report["cache"], {**made, "history": earlier}, model=options.get("model"),
+                         data=options.get("data"))
+        out.append(f"remedy: {remedy}")
     counts = Counter(c["status"] for c in report["checks"])
     verdict = f"FAIL: {', '.join(report['failed'])}" if report["failed"] else "PASS"
     out.append(f"{verdict} ({counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped) in "
                f"{report['timing']['total_s']:.2f} s")
-    if any(c["status"] == FAIL and c["name"] in SECTIONS["cache"] and c["name"] != "card" for c in report["checks"]):
-        options, version = report.get("options") or {}, report.get("version") or {}  # a damaged cache (the card's
-        earlier = [h for h in version.get("history") or [] if h.get("version") != version.get("current")]  # own)
-        out.append(f"  remedy: {rebuild(report['cache'], {**made, 'history': earlier}, model=options.get('model'), data=options.get('data'))}")
     return "\n".join(out)
