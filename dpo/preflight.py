@@ -102,7 +102,7 @@ def check_option_values(cfg) -> None:
 def check_training_options(cfg):
     """The Trainer's arguments, the output dir and the checkpoint to resume from; refused before any data is read."""
     check_option_values(cfg)
-    check_deepspeed(cfg)
+    check_json_configs(cfg)
     try:
         args = cfg.training_arguments()
     except ValueError as e:  # transformers' own checks of the training options
@@ -128,34 +128,43 @@ def check_training_options(cfg):
     return args
 
 
-def check_deepspeed(cfg) -> None:
-    """--deepspeed's config read before the Trainer is (which says only that a distribution is missing, inside a
-    message of its own): JSON that does not read is refused naming the option (or the config file's key), the file
-    and where it fails; the deepspeed package missing is refused with how to install it."""
+# the Trainer's options that take a JSON config (a file, or JSON text): (what it is, an example, its package)
+JSON_CONFIGS = {"deepspeed": ("a DeepSpeed config", '{"zero_optimization": {"stage": 2}}', "deepspeed"),
+                "fsdp_config": ("an FSDP config", '{"fsdp_version": 2}', None)}
+
+
+def check_json_configs(cfg) -> None:
+    """--deepspeed's and --fsdp-config's JSON read before the Trainer reads them (whose errors name neither the option
+    nor the file): a file read as every config file is (runtime.config_file.read_text: a regular file, bounded, never
+    waited on), JSON that does not read or is not an object refused naming the option (or the config file's key), the
+    file and where it fails; a package the option needs, missing, refused with how to install it."""
     import importlib.util
     import json
 
-    value = cfg.deepspeed
-    if value is None or isinstance(value, dict):
-        return
-    given, text = named(cfg, "deepspeed"), str(value)
-    shown = "JSON text" if text.lstrip().startswith("{") else shell_word(text)
-    if shown != "JSON text":  # a file (the location type has found it there)
+    import click
+
+    from runtime.config_file import read_text
+
+    for name, (what, example, package) in JSON_CONFIGS.items():
+        value = getattr(cfg, name, None)
+        if value is None or isinstance(value, dict):
+            continue
+        given, text = named(cfg, name), str(value)
+        shown = "JSON text" if text.lstrip().startswith("{") else shell_word(text)
+        if shown != "JSON text":  # a file (the location type has found it there)
+            try:
+                text = read_text(value)
+            except click.UsageError as e:
+                raise JobError(f"{given}{e.message}") from None
         try:
-            text = Path(value).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise JobError(f"{given}{shown}: cannot be read ({e})") from None
-    try:
-        config = json.loads(text)
-    except ValueError as e:
-        raise JobError(f"{given}{shown}: not valid JSON ({e}); "
-                       "a DeepSpeed config is a JSON object (e.g. {\"zero_optimization\": {\"stage\": 2}})") from None
-    if not isinstance(config, dict):
-        raise JobError(f"{given}{shown}: a DeepSpeed config is a JSON object, not "
-                       f"{type(config).__name__}")
-    if importlib.util.find_spec("deepspeed") is None:
-        raise JobError(f"{given}{shown}: the deepspeed package is not installed here; install it "
-                       "with `pip install deepspeed` (on a CUDA machine), or leave --deepspeed out")
+            config = json.loads(text)
+        except ValueError as e:
+            raise JobError(f"{given}{shown}: not valid JSON ({e}); {what} is a JSON object (e.g. {example})") from None
+        if not isinstance(config, dict):
+            raise JobError(f"{given}{shown}: {what} is a JSON object, not {type(config).__name__}")
+        if package and importlib.util.find_spec(package) is None:
+            raise JobError(f"{given}{shown}: the {package} package is not installed here; install it with `pip "
+                           f"install {package}` (on a CUDA machine), or leave --{name.replace('_', '-')} out")
 
 
 def _check_optimizer_and_scheduler(args) -> None:

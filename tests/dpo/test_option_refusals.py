@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from click.testing import CliRunner
 
 from dpo.cli import main
@@ -69,6 +71,33 @@ def test_a_deepspeed_config_is_refused_naming_what_is_wrong(tmp_path, llama_dir,
     assert (f"error: --deepspeed {good}: the deepspeed package is not installed here; install it with `pip install "
             "deepspeed`") in said, said
     assert "No package metadata" not in said and not out.exists()
+
+
+@pytest.mark.parametrize("option", ["deepspeed", "fsdp_config"])
+def test_a_json_config_option_is_read_as_a_config_file_is(tmp_path, llama_dir, dpo_data, dpo_cache, option):
+    """Every Trainer option that takes a JSON config (dpo/preflight.JSON_CONFIGS, enumerated): JSON that does not
+    read (the closing pass: --fsdp-config's said 'invalid training options: Expecting property name', naming neither
+    option nor file), a JSON list, and a FIFO (never waited on) are refused naming the option and the file; nothing
+    is written."""
+    import os
+
+    from dpo.preflight import JSON_CONFIGS
+
+    assert option in JSON_CONFIGS
+    flag = "--" + option.replace("_", "-")
+    out = tmp_path / "out"
+    args = ["--model", llama_dir, "--data", dpo_data, "--ref-cache", dpo_cache, "--output-dir", out, *TRAIN]
+    bad, listed, fifo = tmp_path / "bad.json", tmp_path / "list.json", tmp_path / "fifo.json"
+    bad.write_text('{"a": 1,}\n')
+    listed.write_text("[1, 2]\n")
+    os.mkfifo(fifo)
+    for path, said in ((bad, "not valid JSON ("), (listed, "is a JSON object, not list"),
+                       (fifo, "not a regular file")):
+        result = _cli([*args, flag, path])
+        assert result.exit_code == 2, result.output
+        text = _said(result)
+        assert text.startswith(f"error: {flag} {path}: ") and said in text and f"{path}: {path}" not in text, text
+    assert not out.exists()
 
 
 def test_a_split_that_selects_nothing_in_one_file_is_refused(tmp_path, llama_dir, dpo_data, dpo_cache):
