@@ -277,7 +277,7 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
 
     from . import show
     from .cache import audit_cache
-    from .runs import audit_data
+    from .runs import audit_data, final_hash_check
     from .views import pick_rows, row_views, sample_rows, verified_tokenizer
 
     from storage.places import location
@@ -310,6 +310,11 @@ def view(cache, opts: AuditOptions, sample: int | None) -> None:
         _, problems = run_manifest.run_cache_findings(recorded, root, manifest["stamps"], version["file"])
         if problems:  # a log-ratio against a reference the run did not train with means nothing
             raise JobError(f"--run {opts.run}: {problems[0].message}")
+        weights = final_hash_check(opts.run, recorded, manifest)  # numbers shown as the run's are of its weights
+        if weights.status == FAIL:
+            raise JobError(f"--run {opts.run}: {weights.detail}; these weights are not the run's final model, so "
+                           "their numbers would not be the run's: pass the folder train-dpo wrote (audit-ref "
+                           f"{shell_word(cache)} --run {shell_word(opts.run)} reports the run's checks)")
         from .policy import load_policy  # (torch: only with a policy to score)
 
         policy = load_policy(opts.run, opts.model, manifest, tokenizer, opts.trust_remote_code)

@@ -113,21 +113,24 @@ def audit_run(root: Path, manifest: dict, run_dir: str, version: dict | None = N
                         f"{'train' if role == 'cache' else 'eval'} cache (its content, cache_id, and stamps "
                         f"match){which}", info={"version": version} if version else {})]
     checks += audit_kl_control(run_dir, run)
+    return checks + [final_hash_check(run_dir, run, manifest)]
+
+
+def final_hash_check(run_dir: str, run: dict, manifest: dict) -> Check:
+    """run_final_hash: the weights in `run_dir` are the ones the run recorded as its final model (a LoRA run: its
+    adapter, _audit_peft). The audit's check, and what a view with --run must pass before it shows the policy's
+    numbers as the run's."""
     if run.get("peft"):  # the checkpoint is an adapter (train-dpo --use-peft)
-        return checks + [_audit_peft(run_dir, run["peft"], manifest)]
+        return _audit_peft(run_dir, run["peft"], manifest)
     recorded = run.get("final_model_hash")
     try:
         final = model_hash(run_dir)
     except (WeightsError, OSError, ValueError) as e:
-        checks.append(Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} cannot be hashed: {e}"))
-        return checks
+        return Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} cannot be hashed: {e}")
     if final == recorded:
-        checks.append(Check("run_final_hash", PASS, f"the checkpoint in {run_dir} matches final_model_hash "
-                            f"{_short(final)}"))
-    else:
-        checks.append(Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} hashes to {_short(final)}, the run "
-                            f"recorded {_short(recorded)}"))
-    return checks
+        return Check("run_final_hash", PASS, f"the checkpoint in {run_dir} matches final_model_hash {_short(final)}")
+    return Check("run_final_hash", FAIL, f"the checkpoint in {run_dir} hashes to {_short(final)}, the run recorded "
+                 f"{_short(recorded)}")
 
 
 def _live_split(run: dict) -> str:

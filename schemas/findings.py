@@ -47,28 +47,48 @@ def _recorded(manifest) -> tuple:
             top_k if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else None)
 
 
-def rebuild_command(root, manifest=None, *, model=None, data=None, split=None) -> str:
+def rebuild_command(root, manifest=None, *, model=None, data=None, split=None, out=None) -> str:
     """The precompute-ref command that makes a damaged cache at `root` again: the model, data, split and --top-k the
-    caller knows, else those the manifest (if still readable) records, else placeholders to fill in."""
+    caller knows, else those the manifest (if still readable) records, else placeholders to fill in; `out`: another
+    folder to make it in (then without --overwrite)."""
     recorded = _recorded(manifest)
     model, data, split = model or recorded[0], data or recorded[1], split or recorded[2]
     return (f"precompute-ref --model {shell_word(model or MODEL_PLACEHOLDER)} --data "
             f"{shell_word(data or DATA_PLACEHOLDER)}" + (f" --split {shell_word(split)}" if split and split != "train"
                                                         else "")
-            + (f" --top-k {recorded[3]}" if recorded[3] else "") + f" --out {shell_word(root)} --overwrite")
+            + (f" --top-k {recorded[3]}" if recorded[3] else "")
+            + (f" --out {shell_word(out)}" if out else f" --out {shell_word(root)} --overwrite"))
+
+
+def earlier_versions(root, manifest=None) -> list[int]:
+    """The earlier versions an updated cache keeps in `root`: those its manifest's history lists, and those whose
+    manifest file (manifest-NNNNN.json) is there, read or not (a damaged current manifest lists nothing)."""
+    import os
+    import re
+
+    listed = {e["version"] for e in (manifest.get("history") or [] if isinstance(manifest, dict) else [])
+              if isinstance(e, dict) and type(e.get("version")) is int}
+    try:
+        names = os.listdir(root)
+    except (OSError, TypeError, ValueError):  # a store URL, a folder gone: what the manifest says
+        names = []
+    there = {int(m.group(1)) for n in names if (m := re.fullmatch(r"manifest-(\d{5})\.json", n))}
+    return sorted(listed | there)
 
 
 def rebuild(root, manifest=None, **known) -> str:
     """The one remedy of a damaged cache (a record precompute-ref never writes, a file that is not what it recorded):
     nothing in it can be trusted to say more, so the remedy is the command that makes it again (`known`: the model,
-    data and split the caller has)."""
-    kept = sorted({e["version"] for e in (manifest.get("history") or [] if isinstance(manifest, dict) else [])
-                   if isinstance(e, dict) and type(e.get("version")) is int})  # an updated cache's earlier versions
-    versions = (f" and its earlier version{'s' if len(kept) > 1 else ''} {', '.join(map(str, kept))}, which "
-                "`train-dpo --cache-version N` and `audit-ref --cache-version N` still read where they verify; "
-                "--overwrite deletes them" if kept else "")
+    data and split the caller has). Never --overwrite over a cache that keeps earlier versions: that would delete
+    them, and runs that trained on them read them (--cache-version N) while they verify: into another folder."""
+    kept = earlier_versions(root, manifest)
+    if kept:
+        return (f"{DAMAGED}: make it again into a fresh folder with `{rebuild_command(root, manifest, out='NEW_CACHE', **known)}`"
+                f"; {shell_word(root)} also keeps the cache's earlier version{'s' if len(kept) > 1 else ''} "
+                f"{', '.join(map(str, kept))}, which `train-dpo --cache-version N` and `audit-ref --cache-version N` "
+                "still read where they verify, and which --overwrite there would delete")
     return (f"{DAMAGED}: make it again with `{rebuild_command(root, manifest, **known)}` (or with another --out, to "
-            f"keep this one{versions})")
+            "keep this one)")
 
 
 def damaged(error: "CacheError", root, manifest=None, **known) -> "CacheError":

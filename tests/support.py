@@ -349,12 +349,18 @@ def fake_run(out: Path, checkpoint: Path, cache: Path) -> Path:
     from schemas.stamps import model_hash
     from storage.reads import file_sha256
 
+    from schemas.stamps import adapter_hash
+
     shutil.copytree(checkpoint, out)
     manifest = json.loads((cache / fmt.MANIFEST).read_text())
     run = {"kind": "refcache-train-dpo-run",
            "reference": {"cache": {"path": str(cache), "manifest_sha256": file_sha256(cache / fmt.MANIFEST),
                                    "stamps": manifest["stamps"]}, "live_model": None},
            "final_model_hash": model_hash(out) if (out / "config.json").is_file() else None}
+    if (out / "adapter_config.json").is_file():  # a LoRA run: its adapter over the cache's model, as recorded
+        base = manifest["stamps"]["model_hash"]
+        run["peft"] = {"base_model_hash": base, "reference_model_hash": base, "final_adapter_hash": adapter_hash(out),
+                       "adapter_config": json.loads((out / "adapter_config.json").read_text())}
     (out / "run-manifest.json").write_text(json.dumps(run, indent=2))
     return out
 

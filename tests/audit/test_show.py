@@ -195,6 +195,21 @@ def test_show_refuses_a_run_trained_on_another_cache(dpo_cache, llama_dir, tmp_p
     assert code == 2 and out == "" and "--run" in err and "sha256" in err
 
 
+@pytest.mark.parametrize("view", [("--show", "0"), ("--html", "page.html")])
+def test_a_view_of_a_run_whose_weights_are_not_its_final_model_is_refused(dpo_cache, llama_dir, tokenizer, tmp_path,
+                                                                          view):
+    """Found by the hostile pass: the run folder's model.safetensors replaced by another model's (here the
+    reference's) was shown as the run's policy, every log-ratio 0, though audit-ref --run fails run_final_hash. A
+    view with --run passes that check first (one check, audit/runs.final_hash_check); nothing is written."""
+    policy_dir = save_checkpoint(build_llama(len(tokenizer), seed=5), tokenizer, tmp_path / "policy")
+    run = fake_run(tmp_path / "run", policy_dir, dpo_cache)
+    shutil.copy(llama_dir / "model.safetensors", run / "model.safetensors")
+    args = [a if a != "page.html" else tmp_path / a for a in view]
+    code, out, err = audit(dpo_cache, *args, "--run", run, "--model", llama_dir)
+    assert code == 2 and out == "" and not (tmp_path / "page.html").exists(), err
+    assert f"--run {run}: the checkpoint in {run} hashes to " in err and "not the run's final model" in err, err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # --html
 

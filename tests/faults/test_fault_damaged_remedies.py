@@ -10,6 +10,7 @@ and the message asserted."""
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import shutil
 
@@ -184,10 +185,11 @@ def test_a_model_folders_file_that_cannot_be_read_is_named_as_the_folders(made, 
     assert not (tmp_path / "out").exists()
 
 
-def test_the_rebuild_remedy_of_an_updated_cache_says_what_overwrite_would_delete(made, llama_dir, tmp_path):
-    """Found by the closing UX pass: on an updated cache with a damaged shard of its current version, the remedy was
-    --overwrite alone, which deletes the earlier versions runs trained on; it names them, how they are still read,
-    and that --overwrite deletes them (another --out keeps them)."""
+def test_the_rebuild_remedy_of_an_updated_cache_never_overwrites_its_earlier_versions(made, llama_dir, tmp_path):
+    """Found by the closing passes (ux44b, h44): on an updated cache with a damaged shard of its current version, or a
+    current manifest that no longer reads, the remedy was `--overwrite`, which deletes the earlier versions runs
+    trained on (version 1 still verifies). It is now a fresh folder, naming the versions kept and how they are read;
+    the command as printed makes a cache without touching this one."""
     out = _copy(made, tmp_path, lambda out: None)
     grown = write_jsonl(tmp_path / "grown.jsonl", pref_rows(10))
     assert precompute("--model", llama_dir, "--data", grown, "--out", out, "--update").exit_code == 0
@@ -195,8 +197,19 @@ def test_the_rebuild_remedy_of_an_updated_cache_says_what_overwrite_would_delete
     raw = bytearray(new_shard.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     new_shard.write_bytes(bytes(raw))
+    said = ("also keeps the cache's earlier version 1, which `train-dpo --cache-version N` and `audit-ref "
+            "--cache-version N` still read where they verify, and which --overwrite there would delete")
     code, _, output = audit(out)
-    assert code != 0
-    assert ("(or with another --out, to keep this one and its earlier version 1, which `train-dpo --cache-version N` "
-            "and `audit-ref --cache-version N` still read where they verify; --overwrite deletes them)") in output, output
+    assert code != 0 and said in output and "--overwrite`" not in output, output
+    assert "make it again into a fresh folder with `precompute-ref --model " in output
     assert audit(out, "--cache-version", "1")[0] == 0  # the earlier version still verifies, as said
+    (out / fmt.MANIFEST).write_text("{garbage")  # the current manifest unreadable: the files say what is kept
+    before = dir_state(out)
+    refused = train("--model", llama_dir, "--data", grown, "--ref-cache", out, "--output-dir", tmp_path / "run",
+                    "--use-cpu", "--max-steps", "1")
+    assert refused.exit_code == 2 and said in refused.output and "--overwrite`" not in refused.output, refused.output
+    line = " ".join(refused.output.split())
+    command = line.split("make it again into a fresh folder with `", 1)[1].split("`", 1)[0]
+    remade = precompute(*shlex.split(command.replace("NEW_CACHE", str(tmp_path / "new")))[1:])
+    assert remade.exit_code == 0, remade.output
+    assert dir_state(out) == before  # followed as printed, the remedy left the damaged cache and its versions be
