@@ -58,7 +58,7 @@ def render_flops_jobs(J: dict) -> list[str]:
         if "auto_over_eager" in j:
             auto = j["variants"]["auto"]
             L.append(f"- {j['pairs']} pairs: auto's wall over eager's, per round then the median: "
-                     f"**{j['auto_over_eager']:.3f}x**; auto's choice: {auto['log'][0] if auto['log'] else '-'}")
+                     f"**{j['auto_over_eager']:.3f}x**; auto's choice: {auto['log'][-1] if auto['log'] else '-'}")
     c = J.get("compile")
     if c:
         e, w = c["fit"]["eager"], c["fit"]["compiled_warm"]

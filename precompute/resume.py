@@ -235,8 +235,10 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
         return None if cache else "not a refcache manifest"
     if history.VERSION_FILE.match(p.name):  # an earlier version of the manifest (precompute-ref --update)
         return None if cache and _manifest_json(p) is not None else "not a refcache manifest version"
-    if p.suffix == ".parquet":
-        return None if p in footers or (cache and SHARD.match(p.name)) else "no refcache footer"
+    if p.suffix == ".parquet":  # ours: a refcache footer, or (a damaged shard) a name a version of the cache lists,
+        # beginning as Parquet does; a user's file under a shard's name is neither (h44: it was deleted by --overwrite)
+        listed = cache and SHARD.match(p.name) and p.name in history.named_shards(p.parent)
+        return None if p in footers or (listed and _begins_as_ours(p, p.name)) else "no refcache footer"
     if p.name == fmt.SKIPPED:
         return None if cache and _own_skipped(p.parent, manifest) else "not the list of rows this cache skipped"
     if p.name == fmt.CARD:

@@ -377,6 +377,24 @@ def test_2_a_users_file_under_a_temporary_name_in_a_cache_is_refused_and_kept(wo
     assert not (out / name).exists()  # a killed writer's: removed
 
 
+@pytest.mark.parametrize("name", ["shard-00042.parquet", "shard-00001.parquet"])
+def test_2_a_users_file_under_a_shards_name_is_refused_and_kept_by_overwrite_too(world, tmp_path, name):
+    """Hostile pass (h44): a user's text under a shard's name, one the cache does not list or in place of one it does,
+    was taken for the cache's own (by its name alone) and deleted by --overwrite. A shard-named file is the cache's
+    when it has a refcache footer, or (a damaged shard) a version of the cache lists it and it begins as Parquet."""
+    out = copy_tree(world["clean"], tmp_path / "cache")
+    (out / name).write_text("precious")
+    for extra in ((), ("--overwrite",)):
+        result = precompute(*world["args"], "--data", world["data"], "--out", out, *extra)
+        refused(result, f"holds files that are not this cache's own: {name} (no refcache footer)")
+        assert (out / name).read_text() == "precious"
+    raw = bytearray((world["clean"] / "shard-00001.parquet").read_bytes())  # the cache's own shard, damaged
+    raw[len(raw) // 2] ^= 0xFF
+    (out / name).unlink()
+    (out / "shard-00001.parquet").write_bytes(bytes(raw))
+    assert precompute(*world["args"], "--data", world["data"], "--out", out, "--overwrite").exit_code == 0
+
+
 def test_2_a_refused_rerun_removes_no_temporary_file(world, tmp_path):
     """Hostile pass: the temporary files of a cache's own names were removed before the rerun was refused (other
     data): removed only once the resume refuses nothing."""

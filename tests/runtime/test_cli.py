@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from pathlib import Path
 from typing import Literal
 
 import click
@@ -292,3 +293,36 @@ def test_every_free_text_option_of_every_command_refuses_a_control_character():
     for name, p in found:
         with pytest.raises(click.BadParameter, match="holds a control character"):
             p.type.convert("x\x1b[2Jy\nz", p, None)
+
+
+@pytest.mark.parametrize("signals, grace", [(1, 2.0), (2, 600.0)])
+def test_sigterm_ends_a_command_blocked_in_native_code(tmp_path, signals, grace):
+    """Found by the hostile pass: with SIGTERM raised as Terminated in the main thread, a command blocked in native
+    code that retries on EINTR (pyarrow opening a FIFO for a shard's footer) could no longer be ended by SIGTERM
+    (`kill`, `timeout`). The watchdog ends it TERM_GRACE_S after one SIGTERM, or at a second, with exit 143."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fifo = tmp_path / "shard-00000.parquet"
+    os.mkfifo(fifo)
+    code = ("import runtime.cli as c, pyarrow.parquet as pq; c.TERM_GRACE_S = %r; "
+            "c.run_cli(lambda: pq.read_metadata(%r), False)" % (grace, str(fifo)))
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):  # until it waits in the FIFO's open (the kernel's wait for a writer)
+            wchan = Path(f"/proc/{proc.pid}/wchan").read_text() if Path(f"/proc/{proc.pid}/wchan").exists() else ""
+            if "partner" in wchan or "fifo" in wchan or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert ("did not stop within 2 s" if signals == 1 else "terminated (SIGTERM, twice)") in err, err
