@@ -14,6 +14,7 @@ from runtime.hub import resolve_data
 from runtime.locks import is_lock_file
 from runtime.paths import check_apart
 from storage.places import location
+from storage.reads import record_bytes
 from storage.files import atomic_write, refusal, remove_file, why_unsafe
 
 
@@ -71,7 +72,7 @@ def check_no_links(out: Path) -> None:
 
 
 def resumed_step(checkpoint: str) -> int:
-    return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
+    return int(json.loads(record_bytes(Path(checkpoint) / "trainer_state.json"))["global_step"])
 
 
 def metrics_kind(record: dict) -> str:

@@ -22,6 +22,7 @@ from runtime.locks import is_lock_file
 from runtime.terminal import echo
 from schemas import run_manifest as rm
 from storage.nearby import nearby
+from storage.reads import record_bytes
 
 from .card import CARD, is_card
 from .checkpoint_files import check_checkpoint_files
@@ -42,7 +43,7 @@ MODEL_SHARD = re.compile(r"(model|adapter_model)-\d{5}-of-\d{5}\.safetensors")
 def is_complete(checkpoint: Path) -> bool:
     """The Trainer writes trainer_state.json last; a folder without a whole one was interrupted while being saved."""
     try:
-        return isinstance(json.loads((checkpoint / TRAINER_STATE).read_text())["global_step"], int)
+        return isinstance(json.loads(record_bytes(checkpoint / TRAINER_STATE))["global_step"], int)
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

@@ -21,6 +21,7 @@ from runtime.paths import check_apart
 from runtime.placed import ATTENTION, Attention, Placement, included
 from runtime.terminal import clipped, escaped
 from storage import places
+from storage.reads import record_bytes
 from schemas.encoding import EncodingConfig, RecordedEncodingError
 
 from .modes import REGISTRY, batching_help
@@ -143,7 +144,7 @@ def recorded_settings(out) -> tuple[str, dict, dict, EncodingConfig] | None:
 
     try:
         if (out / fmt.MANIFEST).exists():
-            manifest = json.loads((out / fmt.MANIFEST).read_bytes())
+            manifest = json.loads(record_bytes(out / fmt.MANIFEST))
             where, whose = str(out / fmt.MANIFEST), "the cache's"
             computation, encoding = manifest.get("computation") or {}, manifest["encoding"]
         else:

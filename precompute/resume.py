@@ -25,6 +25,7 @@ from schemas.card import read_card_metadata
 from schemas.findings import DAMAGED
 from schemas.encoding import EncodingConfig
 from storage.files import TEMP
+from storage.reads import record_bytes
 
 from .config import check_recorded, computation_options, encoding_options, settings_refusal
 
@@ -185,10 +186,10 @@ def own_files(out: Path) -> list[Path]:
     manifest.json, its earlier versions (manifest-NNNNN.json holding a refcache manifest: --update, schemas/history.py),
     its shard-NNNNN.parquet and shard-vNNNNN-MMMMM.parquet files (a damaged one is scored again), its skipped.jsonl (JSON Lines of
     skipped rows, agreeing with the manifest's counts when there is one) and its README.md (a dataset card with
-    refcache metadata, of the manifest's stamps when there is one) are its own. Other .parquet files are its
-    own only with a refcache footer; a temporary file of an atomic write is its own where a cache is there, its name
-    is one of these files' and it begins as the cache's writer begins that file (removed only once the resume refuses
-    nothing); any other file is another program's."""
+    refcache metadata, of the manifest's stamps when there is one) are its own: a shard a version of it lists
+    where it begins as Parquet does, any other .parquet file only with a refcache footer; a temporary file of an
+    atomic write is its own where a cache is there, its name is one of these files' and it begins as the cache's
+    writer begins that file (removed only once the resume refuses nothing); any other file is another program's."""
     entries = {}
     for p in sorted(out.iterdir()):
         try:
@@ -197,8 +198,11 @@ def own_files(out: Path) -> list[Path]:
             continue
     plain = {p for p, st in entries.items() if stat.S_ISREG(st.st_mode)}
     manifest = _manifest_json(out / fmt.MANIFEST) if out / fmt.MANIFEST in plain else None
-    footers = {p for p in plain if p.suffix == ".parquet" and
-               (not SHARD.match(p.name) or manifest is None) and _has_refcache_footer(p)}
+    # a shard a version of the cache lists is judged by its first bytes (a damaged one is scored again); any other
+    # .parquet by its footer (h44: a user's file under a shard's name was taken for the cache's by its name alone)
+    listed = history.named_shards(out) if manifest is not None else set()
+    footers = {p for p in plain if p.suffix == ".parquet" and p.name not in listed and _has_refcache_footer(p)}
+    footers |= {p for p in plain if p.name in listed and SHARD.match(p.name) and _begins_as_ours(p, p.name)}
     cache = manifest is not None or bool(footers)
     own, foreign = [], []
     for p, st in entries.items():
@@ -235,10 +239,8 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
         return None if cache else "not a refcache manifest"
     if history.VERSION_FILE.match(p.name):  # an earlier version of the manifest (precompute-ref --update)
         return None if cache and _manifest_json(p) is not None else "not a refcache manifest version"
-    if p.suffix == ".parquet":  # ours: a refcache footer, or (a damaged shard) a name a version of the cache lists,
-        # beginning as Parquet does; a user's file under a shard's name is neither (h44: it was deleted by --overwrite)
-        listed = cache and SHARD.match(p.name) and p.name in history.named_shards(p.parent)
-        return None if p in footers or (listed and _begins_as_ours(p, p.name)) else "no refcache footer"
+    if p.suffix == ".parquet":
+        return None if p in footers else "no refcache footer"
     if p.name == fmt.SKIPPED:
         return None if cache and _own_skipped(p.parent, manifest) else "not the list of rows this cache skipped"
     if p.name == fmt.CARD:
@@ -281,7 +283,7 @@ def _json_dict(text) -> dict:
 
 def _manifest_json(path: Path) -> dict | None:
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = json.loads(record_bytes(path))
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) and "format_version" in manifest else None

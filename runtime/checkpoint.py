@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from schemas.stamps import WeightsError, adapter_hash, merged_model_hash, model_hash, weight_files
+from storage.reads import NotARecord, record_bytes
 
 from .errors import JobError
 
@@ -69,7 +70,9 @@ class Checkpoint:
             raise JobError(f"{model_dir}: {checkpoint_problem(path)}")
         check_readable(model_dir)
         try:
-            config, problem = json.loads((path / "config.json").read_text(encoding="utf-8")), None
+            config, problem = json.loads(record_bytes(path / "config.json")), None
+        except NotARecord as e:
+            config, problem = None, f"not a file to read ({e})"
         except ValueError as e:  # also UnicodeDecodeError
             config, problem = None, f"not valid JSON ({e})"
         files = weight_files(path, config if isinstance(config, dict) else {})  # WeightsError: pickle-only, missing

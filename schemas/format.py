@@ -355,13 +355,20 @@ def shard_path(root: Path, name) -> Path:
 
 def read_manifest(root: Path) -> dict:
     path = root / MANIFEST
+    if not isinstance(root, places.StorePath) and os.path.lexists(path) and not path.is_file():  # a FIFO, a folder
+        try:
+            reads.record_bytes(path)
+        except reads.NotARecord as e:  # (never opened for a read that could wait)
+            raise CacheError("manifest", f"{e}", remedy=rebuild(root)) from None
     if not path.is_file():
         absent = absent_cache(root) if isinstance(root, places.StorePath) else None
         if absent is not None:  # a missing bucket, an unreachable endpoint: named with its cause, not a missing cache
             raise absent
         raise no_manifest(root)
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(reads.record_bytes(path))
+    except reads.NotARecord as e:
+        raise CacheError("manifest", f"{e}", remedy=rebuild(root)) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CacheError("manifest", f"{path} is not valid JSON ({e})", remedy=rebuild(root)) from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None

@@ -50,7 +50,7 @@ def _made(manifest: dict) -> dict:
 
 def _json(path: Path) -> dict | None:
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = json.loads(reads.record_bytes(path))
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) and isinstance(manifest.get("shards"), list) else None

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from storage.files import atomic_write
+from storage.reads import record_bytes
 
 from .findings import Finding
 from .stamps import cache_id, canonical_json  # noqa: F401  (cache_id: re-exported)
@@ -52,7 +53,7 @@ def cache_record(cache_dir, stamps: dict, manifest_file: str = CACHE_MANIFEST) -
 
     path = location(cache_dir) / manifest_file
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(record_bytes(path))
     except (OSError, ValueError):
         manifest = None
     from .history import version_of  # (polars: only where a run names a cache)
@@ -91,7 +92,7 @@ def read_run_record(run_dir) -> dict:
     try:
         if path.is_symlink():
             raise OSError("a symbolic link")
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(record_bytes(path))
     except (OSError, ValueError) as e:
         raise RunManifestError(f"{path} is missing or not a train-dpo run record ({e})") from None
     if not isinstance(record, dict) or record.get("kind") != RUN_RECORD_KIND or not isinstance(record.get("run_id"),
@@ -108,7 +109,7 @@ def write_json(path: Path, obj: dict) -> None:
 def read_run_manifest(run_dir) -> dict:
     path = Path(run_dir) / RUN_MANIFEST
     try:
-        run = json.loads(path.read_text(encoding="utf-8"))
+        run = json.loads(record_bytes(path))
     except (OSError, ValueError) as e:
         raise RunManifestError(f"{path} is missing or not a train-dpo run manifest ({e})") from None
     if not isinstance(run, dict) or run.get("kind") != RUN_KIND or not isinstance(run.get("reference"), dict):
@@ -119,7 +120,7 @@ def read_run_manifest(run_dir) -> dict:
 def read_checkpoint_record(checkpoint) -> dict:
     path = Path(checkpoint) / CHECKPOINT_RECORD
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(record_bytes(path))
     except (OSError, ValueError) as e:
         raise RunManifestError(f"{path} is missing or not JSON ({e}): the checkpoint does not say which reference "
                                "and data it was trained on") from None

@@ -13,7 +13,7 @@ import os
 import struct
 from pathlib import Path
 
-from storage.reads import file_sha256
+from storage.reads import file_sha256, record_bytes
 
 # config.json fields that describe the file or the runtime, not what the model computes.
 CONFIG_FIELDS_IGNORED = frozenset(
@@ -86,7 +86,7 @@ def tokenizer_code(tokenizer) -> list | None:
     folder = Path(getattr(tokenizer, "name_or_path", None) or ".")
     for source in ("tokenizer_config.json", "config.json"):
         try:
-            auto_map = json.loads((folder / source).read_text(encoding="utf-8")).get("auto_map")
+            auto_map = json.loads(record_bytes(folder / source)).get("auto_map")
         except (OSError, ValueError, AttributeError):
             continue
         if auto_map:
@@ -131,8 +131,8 @@ def _loaded_weights_file(root: Path, config: dict | None = None) -> tuple[Path |
 
     if config is None and (root / "config.json").is_file():
         try:
-            config = json.loads((root / "config.json").read_text(encoding="utf-8"))
-        except ValueError:
+            config = json.loads(record_bytes(root / "config.json"))
+        except (ValueError, OSError):
             config = None  # model_config_fingerprint reports a broken config.json
     explicit = config.get("transformers_weights") if isinstance(config, dict) else None
     if isinstance(explicit, str):
@@ -204,7 +204,9 @@ def _read_config(model_dir: str | os.PathLike) -> dict:
     if not path.is_file():
         raise WeightsError(f"{model_dir}: no config.json")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(record_bytes(path))
+    except OSError as e:  # a FIFO, a device, a file larger than a config is (storage.reads.record_bytes)
+        raise WeightsError(str(e)) from None
     except ValueError as e:  # also UnicodeDecodeError
         raise WeightsError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
@@ -328,7 +330,9 @@ def adapter_config_fingerprint(adapter_dir: str | os.PathLike) -> dict:
     if not path.is_file():
         raise WeightsError(f"{adapter_dir}: not a peft adapter folder (no {ADAPTER_CONFIG})")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(record_bytes(path))
+    except OSError as e:
+        raise WeightsError(str(e)) from None
     except ValueError as e:
         raise WeightsError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):

@@ -63,6 +63,40 @@ def source(path):
             yield f
 
 
+RECORD_LIMIT = 256 * 2**20  # a manifest of a million shards is about 300 MB; every other record far less
+
+
+class NotARecord(OSError):
+    """A record file (a manifest, a run record, a config.json) that is not a regular file, or larger than any record
+    is: refused without reading it, or waiting on it."""
+
+
+def record_bytes(path, limit: int = RECORD_LIMIT) -> bytes:
+    """The bytes of a record file: a regular file (a symlink to one is fine), read bounded from the descriptor its
+    kind was judged on; a FIFO, a device or a folder is refused (NotARecord) without a read that could wait forever
+    or never end (a symlink to /dev/zero), and so is a file over `limit`. An object in a store is read as it is."""
+    import stat
+
+    if isinstance(path, StorePath):
+        return path.read_bytes()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except IsADirectoryError:
+        raise NotARecord(f"{path}: a folder, not a regular file") from None
+    st = os.fstat(fd)
+    why = (None if stat.S_ISREG(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else
+           "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else "a device or socket")
+    if why or st.st_size > limit:
+        os.close(fd)
+        raise NotARecord(f"{path}: {why}, not a regular file" if why else
+                         f"{path}: {st.st_size:,} bytes, more than a file of this kind holds ({limit:,})")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:  # it grew while read
+        raise NotARecord(f"{path}: more than {limit:,} bytes, more than a file of this kind holds")
+    return data
+
+
 def unreadable(path) -> str | None:
     """Why the file at `path` cannot be read as a file, as a clause ("it is a folder, not a file"; None: a regular file this process may read; a symlink to one
     is fine): a folder, a FIFO, a device or socket, or a file it may not open. Judged on the descriptor opened with
