@@ -303,12 +303,17 @@ def _own_skipped(out: Path, manifest: dict | None) -> bool:
 
 def _own_card(path: Path, manifest: dict | None) -> bool:
     """README.md as precompute-ref writes it (a dataset card with refcache metadata, schemas/card.py), of a cache with
-    the manifest's stamps. Only the stamps: the rest of it is rewritten from the manifest at the end of the run."""
+    the manifest's stamps, or those of an earlier version the cache keeps (verified by its history's sha256: an
+    --update killed between its manifest and its card leaves the card of the version before, h44). Only the stamps:
+    the rest of it is rewritten from the manifest at the end of the run."""
     meta = read_card_metadata(path) or {}
     stamps = (meta.get("refcache") or {}).get("stamps") if isinstance(meta.get("refcache"), dict) else None
     if not isinstance(stamps, dict):
         return False
-    return manifest is None or not rules.stamp_findings(manifest.get("stamps"), {k: stamps.get(k) for k in fmt.STAMPS})
+    if manifest is None:
+        return True
+    wanted = {k: stamps.get(k) for k in fmt.STAMPS}
+    return any(not rules.stamp_findings(m.get("stamps"), wanted) for _, _, m in history.versions(path.parent, manifest))
 
 
 def clear_cache_dir(out: Path) -> None:

@@ -419,3 +419,24 @@ def test_an_update_that_empties_a_shard_and_a_no_op_update(llama_dir, rows, base
     assert again.exit_code == 0, again.output
     assert "nothing to change" in again.output and "version 3" not in again.output
     assert manifest_of(base)["version"] == 2
+
+
+def test_an_update_killed_between_its_manifest_and_its_card_is_finished_by_the_same_command(llama_dir, rows, base,
+                                                                                            tmp_path, monkeypatch):
+    """Hostile pass (h44): an --update killed after its manifest, before its card, left the card of the version before
+    (its stamps), which the rerun refused as 'not provably this cache's', and so did --overwrite and audit-ref's
+    remedy. The card of a version the cache keeps is the cache's own: the same command finishes the update."""
+    import precompute.job as job
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    grown = write_jsonl(tmp_path / "v2.jsonl", rows)
+    monkeypatch.setattr(job, "write_card", killed)
+    stopped = update(llama_dir, grown, base)
+    monkeypatch.undo()
+    assert stopped.exit_code == 130 and manifest_of(base).get("version") == 2, stopped.output
+    again = update(llama_dir, grown, base)
+    assert again.exit_code == 0, again.output
+    code, report, output = audit_ref(base)
+    assert code == 0 and check_of(report, "card")["status"] == "PASS", output
