@@ -11,7 +11,7 @@ from runtime.errors import JobError
 from runtime.locations import named, renamed
 from runtime.terminal import echo
 
-from .outdir import check_no_links, check_output_dir
+from .outdir import check_no_links, check_output_dir, resumed_step
 from .resume import check_resume, overwrite_plan
 
 TRUE = ("true", "yes", "1")
@@ -124,6 +124,12 @@ def check_training_options(cfg):
         check_resume(cfg.resume_from_checkpoint, Path(cfg.output_dir), latest)
     except JobError as e:  # a checkpoint from --config: its file and key
         raise renamed(e, cfg, "resume_from_checkpoint") from None
+    if cfg.resume_from_checkpoint and cfg.max_steps > 0:  # (h44: the Trainer then trained one step past it)
+        done = resumed_step(cfg.resume_from_checkpoint)
+        if done >= cfg.max_steps:
+            raise JobError(f"--resume-from-checkpoint {cfg.resume_from_checkpoint}: the checkpoint is at step {done} of "
+                           f"--max-steps {cfg.max_steps}, so nothing is left to train; its weights are the run's last "
+                           "step's (load them from the checkpoint), or raise --max-steps to train on")
     check_no_links(Path(cfg.output_dir))
     return args
 

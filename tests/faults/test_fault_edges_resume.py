@@ -17,6 +17,7 @@ import json
 import os
 import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -491,3 +492,32 @@ def test_17_a_resume_with_other_loss_options_is_refused_naming_them(trained, tmp
     assert file_hashes(out) == before
     again = train(*trained["args"], "--output-dir", out, "--max-steps", "3", "--resume-from-checkpoint", "true")
     assert again.exit_code == 0, again.output
+
+
+def test_18_a_run_cut_in_its_final_save_is_not_resumed_past_its_steps(trained, tmp_path, monkeypatch):
+    """Hostile pass (h44): SIGTERM in the final save left checkpoint-2 (step 2 of --max-steps 2); the printed resume
+    from it trained a step 3. The way on now says the checkpoint holds the last step, and a resume from a checkpoint
+    at --max-steps is refused (nothing left to train), nothing written; with a higher --max-steps it trains on."""
+    from dpo.trainer import DPOTrainer
+
+    out = tmp_path / "run"
+
+    real = DPOTrainer.save_model
+
+    def cut(self, output_dir=None, *a, **k):  # the final save into --output-dir (a checkpoint's goes on)
+        if output_dir is not None and Path(output_dir) == out:
+            raise KeyboardInterrupt
+        return real(self, output_dir, *a, **k)
+
+    monkeypatch.setattr(DPOTrainer, "save_model", cut)
+    stopped = train(*trained["args"], "--output-dir", out)
+    monkeypatch.undo()
+    assert stopped.exit_code == 130, stopped.output
+    said = " ".join(stopped.output.split())
+    assert "checkpoint-2 holds the run's last step (2 of --max-steps 2); only the final save was interrupted" in said
+    before = file_hashes(out)
+    refused(train(*trained["args"], "--output-dir", out, "--resume-from-checkpoint", "true"),
+            "the checkpoint is at step 2 of --max-steps 2, so nothing is left to train")
+    assert file_hashes(out) == before
+    more = train(*trained["args"], "--output-dir", out, "--max-steps", "3", "--resume-from-checkpoint", "true")
+    assert more.exit_code == 0 and "trained 3 steps" in more.output, more.output
