@@ -20,6 +20,14 @@ from .resume import same_cache_elsewhere
 LOSS = "loss"  # a checkpoint's record: the loss and the options it read (loss_config.trained_with)
 
 
+def checkpoint_record(record: dict, loss) -> dict:
+    """What each checkpoint records (and a resume is compared by): the reference record, and the loss with the
+    options it reads."""
+    from .loss_config import trained_with
+
+    return {**record, LOSS: trained_with(loss)}
+
+
 def reference_record(cfg, train, evaluation, live_hash: str | None = None) -> dict:
     """This run's record, from the verification reports (cache stamps) and the data fingerprints; `live_hash`: the
     model hash of the live --ref-model folder (no cache: `train` and `evaluation` are EncodedOnly, with no stamps)."""

@@ -119,8 +119,7 @@ def _verify(cfg: TrainConfig, policy: Checkpoint, log) -> Run:
     encoded); a resume must be against the same reference and data."""
     from runtime.checkpoint import Checkpoint
 
-    from .loss_config import trained_with
-    from .provenance import LOSS, check_resume_reference, reference_record
+    from .provenance import check_resume_reference, checkpoint_record, reference_record
 
     tokenizer = policy.tokenizer  # loaded (a broken one refused) before the clock starts
     t0 = time.perf_counter()
@@ -145,7 +144,7 @@ def _verify(cfg: TrainConfig, policy: Checkpoint, log) -> Run:
                                "--eval-ref-cache" if cfg.eval_ref_cache else "--ref-cache", shared)
     record = reference_record(cfg, train, evaluation, live.base_hash if live else None)
     if cfg.resume_from_checkpoint:
-        check_resume_reference(cfg.resume_from_checkpoint, {**record, LOSS: trained_with(cfg.loss_config())}, train,
+        check_resume_reference(cfg.resume_from_checkpoint, checkpoint_record(record, cfg.loss_config()), train,
                                evaluation, log)  # before any model loads
     return Run(policy, live, reference, train, evaluation, record, time.perf_counter() - t0)
 
@@ -271,8 +270,7 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
     import datasets
 
     from .layout import PrefixSharedCollator
-    from .loss_config import trained_with
-    from .provenance import LOSS, record_in
+    from .provenance import checkpoint_record, record_in
     from .resume import start_run
     from .kl_governor import save_beta_dpo
     from .trainer import DPOTrainer, MetricsFile, PairCollator
@@ -298,9 +296,8 @@ def _build_trainer(cfg: TrainConfig, args, run: Run, policy, ref_model, log, tim
         callbacks=[c for c in (governor, metrics) if c is not None],
         loss_config=cfg.loss_config(),
         ref_model=ref_model,
-        save_with=lambda folder: (record_in(folder, {**record, LOSS: trained_with(cfg.loss_config())}),
-                                  governor and governor.save(folder),
-                                  save_beta_dpo(trainer, folder)),
+        save_with=lambda folder: (record_in(folder, checkpoint_record(record, cfg.loss_config())),
+                                  governor and governor.save(folder), save_beta_dpo(trainer, folder)),
     )
     if cfg.loss_type == "beta_dpo":
         from .losses import BetaDPO

@@ -54,9 +54,9 @@ def _footer_top_k(root) -> int | None:
     import os
     import re
 
-    from storage.reads import unreadable
+    import pyarrow.parquet as pq
 
-    from .format import read_shard_metadata
+    from storage.reads import unreadable
 
     try:
         shards = sorted(n for n in os.listdir(root) if re.fullmatch(r"shard-(v\d{5}-)?\d{5}\.parquet", n))
@@ -67,7 +67,7 @@ def _footer_top_k(root) -> int | None:
         if unreadable(path):  # a FIFO is never opened for a read that could wait
             continue
         try:
-            computation = json.loads(read_shard_metadata(path)["computation"])
+            computation = json.loads(pq.read_schema(path).metadata[b"refcache.computation"])  # (format.py's key)
         except Exception:  # a damaged shard says nothing: the next one may
             continue
         k = computation.get("top_k") if isinstance(computation, dict) else None
@@ -175,3 +175,37 @@ class Finding:
     def sides_text(self, indent: str = "  ") -> str:
         """expected and found, one line each, labelled by owner (labelled)."""
         return "\n".join(labelled(self.sides, self.expected, self.found, indent))
+
+
+def other_format(root, path, manifest: dict, version: int, reads: int) -> CacheError:
+    """A manifest of another format version than `reads` (the one this refcache reads): one a newer refcache wrote
+    (upgrade), or a damaged one: a version no refcache writes (below 1), or a newer one in a manifest that names this
+    refcache, or an older one, as its writer (that release writes this version)."""
+    software = manifest.get("software") if isinstance(manifest.get("software"), dict) else {}
+    writer = software.get("refcache") if isinstance(software.get("refcache"), str) else None
+    said = f"{path} has format version {version}; this refcache reads version {reads}"
+    if version > reads and not _not_newer(writer):
+        return CacheError("format_version", said + (f" (written by refcache {writer})" if writer else ""),
+                          remedy="upgrade refcache (pip install -U refcache) to read it", expected=reads,
+                          found=version)
+    if 1 <= version < reads:  # an older refcache's cache: this one does not read it
+        return CacheError("format_version", f"{said} (an older refcache wrote it)", remedy=rebuild(root, manifest)
+                          .replace(DAMAGED, "this refcache cannot read it"), expected=reads, found=version)
+    why = ("no refcache writes a format version below 1" if version < 1 else
+           f"yet it names refcache {writer} as its writer, which writes version {reads}")
+    return CacheError("format_version", f"{said}: {why}, so the manifest is damaged (edited), not from another "
+                      "refcache", remedy=rebuild(root, manifest), expected=reads, found=version)
+
+
+def _not_newer(writer: str | None) -> bool:
+    """Whether refcache release `writer` is this one or older (it writes this format version, or an older one)."""
+    if writer is None:
+        return False
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        from packaging.version import InvalidVersion, Version
+
+        return Version(writer) <= Version(version("refcache"))
+    except (PackageNotFoundError, InvalidVersion, ImportError):
+        return False

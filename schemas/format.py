@@ -28,7 +28,7 @@ from .columns import SHARD_SCHEMA, per_token_columns  # noqa: F401  (re-exported
 from .encoding import EncodingConfig, row_mask_checksum
 from .logp_codes import _code_steps, _code_values, decode_logps, encode_logps, normalised_top_k
 from .logp_codes import LOGP_ERROR  # noqa: F401  (re-exported for the tests)
-from .findings import DAMAGED, RERUN, CacheError, StampMismatch, rebuild  # noqa: F401  (re-exported)
+from .findings import DAMAGED, RERUN, CacheError, StampMismatch, other_format, rebuild  # noqa: F401  (re-exported)
 from .stamps import canonical_json, combined_mask_checksum, ids_checksum
 
 FORMAT_VERSION = 1
@@ -355,19 +355,14 @@ def shard_path(root: Path, name) -> Path:
 
 def read_manifest(root: Path) -> dict:
     path = root / MANIFEST
-    if not isinstance(root, places.StorePath) and os.path.lexists(path) and not path.is_file():  # a FIFO, a folder
-        try:
-            reads.record_bytes(path)
-        except reads.NotARecord as e:  # (never opened for a read that could wait)
-            raise CacheError("manifest", f"{e}", remedy=rebuild(root)) from None
-    if not path.is_file():
+    if not path.is_file() and (isinstance(root, places.StorePath) or not os.path.lexists(path)):  # (a FIFO: below)
         absent = absent_cache(root) if isinstance(root, places.StorePath) else None
         if absent is not None:  # a missing bucket, an unreachable endpoint: named with its cause, not a missing cache
             raise absent
         raise no_manifest(root)
     try:
         manifest = json.loads(reads.record_bytes(path))
-    except reads.NotARecord as e:
+    except reads.NotARecord as e:  # a FIFO, a folder, a device: never opened for a read that could wait
         raise CacheError("manifest", f"{e}", remedy=rebuild(root)) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CacheError("manifest", f"{path} is not valid JSON ({e})", remedy=rebuild(root)) from None
@@ -375,7 +370,7 @@ def read_manifest(root: Path) -> dict:
     if not isinstance(version, int) or isinstance(version, bool):
         raise CacheError("manifest", f"{path} has no integer format_version", remedy=rebuild(root, manifest))
     if version != FORMAT_VERSION:
-        raise _other_format(root, path, manifest, version)
+        raise other_format(root, path, manifest, version, reads=FORMAT_VERSION)
     remedy = rebuild(root, manifest)
     for key, kind in (("stamps", dict), ("encoding", dict), ("shards", list)):
         if not isinstance(manifest.get(key), kind):
@@ -395,37 +390,3 @@ def read_manifest(root: Path) -> dict:
             raise CacheError("manifest", f"{path}: shard entry {s!r} has a field of the wrong type (sha256, mask_checksum "
                              "and ids_checksum are strings; rows and bytes are counts)", remedy=remedy)
     return manifest
-
-
-def _other_format(root: Path, path, manifest: dict, version: int) -> CacheError:
-    """A manifest of another format version: one a newer refcache wrote (upgrade), or a damaged one: a version no
-    refcache writes (below 1), or a newer one in a manifest that names this refcache, or an older one, as its
-    writer (that release writes this version)."""
-    software = manifest.get("software") if isinstance(manifest.get("software"), dict) else {}
-    writer = software.get("refcache") if isinstance(software.get("refcache"), str) else None
-    said = f"{path} has format version {version}; this refcache reads version {FORMAT_VERSION}"
-    if version > FORMAT_VERSION and not _not_newer(writer):
-        return CacheError("format_version", said + (f" (written by refcache {writer})" if writer else ""),
-                          remedy="upgrade refcache (pip install -U refcache) to read it", expected=FORMAT_VERSION,
-                          found=version)
-    if 1 <= version < FORMAT_VERSION:  # an older refcache's cache: this one does not read it
-        return CacheError("format_version", f"{said} (an older refcache wrote it)", remedy=rebuild(root, manifest)
-                          .replace(DAMAGED, "this refcache cannot read it"), expected=FORMAT_VERSION, found=version)
-    why = ("no refcache writes a format version below 1" if version < 1 else
-           f"yet it names refcache {writer} as its writer, which writes version {FORMAT_VERSION}")
-    return CacheError("format_version", f"{said}: {why}, so the manifest is damaged (edited), not from another "
-                      "refcache", remedy=rebuild(root, manifest), expected=FORMAT_VERSION, found=version)
-
-
-def _not_newer(writer: str | None) -> bool:
-    """Whether refcache release `writer` is this one or older (it writes this format version, or an older one)."""
-    if writer is None:
-        return False
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        from packaging.version import InvalidVersion, Version
-
-        return Version(writer) <= Version(version("refcache"))
-    except (PackageNotFoundError, InvalidVersion, ImportError):
-        return False

@@ -308,7 +308,7 @@ def test_sigterm_ends_a_command_blocked_in_native_code(tmp_path, signals, grace)
 
     fifo = tmp_path / "shard-00000.parquet"
     os.mkfifo(fifo)
-    code = ("import runtime.cli as c, pyarrow.parquet as pq; c.TERM_GRACE_S = %r; "
+    code = ("import runtime.cli as c, runtime.signals as s, pyarrow.parquet as pq; s.TERM_GRACE_S = %r; "
             "c.run_cli(lambda: pq.read_metadata(%r), False)" % (grace, str(fifo)))
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     try:
