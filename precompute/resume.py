@@ -186,10 +186,10 @@ def own_files(out: Path) -> list[Path]:
     manifest.json, its earlier versions (manifest-NNNNN.json holding a refcache manifest: --update, schemas/history.py),
     its shard-NNNNN.parquet and shard-vNNNNN-MMMMM.parquet files (a damaged one is scored again), its skipped.jsonl (JSON Lines of
     skipped rows, agreeing with the manifest's counts when there is one) and its README.md (a dataset card with
-    refcache metadata, of the manifest's stamps when there is one) are its own: a shard a version of it lists
-    where it begins as Parquet does, any other .parquet file only with a refcache footer; a temporary file of an
-    atomic write is its own where a cache is there, its name is one of these files' and it begins as the cache's
-    writer begins that file (removed only once the resume refuses nothing); any other file is another program's."""
+    refcache metadata, of the manifest's stamps when there is one) are its own (a shard-named file no version of the
+    cache names, a local one, where it begins as Parquet does); other .parquet files only with a refcache footer; a temporary file of an atomic write is its
+    own where a cache is there, its name is one of these files' and it begins as the cache's writer begins that file
+    (removed only once the resume refuses nothing); any other file is another program's."""
     entries = {}
     for p in sorted(out.iterdir()):
         try:
@@ -198,17 +198,15 @@ def own_files(out: Path) -> list[Path]:
             continue
     plain = {p for p, st in entries.items() if stat.S_ISREG(st.st_mode)}
     manifest = _manifest_json(out / fmt.MANIFEST) if out / fmt.MANIFEST in plain else None
-    # a shard a version of the cache lists is judged by its first bytes (a damaged one is scored again); any other
-    # .parquet by its footer (h44: a user's file under a shard's name was taken for the cache's by its name alone)
-    listed = history.named_shards(out) if manifest is not None else set()
-    footers = {p for p in plain if p.suffix == ".parquet" and p.name not in listed and _has_refcache_footer(p)}
-    footers |= {p for p in plain if p.name in listed and SHARD.match(p.name) and _begins_as_ours(p, p.name)}
+    footers = {p for p in plain if p.suffix == ".parquet" and
+               (not SHARD.match(p.name) or manifest is None) and _has_refcache_footer(p)}
     cache = manifest is not None or bool(footers)
+    listed = history.named_shards(out) if manifest is not None else set()  # shards a version of the cache names
     own, foreign = [], []
     for p, st in entries.items():
         if is_lock_file(p):
             continue
-        why = _not_own(p, st, plain, footers, cache, manifest)
+        why = _not_own(p, st, plain, footers, cache, manifest, listed)
         if why is None:
             own.append(p)
         else:
@@ -221,7 +219,8 @@ def own_files(out: Path) -> list[Path]:
     return own
 
 
-def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict | None) -> str | None:
+def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict | None,
+             listed: frozenset | set = frozenset()) -> str | None:
     """Why `p` is not the cache's own ("" when no reason can be named), or None when it is."""
     if stat.S_ISLNK(st.st_mode):
         return "a symlink"
@@ -239,8 +238,11 @@ def _not_own(p: Path, st, plain: set, footers: set, cache: bool, manifest: dict 
         return None if cache else "not a refcache manifest"
     if history.VERSION_FILE.match(p.name):  # an earlier version of the manifest (precompute-ref --update)
         return None if cache and _manifest_json(p) is not None else "not a refcache manifest version"
-    if p.suffix == ".parquet":
-        return None if p in footers else "no refcache footer"
+    if p.suffix == ".parquet":  # a shard a version of the cache names (a damaged one is scored again), or another of
+        # a shard's name where a cache is there beginning as Parquet does: a user's text under such a name is not (h44)
+        named = cache and SHARD.match(p.name) and (p.name in listed or isinstance(p, places.StorePath)
+                                                   or _begins_as_ours(p, p.name))
+        return None if p in footers or named else "no refcache footer"
     if p.name == fmt.SKIPPED:
         return None if cache and _own_skipped(p.parent, manifest) else "not the list of rows this cache skipped"
     if p.name == fmt.CARD:

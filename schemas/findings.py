@@ -47,41 +47,11 @@ def _recorded(manifest) -> tuple:
             top_k if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else None)
 
 
-def _footer_top_k(root) -> int | None:
-    """The K a shard's footer records (its computation's top_k), for a cache whose manifest no longer reads (h44: the
-    rebuild command left out --top-k 8); None where no shard there says."""
-    import json
-    import os
-    import re
-
-    import pyarrow.parquet as pq
-
-    from storage.reads import unreadable
-
-    try:
-        shards = sorted(n for n in os.listdir(root) if re.fullmatch(r"shard-(v\d{5}-)?\d{5}\.parquet", n))
-    except (OSError, TypeError, ValueError):
-        return None
-    for name in shards[:4]:
-        path = os.path.join(root, name)
-        if unreadable(path):  # a FIFO is never opened for a read that could wait
-            continue
-        try:
-            computation = json.loads(pq.read_schema(path).metadata[b"refcache.computation"])  # (format.py's key)
-        except Exception:  # a damaged shard says nothing: the next one may
-            continue
-        k = computation.get("top_k") if isinstance(computation, dict) else None
-        return k if type(k) is int and k > 0 else None
-    return None
-
-
 def rebuild_command(root, manifest=None, *, model=None, data=None, split=None, out=None) -> str:
     """The precompute-ref command that makes a damaged cache at `root` again: the model, data, split and --top-k the
-    caller knows, else those the manifest (if still readable) records (--top-k: else a shard's footer), else
-    placeholders to fill in; `out`: another folder to make it in (then without --overwrite)."""
+    caller knows, else those the manifest (if still readable) records, else placeholders to fill in; `out`: another
+    folder to make it in (then without --overwrite)."""
     recorded = _recorded(manifest)
-    if not isinstance(manifest, dict):
-        recorded = (*recorded[:3], _footer_top_k(root))
     model, data, split = model or recorded[0], data or recorded[1], split or recorded[2]
     return (f"precompute-ref --model {shell_word(model or MODEL_PLACEHOLDER)} --data "
             f"{shell_word(data or DATA_PLACEHOLDER)}" + (f" --split {shell_word(split)}" if split and split != "train"

@@ -213,15 +213,3 @@ def test_the_rebuild_remedy_of_an_updated_cache_never_overwrites_its_earlier_ver
     remade = precompute(*shlex.split(command.replace("NEW_CACHE", str(tmp_path / "new")))[1:])
     assert remade.exit_code == 0, remade.output
     assert dir_state(out) == before  # followed as printed, the remedy left the damaged cache and its versions be
-
-
-def test_the_rebuild_command_of_a_top_k_cache_whose_manifest_is_gone_keeps_its_top_k(llama_dir, tmp_path):
-    """Hostile pass (h44): with the manifest cut short, the rebuild command left out --top-k, so following it made
-    another cache; the shards' footers still record K, and the command names it."""
-    data = write_jsonl(tmp_path / "d.jsonl", pref_rows(4))
-    out = tmp_path / "cache"
-    assert precompute("--model", llama_dir, "--data", data, "--out", out, "--top-k", 3).exit_code == 0
-    manifest_cut(out)
-    code, _, output = audit(out)
-    said = " ".join(output.split())
-    assert code == 2 and f"--top-k 3 --out {out} --overwrite`" in said, output

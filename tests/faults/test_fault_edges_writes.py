@@ -377,11 +377,12 @@ def test_2_a_users_file_under_a_temporary_name_in_a_cache_is_refused_and_kept(wo
     assert not (out / name).exists()  # a killed writer's: removed
 
 
-@pytest.mark.parametrize("name", ["shard-00042.parquet", "shard-00001.parquet"])
+@pytest.mark.parametrize("name", ["shard-00042.parquet", "shard-v00007-00000.parquet"])
 def test_2_a_users_file_under_a_shards_name_is_refused_and_kept_by_overwrite_too(world, tmp_path, name):
-    """Hostile pass (h44): a user's text under a shard's name, one the cache does not list or in place of one it does,
-    was taken for the cache's own (by its name alone) and deleted by --overwrite. A shard-named file is the cache's
-    when it has a refcache footer, or (a damaged shard) a version of the cache lists it and it begins as Parquet."""
+    """Hostile pass (h44): a user's text under a shard's name no version of the cache names was taken for the cache's
+    own (by its name alone) and deleted by --overwrite. Such a file is the cache's with a refcache footer, or
+    beginning as Parquet does (a killed writer's); a shard a version names is the cache's, damaged or not (scored
+    again: test_fault_edges_identity's test_7)."""
     out = copy_tree(world["clean"], tmp_path / "cache")
     (out / name).write_text("precious")
     for extra in ((), ("--overwrite",)):
