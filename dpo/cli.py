@@ -158,14 +158,14 @@ def command_line(config_file, given: dict, **changes) -> str:
 def next_step(cfg, config_file, given: dict) -> str:
     """After Ctrl-C (or a full disk): the command that resumes this run from its latest complete checkpoint, or,
     with none saved yet, the one that starts it again."""
-    from .outdir import resumed_step
+    from .outdir import at_last_step
     from .resume import resumable
 
     if cfg is None or cfg.run_id is None:  # --output-dir not written yet
         return "nothing was saved to --output-dir yet; re-run the same command"
     latest = resumable(Path(cfg.output_dir), cfg.run_id)
     # a value from --config is overridden on the command line; one given there is replaced
-    if latest and cfg.max_steps > 0 and resumed_step(str(latest[-1])) >= cfg.max_steps:  # the final save was cut
+    if latest and at_last_step(latest[-1], cfg.max_steps) is not None:  # only the final save was cut
         return (f"{latest[-1].name} holds the run's last step ({cfg.max_steps} of --max-steps {cfg.max_steps}); only "
                 "the final save was interrupted, so there is nothing to resume: its weights are the run's final "
                 "model's (load them from there)")

@@ -75,6 +75,13 @@ def resumed_step(checkpoint: str) -> int:
     return int(json.loads(record_bytes(Path(checkpoint) / "trainer_state.json"))["global_step"])
 
 
+def at_last_step(checkpoint, max_steps: int) -> int | None:
+    """The checkpoint's step where it is at (or past) --max-steps, so that resuming it trains nothing (the Trainer
+    trained one step past it); None where steps are left, or no --max-steps bounds the run."""
+    step = resumed_step(str(checkpoint)) if max_steps > 0 else None
+    return step if step is not None and step >= max_steps else None
+
+
 def metrics_kind(record: dict) -> str:
     if "event" in record:  # dpo/kl_governor.py's records: kl_control, kl_alarm
         return record["event"]

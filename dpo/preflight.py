@@ -11,7 +11,7 @@ from runtime.errors import JobError
 from runtime.locations import named, renamed
 from runtime.terminal import echo
 
-from .outdir import check_no_links, check_output_dir, resumed_step
+from .outdir import at_last_step, check_no_links, check_output_dir
 from .resume import check_resume, overwrite_plan
 
 TRUE = ("true", "yes", "1")
@@ -21,9 +21,10 @@ def check_reference_options(cfg, log=echo) -> None:
     """--ref-cache / --ref-model / --ref-model-hash / --eval-ref-cache agree, the evaluation asked for can happen,
     and the trackers are installed."""
     if cfg.ref_cache is None and cfg.ref_model is None:
-        split = f" --split {shell_word(cfg.split)}" if cfg.split not in (None, "train") else ""
+        from runtime.remedies import split_words
+
         raise JobError("give --ref-cache DIR (the reference's log-probs, made once with `precompute-ref --model "
-                       f"{shell_word(cfg.model)} --data {shell_word(cfg.data)}{split} --out REF_CACHE`, then "
+                       f"{shell_word(cfg.model)} --data {shell_word(cfg.data)}{split_words(cfg.split)} --out REF_CACHE`, then "
                        "--ref-cache REF_CACHE) or --ref-model PATH (a live reference, loaded beside the policy)")
     if cfg.ref_model_hash and cfg.ref_cache is None:
         raise JobError("--ref-model-hash only declares which reference a --ref-cache must hold; add --ref-cache")
@@ -124,12 +125,11 @@ def check_training_options(cfg):
         check_resume(cfg.resume_from_checkpoint, Path(cfg.output_dir), latest)
     except JobError as e:  # a checkpoint from --config: its file and key
         raise renamed(e, cfg, "resume_from_checkpoint") from None
-    if cfg.resume_from_checkpoint and cfg.max_steps > 0:  # (h44: the Trainer then trained one step past it)
-        done = resumed_step(cfg.resume_from_checkpoint)
-        if done >= cfg.max_steps:
-            raise JobError(f"--resume-from-checkpoint {cfg.resume_from_checkpoint}: the checkpoint is at step {done} of "
-                           f"--max-steps {cfg.max_steps}, so nothing is left to train; its weights are the run's last "
-                           "step's (load them from the checkpoint), or raise --max-steps to train on")
+    done = at_last_step(cfg.resume_from_checkpoint, cfg.max_steps) if cfg.resume_from_checkpoint else None
+    if done is not None:
+        raise JobError(f"--resume-from-checkpoint {cfg.resume_from_checkpoint}: the checkpoint is at step {done} of "
+                       f"--max-steps {cfg.max_steps}, so nothing is left to train; its weights are the run's last "
+                       "step's (load them from the checkpoint), or raise --max-steps to train on")
     check_no_links(Path(cfg.output_dir))
     return args
 

@@ -20,7 +20,6 @@ from runtime.data import DataError, Encoded, load_rows, recorded_config, usable_
 from runtime.errors import JobError
 from runtime.terminal import echo
 from storage.quoting import shell_word
-from runtime.remedies import eval_cache as rm_eval_cache
 from runtime import remedies
 from schemas import history
 from schemas import run_manifest as rm
@@ -130,14 +129,14 @@ def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded, da
     then that reason's remedy in place of the generic one (re-running precompute-ref over these rows would be
     another cache, not the one this run is missing). A single data file has no splits: its split says nothing."""
     source = cache.manifest.get("source") or {}
-    facts, remedies = [], []
+    facts, ways = [], []
     if source.get("split") not in (None, split) and not _one_file(data):
         facts.append(f"the cache holds split {source['split']!r}" + (" (the eval split's cache)" if source["split"] in (
             "test", "eval", "validation") else "") + f", not {split!r}")
         if cache_option == "--eval-ref-cache":  # a cache of the other split given for the eval rows
-            remedies.append(rm_eval_cache(model, data, split))
+            ways.append(remedies.eval_cache(model, data, split))
         else:
-            remedies.append(f"pass it as --eval-ref-cache, and the cache of split {split!r} as --ref-cache "
+            ways.append(f"pass it as --eval-ref-cache, and the cache of split {split!r} as --ref-cache "
                             f"(precompute-ref --split {split} makes one)")
     formats = source.get("formats")
     if isinstance(formats, dict) and formats and encoded.formats:
@@ -146,10 +145,10 @@ def _explained(error: CacheError, cache: Cache, split: str, encoded: Encoded, da
             facts.append("the chat-template rendering differs: the cache's rows are "
                          f"{', '.join(sorted(formats))} and these are {', '.join(sorted(encoded.formats))} "
                          "(conversational rows are rendered with the chat template, standard ones are not)")
-            remedies.append("use the data the cache was made from")
+            ways.append("use the data the cache was made from")
     if not facts:
         return error
-    return type(error)(error.kind, error.message + "; " + "; ".join(facts), remedy="; ".join(remedies),
+    return type(error)(error.kind, error.message + "; " + "; ".join(facts), remedy="; ".join(ways),
                        expected=error.expected, found=error.found, shard=error.shard, row=error.row)
 
 
@@ -166,7 +165,7 @@ def _remedied(error: CacheError, cache: Cache, cache_arg, data, model, split: st
     an earlier version holds them as they are here (an update replaced them since: said in words, and that version's
     --cache-version; `resuming`: the checkpoint resumed, whose record names the version it trained on)."""
     if serves_training and error.kind in ("rows_missing", "mask_checksum"):  # never --update it to the eval rows
-        return type(error)(error.kind, error.message, remedy=rm_eval_cache(model, data, split, shared=True),
+        return type(error)(error.kind, error.message, remedy=remedies.eval_cache(model, data, split, shared=True),
                            expected=error.expected, found=error.found, shard=error.shard, row=error.row,
                            sides=error.sides)
     if _one_file(data):  # the update names the split the cache records (a single file's is only a label)

@@ -122,25 +122,23 @@ def _short(value, limit: int = 60) -> str:
 
 def read_text(path) -> str:
     """The text of a config file: a regular file (a symlink to one is fine) of at most MAX_BYTES, read with a bounded
-    read from the file opened (a device, a FIFO or a folder is refused without reading it or waiting on it)."""
-    import os
-    import stat
+    read from the file opened (a device, a FIFO or a folder is refused without reading it or waiting on it:
+    storage.reads.record_bytes)."""
+    from storage.reads import NotARecord, record_bytes
 
     path = str(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without a writer, and is refused below
+        data = record_bytes(path, MAX_BYTES)
+    except NotARecord as e:
+        if e.kind:
+            raise click.UsageError(f"{path}: not a regular file (a config file is a YAML or JSON file)") from None
+        if e.size is not None:
+            raise click.UsageError(f"{path}: {e.size} bytes; a config file is at most {MAX_BYTES} bytes (1 MiB): is "
+                                   "this the file meant?") from None
+        raise click.UsageError(f"{path}: over {MAX_BYTES} bytes; a config file is at most {MAX_BYTES} bytes "
+                               "(1 MiB)") from None
     except OSError as e:
         raise click.UsageError(f"{path}: cannot be read ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise click.UsageError(f"{path}: not a regular file (a config file is a YAML or JSON file)")
-        if st.st_size > MAX_BYTES:
-            raise click.UsageError(f"{path}: {st.st_size} bytes; a config file is at most {MAX_BYTES} bytes (1 MiB): "
-                                   "is this the file meant?")
-        data = f.read(MAX_BYTES + 1)
-    if len(data) > MAX_BYTES:  # it grew since
-        raise click.UsageError(f"{path}: over {MAX_BYTES} bytes; a config file is at most {MAX_BYTES} bytes (1 MiB)")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -8,7 +8,7 @@ it."""
 
 from __future__ import annotations
 
-from schemas.findings import damaged, rebuild  # noqa: F401  a damaged cache: the command that makes it again
+from schemas.findings import damaged, rebuild, split_words  # noqa: F401  a damaged cache: the command that makes it again
 from schemas.history import VERSION_OPTION  # train-dpo's and audit-ref's option naming a version
 from storage.quoting import shell_word
 
@@ -22,14 +22,9 @@ NEW_CACHE = ("an update scores new rows exactly as the cache's were scored: make
              "encoding or device with another --out (precompute-ref without --update)")
 
 
-def _split(split: str | None) -> str:
-    """A printed precompute-ref command's --split words (none for the default split)."""
-    return f" --split {shell_word(split)}" if split and split != "train" else ""
-
-
 def update_command(cache, data, model, *, replace_changed: bool = False, split: str | None = None) -> str:
     """The precompute-ref --update command that brings `cache` to `data` (the cache's settings are its own)."""
-    return (f"precompute-ref --model {shell_word(model)} --data {shell_word(data)}{_split(split)} --out {shell_word(cache)} "
+    return (f"precompute-ref --model {shell_word(model)} --data {shell_word(data)}{split_words(split)} --out {shell_word(cache)} "
             "--update"
             + (" --replace-changed" if replace_changed else ""))
 
@@ -72,7 +67,7 @@ def eval_cache(model, data, split: str, *, shared: bool = False, top_k: int | No
     `top_k`: the training cache's --top-k, which the eval cache needs for the evaluations to log the KL figures)."""
     why = ("the eval rows need a cache of their own (an --update of this one to the eval data would drop the training "
            "rows): " if shared else "")
-    return (f"{why}make one with `precompute-ref --model {shell_word(model)} --data {shell_word(data)}{_split(split)}"
+    return (f"{why}make one with `precompute-ref --model {shell_word(model)} --data {shell_word(data)}{split_words(split)}"
             + (f" --top-k {int(top_k)}" if top_k else "") + " --out EVAL_CACHE`, then pass --eval-ref-cache EVAL_CACHE")
 
 

@@ -4,6 +4,7 @@ them and precompute-ref's resume rescored or refuses on them."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from storage.quoting import shell_word
@@ -12,6 +13,7 @@ RERUN = "re-run precompute-ref with the same --model, --data and encoding option
 # what a remedy names where the damaged record no longer says it (a manifest that is not JSON)
 MODEL_PLACEHOLDER, DATA_PLACEHOLDER = "<the reference model>", "<the data it was made from>"
 DAMAGED = "the cache is damaged (precompute-ref never writes this)"  # how `rebuild` begins
+VERSION_FILE = re.compile(r"^manifest-(\d{5})\.json$")  # an earlier version's manifest (schemas/history.py)
 # kinds raised as StampMismatch (a stamp or the shard metadata that carries one differs)
 STAMP_KINDS = frozenset({"model_hash", "tokenizer_hash", "mask_checksum", "encoding", "shard_metadata",
                          "ids_checksum", "computation"})
@@ -47,6 +49,11 @@ def _recorded(manifest) -> tuple:
             top_k if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else None)
 
 
+def split_words(split: str | None) -> str:
+    """A printed precompute-ref command's --split words (none for the default split)."""
+    return f" --split {shell_word(split)}" if split and split != "train" else ""
+
+
 def rebuild_command(root, manifest=None, *, model=None, data=None, split=None, out=None) -> str:
     """The precompute-ref command that makes a damaged cache at `root` again: the model, data, split and --top-k the
     caller knows, else those the manifest (if still readable) records, else placeholders to fill in; `out`: another
@@ -54,8 +61,7 @@ def rebuild_command(root, manifest=None, *, model=None, data=None, split=None, o
     recorded = _recorded(manifest)
     model, data, split = model or recorded[0], data or recorded[1], split or recorded[2]
     return (f"precompute-ref --model {shell_word(model or MODEL_PLACEHOLDER)} --data "
-            f"{shell_word(data or DATA_PLACEHOLDER)}" + (f" --split {shell_word(split)}" if split and split != "train"
-                                                        else "")
+            f"{shell_word(data or DATA_PLACEHOLDER)}{split_words(split)}"
             + (f" --top-k {recorded[3]}" if recorded[3] else "")
             + (f" --out {shell_word(out)}" if out else f" --out {shell_word(root)} --overwrite"))
 
@@ -64,7 +70,6 @@ def earlier_versions(root, manifest=None) -> list[int]:
     """The earlier versions an updated cache keeps in `root`: those its manifest's history lists, and those whose
     manifest file (manifest-NNNNN.json) is there, read or not (a damaged current manifest lists nothing)."""
     import os
-    import re
 
     listed = {e["version"] for e in (manifest.get("history") or [] if isinstance(manifest, dict) else [])
               if isinstance(e, dict) and type(e.get("version")) is int}
@@ -72,7 +77,7 @@ def earlier_versions(root, manifest=None) -> list[int]:
         names = os.listdir(root)
     except (OSError, TypeError, ValueError):  # a store URL, a folder gone: what the manifest says
         names = []
-    there = {int(m.group(1)) for n in names if (m := re.fullmatch(r"manifest-(\d{5})\.json", n))}
+    there = {int(m.group(1)) for n in names if (m := VERSION_FILE.match(n))}
     return sorted(listed | there)
 
 

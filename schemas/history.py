@@ -16,9 +16,9 @@ import polars as pl
 
 from storage import places, reads
 
+from .findings import VERSION_FILE  # the name of an earlier version's manifest (found here by its readers)
 from .stamps import cache_id
 
-VERSION_FILE = re.compile(r"^manifest-(\d{5})\.json$")
 UPDATE_SHARD = re.compile(r"^shard-v\d{5}-\d{5}\.parquet$")  # a shard an update wrote (precompute/update.py)
 CURRENT = "manifest.json"  # format.MANIFEST (not imported: format imports the rules that import this)
 

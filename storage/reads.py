@@ -67,29 +67,40 @@ RECORD_LIMIT = 256 * 2**20  # a manifest of a million shards is about 300 MB; ev
 
 
 class NotARecord(OSError):
-    """A record file (a manifest, a run record, a config.json) that is not a regular file, or larger than any record
-    is: refused without reading it, or waiting on it."""
+    """A record file (a manifest, a run record, a config.json) that is not a regular file (`kind`: what it is), or
+    larger than any record is (`size`, when known): refused without reading it, or waiting on it."""
+
+    def __init__(self, message: str, kind: str | None = None, size: int | None = None):
+        super().__init__(message)
+        self.kind, self.size = kind, size
+
+
+def _not_regular(mode: int) -> str | None:
+    """What a file of st_mode `mode` is when it is not a regular file (None: it is one)."""
+    import stat
+
+    if stat.S_ISREG(mode):
+        return None
+    return "a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device or socket"
 
 
 def record_bytes(path, limit: int = RECORD_LIMIT) -> bytes:
     """The bytes of a record file: a regular file (a symlink to one is fine), read bounded from the descriptor its
     kind was judged on; a FIFO, a device or a folder is refused (NotARecord) without a read that could wait forever
     or never end (a symlink to /dev/zero), and so is a file over `limit`. An object in a store is read as it is."""
-    import stat
-
     if isinstance(path, StorePath):
         return path.read_bytes()
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except IsADirectoryError:
-        raise NotARecord(f"{path}: a folder, not a regular file") from None
+        raise NotARecord(f"{path}: a folder, not a regular file", kind="a folder") from None
     st = os.fstat(fd)
-    why = (None if stat.S_ISREG(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else
-           "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else "a device or socket")
+    why = _not_regular(st.st_mode)
     if why or st.st_size > limit:
         os.close(fd)
-        raise NotARecord(f"{path}: {why}, not a regular file" if why else
-                         f"{path}: {st.st_size:,} bytes, more than a file of this kind holds ({limit:,})")
+        raise (NotARecord(f"{path}: {why}, not a regular file", kind=why) if why else
+               NotARecord(f"{path}: {st.st_size:,} bytes, more than a file of this kind holds ({limit:,})",
+                          size=st.st_size))
     with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:  # it grew while read
@@ -98,11 +109,10 @@ def record_bytes(path, limit: int = RECORD_LIMIT) -> bytes:
 
 
 def unreadable(path) -> str | None:
-    """Why the file at `path` cannot be read as a file, as a clause ("it is a folder, not a file"; None: a regular file this process may read; a symlink to one
-    is fine): a folder, a FIFO, a device or socket, or a file it may not open. Judged on the descriptor opened with
-    O_NONBLOCK, so a FIFO without a writer is refused, never waited on; nothing is read."""
-    import stat
-
+    """Why the file at `path` cannot be read as a file, as a clause ("it is a folder, not a file"; None: a regular
+    file this process may read; a symlink to one is fine): a folder, a FIFO, a device or socket, or a file it may not
+    open. Judged on the descriptor opened with O_NONBLOCK, so a FIFO without a writer is refused, never waited on;
+    nothing is read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except IsADirectoryError:
@@ -110,12 +120,9 @@ def unreadable(path) -> str | None:
     except OSError as e:
         return f"opening it fails ({e.strerror})"
     try:
-        mode = os.fstat(fd).st_mode
+        kind = _not_regular(os.fstat(fd).st_mode)
     finally:
         os.close(fd)
-    if stat.S_ISDIR(mode):
+    if kind == "a folder":
         return "it is a folder, not a file"
-    if not stat.S_ISREG(mode):
-        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device or socket"
-        return f"it is {kind}, not a regular file"
-    return None
+    return f"it is {kind}, not a regular file" if kind else None
